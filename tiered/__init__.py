@@ -1,0 +1,14 @@
+"""tiered: train models larger than GPU memory across HBM, pinned DRAM and NVMe (ZeRO-3).
+
+    engine, optimizer = tiered.initialize(model, "configs/cpu.yaml")
+    loss = loss_fn(engine(x), y); loss.backward(); optimizer.step(); optimizer.zero_grad()
+"""
+from .engine import TieredEngine, init, initialize
+from .errors import BudgetError, NvmeError, PolicyError, TieredError
+from .optim import TieredAdamW
+from .policy import Policy
+
+__version__ = "0.1.0"
+
+__all__ = ["BudgetError", "NvmeError", "Policy", "PolicyError", "TieredAdamW", "TieredEngine",
+           "TieredError", "init", "initialize"]

@@ -1,0 +1,52 @@
+"""The three collectives the engine needs, over torch.distributed or a single process.
+
+torch renamed the tensor forms (``all_gather_into_tensor`` -> ``all_gather_single``, likewise
+reduce-scatter) in 2.13; both names are accepted so the same code runs on every torch >= 2.4.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True)
+class ProcessGroup:
+    """This rank's place in the data-parallel group (world size 1 without torch.distributed)."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    """Where small tensors for collectives live (the compute device: NCCL needs CUDA tensors)."""
+    group: object | None = None
+
+    @classmethod
+    def current(cls, device: torch.device) -> "ProcessGroup":
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size(), device, dist.group.WORLD)
+        return cls(0, 1, device)
+
+    def all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> None:
+        """Fill ``full`` with every rank's ``shard``; ``shard`` may be this rank's slice of it."""
+        if self.world_size == 1:
+            if shard.data_ptr() != full.data_ptr():
+                full.copy_(shard)
+            return
+        _all_gather(full, shard, group=self.group)
+
+    def reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor) -> None:
+        """``shard`` = this rank's slice of the mean of ``full`` over ranks (DDP's average)."""
+        full.div_(self.world_size)
+        _reduce_scatter(shard, full, group=self.group)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        if self.world_size > 1:
+            dist.all_reduce(tensor, group=self.group)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        if self.world_size > 1:
+            dist.broadcast(tensor, src=src, group=self.group)

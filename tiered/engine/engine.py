@@ -1,0 +1,221 @@
+"""TieredEngine and ``tiered.initialize``: a model partitioned across ranks and tiers."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import PolicyError, TieredError
+from ..manager import TierManager
+from ..optim import TieredAdamW
+from ..optim.loss_scale import LossScaler
+from ..plan import StateKind, build_plan
+from ..policy import ComputeDtype, Device, Policy, resolve
+from ..tiers import SlabSource
+from .collectives import ProcessGroup
+from .flat import FlatParam
+from .hooks import UnitHooks
+from .init import Materializer, init_context_of
+from .runtime import UnitRuntime
+from .units import find_units
+
+LAUNCHED_ENV = "TIERED_LAUNCHED"
+"""Set by ``tiered-launch`` in each rank's environment."""
+
+
+class TieredEngine:
+    """Runs the model with each unit gathered just in time; see ``tiered.initialize``."""
+
+    def __init__(self, module: nn.Module, policy: Policy, runtime: UnitRuntime,
+                 scaler: LossScaler | None, state_dict_keys: list[str]):
+        self.module = module
+        self.policy = policy
+        self.runtime = runtime
+        self.scaler = scaler
+        self._state_dict_keys = state_dict_keys
+        self._scaled_backward = False
+        self._hooks = UnitHooks(module, runtime, policy.compute_dtype.torch_dtype,
+                                on_backward_start=self._check_backward)
+        self._finalizer = weakref.finalize(self, runtime.manager.close)
+
+    @property
+    def device(self) -> torch.device:
+        return self.runtime.group.device
+
+    @property
+    def manager(self) -> TierManager:
+        return self.runtime.manager
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, multiplied by the loss scale under fp16 compute."""
+        if self.scaler is None:
+            loss.backward()
+            return
+        self._scaled_backward = True
+        try:
+            (loss.float() * self.scaler.scale).backward()
+        finally:
+            self._scaled_backward = False
+
+    def _check_backward(self) -> None:
+        if self.scaler is not None and not self._scaled_backward:
+            raise TieredError("compute_dtype fp16 needs engine.backward(loss) instead of "
+                              "loss.backward(), so that the loss is scaled")
+
+    def train(self, mode: bool = True) -> "TieredEngine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "TieredEngine":
+        return self.train(False)
+
+    def memory_report(self) -> dict[str, dict[str, int | None]]:
+        """Bytes each tier holds now, the most it has held, and its budget."""
+        return self.manager.memory_report()
+
+    def placement(self) -> dict[str, dict[str, str]]:
+        """For every unit (by module path, "<root>" for the root): the tier of each state."""
+        return {flat.name: {kind.value: self.manager.tier_of(flat.spec.index, kind).value
+                            for kind in StateKind} for flat in self.runtime.flats}
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Consolidated fp32 weights (and buffers) as CPU tensors under the keys of the original
+        ``model.state_dict()``, on every rank; tied parameters share one tensor, as in torch."""
+        group = self.runtime.group
+        values: dict[str, torch.Tensor] = {
+            name: tensor.detach().cpu() for name, tensor in self.module.state_dict().items()}
+        usage = self.manager.hbm.usage
+        for flat in self.runtime.flats:
+            nbytes = flat.padded_numel * 4
+            usage.acquire(nbytes, f"consolidating unit {flat.name}")
+            full = torch.empty(flat.padded_numel, dtype=torch.float32, device=group.device)
+            mine = flat.own_shard(full)
+            mine.copy_(self.manager.load(flat.spec.index, StateKind.MASTER))
+            group.all_gather(full, mine)
+            for spec, tensor in zip(flat.spec.params, flat.unflatten(full.cpu())):
+                for name in spec.names:
+                    values[name] = tensor
+            del full, mine
+            usage.release(nbytes)
+        return {key: values[key] for key in self._state_dict_keys}
+
+    def close(self) -> None:
+        """Free every tier and remove this run's NVMe folder (also done at interpreter exit)."""
+        self._hooks.remove()
+        self._finalizer()
+
+
+def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None = None,
+               **overrides) -> tuple[TieredEngine, TieredAdamW]:
+    """Partition ``model`` across ranks and tiers; returns ``(engine, optimizer)``.
+
+    ``policy`` is a YAML path, a dict of the same schema, or a ``tiered.Policy``; ``None`` takes
+    the one ``tiered.init`` was given for this model, else the policy ``tiered-launch`` passed,
+    else built-in defaults equal to ``configs/cpu.yaml``. ``overrides`` are schema keys merged on top
+    (``compute_dtype="fp32"``, ``optimizer={"lr": 1e-3}``).
+
+    The model's parameters are removed from its modules and live as shards in the tiers; a
+    budget that cannot hold what the policy places fails here, before anything large is
+    allocated, naming needed and available bytes per tier.
+    """
+    context = init_context_of(model)
+    if policy is None and context is not None:
+        policy = context.policy  # resolved when the model was built, from the same sources
+    policy = resolve(policy, overrides)
+    device = _compute_device(policy)
+    _init_distributed(device)
+    group = ProcessGroup.current(device)
+
+    specs = find_units(model, policy.units.classes)
+    if not specs:
+        raise TieredError("the model has no parameters to train")
+    state_dict_keys = list(model.state_dict().keys())
+    flats = [FlatParam(spec, group.rank, group.world_size, policy.compute_dtype.torch_dtype,
+                       device) for spec in specs]
+    root = next((f.spec.index for f in flats if f.spec.path == ""), None)
+    plan = build_plan(policy, device, [f.shard_numel for f in flats],
+                      [f.padded_numel for f in flats], root, group.world_size)
+
+    manager = TierManager(policy, device, group.rank, dram_source)
+    try:
+        manager.allocate(plan)
+        materializer = Materializer(model, specs, device,
+                                    context.param_init_fn if context is not None else None)
+        for flat in flats:
+            _partition(flat, materializer, manager, group)
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(device)
+        runtime = UnitRuntime(flats, manager, group, policy)
+        scaler = (LossScaler(policy.loss_scale)
+                  if policy.compute_dtype is ComputeDtype.FP16 else None)
+        engine = TieredEngine(model, policy, runtime, scaler, state_dict_keys)
+        optimizer = TieredAdamW(runtime, policy, scaler)
+    except BaseException:
+        manager.close()
+        raise
+    if os.environ.get(LAUNCHED_ENV):
+        _exit_cleanly_on_sigterm()
+    return engine, optimizer
+
+
+@torch.no_grad()
+def _partition(flat: FlatParam, materializer: Materializer, manager: TierManager,
+               group: ProcessGroup) -> None:
+    """Build one unit's fp32 flat copy, keep this rank's shard in the tiers, drop the rest.
+
+    Rank 0's values are broadcast, so every rank starts from the same model (as DDP does) even
+    when ranks built or initialized it with different random states.
+    """
+    index = flat.spec.index
+    nbytes = flat.padded_numel * 4
+    manager.hbm.usage.acquire(nbytes, f"building unit {flat.name}")
+    full = torch.empty(flat.padded_numel, dtype=torch.float32, device=group.device)
+    flat.flatten(materializer.values(flat.spec), full)
+    group.broadcast(full)
+    shard = flat.own_shard(full)
+    manager.store(index, StateKind.MASTER, shard)
+    manager.store(index, StateKind.PARAM, shard)
+    del full, shard
+    manager.hbm.usage.release(nbytes)
+    for param in flat.spec.params:
+        for module, attr in param.holders:
+            module._parameters.pop(attr, None)
+
+
+def _compute_device(policy: Policy) -> torch.device:
+    """CUDA device LOCAL_RANK, or the CPU, which then plays the device ("hbm" is its memory)."""
+    if policy.device is Device.CPU or (policy.device is Device.AUTO
+                                       and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise PolicyError("device is 'cuda' but torch sees no CUDA device; use device: auto or cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    return device
+
+
+def _init_distributed(device: torch.device) -> None:
+    """Join the torchrun group when launched by it and nobody has joined yet."""
+    if dist.is_initialized() or "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+def _exit_cleanly_on_sigterm() -> None:
+    """torchrun stops the other ranks with SIGTERM when one fails; turning it into SystemExit
+    runs the exit handlers that remove this rank's NVMe folder."""
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

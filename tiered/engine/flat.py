@@ -1,0 +1,105 @@
+"""A unit's parameters as one flat, partitioned buffer (ZeRO-3).
+
+The unit's parameters are laid end to end and padded to a multiple of the world size W; rank r
+owns elements ``[r*S, (r+1)*S)`` with ``S = padded / W``. While the unit is gathered, ``full``
+holds all of them in the compute dtype on the device, and each module attribute that held an
+original parameter is bound to a view of it.
+
+[Note: gathered storage]
+``full`` is one autograd leaf that lives as long as the engine. Gathering allocates its storage
+(``untyped_storage().resize_``) and fills it; releasing shrinks the storage to zero bytes. The
+views handed to modules, and the ones autograd saves for backward, share that storage, so after
+the unit is gathered again for backward they see the same values without autograd knowing
+anything happened. Writes go through ``_writer`` (``full.data``), whose version counter is its
+own: filling the buffer does not bump the version autograd checks on saved tensors.
+
+[Note: one gradient per unit]
+Views come from a single ``split`` of ``full``, so autograd sums every view's gradient (zeros for
+views that were not used, and for the padding) into ``full.grad`` in one node, and the
+post-accumulate-grad hook on ``full`` fires once per backward with the whole unit's gradient.
+"""
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from .units import UnitSpec
+
+
+class Residency(enum.Enum):
+    RELEASED = "released"  # storage of ``full`` is zero bytes
+    GATHERED = "gathered"  # ``full`` holds the unit's current compute-dtype weights
+
+
+class FlatParam:
+    def __init__(self, spec: UnitSpec, rank: int, world_size: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.spec = spec
+        self.rank = rank
+        self.world_size = world_size
+        self.numels = [p.numel for p in spec.params]
+        self.numel = sum(self.numels)
+        self.padded_numel = -(-self.numel // world_size) * world_size
+        self.shard_numel = self.padded_numel // world_size
+        self.full = torch.empty(self.padded_numel, dtype=dtype, device=device, requires_grad=True)
+        self._writer = self.full.data  # see [Note: gathered storage]
+        self._storage_bytes = self.full.untyped_storage().nbytes()
+        self.full.untyped_storage().resize_(0)
+        self.residency = Residency.RELEASED
+
+    @property
+    def name(self) -> str:
+        return self.spec.path or "<root>"
+
+    @property
+    def gathered_bytes(self) -> int:
+        return self._storage_bytes
+
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        start = self.rank * self.shard_numel
+        return start, start + self.shard_numel
+
+    def allocate(self) -> torch.Tensor:
+        """Give ``full`` its storage back; returns the tensor to fill (``_writer``)."""
+        assert self.residency is Residency.RELEASED, f"unit {self.name} is already gathered"
+        self.full.untyped_storage().resize_(self._storage_bytes)
+        self.residency = Residency.GATHERED
+        return self._writer
+
+    def free(self) -> None:
+        assert self.residency is Residency.GATHERED, f"unit {self.name} is not gathered"
+        self.full.untyped_storage().resize_(0)
+        self.residency = Residency.RELEASED
+
+    def own_shard(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a padded flat tensor."""
+        start, end = self.shard_range
+        return full[start:end]
+
+    def bind_views(self) -> None:
+        """Point every holder of every parameter at its view of ``full``.
+
+        Called at each forward of the unit, so that under grad mode the views are linked to
+        ``full`` in this forward's autograd graph (see [Note: one gradient per unit]).
+        """
+        pad = self.padded_numel - self.numel
+        pieces = self.full.split(self.numels + [pad] if pad else self.numels)
+        for param, piece in zip(self.spec.params, pieces):
+            view = piece.view(param.shape)
+            for module, attr in param.holders:
+                module.__dict__[attr] = view
+
+    def flatten(self, tensors: list[torch.Tensor], out: torch.Tensor) -> None:
+        """Copy original-layout tensors (one per parameter) into a padded flat ``out``."""
+        offset = 0
+        for tensor, numel in zip(tensors, self.numels):
+            out[offset:offset + numel].copy_(tensor.reshape(-1))
+            offset += numel
+        out[offset:].zero_()
+
+    def unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of a flat tensor in the original parameters' shapes."""
+        pieces = flat[:self.numel].split(self.numels)
+        return [piece.view(p.shape) for piece, p in zip(pieces, self.spec.params)]

@@ -1,0 +1,150 @@
+"""Building a model without materializing it: ``with tiered.init(policy): model = Model()``.
+
+Inside the context every parameter a module registers is replaced by a meta tensor of the same
+shape at once, so building costs no memory however large the model; buffers stay real (they are
+small and often computed in ``__init__``, like rotary frequencies). ``tiered.initialize`` then
+materializes the model one unit at a time on the compute device: real storage for that unit's
+parameters, initialization, partitioning, each shard sent to its tier, the unit freed.
+
+Initialization runs ``param_init_fn(module)`` (default: the module's ``reset_parameters``) for
+every module that holds parameters, children before parents as in eager construction, so a parent
+that re-initializes a child's parameter (``nn.MultiheadAttention`` zeroing ``out_proj.bias``) wins.
+A module whose parameter has already been initialized through another holder (tied weights) is
+not run again. Initialization that a model runs after its modules are built (``self.apply(...)``
+at the end of ``__init__``) sees meta tensors and does nothing: put it in ``param_init_fn``.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..errors import TieredError
+from ..policy import Policy, resolve
+from .units import ParamSpec, UnitSpec
+
+_built_under: "weakref.WeakKeyDictionary[nn.Module, init]" = weakref.WeakKeyDictionary()
+
+
+class init:
+    """Context manager: modules built inside hold meta parameters until ``tiered.initialize``.
+
+    ``policy`` is resolved and validated here (so a bad policy fails before the model is built)
+    and becomes the default for ``tiered.initialize`` of a model built inside.
+    """
+
+    def __init__(self, policy=None, *, param_init_fn: Callable[[nn.Module], None] | None = None,
+                 **overrides):
+        self.policy: Policy = resolve(policy, overrides)
+        self.param_init_fn = param_init_fn
+        self._saved = None
+
+    def __enter__(self) -> "init":
+        original = nn.Module.register_parameter
+        context = self
+
+        def register_parameter(module, name, param):
+            original(module, name, param)
+            if param is not None and not param.is_meta:
+                module._parameters[name] = nn.Parameter(
+                    torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+            _built_under[module] = context
+
+        self._saved = original
+        nn.Module.register_parameter = register_parameter
+        return self
+
+    def __exit__(self, *exc) -> None:
+        nn.Module.register_parameter = self._saved
+
+
+def init_context_of(model: nn.Module) -> init | None:
+    """The ``tiered.init`` context the model (or any of its modules) was built under."""
+    for module in model.modules():
+        if module in _built_under:
+            return _built_under[module]
+    return None
+
+
+def reset_module(module: nn.Module) -> None:
+    """Default initialization: the module's own ``reset_parameters``."""
+    for name in ("reset_parameters", "_reset_parameters"):
+        fn = getattr(module, name, None)
+        if callable(fn):
+            fn()
+            return
+    names = [n for n, p in module.named_parameters(recurse=False)]
+    raise TieredError(
+        f"{type(module).__name__} holds parameters {names} built under tiered.init but has no "
+        f"reset_parameters() to initialize them; define one, or pass "
+        f"tiered.init(param_init_fn=fn) where fn(module) initializes a module's own parameters")
+
+
+def _current(spec: ParamSpec) -> torch.Tensor:
+    module, attr = spec.holders[0]
+    return module._parameters[attr]
+
+
+class Materializer:
+    """Gives real, initialized storage to a unit's meta parameters, one unit at a time."""
+
+    def __init__(self, model: nn.Module, units: list[UnitSpec], device: torch.device,
+                 param_init_fn: Callable[[nn.Module], None] | None):
+        self.device = device
+        self.init_fn = param_init_fn or reset_module
+        self.spec_of = {id(_current(p)): p for u in units for p in u.params}
+        self.post_order = {id(m): i for i, m in enumerate(_post_order(model))}
+        self.initialized: set[int] = set()
+
+    def values(self, unit: UnitSpec) -> list[torch.Tensor]:
+        """The unit's parameter values in spec order, materializing meta ones first."""
+        pending = [p for p in unit.params if _current(p).is_meta]
+        if pending:
+            self._materialize(pending)
+        return [_current(p) for p in unit.params]
+
+    def _materialize(self, specs: list[ParamSpec]) -> None:
+        modules = {id(m): m for p in specs for m, _ in p.holders}
+        # All of the unit's parameters get storage before any init runs, so a module's init may
+        # touch a child's parameter of the same unit (MultiheadAttention does).
+        for spec in specs:
+            self._give_storage(_current(spec))
+        for module in modules.values():
+            for param in list(module._parameters.values()):
+                if param is not None and param.is_meta:
+                    self._give_storage(param)
+        with torch.no_grad():
+            for module in sorted(modules.values(), key=lambda m: self.post_order[id(m)]):
+                own = [id(p) for p in module._parameters.values() if p is not None]
+                if all(key in self.initialized for key in own):
+                    continue
+                self.init_fn(module)
+                self.initialized.update(own)
+
+    def _give_storage(self, meta: nn.Parameter) -> None:
+        if not meta.is_meta:
+            return
+        spec = self.spec_of[id(meta)]
+        real = nn.Parameter(torch.empty_like(meta, device=self.device),
+                            requires_grad=meta.requires_grad)
+        self.spec_of[id(real)] = spec
+        for module, attr in spec.holders:
+            module._parameters[attr] = real
+
+
+def _post_order(model: nn.Module) -> list[nn.Module]:
+    order: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(module: nn.Module) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        for child in module.children():
+            visit(child)
+        order.append(module)
+
+    visit(model)
+    return order

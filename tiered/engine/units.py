@@ -1,0 +1,114 @@
+"""Grouping a model's parameters into units.
+
+A unit is a module whose parameters are gathered and released together. By default every
+repeated block is a unit (the children of a ``ModuleList``/``Sequential`` that holds two or more
+modules of one class with parameters, outermost lists only), and the root module is one more unit
+for all remaining parameters. ``units.classes`` in the policy names the classes instead.
+
+Each parameter belongs to exactly one unit: the innermost unit containing the module that holds
+it. A parameter held by several modules (tied input and output embeddings) belongs to the deepest
+unit that contains all of its holders, so it stays gathered while any of them runs.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import PolicyError
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One original parameter: its state-dict name(s), where modules hold it, and its shape."""
+
+    names: tuple[str, ...]
+    """Every fully qualified name it has in ``model.state_dict()`` (several when tied)."""
+    holders: tuple[tuple[nn.Module, str], ...]
+    """Every (module, attribute) that refers to it; all are rebound when the unit is gathered."""
+    shape: torch.Size
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    index: int
+    path: str
+    """Module path of the unit ("" for the root)."""
+    module: nn.Module
+    params: tuple[ParamSpec, ...]
+
+
+def _is_ancestor(path: str, of: str) -> bool:
+    return path == "" or of == path or of.startswith(path + ".")
+
+
+def _repeated_blocks(model: nn.Module) -> list[str]:
+    found: list[str] = []
+
+    def visit(module: nn.Module, path: str) -> None:
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            kinds = Counter(type(child) for child in module.children()
+                            if any(True for _ in child.parameters()))
+            if any(count >= 2 for count in kinds.values()):
+                for name, child in module.named_children():
+                    if kinds.get(type(child), 0) >= 2:
+                        found.append(f"{path}.{name}" if path else name)
+                return
+        for name, child in module.named_children():
+            visit(child, f"{path}.{name}" if path else name)
+
+    visit(model, "")
+    return found
+
+
+def find_units(model: nn.Module, classes: tuple[str, ...] | None) -> list[UnitSpec]:
+    """Units in forward-registration order, the root last; units without parameters are dropped."""
+    if classes is None:
+        unit_paths = _repeated_blocks(model)
+    else:
+        known = {type(m).__name__ for m in model.modules()}
+        missing = [c for c in classes if c not in known]
+        if missing:
+            raise PolicyError(f"units.classes names {missing}, which the model does not contain; "
+                              f"its module classes are: {', '.join(sorted(known))}")
+        unit_paths = [path for path, m in model.named_modules()
+                      if path and type(m).__name__ in classes]
+    modules = dict(model.named_modules(remove_duplicate=False))
+    candidates = sorted(set(unit_paths), key=lambda p: p.count("."), reverse=True) + [""]
+
+    holders: dict[int, list[tuple[str, str]]] = {}
+    tensors: dict[int, nn.Parameter] = {}
+    for module_path, module in modules.items():
+        for attr, param in module._parameters.items():
+            if param is None:
+                continue
+            holders.setdefault(id(param), []).append((module_path, attr))
+            tensors[id(param)] = param
+
+    owned: dict[str, list[ParamSpec]] = {path: [] for path in candidates}
+    for key, places in holders.items():
+        param = tensors[key]
+        if not param.requires_grad:
+            name = ".".join(filter(None, places[0]))
+            raise PolicyError(f"parameter {name} has requires_grad=False; frozen parameters are "
+                              f"not supported yet (every parameter must be trainable)")
+        owner = next(u for u in candidates if all(_is_ancestor(u, p) for p, _ in places))
+        names = tuple(f"{p}.{a}" if p else a for p, a in places)
+        owned[owner].append(ParamSpec(
+            names=names,
+            holders=tuple((modules[p], a) for p, a in places),
+            shape=param.shape))
+
+    order = {path: i for i, path in enumerate(modules)}
+    specs = [path for path in sorted(candidates, key=order.__getitem__) if path] + [""]
+    units = []
+    for path in specs:
+        if owned[path]:
+            units.append(UnitSpec(len(units), path, modules[path], tuple(owned[path])))
+    return units

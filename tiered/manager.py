@@ -1,0 +1,155 @@
+"""The tier manager: where every shard state lives, how it moves, and what each tier holds.
+
+It owns the three tiers, allocates exactly what a :class:`MemoryPlan` lists, and answers two
+questions for the engine and the optimizer: "give me this shard state as a tensor I can compute
+with" (:meth:`load`) and "make this the shard state's new value" (:meth:`store`). States in HBM or
+DRAM are resident tensors, used in place; states on NVMe pass through a DRAM staging buffer of
+their kind, one unit at a time.
+
+It knows nothing of modules or autograd, so the per-node daemon can host it later unchanged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .plan import OPTIMIZER_STATES, MemoryPlan, StateKind
+from .policy import Policy, Tier
+from .tiers import DramTier, HbmTier, NvmeFile, NvmeTier, SlabSource
+
+
+@dataclass
+class Shard:
+    """One state of one unit's shard on this rank, and the one place that holds it."""
+
+    unit: int
+    kind: StateKind
+    tier: Tier
+    numel: int
+    dtype: torch.dtype
+    resident: torch.Tensor | None = None
+    """The storage itself, for HBM and DRAM shards."""
+    file: NvmeFile | None = None
+    """The file, for NVMe shards."""
+
+
+def _typed(block: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    return block.view(dtype)[:numel]
+
+
+class TierManager:
+    def __init__(self, policy: Policy, device: torch.device, rank: int,
+                 dram_source: SlabSource | None = None):
+        self.policy = policy
+        self.hbm = HbmTier(device, policy.hbm.budget)
+        self.dram = DramTier(policy.dram.budget, dram_source)
+        self.nvme = (NvmeTier(policy.nvme.path, policy.nvme.budget, rank)
+                     if policy.uses_nvme else None)
+        self.shards: dict[tuple[int, StateKind], Shard] = {}
+        self._staging: dict[StateKind, torch.Tensor] = {}
+
+    def available(self) -> dict[Tier, int]:
+        out = {Tier.HBM: self.hbm.usage.budget - self.hbm.usage.current,
+               Tier.DRAM: self.dram.usage.budget - self.dram.usage.current}
+        if self.nvme is not None:
+            out[Tier.NVME] = self.nvme.usage.budget - self.nvme.usage.current
+        return out
+
+    def allocate(self, plan: MemoryPlan) -> None:
+        """Check the plan against every budget, then allocate all of it.
+
+        Optimizer moments start at zero: resident ones are zeroed, NVMe files read back as
+        zeros because they were just preallocated.
+        """
+        plan.check(self.available())
+        dram = {key: buf.nbytes for key, buf in plan.shards.items() if buf.tier is Tier.DRAM}
+        dram.update({("staging", kind): buf.nbytes for kind, buf in plan.staging.items()})
+        blocks = self.dram.reserve(dram)
+        for kind, buf in plan.staging.items():
+            self._staging[kind] = blocks[("staging", kind)]
+        for (unit, kind), buf in plan.shards.items():
+            shard = Shard(unit, kind, buf.tier, buf.numel, buf.dtype)
+            if buf.tier is Tier.DRAM:
+                shard.resident = _typed(blocks[(unit, kind)], buf.numel, buf.dtype)
+            elif buf.tier is Tier.HBM:
+                shard.resident = self.hbm.empty(buf.numel, buf.dtype, buf.label)
+            else:
+                shard.file = self.nvme.create(f"unit{unit:05d}.{kind.value}.bin", buf.nbytes)
+            if shard.resident is not None and kind in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ):
+                shard.resident.zero_()
+            self.shards[(unit, kind)] = shard
+        # Transient HBM (gathered units, gradients in flight) is acquired as it happens; the plan
+        # has already shown that its worst case fits beside everything resident.
+
+    def load(self, unit: int, kind: StateKind) -> torch.Tensor:
+        """The shard state as a tensor: resident storage, or (NVMe) its staging buffer filled
+        from the file, valid until the next load or store of that kind."""
+        shard = self.shards[(unit, kind)]
+        if shard.resident is not None:
+            return shard.resident
+        block = self._staging[kind]
+        shard.file.read_into(block)
+        return _typed(block, shard.numel, shard.dtype)
+
+    def store(self, unit: int, kind: StateKind, value: torch.Tensor) -> None:
+        """Make ``value`` (any device or dtype, ``numel`` elements) the shard state's contents."""
+        shard = self.shards[(unit, kind)]
+        if shard.resident is not None:
+            if value.data_ptr() != shard.resident.data_ptr():
+                shard.resident.copy_(value)
+            return
+        block = self._staging[kind]
+        staged = _typed(block, shard.numel, shard.dtype)
+        if value.data_ptr() != staged.data_ptr():
+            staged.copy_(value)
+        shard.file.write_from(block)
+
+    def accumulate_grad(self, unit: int, value: torch.Tensor, overwrite: bool) -> None:
+        """Add a reduced gradient shard (on the compute device) into the grads tier, in fp32;
+        ``overwrite`` starts a new sum instead."""
+        grad = self.shards[(unit, StateKind.GRAD)].resident
+        if value.device != grad.device:
+            # Off the GPU first (a synchronous copy, so the CPU may read it right after).
+            staged = self.staging(StateKind.GRAD, value.numel(), value.dtype)
+            staged.copy_(value)
+            value = staged
+        if overwrite:
+            grad.copy_(value)
+        else:
+            grad.add_(value)
+
+    def zero_grad(self, unit: int) -> None:
+        self.shards[(unit, StateKind.GRAD)].resident.zero_()
+
+    def staging(self, kind: StateKind, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The staging buffer of ``kind`` viewed as ``numel`` elements of ``dtype``."""
+        return _typed(self._staging[kind], numel, dtype)
+
+    def has_staging(self, kind: StateKind) -> bool:
+        return kind in self._staging
+
+    def tier_of(self, unit: int, kind: StateKind) -> Tier:
+        return self.shards[(unit, kind)].tier
+
+    def optimizer_states(self, unit: int) -> list[torch.Tensor]:
+        return [self.load(unit, kind) for kind in OPTIMIZER_STATES]
+
+    def memory_report(self) -> dict[str, dict[str, int | None]]:
+        report = {"hbm": self.hbm.usage.report(), "dram": self.dram.usage.report()}
+        report["nvme"] = (self.nvme.usage.report() if self.nvme is not None
+                          else {"current": 0, "peak": 0, "budget": self.policy.nvme.budget})
+        return report
+
+    def close(self) -> None:
+        """Free every tier; the NVMe run folder is removed. Safe to call more than once."""
+        for shard in self.shards.values():
+            if shard.tier is Tier.HBM and shard.resident is not None:
+                self.hbm.free(shard.resident)
+            shard.resident = None
+        self.shards.clear()
+        self._staging.clear()
+        self.dram.close()
+        if self.nvme is not None:
+            self.nvme.close()
+

@@ -1,0 +1,4 @@
+"""The optimizer: AdamW stepped where the optimizer states live."""
+from .optimizer import TieredAdamW
+
+__all__ = ["TieredAdamW"]

@@ -1,0 +1,146 @@
+"""What a policy will place in each tier, in bytes, computed before anything large is allocated.
+
+The same plan drives the allocation (the tier manager allocates exactly what the plan lists), so
+the memory report of a fresh engine equals this plan, and a policy that cannot fit fails here
+with needed versus available bytes for every tier at once.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from .errors import BudgetError
+from .policy import Policy, Tier
+from .sizes import align_up, format_size
+from .tiers.dram import BLOCK_ALIGN
+
+
+class StateKind(enum.Enum):
+    """The pieces of training state each rank keeps per unit shard."""
+
+    PARAM = "param"            # compute-dtype weights, in policy.params.tier
+    GRAD = "grad"              # fp32 gradient, in policy.grads.tier
+    MASTER = "master"          # fp32 master weights, in policy.optimizer.tier
+    EXP_AVG = "exp_avg"        # Adam first moment, in policy.optimizer.tier
+    EXP_AVG_SQ = "exp_avg_sq"  # Adam second moment, in policy.optimizer.tier
+
+
+OPTIMIZER_STATES = (StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
+
+
+def state_tier(policy: Policy, kind: StateKind) -> Tier:
+    if kind is StateKind.PARAM:
+        return policy.params.tier
+    if kind is StateKind.GRAD:
+        return policy.grads.tier
+    return policy.optimizer.tier
+
+
+def state_dtype(policy: Policy, kind: StateKind) -> torch.dtype:
+    return policy.compute_dtype.torch_dtype if kind is StateKind.PARAM else torch.float32
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One allocation of the plan: a shard state of a unit, or a staging buffer."""
+
+    label: str
+    tier: Tier
+    numel: int
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        raw = self.numel * self.dtype.itemsize
+        # DRAM blocks and NVMe files are whole 4 KiB blocks (O_DIRECT alignment).
+        return raw if self.tier is Tier.HBM else align_up(max(raw, 1), BLOCK_ALIGN)
+
+
+def staging_buffers(policy: Policy, device: torch.device, max_shard: int,
+                    world_size: int) -> dict[StateKind, Buffer]:
+    """DRAM buffers through which shards move when they are not where they are used.
+
+    Each is sized for the largest shard and reused for every unit, one unit at a time:
+    - PARAM: weights read from NVMe before the gather, and new weights cast on the CPU before they
+      go to NVMe or to HBM;
+    - MASTER, EXP_AVG, EXP_AVG_SQ: optimizer states read from NVMe, stepped, written back;
+    - GRAD: a reduced gradient shard copied off the GPU before it is added into DRAM.
+    """
+    compute = policy.compute_dtype.torch_dtype
+    out = {}
+    optimizer_on_cpu = policy.optimizer.tier is not Tier.HBM
+    if policy.params.tier is Tier.NVME or (policy.params.tier is Tier.HBM and optimizer_on_cpu):
+        out[StateKind.PARAM] = Buffer("staging param", Tier.DRAM, max_shard, compute)
+    if policy.optimizer.tier is Tier.NVME:
+        for kind in OPTIMIZER_STATES:
+            out[kind] = Buffer(f"staging {kind.value}", Tier.DRAM, max_shard, torch.float32)
+    if policy.grads.tier is Tier.DRAM and device.type != "cpu":
+        out[StateKind.GRAD] = Buffer("staging grad", Tier.DRAM, max_shard,
+                                     reduce_dtype(policy, world_size))
+    return out
+
+
+def reduce_dtype(policy: Policy, world_size: int) -> torch.dtype:
+    """The dtype of a reduced gradient shard: fp32 when ranks are summed, else the compute dtype."""
+    return torch.float32 if world_size > 1 else policy.compute_dtype.torch_dtype
+
+
+def hbm_working_set(policy: Policy, full_numels: list[int], root_full: int,
+                    world_size: int) -> int:
+    """Peak bytes of the engine's transient device buffers.
+
+    The root unit stays gathered through forward and backward; at most two other units are
+    gathered at once (in backward the next unit is gathered before the gradient of the current
+    one has been reduced); one unit's flat gradient exists at a time, plus, with several ranks,
+    its fp32 copy and the reduced fp32 shard. Building a unit at start-up needs its fp32 flat copy.
+    """
+    compute = policy.compute_dtype.torch_dtype.itemsize
+    others = sorted(full_numels, reverse=True)[:2]
+    largest = max(full_numels + [root_full])
+    gathered = (root_full + sum(others)) * compute
+    grad = largest * compute
+    if world_size > 1:
+        grad += largest * 4 * (compute != 4) + largest // world_size * 4
+    startup = largest * 4
+    return max(gathered + grad, startup)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    shards: dict[tuple[int, StateKind], Buffer]
+    staging: dict[StateKind, Buffer]
+    working_set: int
+    """Transient HBM bytes (gathered units, gradients in flight), counted against the HBM budget."""
+
+    def needed(self, tier: Tier) -> int:
+        resident = sum(b.nbytes for b in (*self.shards.values(), *self.staging.values())
+                       if b.tier is tier)
+        return resident + (self.working_set if tier is Tier.HBM else 0)
+
+    def check(self, available: dict[Tier, int]) -> None:
+        """Raise BudgetError naming every tier whose needs exceed what is available."""
+        short = {t: (self.needed(t), available[t]) for t in available
+                 if self.needed(t) > available[t]}
+        if short:
+            lines = [f"{t.value}: needs {format_size(n)} ({n} bytes), {format_size(a)} "
+                     f"({a} bytes) available" for t, (n, a) in short.items()]
+            raise BudgetError("the policy does not fit its tier budgets:\n  " + "\n  ".join(lines),
+                              {t.value: v for t, v in short.items()})
+
+
+def build_plan(policy: Policy, device: torch.device, shard_numels: list[int],
+               full_numels: list[int], root_index: int | None, world_size: int) -> MemoryPlan:
+    shards = {}
+    for unit, numel in enumerate(shard_numels):
+        for kind in StateKind:
+            tier = state_tier(policy, kind)
+            shards[(unit, kind)] = Buffer(f"unit {unit} {kind.value}", tier, numel,
+                                          state_dtype(policy, kind))
+    root_full = full_numels[root_index] if root_index is not None else 0
+    others = [n for i, n in enumerate(full_numels) if i != root_index]
+    return MemoryPlan(
+        shards=shards,
+        staging=staging_buffers(policy, device, max(shard_numels, default=0), world_size),
+        working_set=hbm_working_set(policy, others, root_full, world_size))

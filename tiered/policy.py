@@ -1,0 +1,308 @@
+"""Offload policies: YAML (or a dict) turned once into frozen, validated dataclasses.
+
+A policy is data: which tier holds each piece of training state, the optimizer's settings and the
+tiers' budgets. Mechanism (tiers, engine, optimizer) reads a frozen :class:`Policy` and never a
+dict. Every error names the source file, the key path and what is allowed.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import enum
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+import yaml
+
+from .errors import PolicyError
+from .sizes import parse_size
+
+POLICY_ENV = "TIERED_POLICY_JSON"
+"""Environment variable through which ``tiered-launch`` hands the resolved policy to each rank."""
+
+
+class Tier(str, enum.Enum):
+    HBM = "hbm"
+    DRAM = "dram"
+    NVME = "nvme"
+
+
+class ComputeDtype(str, enum.Enum):
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP32 = "fp32"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.value]
+
+
+class Device(str, enum.Enum):
+    AUTO = "auto"  # CUDA (device LOCAL_RANK) when available, else the CPU
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+def _size_or_none(value: object) -> int | None:
+    return None if value is None else parse_size(value)
+
+
+def _betas(value: object) -> tuple[float, float]:
+    if not isinstance(value, (list, tuple)) or len(value) != 2:
+        raise ValueError(f"expected two numbers [beta1, beta2], got {value!r}")
+    return float(value[0]), float(value[1])
+
+
+def _class_names(value: object) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"expected a list of module class names, got {value!r}")
+    return tuple(value)
+
+
+def _parse(fn):
+    """Field metadata: how to turn the YAML value into the field's type."""
+    return {"parse": fn}
+
+
+@dataclass(frozen=True)
+class ParamsPolicy:
+    tier: Tier = Tier.DRAM
+    """Where the compute-dtype weights of each shard live between uses: hbm | dram | nvme."""
+
+
+@dataclass(frozen=True)
+class GradsPolicy:
+    tier: Tier = Tier.DRAM
+    """Where each rank's fp32 gradient shard accumulates: hbm | dram (where the optimizer reads it)."""
+
+    def __post_init__(self):
+        if self.tier is Tier.NVME:
+            raise ValueError("tier must be hbm or dram, got 'nvme'")
+
+
+@dataclass(frozen=True)
+class OptimizerPolicy:
+    """AdamW with the semantics of ``torch.optim.AdamW``."""
+
+    tier: Tier = Tier.DRAM
+    """Where the fp32 master weights and Adam moments live; the step runs there (GPU for hbm)."""
+    lr: float = field(default=1e-4, metadata=_parse(float))
+    betas: tuple[float, float] = field(default=(0.9, 0.999), metadata=_parse(_betas))
+    eps: float = field(default=1e-8, metadata=_parse(float))
+    weight_decay: float = field(default=0.0, metadata=_parse(float))
+    max_grad_norm: float | None = field(
+        default=None, metadata=_parse(lambda v: None if v is None else float(v)))
+    """Clip the global gradient norm to this before each step (``clip_grad_norm_`` semantics)."""
+
+    def __post_init__(self):
+        if self.lr < 0:
+            raise ValueError(f"lr must be >= 0, got {self.lr}")
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas must each be in [0, 1), got {list(self.betas)}")
+        if self.eps <= 0:
+            raise ValueError(f"eps must be > 0, got {self.eps}")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be > 0 or null, got {self.max_grad_norm}")
+
+
+@dataclass(frozen=True)
+class NvmePolicy:
+    path: str | None = field(default=None, metadata=_parse(lambda v: None if v is None else str(v)))
+    """Folder on the drive; each run makes its own subfolder there and removes it at exit."""
+    budget: int | None = field(default=None, metadata=_parse(_size_or_none))
+    """Bytes tiered may use there; null = the free space of that file system."""
+
+
+@dataclass(frozen=True)
+class HbmPolicy:
+    budget: int | None = field(default=None, metadata=_parse(_size_or_none))
+    """Bytes of device memory tiered may hold; null = what the device has."""
+
+
+@dataclass(frozen=True)
+class DramPolicy:
+    budget: int | None = field(default=None, metadata=_parse(_size_or_none))
+    """Bytes of (pinned) host memory tiered may hold; null = the machine's memory."""
+
+
+@dataclass(frozen=True)
+class LossScalePolicy:
+    """Dynamic loss scaling for fp16 compute, as ``torch.amp.GradScaler`` does it."""
+
+    initial_scale: float = field(default=2.0**16, metadata=_parse(float))
+    growth_factor: float = field(default=2.0, metadata=_parse(float))
+    backoff_factor: float = field(default=0.5, metadata=_parse(float))
+    growth_interval: int = field(default=2000, metadata=_parse(int))
+
+    def __post_init__(self):
+        if self.initial_scale <= 0 or self.growth_factor <= 1.0:
+            raise ValueError("initial_scale must be > 0 and growth_factor > 1")
+        if not 0.0 < self.backoff_factor < 1.0:
+            raise ValueError(f"backoff_factor must be in (0, 1), got {self.backoff_factor}")
+        if self.growth_interval < 1:
+            raise ValueError(f"growth_interval must be >= 1, got {self.growth_interval}")
+
+
+@dataclass(frozen=True)
+class UnitsPolicy:
+    classes: tuple[str, ...] | None = field(default=None, metadata=_parse(_class_names))
+    """Module class names that each become a unit; null = every repeated block (see units.py)."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Where each piece of training state lives, and the optimizer that updates it."""
+
+    compute_dtype: ComputeDtype = ComputeDtype.BF16
+    device: Device = Device.AUTO
+    params: ParamsPolicy = ParamsPolicy()
+    grads: GradsPolicy = GradsPolicy()
+    optimizer: OptimizerPolicy = OptimizerPolicy()
+    nvme: NvmePolicy = NvmePolicy()
+    hbm: HbmPolicy = HbmPolicy()
+    dram: DramPolicy = DramPolicy()
+    loss_scale: LossScalePolicy = LossScalePolicy()
+    units: UnitsPolicy = UnitsPolicy()
+
+    def __post_init__(self):
+        uses_nvme = Tier.NVME in (self.params.tier, self.optimizer.tier)
+        if uses_nvme and not self.nvme.path:
+            raise ValueError("nvme.path is required when params.tier or optimizer.tier is nvme "
+                             "(set it in the policy or pass tiered-launch --nvme PATH)")
+        expected_grads = Tier.HBM if self.optimizer.tier is Tier.HBM else Tier.DRAM
+        if self.grads.tier is not expected_grads:
+            raise ValueError(
+                f"grads.tier must be {expected_grads.value!r} when optimizer.tier is "
+                f"{self.optimizer.tier.value!r}: the optimizer steps where its states live and "
+                f"reads the gradient there")
+
+    @property
+    def uses_nvme(self) -> bool:
+        return Tier.NVME in (self.params.tier, self.optimizer.tier)
+
+    # -- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None, source: str = "<dict>") -> "Policy":
+        """Build from a mapping of the YAML schema; missing keys take their defaults."""
+        return _build(cls, {} if data is None else data, key_path="", source=source)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike, overrides: Mapping[str, Any] | None = None) -> "Policy":
+        return cls.from_dict(merge(read_yaml(path), overrides or {}), source=str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML schema form: plain types only, so it round-trips through JSON and YAML."""
+        def plain(value):
+            if isinstance(value, enum.Enum):
+                return value.value
+            if dataclasses.is_dataclass(value):
+                return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+            if isinstance(value, tuple):
+                return [plain(v) for v in value]
+            return value
+        return plain(self)
+
+    def replace(self, **overrides: Any) -> "Policy":
+        """A copy with schema-form overrides merged in (``optimizer={"lr": 1e-3}``)."""
+        return Policy.from_dict(merge(self.to_dict(), overrides), source="<overrides>")
+
+
+def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    """The raw mapping of a policy file, or a PolicyError naming the file and what is wrong."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise PolicyError(f"policy file {path} does not exist") from None
+    except OSError as e:
+        raise PolicyError(f"policy file {path} cannot be read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        where = ""
+        mark = getattr(e, "problem_mark", None)
+        if mark is not None:
+            where = f" at line {mark.line + 1}, column {mark.column + 1}"
+        problem = getattr(e, "problem", None) or str(e)
+        raise PolicyError(f"policy file {path}: malformed YAML{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise PolicyError(f"policy file {path}: the top level must be a mapping of keys "
+                          f"(compute_dtype, params, ...), got {type(data).__name__}")
+    return data
+
+
+def merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep merge: nested mappings merge key by key, anything else replaces."""
+    out = copy.deepcopy(dict(base))
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def resolve(policy: "Policy | str | os.PathLike | Mapping[str, Any] | None",
+            overrides: Mapping[str, Any] | None = None) -> Policy:
+    """The one place a user's policy argument becomes a Policy.
+
+    ``None`` takes the policy ``tiered-launch`` passed through the environment, else the
+    built-in defaults (equal to ``configs/cpu.yaml``).
+    """
+    overrides = dict(overrides or {})
+    if policy is None:
+        launched = os.environ.get(POLICY_ENV)
+        if launched:
+            return Policy.from_dict(merge(json.loads(launched), overrides),
+                                    source=f"${POLICY_ENV} (from tiered-launch)")
+        return Policy.from_dict(overrides, source="<defaults>")
+    if isinstance(policy, Policy):
+        return policy.replace(**overrides) if overrides else policy
+    if isinstance(policy, Mapping):
+        return Policy.from_dict(merge(policy, overrides))
+    if isinstance(policy, (str, os.PathLike)):
+        return Policy.from_yaml(policy, overrides)
+    raise PolicyError(f"policy must be a YAML path, a dict or a tiered.Policy, got "
+                      f"{type(policy).__name__}")
+
+
+def _build(cls, data: Any, key_path: str, source: str):
+    if not isinstance(data, Mapping):
+        raise PolicyError(f"{source}: {key_path or 'the top level'} must be a mapping, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        shown = f"{key_path}.{unknown[0]}" if key_path else str(unknown[0])
+        raise PolicyError(f"{source}: unknown key {shown!r}; allowed here: {', '.join(fields)}")
+    values = {}
+    for name, value in data.items():
+        f = fields[name]
+        child_path = f"{key_path}.{name}" if key_path else name
+        values[name] = _convert(f, value, child_path, source)
+    try:
+        return cls(**values)
+    except (ValueError, TypeError) as e:
+        raise PolicyError(f"{source}: {key_path + ': ' if key_path else ''}{e}") from None
+
+
+def _convert(f: dataclasses.Field, value: Any, key_path: str, source: str):
+    default = f.default if f.default is not dataclasses.MISSING else None
+    if dataclasses.is_dataclass(default):
+        return _build(type(default), value, key_path, source)
+    try:
+        if isinstance(default, enum.Enum):
+            return type(default)(value)
+        return f.metadata["parse"](value)
+    except ValueError as e:
+        if isinstance(default, enum.Enum):
+            allowed = " | ".join(m.value for m in type(default))
+            raise PolicyError(f"{source}: {key_path} is {value!r}; allowed: {allowed}") from None
+        raise PolicyError(f"{source}: {key_path}: {e}") from None

@@ -1,0 +1,33 @@
+"""Byte accounting shared by every tier: current and peak bytes held, against a budget."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import BudgetError
+from ..sizes import format_size
+
+
+@dataclass
+class TierUsage:
+    name: str
+    budget: int
+    """The enforced limit in bytes (the policy's budget, or the medium's capacity when null)."""
+    current: int = 0
+    peak: int = 0
+
+    def acquire(self, nbytes: int, what: str) -> None:
+        """Count ``nbytes`` more as held; refuse (holding nothing more) if it would pass the budget."""
+        if self.current + nbytes > self.budget:
+            raise BudgetError(
+                f"{self.name} budget exceeded by {what}: needs {format_size(nbytes)} more, "
+                f"{format_size(self.current)} of {format_size(self.budget)} already held",
+                {self.name: (self.current + nbytes, self.budget)})
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+    def release(self, nbytes: int) -> None:
+        assert 0 <= nbytes <= self.current, (self.name, nbytes, self.current)
+        self.current -= nbytes
+
+    def report(self) -> dict[str, int]:
+        return {"current": self.current, "peak": self.peak, "budget": self.budget}
