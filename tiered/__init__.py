@@ -3,6 +3,11 @@
     engine, optimizer = tiered.initialize(model, "configs/cpu.yaml")
     loss = loss_fn(engine(x), y); loss.backward(); optimizer.step(); optimizer.zero_grad()
 """
+import warnings
+
+# torch warns at import when numpy is absent; tiered never uses numpy, so the warning is noise.
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
 from .engine import TieredEngine, init, initialize
 from .errors import BudgetError, NvmeError, PolicyError, TieredError
 from .optim import TieredAdamW

@@ -117,7 +117,10 @@ class Materializer:
                     self._give_storage(param)
         with torch.no_grad():
             for module in sorted(modules.values(), key=lambda m: self.post_order[id(m)]):
-                own = [id(p) for p in module._parameters.values() if p is not None]
+                # Keyed by spec: specs live as long as this object, so their ids stay unique
+                # (a freed parameter's id is soon reused by the next unit's).
+                own = [id(self.spec_of[id(p)]) for p in module._parameters.values()
+                       if p is not None]
                 if all(key in self.initialized for key in own):
                     continue
                 self.init_fn(module)

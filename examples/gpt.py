@@ -1,0 +1,65 @@
+"""A GPT in plain PyTorch: the model of the example, the benchmark and the tests."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention and a 4x GELU MLP."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, 4 * dim)
+        self.out = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, D = x.shape
+        qkv = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, D // self.heads)
+        q, k, v = qkv.transpose(1, 3).unbind(2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, D))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """Token embedding, optional learned positions, blocks, final norm, vocabulary head.
+
+    ``tied=True`` shares the embedding with the head; ``max_seq > 0`` adds a position table
+    that the model's own forward reads (not a submodule's).
+    """
+
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, max_seq: int = 0,
+                 tied: bool = False, block: type[nn.Module] = Block):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.empty(max_seq, dim)) if max_seq else None
+        self.blocks = nn.ModuleList(block(dim, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.pos is not None:
+            nn.init.normal_(self.pos, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        if self.pos is not None:
+            x = x + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def next_token_loss(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Cross entropy of predicting token t+1 from tokens up to t, in fp32."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), idx[:, 1:].flatten())
