@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import enum
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -46,6 +47,26 @@ class Device(str, enum.Enum):
     CUDA = "cuda"
 
 
+def _float(value: object) -> float:
+    """A finite number. Plain ``float()`` let YAML's ``yes``/``on`` (True) through as 1.0 and
+    ``.nan`` through every range check below (NaN compares false), and raised TypeError (not
+    PolicyError) for null or a list."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"expected a number, got {value!r}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"expected a finite number, got {value!r}")
+    return number
+
+
+def _int(value: object) -> int:
+    """A whole number; ``int()`` silently truncated 2.5 to 2 and raised TypeError for null."""
+    number = _float(value)
+    if not number.is_integer():
+        raise ValueError(f"expected a whole number, got {value!r}")
+    return int(number)
+
+
 def _size_or_none(value: object) -> int | None:
     return None if value is None else parse_size(value)
 
@@ -53,7 +74,7 @@ def _size_or_none(value: object) -> int | None:
 def _betas(value: object) -> tuple[float, float]:
     if not isinstance(value, (list, tuple)) or len(value) != 2:
         raise ValueError(f"expected two numbers [beta1, beta2], got {value!r}")
-    return float(value[0]), float(value[1])
+    return _float(value[0]), _float(value[1])
 
 
 def _class_names(value: object) -> tuple[str, ...] | None:
@@ -91,12 +112,12 @@ class OptimizerPolicy:
 
     tier: Tier = Tier.DRAM
     """Where the fp32 master weights and Adam moments live; the step runs there (GPU for hbm)."""
-    lr: float = field(default=1e-4, metadata=_parse(float))
+    lr: float = field(default=1e-4, metadata=_parse(_float))
     betas: tuple[float, float] = field(default=(0.9, 0.999), metadata=_parse(_betas))
-    eps: float = field(default=1e-8, metadata=_parse(float))
-    weight_decay: float = field(default=0.0, metadata=_parse(float))
+    eps: float = field(default=1e-8, metadata=_parse(_float))
+    weight_decay: float = field(default=0.0, metadata=_parse(_float))
     max_grad_norm: float | None = field(
-        default=None, metadata=_parse(lambda v: None if v is None else float(v)))
+        default=None, metadata=_parse(lambda v: None if v is None else _float(v)))
     """Clip the global gradient norm to this before each step (``clip_grad_norm_`` semantics)."""
 
     def __post_init__(self):
@@ -136,10 +157,10 @@ class DramPolicy:
 class LossScalePolicy:
     """Dynamic loss scaling for fp16 compute, as ``torch.amp.GradScaler`` does it."""
 
-    initial_scale: float = field(default=2.0**16, metadata=_parse(float))
-    growth_factor: float = field(default=2.0, metadata=_parse(float))
-    backoff_factor: float = field(default=0.5, metadata=_parse(float))
-    growth_interval: int = field(default=2000, metadata=_parse(int))
+    initial_scale: float = field(default=2.0**16, metadata=_parse(_float))
+    growth_factor: float = field(default=2.0, metadata=_parse(_float))
+    backoff_factor: float = field(default=0.5, metadata=_parse(_float))
+    growth_interval: int = field(default=2000, metadata=_parse(_int))
 
     def __post_init__(self):
         if self.initial_scale <= 0 or self.growth_factor <= 1.0:
@@ -222,6 +243,10 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
             data = yaml.safe_load(f)
     except FileNotFoundError:
         raise PolicyError(f"policy file {path} does not exist") from None
+    except UnicodeDecodeError as e:
+        # A binary or non-UTF-8 file used to escape as a bare UnicodeDecodeError traceback.
+        raise PolicyError(f"policy file {path}: not UTF-8 text (byte {e.start}: "
+                          f"{e.reason})") from None
     except OSError as e:
         raise PolicyError(f"policy file {path} cannot be read: {e.strerror}") from None
     except yaml.YAMLError as e:
@@ -301,7 +326,7 @@ def _convert(f: dataclasses.Field, value: Any, key_path: str, source: str):
         if isinstance(default, enum.Enum):
             return type(default)(value)
         return f.metadata["parse"](value)
-    except ValueError as e:
+    except (ValueError, TypeError) as e:  # a parser's TypeError (e.g. null) is a policy error too
         if isinstance(default, enum.Enum):
             allowed = " | ".join(m.value for m in type(default))
             raise PolicyError(f"{source}: {key_path} is {value!r}; allowed: {allowed}") from None

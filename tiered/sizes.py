@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 _UNITS = {
     "": 1, "b": 1,
@@ -24,7 +25,9 @@ def parse_size(value: object) -> int:
     if isinstance(value, str):
         match = _SIZE.match(value)
         if match and match.group(2).lower() in _UNITS:
-            return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+            # Decimal, not float: float("8.2") * 10**6 is 8199999.999..., which int() truncated
+            # to 8199999 bytes; decimal arithmetic gives the exact 8200000.
+            return int(Decimal(match.group(1)) * _UNITS[match.group(2).lower()])
     raise ValueError(
         f"expected a byte size such as 4096, \"512MiB\" or \"1.5GB\", got {value!r} "
         f"(units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")

@@ -53,7 +53,8 @@ class DramTier:
         checked for the whole reservation before anything is pinned.
         """
         sizes = {key: align_up(max(nbytes, 1), BLOCK_ALIGN) for key, nbytes in requests.items()}
-        self.usage.acquire(sum(sizes.values()), f"{len(sizes)} DRAM blocks")
+        total = sum(sizes.values())
+        self.usage.acquire(total, f"{len(sizes)} DRAM blocks")
         bins: list[list[Hashable]] = []
         fill: list[int] = []
         for key in sorted(sizes, key=sizes.get, reverse=True):
@@ -66,13 +67,21 @@ class DramTier:
                 bins.append([key])
                 fill.append(sizes[key])
         blocks = {}
-        for keys, nbytes in zip(bins, fill):
-            slab = self._source(nbytes)
-            self._slabs.append(slab)
-            offset = 0
-            for key in keys:
-                blocks[key] = slab[offset:offset + sizes[key]]
-                offset += sizes[key]
+        slabs = []
+        try:
+            for keys, nbytes in zip(bins, fill):
+                slab = self._source(nbytes)
+                slabs.append(slab)
+                offset = 0
+                for key in keys:
+                    blocks[key] = slab[offset:offset + sizes[key]]
+                    offset += sizes[key]
+        except BaseException:
+            # A slab could not be had (pinning or allocation failed): the reservation is all or
+            # nothing, so neither its bytes nor the slabs already made stay held.
+            self.usage.release(total)
+            raise
+        self._slabs.extend(slabs)
         return blocks
 
     def close(self) -> None:

@@ -24,8 +24,14 @@ class HbmTier:
 
     def empty(self, numel: int, dtype: torch.dtype, what: str) -> torch.Tensor:
         """A resident buffer held until :meth:`free`; counted against the budget."""
-        self.usage.acquire(numel * dtype.itemsize, what)
-        return torch.empty(numel, dtype=dtype, device=self.device)
+        nbytes = numel * dtype.itemsize
+        self.usage.acquire(nbytes, what)
+        try:
+            return torch.empty(numel, dtype=dtype, device=self.device)
+        except BaseException:
+            # The allocator refused (out of memory): nothing is held, so nothing may stay counted.
+            self.usage.release(nbytes)
+            raise
 
     def free(self, tensor: torch.Tensor) -> None:
         self.usage.release(tensor.numel() * tensor.element_size())

@@ -61,11 +61,25 @@ class NvmeFile:
         self.path = path
         self.nbytes = nbytes
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0)
-        self._fd = os.open(path, flags, 0o600)
+        try:
+            self._fd = os.open(path, flags, 0o600)
+        except OSError as e:
+            # Wrapped so that it is a tiered error naming the file (EMFILE is the likely one: every
+            # NVMe shard state keeps its file open).
+            hint = ("; each NVMe shard state keeps a file open: raise the open-file limit "
+                    "(ulimit -n)" if e.errno == errno_codes.EMFILE else "")
+            raise NvmeError(f"NVMe file {path}: cannot create it: {e.strerror}{hint}",
+                            errno=e.errno, path=path) from None
         try:
             os.posix_fallocate(self._fd, 0, nbytes)
         except OSError as e:
             os.close(self._fd)
+            self._fd = -1
+            # Leave no empty or partly reserved file behind for the failed request.
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
             raise NvmeError(
                 f"NVMe file {path}: cannot reserve {format_size(nbytes)}: {e.strerror}",
                 errno=e.errno, path=path, offset=0, size=nbytes) from None
@@ -113,7 +127,12 @@ class NvmeTier:
         except OSError as e:
             raise NvmeError(f"NVMe path {root}: cannot create {name}: {e.strerror}",
                             errno=e.errno, path=self.run_dir) from None
-        self.direct = self._supports_direct_io()
+        try:
+            self.direct = self._supports_direct_io()
+        except BaseException:
+            # The folder is this tier's, and no tier object will exist to remove it at close.
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise
         if not self.direct:
             warnings.warn(f"{root} does not support O_DIRECT; the NVMe tier uses buffered I/O "
                           f"there (the page cache will hold copies of what it writes)")

@@ -1,0 +1,203 @@
+"""Step time of a GPT trained with tiered against its peers, measured in one run on one GPU.
+
+    python bench/bench_offload.py [--layers 32 --dim 2560 --seq 1024 --batch 8]
+        [--modes gpu,fsdp2_offload,tiered:cpu] [--steps 6]
+
+Each mode runs in its own process (so one mode's memory cannot help or hurt another) and
+prints a JSON line; the parent prints a table with every mode's ratio to each baseline:
+- ``gpu``: everything on the GPU, autocast bf16, fused AdamW (the speed of light for the model);
+- ``fsdp2_offload``: FSDP2 with ``CPUOffloadPolicy`` (params, grads, optimizer on the CPU) and
+  bf16 compute, what a PyTorch user would pick instead of us;
+- ``tiered:<policy>``: tiered with ``configs/<policy>.yaml`` (``--nvme`` for NVMe policies).
+The step time is the median of the steps after the first two (warm-up).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(REPO, "examples"))
+
+VOCAB = 50304
+
+
+def _model(args):
+    from gpt import GPT
+
+    return GPT(VOCAB, args.dim, args.layers, args.dim // 128)
+
+
+def _run_gpu(args):
+    import torch
+
+    model = _model(args).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def step(idx):
+        with torch.autocast("cuda", torch.bfloat16):
+            loss = _loss(model(idx), idx)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+    return model, step
+
+
+def _run_fsdp2_offload(args):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    with torch.device("meta"):
+        model = _model(args)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy(pin_memory=True)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mp_policy=mp, offload_policy=offload)
+    model.to_empty(device="cpu")
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def step(idx):
+        loss = _loss(model(idx), idx)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+    return model, step
+
+
+def _run_tiered(args, policy):
+    import tiered
+
+    overrides = {"nvme": {"path": args.nvme}} if args.nvme else {}
+    path = os.path.join(REPO, "configs", f"{policy}.yaml")
+    with tiered.init(path, **overrides):
+        model = _model(args)
+    engine, optimizer = tiered.initialize(model)
+
+    def step(idx):
+        loss = _loss(engine(idx), idx)
+        engine.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+    return engine, step
+
+
+def _loss(logits, idx):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.flatten(0, 1).float(), idx.flatten())
+
+
+def run_mode(args) -> dict:
+    import torch
+
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    if args.run == "gpu":
+        model, step = _run_gpu(args)
+    elif args.run == "fsdp2_offload":
+        model, step = _run_fsdp2_offload(args)
+    else:
+        model, step = _run_tiered(args, args.run.split(":", 1)[1])
+    setup_s = time.perf_counter() - start
+    n_params = (sum(f.numel for f in model.runtime.flats) if hasattr(model, "runtime")
+                else sum(p.numel() for p in model.parameters()))
+    cuda = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    idx = torch.randint(0, VOCAB, (args.batch, args.seq), device="cuda" if cuda else "cpu")
+    times, losses = [], []
+    for _ in range(args.steps):
+        sync()
+        t = time.perf_counter()
+        losses.append(float(step(idx)))
+        sync()
+        times.append(time.perf_counter() - t)
+        print(f"{args.run} step {len(times)}: {times[-1]:.3f} s, loss {losses[-1]:.4f}",
+              file=sys.stderr, flush=True)
+    warm = sorted(times[2:])
+    step_s = warm[len(warm) // 2]
+    tokens = args.batch * args.seq
+    result = dict(mode=args.run, params_B=n_params / 1e9, layers=args.layers, dim=args.dim,
+                  batch=args.batch, seq=args.seq, step_s=step_s, tokens_per_s=tokens / step_s,
+                  tflops=6 * n_params * tokens / step_s / 1e12, setup_s=setup_s,
+                  peak_hbm_GiB=torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+                  times=times,
+                  losses=losses)
+    if hasattr(model, "memory_report"):
+        result["memory_report"] = model.memory_report()
+        model.close()
+    return result
+
+
+def table(results: list[dict], baselines: list[str]) -> str:
+    head = ["mode", "step s", "tokens/s", "TFLOPS", "peak HBM GiB"] + [
+        f"x vs {b}" for b in baselines]
+    rows = [head]
+    by_mode = {r["mode"]: r for r in results if "step_s" in r}
+    for r in results:
+        if "step_s" not in r:
+            rows.append([r["mode"], "failed: " + r.get("error", "?")] + [""] * (len(head) - 2))
+            continue
+        ratios = [f"{by_mode[b]['step_s'] / r['step_s']:.2f}" if b in by_mode else "-"
+                  for b in baselines]
+        rows.append([r["mode"], f"{r['step_s']:.3f}", f"{r['tokens_per_s']:,.0f}",
+                     f"{r['tflops']:.1f}", f"{r['peak_hbm_GiB']:.1f}"] + ratios)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--dim", type=int, default=2560)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--modes", default="gpu,fsdp2_offload,tiered:cpu")
+    parser.add_argument("--nvme", default=None, help="folder for NVMe policies")
+    parser.add_argument("--out", default=None, help="write all results as JSON here")
+    parser.add_argument("--run", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.run:
+        print(json.dumps(run_mode(args)), flush=True)
+        return
+
+    results = []
+    for mode in args.modes.split(","):
+        cmd = [sys.executable, __file__, "--run", mode, "--layers", str(args.layers),
+               "--dim", str(args.dim), "--seq", str(args.seq), "--batch", str(args.batch),
+               "--steps", str(args.steps)] + (["--nvme", args.nvme] if args.nvme else [])
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode or not lines:
+            results.append({"mode": mode, "error": f"exit {proc.returncode}"})
+        else:
+            results.append(json.loads(lines[-1]))
+    baselines = [m for m in ("gpu", "fsdp2_offload") if m in args.modes.split(",")]
+    print(table(results, baselines))
+    print(json.dumps(results))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

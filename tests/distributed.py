@@ -1,0 +1,29 @@
+"""Run a function on several real ranks: one process each, joined by torch.distributed (gloo)."""
+from __future__ import annotations
+
+import os
+import socket
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world_size: int, fn, *args) -> None:
+    """``fn(rank, world_size, *args)`` on each rank; raises if any rank fails. ``fn`` must be
+    importable (a module-level function) and report results through files."""
+    mp.spawn(_entry, args=(world_size, _free_port(), fn, args), nprocs=world_size, join=True)
