@@ -1,0 +1,272 @@
+"""The engine's contract beyond plain parity: units, real-model quirks, precision, optimizer API."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tiered
+from gpt import GPT, next_token_loss
+from tiered.engine.flat import Residency
+
+VOCAB, SEQ = 64, 16
+
+
+def make_gpt(block=None, **kwargs) -> GPT:
+    torch.manual_seed(0)
+    extra = {"block": block} if block is not None else {}
+    return GPT(VOCAB, 32, 2, 2, max_seq=SEQ, tied=True, qkv_bias=False, **extra, **kwargs)
+
+
+def data(steps: int, batch: int = 4, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (batch, SEQ), generator=g) for _ in range(steps)]
+
+
+def fp32_engine(model, policy="configs/cpu.yaml", **overrides):
+    overrides.setdefault("optimizer", {})
+    overrides["optimizer"] = dict({"lr": 1e-2, "weight_decay": 0.1}, **overrides["optimizer"])
+    return tiered.initialize(model, policy, compute_dtype="fp32", device="cpu", **overrides)
+
+
+def reference_optimizer(model, **kwargs):
+    return torch.optim.AdamW(model.parameters(), **dict({"lr": 1e-2, "weight_decay": 0.1},
+                                                         **kwargs))
+
+
+def assert_same(state: dict, reference: dict) -> None:
+    assert list(state) == list(reference)
+    for name in reference:
+        torch.testing.assert_close(state[name], reference[name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+class MHABlock(nn.Module):
+    """nn.MultiheadAttention reads out_proj.weight directly, not through out_proj.forward."""
+
+    def __init__(self, dim: int, heads: int, qkv_bias: bool = True):
+        super().__init__()
+        self.ln = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True, bias=qkv_bias)
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        h = self.ln(x)
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        y, _ = self.attn(h, h, h, attn_mask=mask, need_weights=False)
+        return x + self.fc(torch.tanh(y))
+
+
+def test_units_are_the_repeated_blocks_plus_the_root():
+    engine, _ = fp32_engine(make_gpt())
+    assert [f.name for f in engine.runtime.flats] == ["blocks.0", "blocks.1", "<root>"]
+    root = engine.runtime.flats[-1].spec
+    names = [p.names for p in root.params]
+    assert ("emb.weight", "head.weight") in names, "tied weight must be one parameter of root"
+    assert ("pos",) in names
+    engine.close()
+
+
+def test_units_by_class_name_and_unknown_class():
+    engine, _ = fp32_engine(make_gpt(), units={"classes": ["Block", "LayerNorm"]})
+    # The final LayerNorm becomes a unit of its own; block LayerNorms are inside Block units
+    # and stay with their block, since a parameter belongs to its innermost unit.
+    names = [f.name for f in engine.runtime.flats]
+    assert "ln" in names and "blocks.0.ln1" in names and names[-1] == "<root>"
+    engine.close()
+    with pytest.raises(tiered.PolicyError, match="Blok.*does not contain.*Block"):
+        fp32_engine(make_gpt(), units={"classes": ["Blok"]})
+
+
+def test_tied_weights_export_as_one_tensor_under_both_keys():
+    model = make_gpt()
+    reference = copy.deepcopy(model)
+    engine, _ = fp32_engine(model)
+    state = engine.full_state_dict()
+    assert state["emb.weight"] is state["head.weight"]
+    fresh = make_gpt()
+    fresh.load_state_dict(state, strict=True)
+    idx = data(1)[0]
+    torch.testing.assert_close(engine(idx), reference(idx), rtol=0, atol=0)
+    torch.testing.assert_close(fresh(idx), reference(idx), rtol=0, atol=0)
+    engine.close()
+
+
+def test_multihead_attention_trains_like_pytorch():
+    model = make_gpt(block=MHABlock)
+    reference = copy.deepcopy(model)
+    engine, optimizer = fp32_engine(model)
+    ref_optimizer = reference_optimizer(reference)
+    for idx in data(4):
+        next_token_loss(engine(idx), idx).backward()
+        next_token_loss(reference(idx), idx).backward()
+        optimizer.step(), ref_optimizer.step()
+        optimizer.zero_grad(), ref_optimizer.zero_grad()
+    assert_same(engine.full_state_dict(), reference.state_dict())
+    engine.close()
+
+
+def test_every_unit_is_released_after_forward_backward_and_eval():
+    engine, optimizer = fp32_engine(make_gpt())
+    idx = data(1)[0]
+    loss = next_token_loss(engine(idx), idx)
+    assert all(f.residency is Residency.RELEASED for f in engine.runtime.flats)
+    assert engine.memory_report()["hbm"]["current"] == 0
+    loss.backward()
+    assert all(f.residency is Residency.RELEASED for f in engine.runtime.flats)
+    train_logits = engine(idx).detach()
+    with torch.no_grad():
+        eval_logits = engine.eval()(idx)
+    assert torch.equal(train_logits, eval_logits)
+    assert engine.memory_report()["hbm"]["current"] == 0
+    engine.close()
+
+
+def test_frozen_parameters_are_refused_with_their_name():
+    model = make_gpt()
+    model.blocks[1].fc.bias.requires_grad_(False)
+    with pytest.raises(tiered.PolicyError, match="blocks.1.fc.bias"):
+        fp32_engine(model)
+
+
+def test_lr_scheduler_drives_the_step_size():
+    model = make_gpt()
+    reference = copy.deepcopy(model)
+    engine, optimizer = fp32_engine(model)
+    ref_optimizer = reference_optimizer(reference)
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: 0.5 ** step)
+                 for o in (optimizer, ref_optimizer)]
+    for idx in data(4):
+        next_token_loss(engine(idx), idx).backward()
+        next_token_loss(reference(idx), idx).backward()
+        for o, s in zip((optimizer, ref_optimizer), schedules):
+            o.step()
+            o.zero_grad()
+            s.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5 ** 4)
+    assert_same(engine.full_state_dict(), reference.state_dict())
+    engine.close()
+
+
+class SkippingGPT(GPT):
+    """Skips its second block on odd calls: control flow that changes between steps."""
+
+    calls = 0
+
+    def forward(self, idx):
+        self.calls += 1
+        x = self.emb(idx) + self.pos[: idx.shape[1]]
+        for i, block in enumerate(self.blocks):
+            if not (i == 1 and self.calls % 2):
+                x = block(x)
+        return self.head(self.ln(x))
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_unit_skipped_on_some_steps_matches_pytorch(set_to_none):
+    # With set_to_none a skipped block has no gradient and is not stepped (grad=None in
+    # PyTorch); without it, it is stepped with a zero gradient (momentum and decay still act).
+    torch.manual_seed(0)
+    model = SkippingGPT(VOCAB, 32, 2, 2, max_seq=SEQ, tied=True, qkv_bias=False)
+    reference = copy.deepcopy(model)
+    engine, optimizer = fp32_engine(model)
+    ref_optimizer = reference_optimizer(reference)
+    for idx in data(4):
+        next_token_loss(engine(idx), idx).backward()
+        next_token_loss(reference(idx), idx).backward()
+        optimizer.step(), ref_optimizer.step()
+        optimizer.zero_grad(set_to_none), ref_optimizer.zero_grad(set_to_none)
+    assert_same(engine.full_state_dict(), reference.state_dict())
+    engine.close()
+
+
+def test_fp16_needs_engine_backward():
+    engine, _ = tiered.initialize(make_gpt(), "configs/cpu.yaml", compute_dtype="fp16",
+                                  device="cpu")
+    idx = data(1)[0]
+    with pytest.raises(tiered.TieredError, match=r"engine\.backward\(loss\)"):
+        next_token_loss(engine(idx), idx).backward()
+    engine.close()
+
+
+def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
+    engine, optimizer = tiered.initialize(
+        make_gpt(), "configs/cpu.yaml", compute_dtype="fp16", device="cpu",
+        loss_scale={"initial_scale": 2.0**40, "growth_interval": 2}, optimizer={"lr": 1e-3})
+    before = engine.full_state_dict()
+    idx = data(1)[0]
+    engine.backward(next_token_loss(engine(idx), idx))  # 2**40 overflows fp16 gradients
+    optimizer.step()
+    optimizer.zero_grad()
+    assert optimizer.skipped_steps == 1 and engine.scaler.scale == 2.0**39
+    after = engine.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "a skipped step moved weights"
+
+    engine.scaler.scale = 2.0**10  # small enough for fp16: steps run and the scale grows
+    for idx in data(2, seed=2):
+        engine.backward(next_token_loss(engine(idx), idx))
+        optimizer.step()
+        optimizer.zero_grad()
+    assert optimizer.skipped_steps == 1 and engine.scaler.scale == 2.0**11
+    moved = engine.full_state_dict()
+    assert not torch.equal(moved["blocks.0.fc.weight"], before["blocks.0.fc.weight"])
+    engine.close()
+
+
+def test_bf16_compute_matches_autocast_pytorch_on_cpu():
+    model = make_gpt()
+    reference = copy.deepcopy(model)
+    engine, optimizer = tiered.initialize(model, "configs/cpu.yaml", compute_dtype="bf16",
+                                          device="cpu", optimizer={"lr": 1e-3})
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.0)
+    for idx in data(4):
+        next_token_loss(engine(idx), idx).backward()
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = next_token_loss(reference(idx), idx)
+        loss.backward()
+        optimizer.step(), ref_optimizer.step()
+        optimizer.zero_grad(), ref_optimizer.zero_grad()
+    # Pure bf16 weights (norms and all) against autocast, which keeps norms in fp32: the model
+    # as a whole within 1e-2, and each parameter's update within a quarter of its size.
+    state, ref, initial = engine.full_state_dict(), reference.state_dict(), make_gpt().state_dict()
+    flat = lambda d: torch.cat([d[k].flatten() for k in ref])  # noqa: E731
+    assert (flat(state) - flat(ref)).norm() / flat(ref).norm() <= 1e-2
+    for name in ref:
+        update_error = (state[name] - ref[name]).norm() / (ref[name] - initial[name]).norm()
+        assert update_error <= 0.25, f"{name}: update differs by {update_error:.1%}"
+    engine.close()
+
+
+def test_floating_inputs_take_the_compute_dtype():
+    class Regressor(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+
+        def forward(self, x):
+            return self.layers(x)
+
+    engine, _ = tiered.initialize(Regressor(), "configs/cpu.yaml", compute_dtype="bf16",
+                                  device="cpu")
+    out = engine(torch.randn(2, 8))  # fp32 input, bf16 weights
+    assert out.dtype is torch.bfloat16
+    engine.close()
+
+
+def test_optimizer_step_with_closure_and_state_dict_refusal():
+    engine, optimizer = fp32_engine(make_gpt())
+    idx = data(1)[0]
+
+    def closure():
+        loss = next_token_loss(engine(idx), idx)
+        loss.backward()
+        return loss
+
+    loss = optimizer.step(closure)
+    assert torch.isfinite(loss)
+    with pytest.raises(tiered.TieredError, match="lives in tiers"):
+        optimizer.state_dict()
+    engine.close()

@@ -1,0 +1,211 @@
+"""``tiered-launch`` as a user runs it: a real subprocess (``python -m tiered.launch``) from the
+repository root, real policy files, real NVMe folders, real ranks over gloo on the CPU.
+
+Bad input must stop before any rank starts (exit 2, a one-line ``tiered-launch: error:`` naming
+the file, key or path, no traceback, nothing created under the NVMe path); a budget that cannot
+fit must fail inside ``tiered.initialize`` in the rank; a good run must train and clean up.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tiered.engine.engine import LAUNCHED_ENV
+from tiered.policy import POLICY_ENV, Policy
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "tests" / "scripts"
+CONFIGS = REPO / "configs"
+
+
+def launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    # A clean environment: no policy or thread count inherited from whoever runs the tests.
+    env = {k: v for k, v in os.environ.items()
+           if k not in (POLICY_ENV, LAUNCHED_ENV, "OMP_NUM_THREADS")}
+    return subprocess.run([sys.executable, "-m", "tiered.launch", *map(str, args)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def write_policy(path: Path, base: str | None = None, **overrides) -> Path:
+    """A policy file: ``configs/<base>.yaml`` (or nothing) with schema overrides merged in."""
+    data = yaml.safe_load((CONFIGS / f"{base}.yaml").read_text()) if base else {}
+    for key, value in overrides.items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def assert_refused(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "tiered-launch: error:" in line]
+    assert len(errors) == 1 and result.stderr.strip() == errors[0], result.stderr
+    for fragment in fragments:
+        assert fragment in errors[0], (fragment, errors[0])
+    assert "[rank" not in result.stdout + result.stderr  # no rank was started
+
+
+@pytest.fixture
+def nvme(tmp_path) -> Path:
+    folder = tmp_path / "nvme"
+    folder.mkdir()
+    return folder
+
+
+# -- bad input: refused before any rank starts ---------------------------------------------------
+
+def test_malformed_yaml_policy_is_refused(tmp_path, nvme):
+    policy = tmp_path / "bad.yaml"
+    policy.write_text("compute_dtype: bf16\nparams: {tier: nvme\noptimizer: {tier: nvme}\n")
+    result = launch("--nvme", nvme, "--policy", policy, SCRIPTS / "launch_train.py", tmp_path)
+    assert_refused(result, str(policy), "malformed YAML at line")
+    assert os.listdir(nvme) == []
+
+
+def test_unknown_policy_key_is_refused(tmp_path, nvme):
+    policy = write_policy(tmp_path / "typo.yaml", "nvme", optimizer={"lrr": 1e-3})
+    result = launch("--nvme", nvme, "--policy", policy, SCRIPTS / "launch_train.py", tmp_path)
+    assert_refused(result, str(policy), "optimizer.lrr", "allowed here: tier, lr")
+    assert os.listdir(nvme) == []
+
+
+def test_bad_tier_is_refused(tmp_path, nvme):
+    policy = write_policy(tmp_path / "tier.yaml", "nvme", params={"tier": "ssd"})
+    result = launch("--nvme", nvme, "--policy", policy, SCRIPTS / "launch_train.py", tmp_path)
+    assert_refused(result, str(policy), "params.tier", "'ssd'", "hbm | dram | nvme")
+    assert os.listdir(nvme) == []
+
+
+def test_missing_nvme_folder_is_refused(tmp_path):
+    missing = tmp_path / "no-such-nvme"
+    result = launch("--nvme", missing, "--policy", "configs/nvme.yaml",
+                    SCRIPTS / "launch_train.py", tmp_path)
+    assert_refused(result, f"NVMe path {missing} does not exist")
+    assert not missing.exists()
+
+
+def test_nvme_policy_without_a_path_is_refused(tmp_path):
+    result = launch("--policy", "configs/nvme.yaml", SCRIPTS / "launch_train.py", tmp_path)
+    assert_refused(result, "configs/nvme.yaml", "nvme.path is required", "--nvme")
+
+
+def test_missing_training_script_is_refused(tmp_path, nvme):
+    script = tmp_path / "no_such_train.py"
+    result = launch("--nvme", nvme, "--policy", "configs/nvme.yaml", script)
+    assert_refused(result, f"training script {script} does not exist")
+    assert os.listdir(nvme) == []
+
+
+# -- a budget that cannot fit: BudgetError in the rank ---------------------------------------------
+
+@pytest.mark.parametrize("base, tier, budget", [
+    ("cpu", "dram", {"dram": {"budget": 4096}}),
+    ("nvme", "dram", {"dram": {"budget": 4096}}),
+    ("nvme", "nvme", {"nvme": {"budget": "8KiB"}}),
+], ids=["cpu-dram", "nvme-dram", "nvme-nvme"])
+def test_budget_that_cannot_fit_fails_in_initialize(tmp_path, nvme, base, tier, budget):
+    policy = write_policy(tmp_path / "tight.yaml", base, compute_dtype="fp32", **budget)
+    out = tmp_path / "out"
+    out.mkdir()
+    result = launch("--nvme", nvme, "--policy", policy, SCRIPTS / "launch_train.py", out)
+    assert result.returncode != 0
+    # The rank's own traceback: BudgetError raised from tiered.initialize, before any training.
+    assert "tiered.errors.BudgetError" in result.stderr, result.stderr
+    assert "in initialize" in result.stderr
+    match = re.search(rf"\b{tier}: needs .*?\((\d+) bytes\), .*?\((\d+) bytes\) available",
+                      result.stderr)
+    assert match, result.stderr
+    needed, available = int(match.group(1)), int(match.group(2))
+    assert available == Policy.from_yaml(policy, {"nvme": {"path": str(nvme)}}).to_dict()[tier]["budget"]
+    assert needed > available
+    assert "tiered-launch: " in result.stderr and "failed on 1 rank(s)" in result.stderr
+    assert os.listdir(out) == []      # it never got to train
+    assert os.listdir(nvme) == []     # the rank's NVMe run folder is gone
+
+
+# -- good runs -----------------------------------------------------------------------------------
+
+def train_reference(policy: Policy) -> dict[str, torch.Tensor]:
+    """What the two ranks together must compute: the same model, the whole batch, one process,
+    torch.optim.AdamW with the policy's settings."""
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import launch_train as spec
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    from gpt import next_token_loss
+
+    model = spec.build_model()
+    opt = policy.optimizer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps,
+                                  weight_decay=opt.weight_decay)
+    for step in range(spec.STEPS):
+        idx = spec.global_batch(step)
+        next_token_loss(model(idx), idx).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def test_two_ranks_on_cpu_train_to_equal_weights_and_clean_up(tmp_path, nvme):
+    # fp32 so a single-process torch run is a reference to 1e-5. eps of the order of the
+    # gradients breaks Adam's invariance to the gradient's scale, so a sum over ranks instead
+    # of the mean would show; the other non-defaults show that the launcher's policy reached the
+    # optimizer (each alone moves some weight by > 5e-3, against 2.4e-7 of rounding measured).
+    policy_file = write_policy(tmp_path / "train.yaml", "nvme", compute_dtype="fp32", device="cpu",
+                               optimizer={"lr": 1e-2, "betas": [0.8, 0.99], "eps": 1e-3,
+                                          "weight_decay": 0.1})
+    out = tmp_path / "out"
+    out.mkdir()
+    result = launch("--nproc-per-node", 2, "--nvme", nvme, "--policy", policy_file,
+                    SCRIPTS / "launch_train.py", out)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+
+    policy = Policy.from_yaml(policy_file, {"nvme": {"path": str(nvme)}})
+    seen = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for rank, info in enumerate(seen):
+        assert (info["rank"], info["world"]) == (rank, 2)
+        assert Policy.from_dict(info["policy"]) == policy  # what tiered-launch handed the rank
+        assert info["nvme_run_dir"].startswith(str(nvme) + os.sep)
+    assert seen[0]["losses"] != seen[1]["losses"]  # each rank saw its own half of the batch
+
+    # torchrun would give each of several ranks 1 thread; tiered-launch gives each its share.
+    cores = len(os.sched_getaffinity(0))
+    assert {info["omp_num_threads"] for info in seen} == {str(max(1, cores // 2))}
+
+    final = [torch.load(out / f"rank{r}.pt") for r in range(2)]
+    initial = torch.load(out / "init0.pt")
+    assert list(final[0]) == list(final[1]) == list(initial)
+    for key in initial:
+        assert torch.equal(final[0][key], final[1][key]), key
+        assert not torch.equal(final[0][key], initial[key]), f"{key} did not train"
+
+    reference = train_reference(policy)
+    for key, expected in reference.items():
+        torch.testing.assert_close(final[0][key], expected, rtol=0, atol=1e-5, msg=key)
+
+    assert os.listdir(nvme) == []  # both ranks' run folders removed at a clean exit
+
+
+def test_failing_rank_stops_the_others_and_every_nvme_folder_is_removed(nvme):
+    start = time.monotonic()
+    result = launch("--nproc-per-node", 2, "--nvme", nvme, "--policy", "configs/nvme.yaml",
+                    SCRIPTS / "launch_fail_rank1.py")
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0
+    assert "rank 1 fails on purpose" in result.stderr
+    assert "failed on 2 rank(s)" in result.stderr
+    assert "rank 0 was never stopped" not in result.stderr
+    # torchrun SIGKILLs a rank that ignores SIGTERM after 30 s; rank 0 must have exited on it.
+    assert elapsed < 30, elapsed
+    assert os.listdir(nvme) == []

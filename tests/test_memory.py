@@ -1,0 +1,115 @@
+"""Memory: what each tier holds equals a formula of the model's shards, and budgets hold."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import tiered
+from gpt import GPT, next_token_loss
+from tiered.plan import build_plan
+from tiered.policy import Policy, Tier
+from tiered.sizes import align_up
+
+VOCAB, SEQ = 64, 16
+
+
+def make_gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(VOCAB, 32, 3, 2, max_seq=SEQ, tied=True)
+
+
+def shard_numels(model) -> list[int]:
+    """Shard sizes from the model alone: the repeated blocks, then the root's parameters."""
+    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    root = sum(p.numel() for p in model.parameters()) - sum(blocks)
+    return blocks + [root]
+
+
+def dram_block(numel: int, itemsize: int) -> int:
+    return align_up(numel * itemsize, 4096)
+
+
+def train_step(engine, optimizer, seed=1):
+    idx = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(seed))
+    next_token_loss(engine(idx), idx).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("compute_dtype,itemsize", [("fp32", 4), ("bf16", 2)])
+def test_cpu_policy_holds_exactly_the_shards_in_dram(compute_dtype, itemsize):
+    model = make_gpt()
+    numels = shard_numels(model)
+    engine, optimizer = tiered.initialize(model, "configs/cpu.yaml", device="cpu",
+                                          compute_dtype=compute_dtype)
+    # Per unit: compute-dtype weights, fp32 gradient, fp32 master, exp_avg, exp_avg_sq.
+    expected = sum(dram_block(n, itemsize) + 4 * dram_block(n, 4) for n in numels)
+    for _ in range(2):
+        train_step(engine, optimizer)
+        report = engine.memory_report()
+        assert report["dram"]["current"] == report["dram"]["peak"] == expected
+        assert report["hbm"]["current"] == 0
+        assert report["nvme"]["current"] == 0
+    engine.close()
+
+
+def test_gpu_policy_holds_the_shards_on_the_device_and_transients_stay_in_the_plan():
+    model = make_gpt()
+    numels = shard_numels(model)
+    policy = Policy.from_yaml("configs/gpu.yaml").replace(device="cpu", compute_dtype="bf16")
+    engine, optimizer = tiered.initialize(model, policy)
+    resident = sum(n * (2 + 4 + 12) for n in numels)
+    assert engine.memory_report()["hbm"]["current"] == resident
+    train_step(engine, optimizer)
+    report = engine.memory_report()["hbm"]
+    assert report["current"] == resident
+    # Transients: the gathered root and the two largest blocks, one unit's gradient.
+    full = [f.padded_numel for f in engine.runtime.flats]
+    working_set = (full[-1] + sum(sorted(full[:-1])[-2:]) + max(full)) * 2
+    assert resident < report["peak"] <= resident + working_set
+    engine.close()
+
+
+def test_budget_exactly_the_plan_trains_and_never_passes_it(tmp_path):
+    model = make_gpt()
+    policy = Policy.from_yaml("configs/nvme.yaml", dict(
+        device="cpu", compute_dtype="fp32", nvme={"path": str(tmp_path)}))
+    # Find what the plan needs, then give each tier exactly that.
+    probe, _ = tiered.initialize(make_gpt(), policy)
+    flats = probe.runtime.flats
+    plan = build_plan(policy, torch.device("cpu"), [f.shard_numel for f in flats],
+                      [f.padded_numel for f in flats], len(flats) - 1, 1)
+    probe.close()
+    tight = policy.replace(hbm={"budget": plan.needed(Tier.HBM)},
+                           dram={"budget": plan.needed(Tier.DRAM)},
+                           nvme={"budget": plan.needed(Tier.NVME)})
+    engine, optimizer = tiered.initialize(model, tight)
+    for seed in range(3):
+        train_step(engine, optimizer, seed)
+    for tier, usage in engine.memory_report().items():
+        assert usage["peak"] <= usage["budget"], tier
+    assert engine.memory_report()["dram"]["peak"] == plan.needed(Tier.DRAM)
+    assert engine.memory_report()["nvme"]["current"] == plan.needed(Tier.NVME)
+    engine.close()
+
+    one_byte_short = tight.replace(hbm={"budget": plan.needed(Tier.HBM) - 1})
+    with pytest.raises(tiered.BudgetError) as error:
+        tiered.initialize(make_gpt(), one_byte_short)
+    assert error.value.shortfalls == {"hbm": (plan.needed(Tier.HBM), plan.needed(Tier.HBM) - 1)}
+    assert os.listdir(tmp_path) == [], "a failed initialize left NVMe files behind"
+
+
+def test_budget_error_names_every_tier_that_does_not_fit(tmp_path):
+    with pytest.raises(tiered.BudgetError) as error:
+        tiered.initialize(make_gpt(), "configs/nvme.yaml", device="cpu",
+                          nvme={"path": str(tmp_path), "budget": "8KiB"},
+                          dram={"budget": 4096})
+    message = str(error.value)
+    assert set(error.value.shortfalls) == {"dram", "nvme"}
+    for tier, (needed, available) in error.value.shortfalls.items():
+        assert needed > available
+        assert f"{tier}: needs" in message and f"({needed} bytes)" in message
+        assert f"({available} bytes) available" in message
+    assert os.listdir(tmp_path) == []

@@ -1,0 +1,499 @@
+"""The policy layer (YAML -> frozen tiered.Policy), byte sizes, and ``tiered check-policy``.
+
+Every bad input must give a PolicyError whose message is the whole clue: the file, the key path,
+the value and what is allowed. The CLI tests run ``python -m tiered.cli`` as a real subprocess.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import tiered
+from tiered.policy import POLICY_ENV, Policy, Tier, resolve
+from tiered.sizes import parse_size
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def policy_error(data=None, *, yaml_text: str | None = None, tmp_path: Path | None = None) -> str:
+    """The message of the PolicyError that ``data`` (a dict) or ``yaml_text`` (a file) raises."""
+    with pytest.raises(tiered.PolicyError) as info:
+        if yaml_text is None:
+            Policy.from_dict(data, source="test.yaml")
+        else:
+            Policy.from_yaml(write(tmp_path / "policy.yaml", yaml_text))
+    return str(info.value)
+
+
+# -- loading ----------------------------------------------------------------------------------
+
+def test_cpu_yaml_equals_builtin_defaults():
+    assert Policy.from_yaml(CONFIGS / "cpu.yaml") == Policy()
+    assert resolve(str(CONFIGS / "cpu.yaml")) == Policy()
+
+
+def test_builtin_defaults_are_the_documented_values():
+    p = Policy()
+    assert p.compute_dtype.value == "bf16" and p.device.value == "auto"
+    assert (p.params.tier, p.grads.tier, p.optimizer.tier) == (Tier.DRAM, Tier.DRAM, Tier.DRAM)
+    assert (p.optimizer.lr, p.optimizer.betas, p.optimizer.eps) == (1e-4, (0.9, 0.999), 1e-8)
+    assert p.optimizer.weight_decay == 0.0 and p.optimizer.max_grad_norm is None
+    assert p.nvme.path is None and p.hbm.budget is None and p.dram.budget is None
+    assert not p.uses_nvme
+
+
+def test_gpu_yaml_puts_everything_in_hbm():
+    p = Policy.from_yaml(CONFIGS / "gpu.yaml")
+    assert (p.params.tier, p.grads.tier, p.optimizer.tier) == (Tier.HBM, Tier.HBM, Tier.HBM)
+
+
+def test_nvme_yaml_needs_a_path_and_takes_one_as_override(tmp_path):
+    with pytest.raises(tiered.PolicyError, match="nvme.path is required"):
+        Policy.from_yaml(CONFIGS / "nvme.yaml")
+    p = resolve(str(CONFIGS / "nvme.yaml"), {"nvme": {"path": str(tmp_path)}})
+    assert (p.params.tier, p.grads.tier, p.optimizer.tier) == (Tier.NVME, Tier.DRAM, Tier.NVME)
+    assert p.nvme.path == str(tmp_path) and p.uses_nvme
+
+
+def test_dict_with_missing_keys_takes_defaults():
+    p = Policy.from_dict({"compute_dtype": "fp32", "optimizer": {"lr": 3e-4}})
+    assert p.compute_dtype.value == "fp32"
+    assert p.optimizer.lr == 3e-4
+    assert p.optimizer.betas == Policy().optimizer.betas
+    assert p.optimizer.eps == Policy().optimizer.eps
+    assert dataclasses.replace(p, compute_dtype=Policy().compute_dtype,
+                               optimizer=Policy().optimizer) == Policy()
+    assert Policy.from_dict({}) == Policy() == Policy.from_dict(None)
+
+
+def test_empty_yaml_file_is_the_defaults(tmp_path):
+    assert Policy.from_yaml(write(tmp_path / "empty.yaml", "# nothing set\n")) == Policy()
+
+
+def test_yaml_values_become_typed_fields(tmp_path):
+    path = write(tmp_path / "p.yaml", """
+compute_dtype: fp16
+device: cpu
+params: {tier: nvme}
+grads: {tier: dram}
+optimizer: {tier: nvme, lr: 1e-3, betas: [0.8, 0.95], eps: 1.0e-6, weight_decay: 0.1,
+            max_grad_norm: 1}
+nvme: {path: /mnt/nvme, budget: 1.5GB}
+hbm: {budget: 70GiB}
+dram: {budget: 4096}
+loss_scale: {initial_scale: 1024, growth_interval: 100}
+units: {classes: [Block]}
+""")
+    p = Policy.from_yaml(path)
+    assert p.compute_dtype.torch_dtype is torch.float16
+    assert p.device.value == "cpu"
+    assert p.optimizer.lr == 1e-3  # YAML reads 1e-3 as a string; the policy makes it a float
+    assert p.optimizer.betas == (0.8, 0.95) and isinstance(p.optimizer.betas, tuple)
+    assert p.optimizer.max_grad_norm == 1.0 and isinstance(p.optimizer.max_grad_norm, float)
+    assert p.nvme.path == "/mnt/nvme"
+    assert p.nvme.budget == 1_500_000_000
+    assert p.hbm.budget == 70 * 2**30
+    assert p.dram.budget == 4096
+    assert p.loss_scale.initial_scale == 1024.0 and p.loss_scale.growth_interval == 100
+    assert p.units.classes == ("Block",)
+
+
+# -- sizes ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, expected", [
+    (4096, 4096),
+    (0, 0),
+    (4096.0, 4096),
+    ("4096", 4096),
+    ("512B", 512),
+    ("70GiB", 70 * 2**30),
+    ("1.5GB", 1_500_000_000),
+    ("512 MiB", 512 * 2**20),
+    ("1kib", 1024),
+    ("2TB", 2 * 10**12),
+    ("1.5KiB", 1536),
+    ("8.2MB", 8_200_000),   # float arithmetic made this 8199999
+    ("4.1KB", 4100),
+])
+def test_parse_size_accepts_ints_and_unit_strings(value, expected):
+    assert parse_size(value) == expected
+    assert isinstance(parse_size(value), int)
+
+
+@pytest.mark.parametrize("value", ["12 parsecs", "GB", "", "-1GB", "1.5.0GB", -5, 1.5, True, None,
+                                   [4096]])
+def test_parse_size_rejects_what_is_not_a_byte_size(value):
+    with pytest.raises(ValueError) as info:
+        parse_size(value)
+    message = str(info.value)
+    assert repr(value) in message or str(value) in message
+    assert "byte size" in message
+
+
+# -- to_dict, frozen, resolve -----------------------------------------------------------------
+
+NON_DEFAULT = {
+    "compute_dtype": "fp16",
+    "device": "cpu",
+    "params": {"tier": "nvme"},
+    "grads": {"tier": "dram"},
+    "optimizer": {"tier": "nvme", "lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-6,
+                  "weight_decay": 0.1, "max_grad_norm": 1.0},
+    "nvme": {"path": "/mnt/nvme0", "budget": "2GiB"},
+    "hbm": {"budget": "70GiB"},
+    "dram": {"budget": 123456},
+    "loss_scale": {"initial_scale": 1024.0, "growth_factor": 4.0, "backoff_factor": 0.25,
+                   "growth_interval": 10},
+    "units": {"classes": ["Block", "Embedding"]},
+}
+
+
+def test_to_dict_is_the_schema_in_plain_types():
+    d = Policy.from_dict(NON_DEFAULT).to_dict()
+    assert d["compute_dtype"] == "fp16" and type(d["compute_dtype"]) is str
+    assert d["params"] == {"tier": "nvme"}
+    assert d["optimizer"]["betas"] == [0.8, 0.95]
+    assert d["nvme"] == {"path": "/mnt/nvme0", "budget": 2 * 2**30}
+    assert d["hbm"]["budget"] == 70 * 2**30
+    assert d["units"]["classes"] == ["Block", "Embedding"]
+    assert set(d) == {"compute_dtype", "device", "params", "grads", "optimizer", "nvme", "hbm",
+                      "dram", "loss_scale", "units"}
+
+
+@pytest.mark.parametrize("policy", [Policy(), Policy.from_dict(NON_DEFAULT)], ids=["defaults", "custom"])
+def test_to_dict_round_trips_through_json_and_yaml(policy, tmp_path):
+    d = policy.to_dict()
+    assert Policy.from_dict(d) == policy
+    assert Policy.from_dict(json.loads(json.dumps(d))) == policy
+    assert Policy.from_dict(yaml.safe_load(yaml.safe_dump(d))) == policy
+    path = write(tmp_path / "dumped.yaml", yaml.safe_dump(d, sort_keys=False))
+    assert Policy.from_yaml(path) == policy
+
+
+def test_policy_is_frozen():
+    p = Policy()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.compute_dtype = "fp32"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.optimizer.lr = 1.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.nvme.path = "/tmp"
+    assert p == Policy()
+
+
+def test_replace_merges_schema_overrides():
+    p = Policy().replace(optimizer={"lr": 1e-3}, compute_dtype="fp32")
+    assert p.optimizer.lr == 1e-3 and p.compute_dtype.value == "fp32"
+    assert p.optimizer.betas == Policy().optimizer.betas
+    assert Policy().optimizer.lr == 1e-4  # the original is untouched
+
+
+def test_resolve_none_without_env_is_the_defaults(monkeypatch):
+    monkeypatch.delenv(POLICY_ENV, raising=False)
+    assert resolve(None) == Policy()
+    assert resolve(None, {"compute_dtype": "fp32"}).compute_dtype.value == "fp32"
+
+
+def test_resolve_none_takes_the_launcher_policy_from_env(monkeypatch):
+    launched = Policy.from_dict(NON_DEFAULT)
+    monkeypatch.setenv(POLICY_ENV, json.dumps(launched.to_dict()))
+    assert resolve(None) == launched
+    merged = resolve(None, {"optimizer": {"lr": 1e-2}})
+    assert merged.optimizer.lr == 1e-2
+    assert merged.optimizer.betas == (0.8, 0.95) and merged.optimizer.tier is Tier.NVME
+    assert merged.nvme.path == "/mnt/nvme0"
+
+
+def test_resolve_overrides_deep_merge_into_a_file():
+    p = resolve(str(CONFIGS / "cpu.yaml"), {"optimizer": {"lr": 1e-3}})
+    assert p.optimizer.lr == 1e-3
+    assert dataclasses.replace(p.optimizer, lr=Policy().optimizer.lr) == Policy().optimizer
+    assert p.params == Policy().params and p.compute_dtype == Policy().compute_dtype
+
+
+def test_resolve_accepts_a_dict_and_a_policy():
+    assert resolve({"compute_dtype": "fp32"}).compute_dtype.value == "fp32"
+    merged = resolve({"optimizer": {"lr": 5e-4, "eps": 1e-6}}, {"optimizer": {"lr": 1e-3}})
+    assert (merged.optimizer.lr, merged.optimizer.eps) == (1e-3, 1e-6)
+    p = Policy.from_dict(NON_DEFAULT)
+    assert resolve(p) is p
+    q = resolve(p, {"optimizer": {"weight_decay": 0.5}})
+    assert q.optimizer.weight_decay == 0.5 and q.optimizer.lr == 3e-4
+
+
+def test_resolve_rejects_other_types():
+    with pytest.raises(tiered.PolicyError, match="YAML path, a dict or a tiered.Policy, got int"):
+        resolve(42)
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+def test_malformed_yaml_names_file_and_line(tmp_path):
+    message = policy_error(yaml_text="compute_dtype: bf16\nparams:\n\ttier: dram\n",
+                           tmp_path=tmp_path)
+    assert str(tmp_path / "policy.yaml") in message
+    assert "malformed YAML" in message
+    assert "line 3" in message
+
+
+def test_unclosed_flow_mapping_is_malformed_yaml(tmp_path):
+    message = policy_error(yaml_text="optimizer: {lr: 1.0e-4\nparams: {tier: dram}\n",
+                           tmp_path=tmp_path)
+    assert str(tmp_path / "policy.yaml") in message and "malformed YAML at line" in message
+
+
+def test_missing_file_names_it(tmp_path):
+    with pytest.raises(tiered.PolicyError) as info:
+        Policy.from_yaml(tmp_path / "nope.yaml")
+    assert str(tmp_path / "nope.yaml") in str(info.value) and "does not exist" in str(info.value)
+
+
+def test_non_utf8_file_is_a_policy_error(tmp_path):
+    path = tmp_path / "binary.yaml"
+    path.write_bytes(b"compute_dtype: bf16\nparams: {tier: \xff\xfe}\n")
+    with pytest.raises(tiered.PolicyError) as info:
+        Policy.from_yaml(path)
+    assert str(path) in str(info.value) and "UTF-8" in str(info.value)
+
+
+def test_unknown_key_names_the_key_path_and_allowed_keys(tmp_path):
+    message = policy_error(yaml_text="optimizer: {tier: dram, lrr: 1.0e-3}\n", tmp_path=tmp_path)
+    assert str(tmp_path / "policy.yaml") in message
+    assert "optimizer.lrr" in message
+    for allowed in ("tier", "lr", "betas", "eps", "weight_decay", "max_grad_norm"):
+        assert allowed in message.split("allowed here:")[1]
+
+
+def test_unknown_top_level_key_lists_the_sections():
+    message = policy_error({"optimiser": {"lr": 1e-3}})
+    assert "'optimiser'" in message
+    for section in ("compute_dtype", "params", "grads", "optimizer", "nvme", "hbm", "dram"):
+        assert section in message
+
+
+@pytest.mark.parametrize("key", ["params", "grads", "optimizer"])
+def test_bad_tier_names_key_and_allowed_tiers(key):
+    message = policy_error({key: {"tier": "ssd"}})
+    assert f"{key}.tier" in message and "'ssd'" in message
+    assert "hbm | dram | nvme" in message
+
+
+@pytest.mark.parametrize("key, value, allowed", [
+    ("compute_dtype", "fp8", "bf16 | fp16 | fp32"),
+    ("device", "tpu", "auto | cpu | cuda"),
+])
+def test_bad_enum_value_names_what_is_allowed(key, value, allowed):
+    message = policy_error({key: value})
+    assert key in message and repr(value) in message and allowed in message
+
+
+@pytest.mark.parametrize("key", ["nvme", "hbm", "dram"])
+def test_bad_size_string_names_key_value_and_units(key, tmp_path):
+    message = policy_error(yaml_text=f"{key}: {{budget: 12 parsecs}}\n", tmp_path=tmp_path)
+    assert str(tmp_path / "policy.yaml") in message
+    assert f"{key}.budget" in message and "'12 parsecs'" in message
+    assert "GiB" in message and "GB" in message
+
+
+@pytest.mark.parametrize("tiers", [{"params": {"tier": "nvme"}},
+                                   {"optimizer": {"tier": "nvme"}},
+                                   {"params": {"tier": "nvme"}, "optimizer": {"tier": "nvme"}}])
+def test_nvme_tier_without_nvme_path_is_refused(tiers):
+    message = policy_error(tiers)
+    assert "nvme.path is required" in message and "--nvme" in message
+    assert Policy.from_dict({**tiers, "nvme": {"path": "/somewhere"}}).uses_nvme
+
+
+@pytest.mark.parametrize("optimizer_tier, grads_tier, expected", [
+    ("hbm", "dram", "hbm"),
+    ("dram", "hbm", "dram"),
+    ("nvme", "hbm", "dram"),
+])
+def test_grads_tier_must_match_the_optimizer_tier(optimizer_tier, grads_tier, expected):
+    data = {"optimizer": {"tier": optimizer_tier}, "grads": {"tier": grads_tier},
+            "nvme": {"path": "/x"}}
+    message = policy_error(data)
+    assert f"grads.tier must be '{expected}'" in message
+    assert f"optimizer.tier is '{optimizer_tier}'" in message
+
+
+def test_grads_tier_cannot_be_nvme():
+    message = policy_error({"grads": {"tier": "nvme"}})
+    assert "grads" in message and "tier must be hbm or dram" in message and "'nvme'" in message
+
+
+def test_top_level_must_be_a_mapping(tmp_path):
+    message = policy_error(yaml_text="- params\n- grads\n", tmp_path=tmp_path)
+    assert str(tmp_path / "policy.yaml") in message
+    assert "top level must be a mapping" in message and "list" in message
+    assert "must be a mapping" in policy_error(["compute_dtype"])
+
+
+def test_a_section_must_be_a_mapping():
+    message = policy_error({"params": "dram"})
+    assert "test.yaml" in message and "params must be a mapping" in message and "'dram'" in message
+
+
+@pytest.mark.parametrize("betas", [[0.9, 1.0], [-0.1, 0.999], [1.5, 0.9]])
+def test_betas_out_of_range(betas):
+    message = policy_error({"optimizer": {"betas": betas}})
+    assert "optimizer" in message and "betas must each be in [0, 1)" in message
+    assert str(betas) in message
+
+
+def test_betas_must_be_two_numbers():
+    message = policy_error({"optimizer": {"betas": [0.9]}})
+    assert "optimizer.betas" in message and "two numbers" in message
+
+
+@pytest.mark.parametrize("optimizer, fragment", [
+    ({"lr": -1.0}, "lr must be >= 0"),
+    ({"eps": 0.0}, "eps must be > 0"),
+    ({"weight_decay": -0.1}, "weight_decay must be >= 0"),
+    ({"max_grad_norm": 0.0}, "max_grad_norm must be > 0"),
+])
+def test_optimizer_range_checks(optimizer, fragment):
+    message = policy_error({"optimizer": optimizer})
+    assert "optimizer" in message and fragment in message
+
+
+# Each of these used to slip through: a raw TypeError (not a PolicyError) for null or a list,
+# NaN past every range check, YAML's `yes` read as lr 1.0, growth_interval 2.5 cut to 2.
+@pytest.mark.parametrize("yaml_text, key", [
+    ("optimizer: {lr: null}", "optimizer.lr"),
+    ("optimizer: {lr: [1]}", "optimizer.lr"),
+    ("optimizer: {lr: .nan}", "optimizer.lr"),
+    ("optimizer: {eps: .nan}", "optimizer.eps"),
+    ("optimizer: {lr: yes}", "optimizer.lr"),
+    ("optimizer: {betas: [null, 0.9]}", "optimizer.betas"),
+    ("optimizer: {max_grad_norm: .inf}", "optimizer.max_grad_norm"),
+    ("loss_scale: {growth_interval: null}", "loss_scale.growth_interval"),
+    ("loss_scale: {growth_interval: 2.5}", "loss_scale.growth_interval"),
+])
+def test_non_numbers_are_policy_errors_naming_the_key(yaml_text, key, tmp_path):
+    message = policy_error(yaml_text=yaml_text + "\n", tmp_path=tmp_path)
+    assert str(tmp_path / "policy.yaml") in message and key in message
+
+
+def test_units_classes_must_be_a_list_of_names():
+    message = policy_error({"units": {"classes": "Block"}})
+    assert "units.classes" in message and "list of module class names" in message
+
+
+# -- tiered check-policy ------------------------------------------------------------------------
+
+def check_policy(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != POLICY_ENV}
+    return subprocess.run([sys.executable, "-m", "tiered.cli", "check-policy", *args], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+def assert_cli_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("tiered: error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+def test_check_policy_prints_the_resolved_policy():
+    result = check_policy("configs/cpu.yaml")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    printed = yaml.safe_load(result.stdout)
+    assert printed == Policy().to_dict()  # every key, defaults filled in
+    assert Policy.from_dict(printed) == Policy.from_yaml(CONFIGS / "cpu.yaml")
+
+
+def test_check_policy_nvme_sets_an_absolute_nvme_path(tmp_path):
+    (tmp_path / "nv").mkdir()
+    result = check_policy(str(CONFIGS / "nvme.yaml"), "--nvme", "nv", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    printed = Policy.from_dict(yaml.safe_load(result.stdout))
+    assert printed.nvme.path == str(tmp_path / "nv")
+    assert printed.params.tier is Tier.NVME and printed.optimizer.tier is Tier.NVME
+    assert os.listdir(tmp_path / "nv") == []  # checking a path writes nothing there
+
+
+def test_check_policy_malformed_yaml(tmp_path):
+    path = write(tmp_path / "bad.yaml", "compute_dtype: bf16\nparams:\n\ttier: dram\n")
+    assert_cli_error(check_policy(str(path)), str(path), "malformed YAML", "line 3")
+
+
+def test_check_policy_unknown_key(tmp_path):
+    path = write(tmp_path / "typo.yaml", "optimizer: {lrr: 1.0e-3}\n")
+    assert_cli_error(check_policy(str(path)), str(path), "optimizer.lrr", "allowed here: tier, lr")
+
+
+def test_check_policy_bad_tier(tmp_path):
+    path = write(tmp_path / "tier.yaml", "params: {tier: ssd}\n")
+    assert_cli_error(check_policy(str(path)), str(path), "params.tier", "hbm | dram | nvme")
+
+
+def test_check_policy_nvme_policy_without_a_path():
+    assert_cli_error(check_policy("configs/nvme.yaml"), "configs/nvme.yaml", "nvme.path is required")
+
+
+def test_check_policy_missing_nvme_path(tmp_path):
+    missing = tmp_path / "no-such-folder"
+    assert_cli_error(check_policy("configs/nvme.yaml", "--nvme", str(missing)),
+                     f"NVMe path {missing} does not exist")
+    assert not missing.exists()
+
+
+def test_check_policy_nvme_path_is_a_file(tmp_path):
+    file = write(tmp_path / "a-file", "x")
+    assert_cli_error(check_policy("configs/nvme.yaml", "--nvme", str(file)),
+                     f"NVMe path {file} is not a folder")
+
+
+@pytest.fixture
+def unwritable_folder(tmp_path):
+    """A folder this user cannot write. chmod 0o500 suffices unless we are root (root ignores
+    permission bits); then a read-only tmpfs mounted on it, if this process may mount."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o500)
+    try:
+        if not os.access(folder, os.W_OK):
+            yield folder
+            return
+        mount = shutil.which("mount")
+        if mount is None:
+            pytest.skip("running as root, where chmod does not stop writes, and there is no "
+                        "`mount` to make a read-only file system")
+        result = subprocess.run([mount, "-t", "tmpfs", "-o", "ro,size=1M", "tmpfs", str(folder)],
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            pytest.skip("running as root, where chmod does not stop writes, and mounting a "
+                        f"read-only tmpfs was refused: {result.stderr.strip()}")
+        try:
+            assert not os.access(folder, os.W_OK)
+            yield folder
+        finally:
+            subprocess.run(["umount", str(folder)], check=True)
+    finally:
+        folder.chmod(0o700)
+
+
+def test_check_policy_unwritable_nvme_path(unwritable_folder):
+    assert_cli_error(check_policy("configs/nvme.yaml", "--nvme", str(unwritable_folder)),
+                     f"NVMe path {unwritable_folder} is not writable")
