@@ -37,16 +37,7 @@ def _run_gpu(args):
     import torch
 
     model = _model(args).cuda()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-
-    def step(idx):
-        with torch.autocast("cuda", torch.bfloat16):
-            loss = _loss(model(idx), idx)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
-    return model, step
+    return model, _plain_step(model, autocast=True)
 
 
 def _run_fsdp2_offload(args):
@@ -69,15 +60,23 @@ def _run_fsdp2_offload(args):
     for module in model.modules():
         if hasattr(module, "reset_parameters"):
             module.reset_parameters()
+    return model, _plain_step(model, autocast=False)
+
+
+def _plain_step(model, autocast: bool):
+    """A PyTorch training step: bf16 autocast or not, fused AdamW."""
+    import torch
+
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
     def step(idx):
-        loss = _loss(model(idx), idx)
+        with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+            loss = _loss(model(idx), idx)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return loss
-    return model, step
+        return loss.detach()
+    return step
 
 
 def _run_tiered(args, policy):
@@ -94,7 +93,7 @@ def _run_tiered(args, policy):
         engine.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
-        return loss
+        return loss.detach()
     return engine, step
 
 

@@ -37,6 +37,16 @@ def reference_optimizer(model, **kwargs):
                                                          **kwargs))
 
 
+def train_both(engine, optimizer, reference, ref_optimizer, steps: int,
+               set_to_none: bool = True) -> None:
+    """The same steps on the engine and on plain PyTorch."""
+    for idx in data(steps):
+        next_token_loss(engine(idx), idx).backward()
+        next_token_loss(reference(idx), idx).backward()
+        optimizer.step(), ref_optimizer.step()
+        optimizer.zero_grad(set_to_none), ref_optimizer.zero_grad(set_to_none)
+
+
 def assert_same(state: dict, reference: dict) -> None:
     assert list(state) == list(reference)
     for name in reference:
@@ -99,12 +109,7 @@ def test_multihead_attention_trains_like_pytorch():
     model = make_gpt(block=MHABlock)
     reference = copy.deepcopy(model)
     engine, optimizer = fp32_engine(model)
-    ref_optimizer = reference_optimizer(reference)
-    for idx in data(4):
-        next_token_loss(engine(idx), idx).backward()
-        next_token_loss(reference(idx), idx).backward()
-        optimizer.step(), ref_optimizer.step()
-        optimizer.zero_grad(), ref_optimizer.zero_grad()
+    train_both(engine, optimizer, reference, reference_optimizer(reference), steps=4)
     assert_same(engine.full_state_dict(), reference.state_dict())
     engine.close()
 
@@ -173,12 +178,8 @@ def test_unit_skipped_on_some_steps_matches_pytorch(set_to_none):
     model = SkippingGPT(VOCAB, 32, 2, 2, max_seq=SEQ, tied=True, qkv_bias=False)
     reference = copy.deepcopy(model)
     engine, optimizer = fp32_engine(model)
-    ref_optimizer = reference_optimizer(reference)
-    for idx in data(4):
-        next_token_loss(engine(idx), idx).backward()
-        next_token_loss(reference(idx), idx).backward()
-        optimizer.step(), ref_optimizer.step()
-        optimizer.zero_grad(set_to_none), ref_optimizer.zero_grad(set_to_none)
+    train_both(engine, optimizer, reference, reference_optimizer(reference), steps=4,
+               set_to_none=set_to_none)
     assert_same(engine.full_state_dict(), reference.state_dict())
     engine.close()
 

@@ -6,23 +6,18 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import yaml
 
 from . import __version__
 from .errors import TieredError
-from .policy import resolve
-from .tiers.nvme import check_nvme_path
+from .launch import policy_from_args
 
 
 def _check_policy(args) -> int:
-    overrides = {"nvme": {"path": os.path.abspath(args.nvme)}} if args.nvme else {}
     try:
-        policy = resolve(args.file, overrides)
-        if policy.uses_nvme:
-            check_nvme_path(policy.nvme.path)
+        policy = policy_from_args(args.file, args.nvme)
     except TieredError as e:
         print(f"tiered: error: {e}", file=sys.stderr)
         return 2

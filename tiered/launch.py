@@ -34,6 +34,16 @@ def _parser():
     return parser
 
 
+def policy_from_args(policy_file: str | None, nvme: str | None):
+    """The policy a command line names (``--policy``, ``--nvme``), with its NVMe path checked;
+    raises TieredError (PolicyError, NvmeError) naming the file, key or path."""
+    overrides = {"nvme": {"path": os.path.abspath(nvme)}} if nvme else {}
+    policy = resolve(policy_file, overrides)
+    if policy.uses_nvme:
+        check_nvme_path(policy.nvme.path)
+    return policy
+
+
 def _single_node_without_rendezvous(args) -> bool:
     nnodes = str(args.nnodes)
     single = nnodes == "1" or nnodes.split(":")[-1] == "1"
@@ -52,11 +62,8 @@ def _threads_per_rank(nproc_per_node: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    overrides = {"nvme": {"path": os.path.abspath(args.nvme)}} if args.nvme else {}
     try:
-        policy = resolve(args.policy, overrides)
-        if policy.uses_nvme:
-            check_nvme_path(policy.nvme.path)
+        policy = policy_from_args(args.policy, args.nvme)
     except TieredError as e:
         print(f"tiered-launch: error: {e}", file=sys.stderr)
         return 2
