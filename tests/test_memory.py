@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+from torch import nn
 
 import tiered
 from gpt import GPT, next_token_loss
@@ -80,7 +81,7 @@ def test_budget_exactly_the_plan_trains_and_never_passes_it(tmp_path):
     probe, _ = tiered.initialize(make_gpt(), policy)
     flats = probe.runtime.flats
     plan = build_plan(policy, torch.device("cpu"), [f.shard_numel for f in flats],
-                      [f.padded_numel for f in flats], len(flats) - 1, 1)
+                      [f.padded_numel for f in flats], [f.spec.path for f in flats], 1)
     probe.close()
     tight = policy.replace(hbm={"budget": plan.needed(Tier.HBM)},
                            dram={"budget": plan.needed(Tier.DRAM)},
@@ -113,3 +114,56 @@ def test_budget_error_names_every_tier_that_does_not_fit(tmp_path):
         assert f"{tier}: needs" in message and f"({needed} bytes)" in message
         assert f"({available} bytes) available" in message
     assert os.listdir(tmp_path) == []
+
+
+class Inner(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(dim, dim) / dim**0.5)
+
+    def forward(self, x):
+        return torch.tanh(x @ self.weight)
+
+
+class Middle(Inner):
+    def __init__(self, dim: int):
+        super().__init__(dim)
+        self.inner = Inner(dim)
+
+    def forward(self, x):
+        return self.inner(super().forward(x))
+
+
+class Outer(Middle):
+    def __init__(self, dim: int):
+        super().__init__(dim)
+        self.middle = Middle(dim)
+
+    def forward(self, x):
+        return self.middle(super().forward(x))
+
+
+def test_nested_units_fit_a_budget_of_exactly_the_plan():
+    # Units three deep: an outer unit stays gathered while the units nested in it run.
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(Outer(64), Outer(64))
+
+    policy = Policy.from_dict(dict(device="cpu", compute_dtype="fp32",
+                                   units={"classes": ["Outer", "Middle", "Inner"]}))
+    probe, _ = tiered.initialize(model(), policy)
+    flats = probe.runtime.flats
+    # Each Outer: itself, its Inner, its Middle and that Middle's Inner (the root has no params).
+    assert [f.name for f in flats][:4] == ["0", "0.inner", "0.middle", "0.middle.inner"]
+    assert len(flats) == 8
+    plan = build_plan(policy, torch.device("cpu"), [f.shard_numel for f in flats],
+                      [f.padded_numel for f in flats], [f.spec.path for f in flats], 1)
+    probe.close()
+    engine, optimizer = tiered.initialize(model(), policy.replace(
+        hbm={"budget": plan.needed(Tier.HBM)}))
+    for _ in range(2):
+        engine(torch.randn(4, 64, requires_grad=True)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert engine.memory_report()["hbm"]["peak"] <= plan.needed(Tier.HBM)
+    engine.close()

@@ -211,19 +211,28 @@ def test_dram_over_budget_names_needed_and_available_and_holds_nothing():
 
 def test_dram_reservation_is_all_or_nothing_when_a_slab_cannot_be_had(monkeypatch):
     monkeypatch.setattr(dram_module, "SLAB_BYTES", 2 * BLOCK)
-    pinned = PinnedSlabSource(pin=False)
-    calls = []
 
-    def source(nbytes):  # the second slab fails, as pinning does when memory runs out
-        calls.append(nbytes)
-        if len(calls) == 2:
-            raise RuntimeError("cannot pin memory")
-        return pinned(nbytes)
+    class FailingSecondSlab(PinnedSlabSource):
+        """The second slab fails, as pinning does when memory runs out."""
 
+        def __init__(self):
+            super().__init__(pin=False)
+            self.made, self.released = [], []
+
+        def __call__(self, nbytes):
+            if len(self.made) == 1:
+                raise RuntimeError("cannot pin memory")
+            self.made.append(super().__call__(nbytes))
+            return self.made[-1]
+
+        def release(self, slab):
+            self.released.append(slab)
+
+    source = FailingSecondSlab()
     tier = DramTier(budget=None, source=source)
     with pytest.raises(RuntimeError, match="cannot pin"):
         tier.reserve({"a": 2 * BLOCK, "b": 2 * BLOCK, "c": BLOCK})
-    assert len(calls) == 2
+    assert len(source.made) == 1 and source.released == source.made, "first slab kept pinned"
     assert tier.usage.current == 0 and tier._slabs == []
 
 

@@ -93,17 +93,26 @@ class TierManager:
         return _typed(block, shard.numel, shard.dtype)
 
     def store(self, unit: int, kind: StateKind, value: torch.Tensor) -> None:
-        """Make ``value`` (any device or dtype, ``numel`` elements) the shard state's contents."""
+        """Make ``value`` (any device or dtype, ``numel`` elements) the shard state's contents.
+
+        A value that must change both dtype and device (new fp32 master weights on the CPU for
+        bf16 weights on the GPU) is cast on its own side into the staging buffer first, so only
+        the smaller dtype crosses PCIe; NVMe shards are always written from their staging buffer.
+        """
         shard = self.shards[(unit, kind)]
-        if shard.resident is not None:
-            if value.data_ptr() != shard.resident.data_ptr():
-                shard.resident.copy_(value)
+        target = shard.resident
+        if target is not None and value.data_ptr() == target.data_ptr():
             return
-        block = self._staging[kind]
-        staged = _typed(block, shard.numel, shard.dtype)
-        if value.data_ptr() != staged.data_ptr():
-            staged.copy_(value)
-        shard.file.write_from(block)
+        cross = target is not None and value.device != target.device and value.dtype != target.dtype
+        if target is None or (cross and kind in self._staging):
+            staged = _typed(self._staging[kind], shard.numel, shard.dtype)
+            if value.data_ptr() != staged.data_ptr():
+                staged.copy_(value)
+            value = staged
+        if target is None:
+            shard.file.write_from(self._staging[kind])
+        else:
+            target.copy_(value)
 
     def accumulate_grad(self, unit: int, value: torch.Tensor, overwrite: bool) -> None:
         """Add a reduced gradient shard (on the compute device) into the grads tier, in fp32;

@@ -87,19 +87,27 @@ def reduce_dtype(policy: Policy, world_size: int) -> torch.dtype:
     return torch.float32 if world_size > 1 else policy.compute_dtype.torch_dtype
 
 
-def hbm_working_set(policy: Policy, full_numels: list[int], root_full: int,
+def hbm_working_set(policy: Policy, full_numels: list[int], unit_paths: list[str],
                     world_size: int) -> int:
     """Peak bytes of the engine's transient device buffers.
 
-    The root unit stays gathered through forward and backward; at most two other units are
-    gathered at once (in backward the next unit is gathered before the gradient of the current
-    one has been reduced); one unit's flat gradient exists at a time, plus, with several ranks,
-    its fp32 copy and the reduced fp32 shard. Building a unit at start-up needs its fp32 flat copy.
+    A unit stays gathered while any unit nested in it runs, so what is gathered at once is a
+    chain of nested units (the root, and each unit's enclosing units). In backward the next
+    chain is gathered before the current one has been reduced and released, so two chains are
+    held at once (the root counted once): with flat blocks, the root and the two largest blocks.
+    One unit's flat gradient exists at a time, plus, with several ranks, its fp32 copy and the
+    reduced fp32 shard. Building a unit at start-up needs its fp32 flat copy.
     """
     compute = policy.compute_dtype.torch_dtype.itemsize
-    others = sorted(full_numels, reverse=True)[:2]
-    largest = max(full_numels + [root_full])
-    gathered = (root_full + sum(others)) * compute
+    root = sum(n for n, path in zip(full_numels, unit_paths) if path == "")
+
+    def chain(path: str) -> int:
+        return sum(n for n, other in zip(full_numels, unit_paths)
+                   if other and (path == other or path.startswith(other + ".")))
+
+    chains = sorted((chain(p) for p in unit_paths if p), reverse=True)[:2]
+    largest = max(full_numels, default=0)
+    gathered = (root + sum(chains)) * compute
     grad = largest * compute
     if world_size > 1:
         grad += largest * 4 * (compute != 4) + largest // world_size * 4
@@ -131,16 +139,14 @@ class MemoryPlan:
 
 
 def build_plan(policy: Policy, device: torch.device, shard_numels: list[int],
-               full_numels: list[int], root_index: int | None, world_size: int) -> MemoryPlan:
+               full_numels: list[int], unit_paths: list[str], world_size: int) -> MemoryPlan:
     shards = {}
     for unit, numel in enumerate(shard_numels):
         for kind in StateKind:
             tier = state_tier(policy, kind)
             shards[(unit, kind)] = Buffer(f"unit {unit} {kind.value}", tier, numel,
                                           state_dtype(policy, kind))
-    root_full = full_numels[root_index] if root_index is not None else 0
-    others = [n for i, n in enumerate(full_numels) if i != root_index]
     return MemoryPlan(
         shards=shards,
         staging=staging_buffers(policy, device, max(shard_numels, default=0), world_size),
-        working_set=hbm_working_set(policy, others, root_full, world_size))
+        working_set=hbm_working_set(policy, full_numels, unit_paths, world_size))

@@ -193,8 +193,7 @@ class Policy:
     units: UnitsPolicy = UnitsPolicy()
 
     def __post_init__(self):
-        uses_nvme = Tier.NVME in (self.params.tier, self.optimizer.tier)
-        if uses_nvme and not self.nvme.path:
+        if self.uses_nvme and not self.nvme.path:
             raise ValueError("nvme.path is required when params.tier or optimizer.tier is nvme "
                              "(set it in the policy or pass tiered-launch --nvme PATH)")
         expected_grads = Tier.HBM if self.optimizer.tier is Tier.HBM else Tier.DRAM

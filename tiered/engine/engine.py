@@ -1,6 +1,7 @@
 """TieredEngine and ``tiered.initialize``: a model partitioned across ranks and tiers."""
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import sys
@@ -28,6 +29,9 @@ from .units import find_units
 LAUNCHED_ENV = "TIERED_LAUNCHED"
 """Set by ``tiered-launch`` in each rank's environment."""
 
+_managed: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+"""Models whose parameters an engine has taken over."""
+
 
 class TieredEngine:
     """Runs the model with each unit gathered just in time; see ``tiered.initialize``."""
@@ -40,6 +44,7 @@ class TieredEngine:
         self.scaler = scaler
         self._state_dict_keys = state_dict_keys
         self._scaled_backward = False
+        self._closed = False
         self._hooks = UnitHooks(module, runtime, policy.compute_dtype.torch_dtype,
                                 on_backward_start=self._check_backward)
         self._finalizer = weakref.finalize(self, runtime.manager.close)
@@ -53,16 +58,18 @@ class TieredEngine:
         return self.runtime.manager
 
     def __call__(self, *args, **kwargs):
+        if self._closed:
+            raise TieredError("this engine is closed; its weights were freed by close()")
         return self.module(*args, **kwargs)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, multiplied by the loss scale under fp16 compute."""
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """``loss.backward(**kwargs)``, multiplied by the loss scale under fp16 compute."""
         if self.scaler is None:
-            loss.backward()
+            loss.backward(**kwargs)
             return
         self._scaled_backward = True
         try:
-            (loss.float() * self.scaler.scale).backward()
+            (loss.float() * self.scaler.scale).backward(**kwargs)
         finally:
             self._scaled_backward = False
 
@@ -110,9 +117,12 @@ class TieredEngine:
         return {key: values[key] for key in self._state_dict_keys}
 
     def close(self) -> None:
-        """Free every tier and remove this run's NVMe folder (also done at interpreter exit)."""
+        """Free every tier and remove this run's NVMe folder (also done at interpreter exit).
+
+        Dropping the engine is not enough: the model's hooks keep it alive."""
         self._hooks.remove()
         self._finalizer()
+        self._closed = True
 
 
 def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None = None,
@@ -132,6 +142,9 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
     if policy is None and context is not None:
         policy = context.policy  # resolved when the model was built, from the same sources
     policy = resolve(policy, overrides)
+    if model in _managed:
+        raise TieredError("this model is already managed by a tiered engine: its parameters "
+                          "live in that engine's tiers; call tiered.initialize once per model")
     device = _compute_device(policy)
     _init_distributed(device)
     group = ProcessGroup.current(device)
@@ -142,9 +155,9 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
     state_dict_keys = list(model.state_dict().keys())
     flats = [FlatParam(spec, group.rank, group.world_size, policy.compute_dtype.torch_dtype,
                        device) for spec in specs]
-    root = next((f.spec.index for f in flats if f.spec.path == ""), None)
     plan = build_plan(policy, device, [f.shard_numel for f in flats],
-                      [f.padded_numel for f in flats], root, group.world_size)
+                      [f.padded_numel for f in flats], [f.spec.path for f in flats],
+                      group.world_size)
 
     manager = TierManager(policy, device, group.rank, dram_source)
     try:
@@ -165,6 +178,7 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
     except BaseException:
         manager.close()
         raise
+    _managed.add(model)
     if os.environ.get(LAUNCHED_ENV):
         _exit_cleanly_on_sigterm()
     return engine, optimizer
@@ -201,16 +215,21 @@ def _compute_device(policy: Policy) -> torch.device:
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise PolicyError("device is 'cuda' but torch sees no CUDA device; use device: auto or cpu")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    # torchrun says which GPU is this rank's; otherwise respect torch.cuda.set_device.
+    local_rank = os.environ.get("LOCAL_RANK")
+    device = torch.device("cuda", int(local_rank) if local_rank is not None
+                          else torch.cuda.current_device())
     torch.cuda.set_device(device)
     return device
 
 
 def _init_distributed(device: torch.device) -> None:
-    """Join the torchrun group when launched by it and nobody has joined yet."""
+    """Join the torchrun group when launched by it and nobody has joined yet (and leave it at
+    exit, which NCCL asks for, unless the program already has)."""
     if dist.is_initialized() or "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    atexit.register(lambda: dist.destroy_process_group() if dist.is_initialized() else None)
 
 
 def _exit_cleanly_on_sigterm() -> None:

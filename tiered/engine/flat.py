@@ -42,10 +42,13 @@ class FlatParam:
         self.numel = sum(self.numels)
         self.padded_numel = -(-self.numel // world_size) * world_size
         self.shard_numel = self.padded_numel // world_size
-        self.full = torch.empty(self.padded_numel, dtype=dtype, device=device, requires_grad=True)
+        # Born released: shaped like the whole unit over a zero-byte storage, so building the
+        # engine allocates nothing on the device before the plan has been checked.
+        empty = torch.UntypedStorage(0, device=device)
+        self.full = torch.empty(0, dtype=dtype, device=device).set_(
+            empty, 0, (self.padded_numel,), (1,)).requires_grad_()
         self._writer = self.full.data  # see [Note: gathered storage]
-        self._storage_bytes = self.full.untyped_storage().nbytes()
-        self.full.untyped_storage().resize_(0)
+        self._storage_bytes = self.padded_numel * dtype.itemsize
         self.residency = Residency.RELEASED
 
     @property

@@ -1,16 +1,22 @@
 """Module and autograd hooks that gather units before they run and release them after.
 
 [Note: hook order in one training step]
-forward:  unit pre-hook   -> gather, bind the modules' attributes to fresh views of ``full``
-          unit post-hook  -> put a pre-backward hook on each output that needs a gradient; release
-backward: pre-backward    -> (first one of this backward) queue the end-of-backward callback;
-                             gather the unit again, into the same storage the saved views use
-          post-accumulate -> ``full.grad`` is complete: reduce-scatter, add to the grads tier,
-                             release (see [Note: one gradient per unit] in flat.py)
-          end callback    -> release whatever is still gathered (a unit whose outputs were used
-                             but whose weights got no gradient), ready for the next step
-The root unit is the model itself, so its pre-hook runs first and its post-hook last: the root's
-own parameters (embeddings, final norm, head) stay gathered through the whole forward.
+forward:  unit pre-hook    -> gather; bind the modules' attributes to fresh views of ``full``;
+                              push saved-tensor hooks for the unit's forward
+          saved-tensor pack -> a tensor autograd saves that is a view of a gathered unit is
+                              remembered with its unit
+          unit post-hook   -> pop the saved-tensor hooks; release (runs even if forward raised)
+backward: saved-tensor unpack -> the first use of a saved view in this backward queues the
+                              end-of-backward callback; the view's unit is gathered again, into
+                              the same storage the view uses
+          post-accumulate  -> ``full.grad`` is complete: reduce-scatter, add to the grads tier,
+                              release (see [Note: one gradient per unit] in flat.py)
+          end callback     -> release whatever is still gathered, ready for the next step
+Gathering on unpack, rather than from hooks on a unit's outputs, covers every path by which a
+gradient can reach a unit's weights (outputs hidden in dataclasses, auxiliary losses, activation
+checkpointing that recomputes a forward inside backward: its post-hook does not release then).
+The root unit is the model itself, so the root's own parameters (embeddings, final norm, head)
+stay gathered through the whole forward.
 """
 from __future__ import annotations
 
@@ -19,10 +25,14 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_map_only
 
 from .flat import FlatParam
 from .runtime import UnitRuntime
+
+
+def _in_backward_pass() -> bool:
+    return torch._C._current_graph_task_id() != -1
 
 
 class UnitHooks:
@@ -32,13 +42,13 @@ class UnitHooks:
         self.compute_dtype = compute_dtype
         self.on_backward_start = on_backward_start
         self._in_backward = False
-        self._handles = []
-        self._handles.append(model.register_forward_pre_hook(self._cast_inputs, with_kwargs=True))
+        self._saved_hooks: list[torch.autograd.graph.saved_tensors_hooks] = []
+        self._handles = [model.register_forward_pre_hook(self._start_forward, with_kwargs=True)]
         for flat in runtime.flats:
             module = flat.spec.module
             self._handles += [
                 module.register_forward_pre_hook(partial(self._pre_forward, flat)),
-                module.register_forward_hook(partial(self._post_forward, flat)),
+                module.register_forward_hook(partial(self._post_forward, flat), always_call=True),
                 flat.full.register_post_accumulate_grad_hook(partial(self._post_backward, flat)),
             ]
 
@@ -47,8 +57,11 @@ class UnitHooks:
             handle.remove()
         self._handles.clear()
 
-    def _cast_inputs(self, module, args, kwargs):
-        """Floating-point inputs of the model take the compute dtype, as the weights have."""
+    def _start_forward(self, module, args, kwargs):
+        """Model pre-hook: recover from a backward that raised, and cast floating inputs to the
+        compute dtype, as the weights have."""
+        if self._in_backward and not _in_backward_pass():
+            self._end_backward()  # a backward that raised never reached its end callback
         if self.compute_dtype is torch.float32:
             return None
         cast = partial(_cast_floating, dtype=self.compute_dtype)
@@ -57,23 +70,37 @@ class UnitHooks:
     def _pre_forward(self, flat: FlatParam, module, args) -> None:
         self.runtime.gather(flat)
         flat.bind_views()
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks.__enter__()
+        self._saved_hooks.append(hooks)
 
     def _post_forward(self, flat: FlatParam, module, args, output) -> None:
-        if torch.is_grad_enabled():
-            for tensor in tree_flatten(output)[0]:
-                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                    tensor.register_hook(partial(self._pre_backward, flat))
-        self.runtime.release(flat)
+        self._saved_hooks.pop().__exit__(None, None, None)
+        if not _in_backward_pass():  # a forward recomputed inside backward keeps its unit
+            self.runtime.release(flat)
 
-    def _pre_backward(self, flat: FlatParam, grad: torch.Tensor) -> None:
-        if not self._in_backward:
-            self._in_backward = True
-            self.on_backward_start()
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        self.runtime.gather(flat)
+    def _pack(self, tensor: torch.Tensor):
+        flat = self.runtime.owner_of(tensor)
+        return tensor if flat is None else (flat, tensor)
+
+    def _unpack(self, packed):
+        if isinstance(packed, tuple):
+            flat, tensor = packed
+            self._enter_backward()
+            self.runtime.gather(flat)
+            return tensor
+        return packed
 
     def _post_backward(self, flat: FlatParam, full: torch.Tensor) -> None:
+        self._enter_backward()
         self.runtime.reduce_grad(flat)
+
+    def _enter_backward(self) -> None:
+        if self._in_backward or not _in_backward_pass():
+            return
+        self.on_backward_start()  # may refuse (fp16 without engine.backward); nothing changed yet
+        self._in_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
         self.runtime.release_all()

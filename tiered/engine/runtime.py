@@ -25,25 +25,35 @@ class UnitRuntime:
         self.reduce_dtype = reduce_dtype(policy, group.world_size)
         self.has_grad = [False] * len(flats)
         """Whether unit i's gradient shard holds a sum since the last ``zero_grad``."""
+        self._gathered: dict[int, FlatParam] = {}
+        """Storage address of each gathered unit's ``full``, to recognise views of it."""
 
     @property
-    def hbm(self):
+    def hbm_usage(self):
         return self.manager.hbm.usage
 
     def gather(self, flat: FlatParam) -> None:
         """Fill ``flat.full`` from this rank's weight shard (wherever it lives) and the others'."""
         if flat.residency is Residency.GATHERED:
             return
-        self.hbm.acquire(flat.gathered_bytes, f"gathered unit {flat.name}")
+        self.hbm_usage.acquire(flat.gathered_bytes, f"gathered unit {flat.name}")
         full = flat.allocate()
         mine = flat.own_shard(full)
         mine.copy_(self.manager.load(flat.spec.index, StateKind.PARAM))
         self.group.all_gather(full, mine)
+        self._gathered[full.untyped_storage().data_ptr()] = flat
 
     def release(self, flat: FlatParam) -> None:
         if flat.residency is Residency.GATHERED:
+            del self._gathered[flat.full.untyped_storage().data_ptr()]
             flat.free()
-            self.hbm.release(flat.gathered_bytes)
+            self.hbm_usage.release(flat.gathered_bytes)
+
+    def owner_of(self, tensor: torch.Tensor) -> FlatParam | None:
+        """The gathered unit whose weights ``tensor`` is a view of, if any."""
+        if tensor.layout is not torch.strided:
+            return None
+        return self._gathered.get(tensor.untyped_storage().data_ptr())
 
     def release_all(self) -> None:
         for flat in self.flats:
@@ -55,12 +65,12 @@ class UnitRuntime:
         grad = flat.full.grad
         flat.full.grad = None
         transient = grad.numel() * grad.element_size()
-        self.hbm.acquire(transient, f"gradient of unit {flat.name}")
+        self.hbm_usage.acquire(transient, f"gradient of unit {flat.name}")
         if self.group.world_size > 1:
             full32 = grad.to(self.reduce_dtype)
             shard = torch.empty(flat.shard_numel, dtype=self.reduce_dtype, device=grad.device)
             extra = (full32.numel() * 4 if full32 is not grad else 0) + shard.numel() * 4
-            self.hbm.acquire(extra, f"fp32 gradient reduction of unit {flat.name}")
+            self.hbm_usage.acquire(extra, f"fp32 gradient reduction of unit {flat.name}")
             transient += extra
             self.group.reduce_scatter_mean(shard, full32)
             del full32
@@ -70,7 +80,7 @@ class UnitRuntime:
         self.manager.accumulate_grad(index, shard, overwrite=not self.has_grad[index])
         self.has_grad[index] = True
         del grad, shard
-        self.hbm.release(transient)
+        self.hbm_usage.release(transient)
         self.release(flat)
 
     def zero_grad(self, set_to_none: bool) -> None:
@@ -83,10 +93,4 @@ class UnitRuntime:
 
     def write_weights(self, index: int, master: torch.Tensor) -> None:
         """After an optimizer step: the new compute-dtype weights, cast from ``master``."""
-        if self.manager.has_staging(StateKind.PARAM) and master.device.type == "cpu":
-            # Cast on the CPU into the staging buffer, so only compute-dtype bytes travel on.
-            staged = self.manager.staging(StateKind.PARAM, master.numel(),
-                                          self.flats[index].full.dtype)
-            staged.copy_(master)
-            master = staged
         self.manager.store(index, StateKind.PARAM, master)

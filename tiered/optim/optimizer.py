@@ -22,8 +22,12 @@ class TieredAdamW(torch.optim.Optimizer):
     A step clips by the global gradient norm when the policy sets ``max_grad_norm``
     (``clip_grad_norm_``'s rule), and under fp16 compute unscales the gradients, or skips the step
     and lowers the loss scale when any rank's gradients hold an inf or nan. Both factors are
-    applied inside the AdamW kernel, not as a separate pass. Shards that received no gradient
-    since ``zero_grad()`` are not stepped, as parameters with ``grad=None`` are not in PyTorch.
+    applied inside the AdamW kernel as one divisor, not as a separate pass over the gradients.
+
+    A unit that received no gradient since ``zero_grad()`` is not stepped, as parameters with
+    ``grad=None`` are not in PyTorch. Within a unit that did, a parameter the forward never used
+    has a zero gradient and is stepped (weight decay and momentum act on it), where PyTorch would
+    leave it alone; put such parameters in a unit of their own (``units.classes``) if it matters.
     """
 
     def __init__(self, runtime, policy: Policy, scaler: LossScaler | None):
@@ -51,6 +55,8 @@ class TieredAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self._manager.shards:
+            raise TieredError("the engine of this optimizer is closed")
         if len(self.param_groups) != 1:
             raise TieredError(f"TieredAdamW steps one param group (all units); it has "
                               f"{len(self.param_groups)}")
@@ -93,7 +99,8 @@ class TieredAdamW(torch.optim.Optimizer):
         if self.max_grad_norm is not None:
             clip = self.max_grad_norm / (norm + 1e-6)
             if clip < 1.0:
-                return scale / clip
+                # An infinite norm clips to zero, as clip_grad_norm_ multiplies by 0 then.
+                return scale / clip if clip > 0.0 else math.inf
         return scale
 
     def _global_norm(self, units: list[int]) -> float:
