@@ -10,6 +10,7 @@ It knows nothing of modules or autograd, so the per-node daemon can host it late
 """
 from __future__ import annotations
 
+import queue
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,16 @@ def _typed(block: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
     return block.view(dtype)[:numel]
 
 
+def _staging_in(kind: StateKind) -> str:
+    """The staging buffer an NVMe state is read into (see plan.staging_buffers)."""
+    return "param_in" if kind is StateKind.PARAM else kind.value
+
+
+def _staging_out(kind: StateKind) -> str:
+    """The staging buffer a new value goes through on its way to a state's tier."""
+    return "param_out" if kind in (StateKind.PARAM, StateKind.PARAM_NEXT) else kind.value
+
+
 class TierManager:
     def __init__(self, policy: Policy, device: torch.device, rank: int,
                  dram_source: SlabSource | None = None):
@@ -47,7 +58,9 @@ class TierManager:
         self.nvme = (NvmeTier(policy.nvme.path, policy.nvme.budget, rank)
                      if policy.uses_nvme else None)
         self.shards: dict[tuple[int, StateKind], Shard] = {}
-        self._staging: dict[StateKind, torch.Tensor] = {}
+        self._staging: dict[str, torch.Tensor] = {}
+        self._landing: queue.SimpleQueue[str] = queue.SimpleQueue()
+        """Free gradient landing buffers (see plan.GRAD_LANDING_SLOTS)."""
 
     def available(self) -> dict[Tier, int]:
         out = {Tier.HBM: self.hbm.usage.budget - self.hbm.usage.current,
@@ -64,10 +77,12 @@ class TierManager:
         """
         plan.check(self.available())
         dram = {key: buf.nbytes for key, buf in plan.shards.items() if buf.tier is Tier.DRAM}
-        dram.update({("staging", kind): buf.nbytes for kind, buf in plan.staging.items()})
+        dram.update({("staging", name): buf.nbytes for name, buf in plan.staging.items()})
         blocks = self.dram.reserve(dram)
-        for kind, buf in plan.staging.items():
-            self._staging[kind] = blocks[("staging", kind)]
+        for name in plan.staging:
+            self._staging[name] = blocks[("staging", name)]
+            if name.startswith("grad"):
+                self._landing.put(name)
         for (unit, kind), buf in plan.shards.items():
             shard = Shard(unit, kind, buf.tier, buf.numel, buf.dtype)
             if buf.tier is Tier.DRAM:
@@ -88,7 +103,7 @@ class TierManager:
         shard = self.shards[(unit, kind)]
         if shard.resident is not None:
             return shard.resident
-        block = self._staging[kind]
+        block = self._staging[_staging_in(kind)]
         shard.file.read_into(block)
         return _typed(block, shard.numel, shard.dtype)
 
@@ -103,26 +118,34 @@ class TierManager:
         target = shard.resident
         if target is not None and value.data_ptr() == target.data_ptr():
             return
+        staging = _staging_out(kind)
         cross = target is not None and value.device != target.device and value.dtype != target.dtype
-        if target is None or (cross and kind in self._staging):
-            staged = _typed(self._staging[kind], shard.numel, shard.dtype)
+        if target is None or (cross and staging in self._staging):
+            staged = _typed(self._staging[staging], shard.numel, shard.dtype)
             if value.data_ptr() != staged.data_ptr():
                 staged.copy_(value)
             value = staged
         if target is None:
-            shard.file.write_from(self._staging[kind])
+            shard.file.write_from(self._staging[staging])
         else:
             target.copy_(value)
 
+    def land_grad(self, value: torch.Tensor) -> tuple[str, torch.Tensor]:
+        """A free landing buffer holding a copy of the gradient shard ``value`` (started with
+        ``non_blocking``: the caller records an event after it). Blocks while every buffer is
+        still waiting for the CPU worker, which is how backward is kept from outrunning it."""
+        name = self._landing.get()
+        landed = _typed(self._staging[name], value.numel(), value.dtype)
+        landed.copy_(value, non_blocking=True)
+        return name, landed
+
+    def return_landing(self, name: str) -> None:
+        self._landing.put(name)
+
     def accumulate_grad(self, unit: int, value: torch.Tensor, overwrite: bool) -> None:
-        """Add a reduced gradient shard (on the compute device) into the grads tier, in fp32;
-        ``overwrite`` starts a new sum instead."""
+        """Add a reduced gradient shard into the grads tier, in fp32; ``overwrite`` starts a new
+        sum instead. ``value`` is on the grads tier's device (landed there if it had to move)."""
         grad = self.shards[(unit, StateKind.GRAD)].resident
-        if value.device != grad.device:
-            # Off the GPU first (a synchronous copy, so the CPU may read it right after).
-            staged = self.staging(StateKind.GRAD, value.numel(), value.dtype)
-            staged.copy_(value)
-            value = staged
         if overwrite:
             grad.copy_(value)
         else:
@@ -131,12 +154,16 @@ class TierManager:
     def zero_grad(self, unit: int) -> None:
         self.shards[(unit, StateKind.GRAD)].resident.zero_()
 
-    def staging(self, kind: StateKind, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """The staging buffer of ``kind`` viewed as ``numel`` elements of ``dtype``."""
-        return _typed(self._staging[kind], numel, dtype)
+    def grad_device(self) -> torch.device:
+        return next(s.resident.device for (_, kind), s in self.shards.items()
+                    if kind is StateKind.GRAD)
 
-    def has_staging(self, kind: StateKind) -> bool:
-        return kind in self._staging
+    def swap_params(self, unit: int) -> None:
+        """The delayed update's next weights of ``unit`` become its current ones (and the old
+        current ones the buffer the next update writes)."""
+        current = self.shards[(unit, StateKind.PARAM)]
+        following = self.shards[(unit, StateKind.PARAM_NEXT)]
+        current.resident, following.resident = following.resident, current.resident
 
     def tier_of(self, unit: int, kind: StateKind) -> Tier:
         return self.shards[(unit, kind)].tier

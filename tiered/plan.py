@@ -21,6 +21,7 @@ class StateKind(enum.Enum):
     """The pieces of training state each rank keeps per unit shard."""
 
     PARAM = "param"            # compute-dtype weights, in policy.params.tier
+    PARAM_NEXT = "param_next"  # the delayed update's next weights (double buffer), same tier
     GRAD = "grad"              # fp32 gradient, in policy.grads.tier
     MASTER = "master"          # fp32 master weights, in policy.optimizer.tier
     EXP_AVG = "exp_avg"        # Adam first moment, in policy.optimizer.tier
@@ -30,8 +31,21 @@ class StateKind(enum.Enum):
 OPTIMIZER_STATES = (StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
 
 
+GRAD_LANDING_SLOTS = 4
+"""Pinned buffers in which reduced gradient shards land from the GPU until the CPU worker adds
+them in: this many units' gradients may be in flight before backward waits for the worker."""
+
+
+def state_kinds(policy: Policy) -> list[StateKind]:
+    """The states each unit shard has under this policy."""
+    kinds = list(StateKind)
+    if not policy.optimizer.delayed_update.enabled:
+        kinds.remove(StateKind.PARAM_NEXT)
+    return kinds
+
+
 def state_tier(policy: Policy, kind: StateKind) -> Tier:
-    if kind is StateKind.PARAM:
+    if kind in (StateKind.PARAM, StateKind.PARAM_NEXT):
         return policy.params.tier
     if kind is StateKind.GRAD:
         return policy.grads.tier
@@ -39,7 +53,9 @@ def state_tier(policy: Policy, kind: StateKind) -> Tier:
 
 
 def state_dtype(policy: Policy, kind: StateKind) -> torch.dtype:
-    return policy.compute_dtype.torch_dtype if kind is StateKind.PARAM else torch.float32
+    if kind in (StateKind.PARAM, StateKind.PARAM_NEXT):
+        return policy.compute_dtype.torch_dtype
+    return torch.float32
 
 
 @dataclass(frozen=True)
@@ -59,26 +75,31 @@ class Buffer:
 
 
 def staging_buffers(policy: Policy, device: torch.device, max_shard: int,
-                    world_size: int) -> dict[StateKind, Buffer]:
+                    world_size: int) -> dict[str, Buffer]:
     """DRAM buffers through which shards move when they are not where they are used.
 
-    Each is sized for the largest shard and reused for every unit, one unit at a time:
-    - PARAM: weights read from NVMe before the gather, and new weights cast on the CPU before they
-      go to NVMe or to HBM;
-    - MASTER, EXP_AVG, EXP_AVG_SQ: optimizer states read from NVMe, stepped, written back;
-    - GRAD: a reduced gradient shard copied off the GPU before it is added into DRAM.
+    Each is sized for the largest shard and reused unit after unit; each has one user thread:
+    - "param_in": weights read from NVMe before a gather (training thread);
+    - "param_out": new weights cast on the CPU on their way to NVMe or HBM (CPU worker);
+    - "master", "exp_avg", "exp_avg_sq": optimizer states read from NVMe, stepped in place and
+      written back (CPU worker);
+    - "grad0".."grad3": reduced gradient shards landing from the GPU (filled by backward, emptied
+      by the CPU worker; see GRAD_LANDING_SLOTS).
     """
     compute = policy.compute_dtype.torch_dtype
     out = {}
     optimizer_on_cpu = policy.optimizer.tier is not Tier.HBM
+    if policy.params.tier is Tier.NVME:
+        out["param_in"] = Buffer("staging param_in", Tier.DRAM, max_shard, compute)
     if policy.params.tier is Tier.NVME or (policy.params.tier is Tier.HBM and optimizer_on_cpu):
-        out[StateKind.PARAM] = Buffer("staging param", Tier.DRAM, max_shard, compute)
+        out["param_out"] = Buffer("staging param_out", Tier.DRAM, max_shard, compute)
     if policy.optimizer.tier is Tier.NVME:
         for kind in OPTIMIZER_STATES:
-            out[kind] = Buffer(f"staging {kind.value}", Tier.DRAM, max_shard, torch.float32)
+            out[kind.value] = Buffer(f"staging {kind.value}", Tier.DRAM, max_shard, torch.float32)
     if policy.grads.tier is Tier.DRAM and device.type != "cpu":
-        out[StateKind.GRAD] = Buffer("staging grad", Tier.DRAM, max_shard,
-                                     reduce_dtype(policy, world_size))
+        for slot in range(GRAD_LANDING_SLOTS):
+            out[f"grad{slot}"] = Buffer(f"staging grad{slot}", Tier.DRAM, max_shard,
+                                        reduce_dtype(policy, world_size))
     return out
 
 
@@ -95,8 +116,9 @@ def hbm_working_set(policy: Policy, full_numels: list[int], unit_paths: list[str
     chain of nested units (the root, and each unit's enclosing units). In backward the next
     chain is gathered before the current one has been reduced and released, so two chains are
     held at once (the root counted once): with flat blocks, the root and the two largest blocks.
-    One unit's flat gradient exists at a time, plus, with several ranks, its fp32 copy and the
-    reduced fp32 shard. Building a unit at start-up needs its fp32 flat copy.
+    Up to GRAD_LANDING_SLOTS units' flat gradients wait for the CPU worker at once, each (with
+    several ranks) with its fp32 copy and reduced fp32 shard. Building a unit at start-up needs
+    its fp32 flat copy.
     """
     compute = policy.compute_dtype.torch_dtype.itemsize
     root = sum(n for n, path in zip(full_numels, unit_paths) if path == "")
@@ -111,6 +133,7 @@ def hbm_working_set(policy: Policy, full_numels: list[int], unit_paths: list[str
     grad = largest * compute
     if world_size > 1:
         grad += largest * 4 * (compute != 4) + largest // world_size * 4
+    grad *= GRAD_LANDING_SLOTS
     startup = largest * 4
     return max(gathered + grad, startup)
 
@@ -118,7 +141,7 @@ def hbm_working_set(policy: Policy, full_numels: list[int], unit_paths: list[str
 @dataclass(frozen=True)
 class MemoryPlan:
     shards: dict[tuple[int, StateKind], Buffer]
-    staging: dict[StateKind, Buffer]
+    staging: dict[str, Buffer]
     working_set: int
     """Transient HBM bytes (gathered units, gradients in flight), counted against the HBM budget."""
 
@@ -142,7 +165,7 @@ def build_plan(policy: Policy, device: torch.device, shard_numels: list[int],
                full_numels: list[int], unit_paths: list[str], world_size: int) -> MemoryPlan:
     shards = {}
     for unit, numel in enumerate(shard_numels):
-        for kind in StateKind:
+        for kind in state_kinds(policy):
             tier = state_tier(policy, kind)
             shards[(unit, kind)] = Buffer(f"unit {unit} {kind.value}", tier, numel,
                                           state_dtype(policy, kind))

@@ -67,6 +67,12 @@ def _int(value: object) -> int:
     return int(number)
 
 
+def _bool(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
 def _size_or_none(value: object) -> int | None:
     return None if value is None else parse_size(value)
 
@@ -107,6 +113,24 @@ class GradsPolicy:
 
 
 @dataclass(frozen=True)
+class DelayedUpdatePolicy:
+    """ZeRO-Offload's one-step delayed parameter update (DPU).
+
+    After ``warmup_steps`` ordinary steps, ``optimizer.step()`` returns at once and the CPU
+    update of step t runs while step t+1's forward and backward use the weights from before it:
+    the gradient used at step t >= warmup + 2 is computed at theta_{t-2} and applied to
+    theta_{t-1}. The compute-dtype weights are double-buffered for it.
+    """
+
+    enabled: bool = field(default=False, metadata=_parse(_bool))
+    warmup_steps: int = field(default=0, metadata=_parse(_int))
+
+    def __post_init__(self):
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+
+
+@dataclass(frozen=True)
 class OptimizerPolicy:
     """AdamW with the semantics of ``torch.optim.AdamW``."""
 
@@ -119,8 +143,17 @@ class OptimizerPolicy:
     max_grad_norm: float | None = field(
         default=None, metadata=_parse(lambda v: None if v is None else _float(v)))
     """Clip the global gradient norm to this before each step (``clip_grad_norm_`` semantics)."""
+    accumulation_steps: int | None = field(
+        default=None, metadata=_parse(lambda v: None if v is None else _int(v)))
+    """Backward calls per ``optimizer.step()``. When set (and neither clipping nor fp16 needs the
+    global norm first), each unit is stepped as soon as its gradient of the last backward lands,
+    overlapping the rest of that backward; null waits for ``optimizer.step()``."""
+    delayed_update: DelayedUpdatePolicy = DelayedUpdatePolicy()
 
     def __post_init__(self):
+        if self.accumulation_steps is not None and self.accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be >= 1 or null, "
+                             f"got {self.accumulation_steps}")
         if self.lr < 0:
             raise ValueError(f"lr must be >= 0, got {self.lr}")
         if not all(0.0 <= b < 1.0 for b in self.betas):
@@ -172,6 +205,19 @@ class LossScalePolicy:
 
 
 @dataclass(frozen=True)
+class CpuPolicy:
+    optimizer_threads: int | None = field(
+        default=None, metadata=_parse(lambda v: None if v is None else _int(v)))
+    """Threads of the CPU optimizer worker; null = the cores this rank may use (affinity and
+    cgroup quota), less one for the training thread when it drives a GPU."""
+
+    def __post_init__(self):
+        if self.optimizer_threads is not None and self.optimizer_threads < 1:
+            raise ValueError(f"optimizer_threads must be >= 1 or null, "
+                             f"got {self.optimizer_threads}")
+
+
+@dataclass(frozen=True)
 class UnitsPolicy:
     classes: tuple[str, ...] | None = field(default=None, metadata=_parse(_class_names))
     """Module class names that each become a unit; null = every repeated block (see units.py)."""
@@ -191,8 +237,12 @@ class Policy:
     dram: DramPolicy = DramPolicy()
     loss_scale: LossScalePolicy = LossScalePolicy()
     units: UnitsPolicy = UnitsPolicy()
+    cpu: CpuPolicy = CpuPolicy()
 
     def __post_init__(self):
+        if self.optimizer.delayed_update.enabled and self.params.tier is Tier.NVME:
+            raise ValueError("optimizer.delayed_update needs params.tier hbm or dram: the "
+                             "weights are double-buffered, which NVMe weights do not support yet")
         if self.uses_nvme and not self.nvme.path:
             raise ValueError("nvme.path is required when params.tier or optimizer.tier is nvme "
                              "(set it in the policy or pass tiered-launch --nvme PATH)")

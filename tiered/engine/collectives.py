@@ -30,6 +30,14 @@ class ProcessGroup:
             return cls(dist.get_rank(), dist.get_world_size(), device, dist.group.WORLD)
         return cls(0, 1, device)
 
+    def duplicate(self) -> "ProcessGroup":
+        """The same ranks over a communicator of their own, for collectives issued from another
+        thread (their order there cannot interleave with this group's)."""
+        if self.world_size == 1:
+            return self
+        return ProcessGroup(self.rank, self.world_size, self.device,
+                            dist.new_group(list(range(self.world_size))))
+
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> None:
         """Fill ``full`` with every rank's ``shard``; ``shard`` may be this rank's slice of it."""
         if self.world_size == 1:

@@ -16,7 +16,8 @@ from ..errors import PolicyError, TieredError
 from ..manager import TierManager
 from ..optim import TieredAdamW
 from ..optim.loss_scale import LossScaler
-from ..plan import StateKind, build_plan
+from ..optim.workers import CpuWorker, optimizer_threads
+from ..plan import StateKind, build_plan, state_kinds
 from ..policy import ComputeDtype, Device, Policy, resolve
 from ..tiers import SlabSource
 from .collectives import ProcessGroup
@@ -37,10 +38,11 @@ class TieredEngine:
     """Runs the model with each unit gathered just in time; see ``tiered.initialize``."""
 
     def __init__(self, module: nn.Module, policy: Policy, runtime: UnitRuntime,
-                 scaler: LossScaler | None, state_dict_keys: list[str]):
+                 optimizer: TieredAdamW, scaler: LossScaler | None, state_dict_keys: list[str]):
         self.module = module
         self.policy = policy
         self.runtime = runtime
+        self.optimizer = optimizer
         self.scaler = scaler
         self._state_dict_keys = state_dict_keys
         self._scaled_backward = False
@@ -83,6 +85,8 @@ class TieredEngine:
         return self
 
     def eval(self) -> "TieredEngine":
+        """Evaluation mode, on the latest weights (a pending delayed update is finished)."""
+        self.optimizer.synchronize()
         return self.train(False)
 
     def memory_report(self) -> dict[str, dict[str, int | None]]:
@@ -92,12 +96,13 @@ class TieredEngine:
     def placement(self) -> dict[str, dict[str, str]]:
         """For every unit (by module path, "<root>" for the root): the tier of each state."""
         return {flat.name: {kind.value: self.manager.tier_of(flat.spec.index, kind).value
-                            for kind in StateKind} for flat in self.runtime.flats}
+                            for kind in state_kinds(self.policy)} for flat in self.runtime.flats}
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Consolidated fp32 weights (and buffers) as CPU tensors under the keys of the original
         ``model.state_dict()``, on every rank; tied parameters share one tensor, as in torch."""
+        self.optimizer.synchronize()
         group = self.runtime.group
         values: dict[str, torch.Tensor] = {
             name: tensor.detach().cpu() for name, tensor in self.module.state_dict().items()}
@@ -120,9 +125,15 @@ class TieredEngine:
         """Free every tier and remove this run's NVMe folder (also done at interpreter exit).
 
         Dropping the engine is not enough: the model's hooks keep it alive."""
-        self._hooks.remove()
-        self._finalizer()
-        self._closed = True
+        if self._closed:
+            return
+        try:
+            self.optimizer.synchronize()
+        finally:
+            self.runtime.worker.close()
+            self._hooks.remove()
+            self._finalizer()
+            self._closed = True
 
 
 def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None = None,
@@ -160,6 +171,7 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
                       group.world_size)
 
     manager = TierManager(policy, device, group.rank, dram_source)
+    worker = None
     try:
         manager.allocate(plan)
         materializer = Materializer(model, specs, device,
@@ -170,12 +182,16 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
             for name, buffer in module._buffers.items():
                 if buffer is not None:
                     module._buffers[name] = buffer.to(device)
-        runtime = UnitRuntime(flats, manager, group, policy)
+        worker = CpuWorker(optimizer_threads(policy.cpu.optimizer_threads,
+                                             drives_gpu=device.type == "cuda"))
+        runtime = UnitRuntime(flats, manager, group, policy, worker)
         scaler = (LossScaler(policy.loss_scale)
                   if policy.compute_dtype is ComputeDtype.FP16 else None)
-        engine = TieredEngine(model, policy, runtime, scaler, state_dict_keys)
-        optimizer = TieredAdamW(runtime, policy, scaler)
+        optimizer = TieredAdamW(runtime, policy, scaler, group.duplicate())
+        engine = TieredEngine(model, policy, runtime, optimizer, scaler, state_dict_keys)
     except BaseException:
+        if worker is not None:
+            worker.close()
         manager.close()
         raise
     _managed.add(model)

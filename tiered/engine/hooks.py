@@ -99,6 +99,7 @@ class UnitHooks:
         if self._in_backward or not _in_backward_pass():
             return
         self.on_backward_start()  # may refuse (fp16 without engine.backward); nothing changed yet
+        self.runtime.start_backward()  # may refuse a backward past accumulation_steps
         self._in_backward = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -12,17 +14,38 @@ from .adamw import AdamWHyper, adamw_step
 from .loss_scale import LossScaler
 
 
+@dataclass
+class _Update:
+    """One optimizer step's work for the CPU worker, and what it found."""
+
+    units: list[int]
+    hyper: AdamWHyper
+    loss_scale: float
+    into_next: bool
+    """Write the new weights into the delayed update's next buffer, not the current one."""
+    written: list[int] = field(default_factory=list)
+    norm: float | None = None
+    overflowed: bool = False
+
+
 class TieredAdamW(torch.optim.Optimizer):
     """AdamW with ``torch.optim.AdamW``'s semantics, stepped where the optimizer states live.
 
     ``param_groups[0]["params"]`` are the units' flat parameters (one per unit, as FSDP's flat
-    parameters). Its ``lr``, ``betas``, ``eps`` and ``weight_decay`` are read at every step, so
-    assigning ``param_groups[0]["lr"]`` or using a torch LR scheduler works as in PyTorch.
+    parameters). Its ``lr``, ``betas``, ``eps`` and ``weight_decay`` are read when a step is
+    taken, so assigning ``param_groups[0]["lr"]`` or using a torch LR scheduler works as in
+    PyTorch.
 
     A step clips by the global gradient norm when the policy sets ``max_grad_norm``
     (``clip_grad_norm_``'s rule), and under fp16 compute unscales the gradients, or skips the step
     and lowers the loss scale when any rank's gradients hold an inf or nan. Both factors are
     applied inside the AdamW kernel as one divisor, not as a separate pass over the gradients.
+
+    The work runs on the CPU worker (see workers.py). With ``optimizer.delayed_update`` the step
+    after warm-up returns at once and its update overlaps the next forward and backward;
+    :meth:`synchronize` (also run by ``engine.full_state_dict()``, ``engine.eval()`` and
+    ``engine.close()``) finishes it. ``last_grad_norm`` and ``skipped_steps`` describe the
+    updates finished so far.
 
     A unit that received no gradient since ``zero_grad()`` is not stepped, as parameters with
     ``grad=None`` are not in PyTorch. Within a unit that did, a parameter the forward never used
@@ -30,21 +53,30 @@ class TieredAdamW(torch.optim.Optimizer):
     leave it alone; put such parameters in a unit of their own (``units.classes``) if it matters.
     """
 
-    def __init__(self, runtime, policy: Policy, scaler: LossScaler | None):
+    def __init__(self, runtime, policy: Policy, scaler: LossScaler | None, norm_group):
         opt = policy.optimizer
         defaults = dict(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
         super().__init__([flat.full for flat in runtime.flats], defaults)
         self._runtime = runtime
         self._manager = runtime.manager
+        self._worker = runtime.worker
+        self._norm_group = norm_group
+        """The data-parallel group again, as a separate communicator: the worker's all-reduce of
+        the gradient norm may run while the training thread all-gathers weights."""
         self.max_grad_norm = opt.max_grad_norm
         self.scaler = scaler
+        self._delayed = opt.delayed_update
         self.device = runtime.group.device if opt.tier is Tier.HBM else torch.device("cpu")
         self._steps = [torch.zeros((), dtype=torch.float32, device=self.device)
                        for _ in runtime.flats]
+        self._steps_called = 0
+        self._pending: _Update | None = None
+        self._arrived: list[int] = []
+        runtime.on_grad_added = self._step_on_arrival
         self.last_grad_norm: float | None = None
-        """The global gradient norm (unscaled) the last step computed, when it computed one."""
+        """The global gradient norm (unscaled) of the last finished update, when it had one."""
         self.skipped_steps = 0
-        """Steps skipped because fp16 gradients overflowed."""
+        """Updates skipped because fp16 gradients overflowed."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._runtime.zero_grad(set_to_none)
@@ -60,56 +92,92 @@ class TieredAdamW(torch.optim.Optimizer):
         if len(self.param_groups) != 1:
             raise TieredError(f"TieredAdamW steps one param group (all units); it has "
                               f"{len(self.param_groups)}")
+        # The loss scale this step's backwards used: finishing the previous update may change it.
+        loss_scale = self.scaler.scale if self.scaler is not None else 1.0
         units = [i for i, has in enumerate(self._runtime.has_grad) if has]
-        if not units:
-            return loss
-        divisor = self._grad_divisor(units)
-        if divisor is None:
-            return loss
-        hyper = AdamWHyper.from_group(self.param_groups[0])
-        grad_divisor = (None if divisor == 1.0 else
-                        torch.tensor(divisor, dtype=torch.float32, device=self.device))
-        for i in units:
-            master, exp_avg, exp_avg_sq = self._manager.optimizer_states(i)
-            grad = self._manager.load(i, StateKind.GRAD)
-            adamw_step(master, grad, exp_avg, exp_avg_sq, self._steps[i], hyper, grad_divisor)
-            for kind, value in zip(OPTIMIZER_STATES, (master, exp_avg, exp_avg_sq)):
-                self._manager.store(i, kind, value)
-            self._runtime.write_weights(i, master)
-        if self.scaler is not None:
-            self.scaler.update(found_inf=False)
+        self._steps_called += 1
+        delayed = self._delayed.enabled and self._steps_called > self._delayed.warmup_steps
+        self.synchronize()  # the previous update, and this step's gradients, are all in
+        arrived, self._arrived = set(self._arrived), []
+        self._runtime.backwards_since_step = 0
+        self._runtime.step_on_arrival = False
+        rest = [i for i in units if i not in arrived]
+        if rest:
+            update = _Update(rest, AdamWHyper.from_group(self.param_groups[0]), loss_scale,
+                             into_next=delayed)
+            self._worker.submit(partial(self._run_update, update))
+            self._pending = update
+            if not delayed:
+                self.synchronize()
         return loss
 
-    def _grad_divisor(self, units: list[int]) -> float | None:
+    def synchronize(self) -> None:
+        """Finish the queued update; its weights become the ones the next forward gathers."""
+        self._worker.drain()
+        update, self._pending = self._pending, None
+        if update is None:
+            return
+        if update.into_next:
+            for i in update.written:
+                self._manager.swap_params(i)
+        if update.norm is not None:
+            self.last_grad_norm = update.norm
+        if self.scaler is not None:
+            self.scaler.update(found_inf=update.overflowed)
+            self.skipped_steps += update.overflowed
+
+    def _step_on_arrival(self, index: int) -> None:
+        """CPU worker: step one unit as soon as its gradient of the step's last backward is in."""
+        self._step_unit(index, AdamWHyper.from_group(self.param_groups[0]), None, False)
+        self._arrived.append(index)
+
+    def _run_update(self, update: _Update) -> None:
+        """CPU worker: one optimizer step over ``update.units``."""
+        divisor = self._grad_divisor(update)
+        if divisor is None:
+            update.overflowed = True
+            return
+        grad_divisor = (None if divisor == 1.0 else
+                        torch.tensor(divisor, dtype=torch.float32, device=self.device))
+        for i in update.units:
+            self._step_unit(i, update.hyper, grad_divisor, update.into_next)
+            update.written.append(i)
+
+    def _step_unit(self, i: int, hyper: AdamWHyper, grad_divisor: torch.Tensor | None,
+                   into_next: bool) -> None:
+        master, exp_avg, exp_avg_sq = self._manager.optimizer_states(i)
+        grad = self._manager.load(i, StateKind.GRAD)
+        adamw_step(master, grad, exp_avg, exp_avg_sq, self._steps[i], hyper, grad_divisor)
+        for kind, value in zip(OPTIMIZER_STATES, (master, exp_avg, exp_avg_sq)):
+            self._manager.store(i, kind, value)
+        self._manager.store(i, StateKind.PARAM_NEXT if into_next else StateKind.PARAM, master)
+
+    def _grad_divisor(self, update: _Update) -> float | None:
         """What the accumulated gradients are divided by (loss scale over clip factor), or None
         when fp16 gradients overflowed and the step must be skipped."""
         if self.scaler is None and self.max_grad_norm is None:
             return 1.0
-        norm = self._global_norm(units)
-        scale = 1.0
+        norm = self._global_norm(update.units)
         if self.scaler is not None:
             if not math.isfinite(norm):
-                self.scaler.update(found_inf=True)
-                self.skipped_steps += 1
-                self.last_grad_norm = norm
+                update.norm = norm
                 return None
-            scale = self.scaler.scale
-            norm /= scale
-        self.last_grad_norm = norm
+            norm /= update.loss_scale
+        update.norm = norm
         if self.max_grad_norm is not None:
             clip = self.max_grad_norm / (norm + 1e-6)
             if clip < 1.0:
                 # An infinite norm clips to zero, as clip_grad_norm_ multiplies by 0 then.
-                return scale / clip if clip > 0.0 else math.inf
-        return scale
+                return update.loss_scale / clip if clip > 0.0 else math.inf
+        return update.loss_scale
 
     def _global_norm(self, units: list[int]) -> float:
-        group = self._runtime.group
-        square_sum = torch.zeros((), dtype=torch.float64, device=group.device)
+        device = self._runtime.group.device
+        square_sum = torch.zeros((), dtype=torch.float64, device=device)
         for i in units:
             grad = self._manager.load(i, StateKind.GRAD)
-            square_sum += torch.linalg.vector_norm(grad).to(group.device, torch.float64) ** 2
-        group.all_reduce_sum(square_sum)
+            square_sum += torch.linalg.vector_norm(grad).to(device, torch.float64) ** 2
+        self._norm_group.all_reduce_sum(square_sum)
         return math.sqrt(square_sum.item())
 
     def state_dict(self):

@@ -1,7 +1,8 @@
 """Byte accounting shared by every tier: current and peak bytes held, against a budget."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 from ..errors import BudgetError
 from ..sizes import format_size
@@ -14,20 +15,24 @@ class TierUsage:
     """The enforced limit in bytes (the policy's budget, or the medium's capacity when null)."""
     current: int = 0
     peak: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    """Backward (the training thread) and the CPU worker both count transient bytes."""
 
     def acquire(self, nbytes: int, what: str) -> None:
         """Count ``nbytes`` more as held; refuse (holding nothing more) if it would pass the budget."""
-        if self.current + nbytes > self.budget:
-            raise BudgetError(
-                f"{self.name} budget exceeded by {what}: needs {format_size(nbytes)} more, "
-                f"{format_size(self.current)} of {format_size(self.budget)} already held",
-                {self.name: (self.current + nbytes, self.budget)})
-        self.current += nbytes
-        self.peak = max(self.peak, self.current)
+        with self._lock:
+            if self.current + nbytes > self.budget:
+                raise BudgetError(
+                    f"{self.name} budget exceeded by {what}: needs {format_size(nbytes)} more, "
+                    f"{format_size(self.current)} of {format_size(self.budget)} already held",
+                    {self.name: (self.current + nbytes, self.budget)})
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
 
     def release(self, nbytes: int) -> None:
-        assert 0 <= nbytes <= self.current, (self.name, nbytes, self.current)
-        self.current -= nbytes
+        with self._lock:
+            assert 0 <= nbytes <= self.current, (self.name, nbytes, self.current)
+            self.current -= nbytes
 
     def report(self) -> dict[str, int]:
         return {"current": self.current, "peak": self.peak, "budget": self.budget}

@@ -1,0 +1,154 @@
+"""The one-step delayed update (DPU) against a plain-PyTorch reference of its exact rule.
+
+With warm-up w: steps 1..w are ordinary; the gradient used at step w+1 is computed at theta_w;
+for t >= w+2 the gradient used at step t is computed at theta_{t-2} and applied to theta_{t-1}.
+"""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+import tiered
+from distributed import run_ranks
+from gpt import GPT, next_token_loss
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS, WARMUP, BATCH, SEQ, VOCAB = 8, 2, 8, 16, 64
+OPTIM = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def make_model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(VOCAB, 32, 2, 2, max_seq=SEQ, tied=True, qkv_bias=False)
+
+
+def batches():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
+
+
+def reference(max_grad_norm: float | None, world: int = 1):
+    """theta_t after each step t, and the loss of each step, by the rule in the docstring.
+
+    With ``world`` ranks the gradient is DDP's: the mean of the ranks' gradients, each over its
+    share of the batch (summed in the same order the engine's reduction sums them, so that the
+    comparison measures the rule and not the rounding of a different summation)."""
+    master = make_model()
+    compute = copy.deepcopy(master)
+    optimizer = torch.optim.AdamW(master.parameters(), **OPTIM)
+    thetas = [copy.deepcopy(master.state_dict())]
+    losses = []
+    for t, idx in enumerate(batches(), start=1):
+        at = thetas[t - 1] if t <= WARMUP + 1 else thetas[t - 2]
+        compute.load_state_dict(at)
+        loss = next_token_loss(compute(idx), idx)
+        grads = [torch.zeros_like(p) for p in compute.parameters()]
+        for rows in idx.chunk(world):
+            shares = torch.autograd.grad(next_token_loss(compute(rows), rows),
+                                         list(compute.parameters()))
+            for grad, share in zip(grads, shares):
+                grad += share / world
+        for param, grad in zip(master.parameters(), grads):
+            param.grad = grad
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(master.parameters(), max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        thetas.append(copy.deepcopy(master.state_dict()))
+        losses.append(loss.item())
+    return thetas[-1], losses
+
+
+def train_engine(policy: str, rank: int, world: int, nvme: str, max_grad_norm: float | None):
+    engine, optimizer = tiered.initialize(
+        make_model(), os.path.join(REPO, "configs", f"{policy}.yaml"), compute_dtype="fp32",
+        device="cpu", nvme={"path": nvme},
+        optimizer=dict(OPTIM, max_grad_norm=max_grad_norm,
+                       delayed_update={"enabled": True, "warmup_steps": WARMUP}))
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    losses = []
+    for idx in batches():
+        loss = next_token_loss(engine(idx[rows]), idx[rows])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    state = engine.full_state_dict()  # finishes the pending update first
+    engine.close()
+    return state, losses
+
+
+def assert_matches(state, losses, ref_state, ref_losses, world: int) -> None:
+    for name in ref_state:
+        torch.testing.assert_close(state[name], ref_state[name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{name}: {m}")
+    if world == 1:  # at two ranks each rank's loss is over its half of the batch
+        for t, (ours, ref) in enumerate(zip(losses, ref_losses), start=1):
+            assert ours == pytest.approx(ref, rel=1e-6), f"step {t}: forward at other weights"
+
+
+@pytest.mark.parametrize("policy", ["cpu", "gpu"])
+@pytest.mark.parametrize("max_grad_norm", [None, 0.5])
+def test_delayed_update_follows_the_rule_one_rank(policy, max_grad_norm, tmp_path):
+    state, losses = train_engine(policy, 0, 1, str(tmp_path), max_grad_norm)
+    ref_state, ref_losses = reference(max_grad_norm)
+    assert_matches(state, losses, ref_state, ref_losses, world=1)
+
+
+def test_delayed_update_differs_from_the_ordinary_update():
+    # The rule must matter on this data, or the test above would pass for a plain optimizer.
+    ordinary = make_model()
+    optimizer = torch.optim.AdamW(ordinary.parameters(), **OPTIM)
+    for idx in batches():
+        next_token_loss(ordinary(idx), idx).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    delayed, _ = reference(None)
+    assert (ordinary.state_dict()["blocks.0.fc.weight"] - delayed["blocks.0.fc.weight"]
+            ).abs().max() > 1e-3
+
+
+def _rank_main(rank: int, world: int, out_dir: str) -> None:
+    torch.save(train_engine("cpu", rank, world, out_dir, max_grad_norm=0.5),
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_delayed_update_follows_the_rule_two_ranks(tmp_path):
+    run_ranks(2, _rank_main, str(tmp_path))
+    ref_state, ref_losses = reference(0.5, world=2)
+    for rank in range(2):
+        state, losses = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert_matches(state, losses, ref_state, ref_losses, world=2)
+
+
+def test_eval_finishes_the_pending_update():
+    engine, optimizer = tiered.initialize(
+        make_model(), "configs/cpu.yaml", compute_dtype="fp32", device="cpu",
+        optimizer=dict(OPTIM, delayed_update={"enabled": True, "warmup_steps": 0}))
+    idx = batches()[0]
+    next_token_loss(engine(idx), idx).backward()
+    optimizer.step()  # returns at once: the update runs behind
+    with torch.no_grad():
+        after = next_token_loss(engine.eval()(idx), idx).item()
+    before = next_token_loss(make_model()(idx), idx).item()
+    assert after != before, "eval ran on the weights from before the step"
+    engine.close()
+
+
+def test_fp16_overflow_under_delay_skips_that_update():
+    engine, optimizer = tiered.initialize(
+        make_model(), "configs/cpu.yaml", compute_dtype="fp16", device="cpu",
+        loss_scale={"initial_scale": 2.0**40},
+        optimizer=dict(OPTIM, delayed_update={"enabled": True, "warmup_steps": 0}))
+    before = engine.full_state_dict()
+    idx = batches()[0]
+    engine.backward(next_token_loss(engine(idx), idx))  # 2**40 overflows fp16 gradients
+    optimizer.step()
+    optimizer.synchronize()
+    assert optimizer.skipped_steps == 1 and engine.scaler.scale == 2.0**39
+    after = engine.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "an overflowed update moved"
+    engine.close()

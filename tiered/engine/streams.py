@@ -1,0 +1,56 @@
+"""The side stream gradients leave the GPU on, and the events that order it (nothing on the CPU).
+
+[Note: offload stream]
+A unit's gradient is produced on the compute stream. Reducing it and copying this rank's shard
+to pinned DRAM run on the offload stream, after an event that marks the gradient complete, so
+the next unit's backward kernels do not wait behind the copy. The tensors involved were allocated
+on the compute stream; ``record_stream`` keeps the caching allocator from handing their memory to
+the compute stream's next allocation until the offload stream is done with them. The CPU worker
+waits on the event recorded after the copy before it reads the landed shard.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class Streams:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.offload = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @contextlib.contextmanager
+    def on_offload(self):
+        """Run the body on the offload stream, after all work queued so far on the current one."""
+        if self.offload is None:
+            yield
+            return
+        self.offload.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.offload):
+            yield
+
+    def keep_for_offload(self, *tensors: torch.Tensor) -> None:
+        if self.offload is not None:
+            for tensor in tensors:
+                tensor.record_stream(self.offload)
+
+    def record(self) -> torch.cuda.Event | None:
+        """An event after the work queued so far on the current stream (None on the CPU)."""
+        if self.offload is None:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+
+def wait_for(event: torch.cuda.Event | None, tensor: torch.Tensor) -> None:
+    """Make ``tensor``, finished by the work before ``event``, safe to use on this thread: the
+    current stream waits for device tensors, the thread itself waits for host ones."""
+    if event is None:
+        return
+    if tensor.device.type == "cuda":
+        torch.cuda.current_stream(tensor.device).wait_event(event)
+        tensor.record_stream(torch.cuda.current_stream(tensor.device))
+    else:
+        event.synchronize()

@@ -1,0 +1,89 @@
+"""The CPU worker: one thread that runs the CPU side of every step, in the order it was asked.
+
+Gradient shards arriving from backward, the optimizer update and the write-back of new weights
+are tasks in one FIFO queue. That order is the synchronisation: a gradient of step t+1 is added
+into the grads tier only after the update of step t has read it, so the delayed update needs no
+extra copy of the gradients. The thread's torch intra-op threads do the arithmetic; their number
+comes from the cores this rank may use, so the pool never runs more threads than it was given.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from typing import Callable
+
+import psutil
+import torch
+
+from ..errors import TieredError
+
+
+def usable_cores() -> int:
+    """Cores this process may run on: its CPU affinity, capped by a cgroup v2 quota."""
+    try:
+        cores = len(psutil.Process().cpu_affinity())
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()
+        if quota != "max":
+            cores = min(cores, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores)
+
+
+def optimizer_threads(requested: int | None, drives_gpu: bool) -> int:
+    """The worker's intra-op threads: as asked, else every usable core but the one the training
+    thread needs to keep a GPU fed (on the CPU the two take turns with the same cores)."""
+    cores = usable_cores()
+    if requested is not None:
+        return min(requested, cores)
+    return max(1, cores - 1) if drives_gpu else cores
+
+
+class CpuWorker:
+    def __init__(self, threads: int):
+        self.threads = threads
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Condition()
+        self._pending = 0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="tiered-cpu-worker", daemon=True)
+        self._thread.start()
+
+    def submit(self, task: Callable[[], None]) -> None:
+        self._raise_if_failed()
+        with self._idle:
+            self._pending += 1
+        self._tasks.put(task)
+
+    def drain(self) -> None:
+        """Wait until every submitted task has run; re-raise a task's failure here."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._pending == 0)
+        self._raise_if_failed()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._tasks.put(None)
+            self._thread.join()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise TieredError(f"the CPU worker failed: {self._error}") from self._error
+
+    def _run(self) -> None:
+        torch.set_num_threads(self.threads)  # this thread's intra-op threads only
+        while (task := self._tasks.get()) is not None:
+            try:
+                if self._error is None:  # after a failure the state is suspect: run nothing
+                    task()
+            except BaseException as error:  # surfaced to the training thread by drain/submit
+                self._error = error
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
