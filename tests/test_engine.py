@@ -271,3 +271,24 @@ def test_optimizer_step_with_closure_and_state_dict_refusal():
     with pytest.raises(tiered.TieredError, match="lives in tiers"):
         optimizer.state_dict()
     engine.close()
+
+
+def test_stepping_on_arrival_matches_pytorch_and_refuses_an_extra_backward():
+    # With the step's backward count known, units are stepped as their gradients arrive.
+    model = make_gpt()
+    reference = copy.deepcopy(model)
+    engine, optimizer = fp32_engine(model, optimizer={"accumulation_steps": 2})
+    assert engine.runtime.arrival_allowed
+    ref_optimizer = reference_optimizer(reference)
+    for step in range(3):
+        for idx in data(2, seed=step):
+            (next_token_loss(engine(idx), idx) / 2).backward()
+            (next_token_loss(reference(idx), idx) / 2).backward()
+        optimizer.step(), ref_optimizer.step()
+        optimizer.zero_grad(), ref_optimizer.zero_grad()
+    assert_same(engine.full_state_dict(), reference.state_dict())
+    for idx in data(2):
+        next_token_loss(engine(idx), idx).backward()
+    with pytest.raises(tiered.TieredError, match="accumulation_steps is 2"):
+        next_token_loss(engine(idx), idx).backward()
+    engine.close()

@@ -1,0 +1,66 @@
+"""The CPU worker: sized from the cores it was given, in order, failures surfaced."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tiered import TieredError
+from tiered.optim.workers import CpuWorker
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+PROBE = r"""
+import json, os, sys, threading
+os.sched_setaffinity(0, {0})
+import torch, tiered
+sys.path.insert(0, "examples")
+from gpt import GPT, next_token_loss
+engine, optimizer = tiered.initialize(GPT(64, 32, 2, 2), "configs/cpu.yaml", device="cpu",
+                                      compute_dtype="fp32")
+seen = []
+engine.runtime.worker.submit(lambda: seen.append(torch.get_num_threads()))
+idx = torch.randint(0, 64, (2, 8))
+next_token_loss(engine(idx), idx).backward()
+optimizer.step()
+engine.runtime.worker.submit(lambda: seen.append(torch.get_num_threads()))
+engine.runtime.worker.drain()
+print(json.dumps({"pool": engine.runtime.worker.threads, "seen": seen,
+                  "python_threads": threading.active_count()}))
+engine.close()
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity")
+def test_worker_runs_no_more_threads_than_the_cores_it_was_given():
+    out = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["pool"] == 1
+    assert result["seen"] == [1, 1], "the worker's intra-op threads exceed its one core"
+    assert result["python_threads"] == 2  # the training thread and the one worker
+
+
+def test_tasks_run_in_order_and_a_failure_stops_the_rest():
+    worker = CpuWorker(threads=1)
+    ran = []
+    for i in range(50):
+        worker.submit(lambda i=i: ran.append(i))
+    worker.drain()
+    assert ran == list(range(50))
+
+    def fail():
+        raise OSError(5, "I/O error on shard")
+
+    with pytest.raises(TieredError, match="CPU worker failed.*I/O error on shard"):
+        worker.submit(fail)
+        worker.submit(lambda: ran.append("after"))  # refused, or skipped if already queued
+        worker.drain()
+    assert ran[-1] == 49, "a task ran after a failure left the state suspect"
+    with pytest.raises(TieredError):
+        worker.submit(lambda: None)
+    worker.close()
