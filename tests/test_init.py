@@ -114,7 +114,7 @@ def test_model_larger_than_dram_builds_with_nvme_policy(tmp_path):
     # 16 blocks of width 512: 51 M parameters, 0.82 GB of training state (16 bytes each).
     # DRAM holds only the fp32 gradients and staging; everything else goes to the files.
     layers, dim = 16, 512
-    dram_budget = 250 * 2**20
+    dram_budget = 256 * 2**20
     out = subprocess.run(
         [sys.executable, os.path.join(REPO, "tests", "scripts", "build_large.py"), str(tmp_path),
          str(dram_budget), str(layers), str(dim)],

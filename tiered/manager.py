@@ -40,8 +40,10 @@ def _typed(block: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _staging_in(kind: StateKind) -> str:
-    """The staging buffer an NVMe state is read into (see plan.staging_buffers)."""
-    return "param_in" if kind is StateKind.PARAM else kind.value
+    """The staging buffer an NVMe optimizer state is read into (see plan.staging_buffers);
+    NVMe weights are read into the read-ahead ring instead (``read_param``)."""
+    assert kind in OPTIMIZER_STATES, f"NVMe {kind.value} shards are not loaded this way"
+    return kind.value
 
 
 def _staging_out(kind: StateKind) -> str:
@@ -106,6 +108,16 @@ class TierManager:
         block = self._staging[_staging_in(kind)]
         shard.file.read_into(block)
         return _typed(block, shard.numel, shard.dtype)
+
+    def read_param(self, unit: int, slot: str) -> torch.Tensor:
+        """Read an NVMe weight shard into the staging buffer ``slot`` (one of the read-ahead
+        ring "param_in0", "param_in1", ...)."""
+        shard = self.shards[(unit, StateKind.PARAM)]
+        shard.file.read_into(self._staging[slot])
+        return _typed(self._staging[slot], shard.numel, shard.dtype)
+
+    def staging_names(self, prefix: str) -> list[str]:
+        return [name for name in self._staging if name.startswith(prefix)]
 
     def store(self, unit: int, kind: StateKind, value: torch.Tensor) -> None:
         """Make ``value`` (any device or dtype, ``numel`` elements) the shard state's contents.

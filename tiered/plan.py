@@ -79,7 +79,8 @@ def staging_buffers(policy: Policy, device: torch.device, max_shard: int,
     """DRAM buffers through which shards move when they are not where they are used.
 
     Each is sized for the largest shard and reused unit after unit; each has one user thread:
-    - "param_in": weights read from NVMe before a gather (training thread);
+    - "param_in0", "param_in1", ...: weights read from NVMe ahead of their gather (the I/O
+      thread of readahead.py; ``prefetch.dram_bytes`` of them, at least one);
     - "param_out": new weights cast on the CPU on their way to NVMe or HBM (CPU worker);
     - "master", "exp_avg", "exp_avg_sq": optimizer states read from NVMe, stepped in place and
       written back (CPU worker);
@@ -90,7 +91,9 @@ def staging_buffers(policy: Policy, device: torch.device, max_shard: int,
     out = {}
     optimizer_on_cpu = policy.optimizer.tier is not Tier.HBM
     if policy.params.tier is Tier.NVME:
-        out["param_in"] = Buffer("staging param_in", Tier.DRAM, max_shard, compute)
+        for slot in range(read_ahead_slots(policy, max_shard)):
+            out[f"param_in{slot}"] = Buffer(f"staging param_in{slot}", Tier.DRAM, max_shard,
+                                            compute)
     if policy.params.tier is Tier.NVME or (policy.params.tier is Tier.HBM and optimizer_on_cpu):
         out["param_out"] = Buffer("staging param_out", Tier.DRAM, max_shard, compute)
     if policy.optimizer.tier is Tier.NVME:
@@ -101,6 +104,26 @@ def staging_buffers(policy: Policy, device: torch.device, max_shard: int,
             out[f"grad{slot}"] = Buffer(f"staging grad{slot}", Tier.DRAM, max_shard,
                                         reduce_dtype(policy, world_size))
     return out
+
+
+def read_ahead_slots(policy: Policy, max_shard: int) -> int:
+    """Pinned buffers for NVMe weights read ahead: ``prefetch.dram_bytes`` worth, at least one
+    (two of the largest shard when null)."""
+    if not policy.prefetch.enabled:
+        return 1
+    shard_bytes = max(1, max_shard * policy.compute_dtype.torch_dtype.itemsize)
+    if policy.prefetch.dram_bytes is None:
+        return 2
+    return max(1, policy.prefetch.dram_bytes // shard_bytes)
+
+
+def prefetch_limit(policy: Policy, full_numels: list[int]) -> int:
+    """Device bytes that may be gathered ahead of need (``prefetch.hbm_bytes``)."""
+    if not policy.prefetch.enabled:
+        return 0
+    if policy.prefetch.hbm_bytes is not None:
+        return policy.prefetch.hbm_bytes
+    return 2 * max(full_numels, default=0) * policy.compute_dtype.torch_dtype.itemsize
 
 
 def reduce_dtype(policy: Policy, world_size: int) -> torch.dtype:
@@ -117,7 +140,8 @@ def hbm_working_set(policy: Policy, full_numels: list[int], unit_paths: list[str
     chain is gathered before the current one has been reduced and released, so two chains are
     held at once (the root counted once): with flat blocks, the root and the two largest blocks.
     Up to GRAD_LANDING_SLOTS units' flat gradients wait for the CPU worker at once, each (with
-    several ranks) with its fp32 copy and reduced fp32 shard. Building a unit at start-up needs
+    several ranks) with its fp32 copy and reduced fp32 shard. On top of that, up to
+    ``prefetch.hbm_bytes`` of units gathered ahead of need. Building a unit at start-up needs
     its fp32 flat copy.
     """
     compute = policy.compute_dtype.torch_dtype.itemsize
@@ -135,7 +159,7 @@ def hbm_working_set(policy: Policy, full_numels: list[int], unit_paths: list[str
         grad += largest * 4 * (compute != 4) + largest // world_size * 4
     grad *= GRAD_LANDING_SLOTS
     startup = largest * 4
-    return max(gathered + grad, startup)
+    return max(gathered + grad + prefetch_limit(policy, full_numels), startup)
 
 
 @dataclass(frozen=True)

@@ -218,6 +218,25 @@ class CpuPolicy:
 
 
 @dataclass(frozen=True)
+class PrefetchPolicy:
+    """Fetching units ahead of need along the order recorded in the previous iteration."""
+
+    enabled: bool = field(default=True, metadata=_parse(_bool))
+    hbm_bytes: int | None = field(default=None, metadata=_parse(_size_or_none))
+    """Device bytes of units gathered ahead of need (prefetched, or kept for a use soon);
+    null = two of the largest unit."""
+    dram_bytes: int | None = field(default=None, metadata=_parse(_size_or_none))
+    """Pinned bytes of NVMe weights read ahead of their gather; null = two of the largest shard."""
+    depth: int = field(default=2, metadata=_parse(_int))
+    """How many upcoming unit uses to gather ahead of need (a unit released while it is among
+    them stays gathered instead)."""
+
+    def __post_init__(self):
+        if self.depth < 1:
+            raise ValueError(f"depth must be >= 1, got {self.depth}")
+
+
+@dataclass(frozen=True)
 class UnitsPolicy:
     classes: tuple[str, ...] | None = field(default=None, metadata=_parse(_class_names))
     """Module class names that each become a unit; null = every repeated block (see units.py)."""
@@ -238,6 +257,7 @@ class Policy:
     loss_scale: LossScalePolicy = LossScalePolicy()
     units: UnitsPolicy = UnitsPolicy()
     cpu: CpuPolicy = CpuPolicy()
+    prefetch: PrefetchPolicy = PrefetchPolicy()
 
     def __post_init__(self):
         if self.optimizer.delayed_update.enabled and self.params.tier is Tier.NVME:

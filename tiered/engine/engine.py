@@ -131,6 +131,8 @@ class TieredEngine:
             self.optimizer.synchronize()
         finally:
             self.runtime.worker.close()
+            if self.runtime.readahead is not None:
+                self.runtime.readahead.close()
             self._hooks.remove()
             self._finalizer()
             self._closed = True

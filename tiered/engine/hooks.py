@@ -1,17 +1,20 @@
 """Module and autograd hooks that gather units before they run and release them after.
 
 [Note: hook order in one training step]
-forward:  unit pre-hook    -> gather; bind the modules' attributes to fresh views of ``full``;
-                              push saved-tensor hooks for the unit's forward
+forward:  unit pre-hook    -> a need (runtime.use): gather, or wait for the prefetched gather,
+                              and prefetch along the trace; bind the modules' attributes to
+                              fresh views of ``full``; push saved-tensor hooks for the unit
           saved-tensor pack -> a tensor autograd saves that is a view of a gathered unit is
                               remembered with its unit
-          unit post-hook   -> pop the saved-tensor hooks; release (runs even if forward raised)
+          unit post-hook   -> pop the saved-tensor hooks; release, unless the trace needs the
+                              unit again soon (runs even if forward raised)
 backward: saved-tensor unpack -> the first use of a saved view in this backward queues the
-                              end-of-backward callback; the view's unit is gathered again, into
-                              the same storage the view uses
-          post-accumulate  -> ``full.grad`` is complete: reduce-scatter, add to the grads tier,
+                              end-of-backward callback; the first per unit is a need: the unit
+                              is gathered again, into the same storage the view uses
+          post-accumulate  -> ``full.grad`` is complete: reduce-scatter, hand to the CPU worker,
                               release (see [Note: one gradient per unit] in flat.py)
-          end callback     -> release whatever is still gathered, ready for the next step
+          end callback     -> the iteration is over (its needs are the next trace); release
+                              whatever is still gathered
 Gathering on unpack, rather than from hooks on a unit's outputs, covers every path by which a
 gradient can reach a unit's weights (outputs hidden in dataclasses, auxiliary losses, activation
 checkpointing that recomputes a forward inside backward: its post-hook does not release then).
@@ -42,8 +45,12 @@ class UnitHooks:
         self.compute_dtype = compute_dtype
         self.on_backward_start = on_backward_start
         self._in_backward = False
+        self._used_in_backward: set[int] = set()
         self._saved_hooks: list[torch.autograd.graph.saved_tensors_hooks] = []
-        self._handles = [model.register_forward_pre_hook(self._start_forward, with_kwargs=True)]
+        self._handles = [
+            model.register_forward_pre_hook(self._start_forward, with_kwargs=True),
+            model.register_forward_hook(self._end_forward, always_call=True),
+        ]
         for flat in runtime.flats:
             module = flat.spec.module
             self._handles += [
@@ -67,8 +74,13 @@ class UnitHooks:
         cast = partial(_cast_floating, dtype=self.compute_dtype)
         return tree_map_only(torch.Tensor, cast, (args, kwargs))
 
+    def _end_forward(self, module, args, output) -> None:
+        """Model post-hook: a forward without grad has no backward to wait for."""
+        if not torch.is_grad_enabled() and not _in_backward_pass():
+            self.runtime.end_iteration()
+
     def _pre_forward(self, flat: FlatParam, module, args) -> None:
-        self.runtime.gather(flat)
+        self.runtime.use(flat)
         flat.bind_views()
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
@@ -77,7 +89,7 @@ class UnitHooks:
     def _post_forward(self, flat: FlatParam, module, args, output) -> None:
         self._saved_hooks.pop().__exit__(None, None, None)
         if not _in_backward_pass():  # a forward recomputed inside backward keeps its unit
-            self.runtime.release(flat)
+            self.runtime.done(flat)
 
     def _pack(self, tensor: torch.Tensor):
         flat = self.runtime.owner_of(tensor)
@@ -87,7 +99,11 @@ class UnitHooks:
         if isinstance(packed, tuple):
             flat, tensor = packed
             self._enter_backward()
-            self.runtime.gather(flat)
+            if flat.spec.index in self._used_in_backward:
+                self.runtime.gather(flat)
+            else:
+                self._used_in_backward.add(flat.spec.index)
+                self.runtime.use(flat)
             return tensor
         return packed
 
@@ -104,7 +120,8 @@ class UnitHooks:
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
-        self.runtime.release_all()
+        self.runtime.end_iteration()
+        self._used_in_backward.clear()
         self._in_backward = False
 
 

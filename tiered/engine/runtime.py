@@ -1,10 +1,9 @@
-"""Moving one unit's state: gather its weights into HBM, release them, reduce its gradient.
+"""One unit's life in a step: gathered when needed (or ahead, along the trace), released, its
+gradient reduced and handed to the CPU worker.
 
-Gathers run on the current CUDA stream (or the CPU), in program order, so each copy and
-collective is ordered after what produced its input and before what consumes its output, and a
-buffer freed by ``resize_(0)`` is reused by the caching allocator only by later work on that same
-stream. Gradients leave on the offload stream (see [Note: offload stream] in streams.py) and are
-added into the grads tier by the CPU worker.
+Units arrive on the gather stream (gather.py, [Note: gather stream]), ahead of need when the
+prefetcher says so ([Note: trace] in prefetch.py); gradients leave on the offload stream
+([Note: offload stream] in streams.py) and are added into the grads tier by the CPU worker.
 """
 from __future__ import annotations
 
@@ -16,10 +15,13 @@ import torch
 from ..errors import TieredError
 from ..manager import TierManager
 from ..optim.workers import CpuWorker
-from ..plan import GRAD_LANDING_SLOTS, StateKind, reduce_dtype
-from ..policy import ComputeDtype, Policy
+from ..plan import GRAD_LANDING_SLOTS, prefetch_limit, reduce_dtype
+from ..policy import ComputeDtype, Policy, Tier
+from ..prefetch import Prefetcher
 from .collectives import ProcessGroup
-from .flat import FlatParam, Residency
+from .flat import FlatParam
+from .gather import Gatherer
+from .readahead import ReadAhead
 from .streams import Streams, wait_for
 
 
@@ -50,39 +52,46 @@ class UnitRuntime:
         step's last backward has just been added, when stepping on arrival."""
         self.has_grad = [False] * len(flats)
         """Whether unit i's gradient shard holds a sum since the last ``zero_grad``."""
-        self._gathered: dict[int, FlatParam] = {}
-        """Storage address of each gathered unit's ``full``, to recognise views of it."""
+        self.readahead = (ReadAhead(manager, manager.staging_names("param_in"))
+                          if policy.params.tier is Tier.NVME else None)
+        self.gatherer = Gatherer(flats, manager, group, self.streams, self.readahead)
+        self.prefetcher = Prefetcher([f.gathered_bytes for f in flats], policy.prefetch,
+                                     prefetch_limit(policy, [f.padded_numel for f in flats]))
 
     @property
     def hbm_usage(self):
         return self.manager.hbm.usage
 
-    def gather(self, flat: FlatParam) -> None:
-        """Fill ``flat.full`` from this rank's weight shard (wherever it lives) and the others'."""
-        if flat.residency is Residency.GATHERED:
-            return
-        self.hbm_usage.acquire(flat.gathered_bytes, f"gathered unit {flat.name}")
-        full = flat.allocate()
-        mine = flat.own_shard(full)
-        mine.copy_(self.manager.load(flat.spec.index, StateKind.PARAM))
-        self.group.all_gather(full, mine)
-        self._gathered[full.untyped_storage().data_ptr()] = flat
+    def use(self, flat: FlatParam) -> None:
+        """``flat`` is needed now (its forward, or its first use in a backward): gather it if it
+        is not, and start gathering what the trace says comes next (see [Note: trace])."""
+        self.prefetcher.need(flat.spec.index)
+        self.gatherer.finish(flat)
+        for index in self.prefetcher.to_fetch(self.gatherer.is_gathered):
+            self.gatherer.start(self.flats[index])
+        if self.readahead is not None:
+            for index in self.prefetcher.upcoming(self.gatherer.is_gathered):
+                if not self.readahead.read_ahead(index):
+                    break
 
-    def release(self, flat: FlatParam) -> None:
-        if flat.residency is Residency.GATHERED:
-            del self._gathered[flat.full.untyped_storage().data_ptr()]
-            flat.free()
-            self.hbm_usage.release(flat.gathered_bytes)
+    def gather(self, flat: FlatParam) -> None:
+        """Make sure ``flat`` is gathered and usable (a later use within the same need)."""
+        self.gatherer.finish(flat)
+
+    def done(self, flat: FlatParam) -> None:
+        """``flat``'s forward is over: release it, unless the trace needs it again soon."""
+        if not self.prefetcher.keep(flat.spec.index):
+            self.gatherer.release(flat)
+
+    def end_iteration(self) -> None:
+        """A forward-backward (or a forward without grad) is over: nothing stays gathered."""
+        self.prefetcher.end_iteration()
+        if self.readahead is not None:
+            self.readahead.discard()
+        self.gatherer.release_all()
 
     def owner_of(self, tensor: torch.Tensor) -> FlatParam | None:
-        """The gathered unit whose weights ``tensor`` is a view of, if any."""
-        if tensor.layout is not torch.strided:
-            return None
-        return self._gathered.get(tensor.untyped_storage().data_ptr())
-
-    def release_all(self) -> None:
-        for flat in self.flats:
-            self.release(flat)
+        return self.gatherer.owner_of(tensor)
 
     def reduce_grad(self, flat: FlatParam) -> None:
         """Average the unit's full gradient over ranks into this rank's shard, send the shard on
@@ -113,7 +122,7 @@ class UnitRuntime:
             ready = self.streams.record()
         self.streams.keep_for_offload(grad)
         del grad
-        self.release(flat)
+        self.gatherer.release(flat)
         self.worker.submit(partial(self._add_grad, index, shard, ready, landing, overwrite,
                                    transient, self.step_on_arrival))
 

@@ -1,4 +1,13 @@
-"""The side stream gradients leave the GPU on, and the events that order it (nothing on the CPU).
+"""The side streams units arrive and gradients leave on, and the events that order them (nothing
+on the CPU).
+
+[Note: gather stream]
+A unit's flat buffer is allocated and filled on the gather stream (host-to-device copy of this
+rank's shard, then the all-gather), and an event is recorded after it. At the unit's need the
+compute stream waits on that event, and ``record_stream`` marks the buffer as read by the compute
+stream, so that once it is released the caching allocator does not hand its memory to the gather
+stream's next allocation before the compute stream has finished reading it. New weights that the
+CPU worker wrote on the device are waited for the same way (the event after the update).
 
 [Note: offload stream]
 A unit's gradient is produced on the compute stream. Reducing it and copying this rank's shard
@@ -18,7 +27,30 @@ import torch
 class Streams:
     def __init__(self, device: torch.device):
         self.device = device
-        self.offload = torch.cuda.Stream(device) if device.type == "cuda" else None
+        cuda = device.type == "cuda"
+        self.gather = torch.cuda.Stream(device) if cuda else None
+        self.offload = torch.cuda.Stream(device) if cuda else None
+
+    @contextlib.contextmanager
+    def on_gather(self):
+        """Run the body on the gather stream (see [Note: gather stream])."""
+        if self.gather is None:
+            yield
+            return
+        with torch.cuda.stream(self.gather):
+            yield
+
+    def use_on_compute(self, event: torch.cuda.Event | None, tensor: torch.Tensor) -> None:
+        """The compute stream waits for a gather and owns the gathered buffer from here on."""
+        if event is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            tensor.record_stream(current)
+
+    def gather_after(self, event: torch.cuda.Event | None) -> None:
+        """Later gathers wait for ``event`` (device work that wrote the weights they read)."""
+        if event is not None:
+            self.gather.wait_event(event)
 
     @contextlib.contextmanager
     def on_offload(self):

@@ -1,0 +1,88 @@
+"""Gathering units: a unit's full weights on the device, from its shard wherever it lives.
+
+``start`` issues the gather (on the gather stream, see [Note: gather stream] in streams.py) and
+may run well ahead of need; ``finish`` makes the unit usable on the compute stream, starting the
+gather first if nobody did. On the CPU both happen at ``start``, in program order.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..manager import TierManager
+from ..plan import StateKind
+from .collectives import ProcessGroup
+from .flat import FlatParam, Residency
+from .readahead import ReadAhead
+from .streams import Streams
+
+
+class Gatherer:
+    def __init__(self, flats: list[FlatParam], manager: TierManager, group: ProcessGroup,
+                 streams: Streams, readahead: ReadAhead | None):
+        self.flats = flats
+        self.manager = manager
+        self.group = group
+        self.streams = streams
+        self.readahead = readahead
+        self._by_storage: dict[int, FlatParam] = {}
+        """Storage address of each gathered unit's ``full``, to recognise views of it."""
+        self._ready: dict[int, torch.cuda.Event] = {}
+        """Units whose gather was issued on the gather stream and not yet waited for."""
+        self.on_gather = None
+        """Called with each unit index when its gather is issued (the timeline records it)."""
+
+    @property
+    def usage(self):
+        return self.manager.hbm.usage
+
+    def is_gathered(self, index: int) -> bool:
+        return self.flats[index].residency is Residency.GATHERED
+
+    def start(self, flat: FlatParam) -> None:
+        """Issue the gather of ``flat`` (nothing if it is gathered or on its way)."""
+        if flat.residency is Residency.GATHERED:
+            return
+        index = flat.spec.index
+        self.usage.acquire(flat.gathered_bytes, f"gathered unit {flat.name}")
+        if self.on_gather is not None:
+            self.on_gather(index)
+        landed = None
+        if self.readahead is not None:
+            landed = self.readahead.take(index)  # this rank's shard, read from NVMe
+            source = landed.tensor
+        else:
+            source = self.manager.load(index, StateKind.PARAM)
+        with self.streams.on_gather():
+            full = flat.allocate()
+            mine = flat.own_shard(full)
+            mine.copy_(source, non_blocking=True)
+            self.group.all_gather(full, mine)
+            event = self.streams.record()
+        if landed is not None:
+            self.readahead.give_back(landed, event)
+        if event is not None:
+            self._ready[index] = event
+        self._by_storage[full.untyped_storage().data_ptr()] = flat
+
+    def finish(self, flat: FlatParam) -> None:
+        """Make ``flat`` usable by the compute stream, gathering it now if needed."""
+        self.start(flat)
+        event = self._ready.pop(flat.spec.index, None)
+        self.streams.use_on_compute(event, flat.full)
+
+    def release(self, flat: FlatParam) -> None:
+        if flat.residency is Residency.GATHERED:
+            self._ready.pop(flat.spec.index, None)
+            del self._by_storage[flat.full.untyped_storage().data_ptr()]
+            flat.free()
+            self.usage.release(flat.gathered_bytes)
+
+    def release_all(self) -> None:
+        for flat in self.flats:
+            self.release(flat)
+
+    def owner_of(self, tensor: torch.Tensor) -> FlatParam | None:
+        """The gathered unit whose weights ``tensor`` is a view of, if any."""
+        if tensor.layout is not torch.strided:
+            return None
+        return self._by_storage.get(tensor.untyped_storage().data_ptr())

@@ -1,0 +1,83 @@
+"""NVMe weights read into pinned DRAM ahead of their gather, on an I/O thread.
+
+A small ring of pinned buffers (``prefetch.dram_bytes`` of them, at least one) holds shards read
+from their files. A buffer goes back to the ring with the event of the host-to-device copy that
+reads it; the I/O thread waits for that event before reading the next shard into it, so a copy
+in flight is never overwritten.
+"""
+from __future__ import annotations
+
+import queue
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from ..manager import TierManager
+
+
+@dataclass(frozen=True)
+class Landed:
+    slot: str
+    tensor: torch.Tensor
+    """The unit's weight shard, in the pinned buffer ``slot``."""
+
+
+class ReadAhead:
+    def __init__(self, manager: TierManager, slots: list[str]):
+        self.manager = manager
+        self._free: queue.SimpleQueue = queue.SimpleQueue()
+        for slot in slots:
+            self._free.put((slot, None))
+        self._reads: dict[int, Future] = {}
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="tiered-nvme-read")
+
+    def read_ahead(self, index: int) -> bool:
+        """Start reading unit ``index`` if a buffer is free; False when none is."""
+        if index in self._reads:
+            return True
+        try:
+            slot, busy_until = self._free.get_nowait()
+        except queue.Empty:
+            return False
+        self._reads[index] = self._io.submit(self._read, index, slot, busy_until)
+        return True
+
+    def take(self, index: int) -> Landed:
+        """Unit ``index``'s shard in a pinned buffer (read now, waiting for a buffer, if it was
+        not read ahead); hand the buffer back with :meth:`give_back`."""
+        future = self._reads.pop(index, None)
+        if future is None:
+            slot, busy_until = self._free_slot()
+            future = self._io.submit(self._read, index, slot, busy_until)
+        return future.result()
+
+    def _free_slot(self):
+        """A free buffer; when reads ahead hold them all, the furthest ahead gives its up (it
+        will be read again when its turn comes)."""
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            if not self._reads:
+                return self._free.get()  # every buffer is in a copy that is about to finish
+        furthest = next(reversed(self._reads))
+        landed = self._reads.pop(furthest).result()
+        return landed.slot, None
+
+    def give_back(self, landed: Landed, busy_until: torch.cuda.Event | None) -> None:
+        self._free.put((landed.slot, busy_until))
+
+    def discard(self) -> None:
+        """Drop reads that were started but will not be used."""
+        for future in self._reads.values():
+            self.give_back(future.result(), None)
+        self._reads.clear()
+
+    def close(self) -> None:
+        self.discard()
+        self._io.shutdown(wait=True)
+
+    def _read(self, index: int, slot: str, busy_until: torch.cuda.Event | None) -> Landed:
+        if busy_until is not None:
+            busy_until.synchronize()
+        return Landed(slot, self.manager.read_param(index, slot))
