@@ -237,6 +237,12 @@ class PrefetchPolicy:
 
 
 @dataclass(frozen=True)
+class TracePolicy:
+    path: str | None = field(default=None, metadata=_parse(lambda v: None if v is None else str(v)))
+    """Write a Chrome-trace timeline here (the environment's TIERED_TRACE wins)."""
+
+
+@dataclass(frozen=True)
 class UnitsPolicy:
     classes: tuple[str, ...] | None = field(default=None, metadata=_parse(_class_names))
     """Module class names that each become a unit; null = every repeated block (see units.py)."""
@@ -258,6 +264,7 @@ class Policy:
     units: UnitsPolicy = UnitsPolicy()
     cpu: CpuPolicy = CpuPolicy()
     prefetch: PrefetchPolicy = PrefetchPolicy()
+    trace: TracePolicy = TracePolicy()
 
     def __post_init__(self):
         if self.optimizer.delayed_update.enabled and self.params.tier is Tier.NVME:

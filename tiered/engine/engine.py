@@ -20,6 +20,7 @@ from ..optim.workers import CpuWorker, optimizer_threads
 from ..plan import StateKind, build_plan, state_kinds
 from ..policy import ComputeDtype, Device, Policy, resolve
 from ..tiers import SlabSource
+from ..timeline import Timeline
 from .collectives import ProcessGroup
 from .flat import FlatParam
 from .hooks import UnitHooks
@@ -133,6 +134,7 @@ class TieredEngine:
             self.runtime.worker.close()
             if self.runtime.readahead is not None:
                 self.runtime.readahead.close()
+            self.runtime.timeline.close()
             self._hooks.remove()
             self._finalizer()
             self._closed = True
@@ -186,7 +188,8 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
                     module._buffers[name] = buffer.to(device)
         worker = CpuWorker(optimizer_threads(policy.cpu.optimizer_threads,
                                              drives_gpu=device.type == "cuda"))
-        runtime = UnitRuntime(flats, manager, group, policy, worker)
+        timeline = Timeline.for_rank(policy.trace.path, device, group.rank, group.world_size)
+        runtime = UnitRuntime(flats, manager, group, policy, worker, timeline)
         scaler = (LossScaler(policy.loss_scale)
                   if policy.compute_dtype is ComputeDtype.FP16 else None)
         optimizer = TieredAdamW(runtime, policy, scaler, group.duplicate())

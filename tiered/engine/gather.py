@@ -14,12 +14,14 @@ from .collectives import ProcessGroup
 from .flat import FlatParam, Residency
 from .readahead import ReadAhead
 from .streams import Streams
+from ..timeline import Timeline
 
 
 class Gatherer:
     def __init__(self, flats: list[FlatParam], manager: TierManager, group: ProcessGroup,
-                 streams: Streams, readahead: ReadAhead | None):
+                 streams: Streams, readahead: ReadAhead | None, timeline: Timeline):
         self.flats = flats
+        self.timeline = timeline
         self.manager = manager
         self.group = group
         self.streams = streams
@@ -53,11 +55,14 @@ class Gatherer:
         else:
             source = self.manager.load(index, StateKind.PARAM)
         with self.streams.on_gather():
+            begin = self.timeline.mark()
             full = flat.allocate()
             mine = flat.own_shard(full)
             mine.copy_(source, non_blocking=True)
             self.group.all_gather(full, mine)
             event = self.streams.record()
+            self.timeline.between(f"gather {flat.name}", "h2d", "gather stream", begin,
+                                  self.timeline.mark())
         if landed is not None:
             self.readahead.give_back(landed, event)
         if event is not None:

@@ -46,6 +46,8 @@ class UnitHooks:
         self.on_backward_start = on_backward_start
         self._in_backward = False
         self._used_in_backward: set[int] = set()
+        self._started: dict[int, object] = {}
+        """Timeline marks of the units computing now (forward, or backward since first use)."""
         self._saved_hooks: list[torch.autograd.graph.saved_tensors_hooks] = []
         self._handles = [
             model.register_forward_pre_hook(self._start_forward, with_kwargs=True),
@@ -82,12 +84,14 @@ class UnitHooks:
     def _pre_forward(self, flat: FlatParam, module, args) -> None:
         self.runtime.use(flat)
         flat.bind_views()
+        self._started[flat.spec.index] = self.runtime.timeline.mark()
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
         self._saved_hooks.append(hooks)
 
     def _post_forward(self, flat: FlatParam, module, args, output) -> None:
         self._saved_hooks.pop().__exit__(None, None, None)
+        self._span(flat, "forward")
         if not _in_backward_pass():  # a forward recomputed inside backward keeps its unit
             self.runtime.done(flat)
 
@@ -104,12 +108,19 @@ class UnitHooks:
             else:
                 self._used_in_backward.add(flat.spec.index)
                 self.runtime.use(flat)
+                self._started[flat.spec.index] = self.runtime.timeline.mark()
             return tensor
         return packed
 
     def _post_backward(self, flat: FlatParam, full: torch.Tensor) -> None:
         self._enter_backward()
+        self._span(flat, "backward")
         self.runtime.reduce_grad(flat)
+
+    def _span(self, flat: FlatParam, what: str) -> None:
+        started = self._started.pop(flat.spec.index, None)
+        self.runtime.timeline.between(f"{what} {flat.name}", "compute", "compute stream",
+                                      started, self.runtime.timeline.mark())
 
     def _enter_backward(self) -> None:
         if self._in_backward or not _in_backward_pass():

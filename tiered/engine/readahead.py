@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..manager import TierManager
+from ..timeline import Timeline
 
 
 @dataclass(frozen=True)
@@ -24,8 +25,9 @@ class Landed:
 
 
 class ReadAhead:
-    def __init__(self, manager: TierManager, slots: list[str]):
+    def __init__(self, manager: TierManager, slots: list[str], timeline: Timeline):
         self.manager = manager
+        self.timeline = timeline
         self._free: queue.SimpleQueue = queue.SimpleQueue()
         for slot in slots:
             self._free.put((slot, None))
@@ -80,4 +82,5 @@ class ReadAhead:
     def _read(self, index: int, slot: str, busy_until: torch.cuda.Event | None) -> Landed:
         if busy_until is not None:
             busy_until.synchronize()
-        return Landed(slot, self.manager.read_param(index, slot))
+        with self.timeline.span(f"nvme read unit {index}", "nvme"):
+            return Landed(slot, self.manager.read_param(index, slot))

@@ -23,12 +23,14 @@ from .flat import FlatParam
 from .gather import Gatherer
 from .readahead import ReadAhead
 from .streams import Streams, wait_for
+from ..timeline import Timeline
 
 
 class UnitRuntime:
     def __init__(self, flats: list[FlatParam], manager: TierManager, group: ProcessGroup,
-                 policy: Policy, worker: CpuWorker):
+                 policy: Policy, worker: CpuWorker, timeline: Timeline):
         self.flats = flats
+        self.timeline = timeline
         self.manager = manager
         self.group = group
         self.worker = worker
@@ -52,9 +54,9 @@ class UnitRuntime:
         step's last backward has just been added, when stepping on arrival."""
         self.has_grad = [False] * len(flats)
         """Whether unit i's gradient shard holds a sum since the last ``zero_grad``."""
-        self.readahead = (ReadAhead(manager, manager.staging_names("param_in"))
+        self.readahead = (ReadAhead(manager, manager.staging_names("param_in"), timeline)
                           if policy.params.tier is Tier.NVME else None)
-        self.gatherer = Gatherer(flats, manager, group, self.streams, self.readahead)
+        self.gatherer = Gatherer(flats, manager, group, self.streams, self.readahead, timeline)
         self.prefetcher = Prefetcher([f.gathered_bytes for f in flats], policy.prefetch,
                                      prefetch_limit(policy, [f.padded_numel for f in flats]))
 
@@ -89,6 +91,7 @@ class UnitRuntime:
         if self.readahead is not None:
             self.readahead.discard()
         self.gatherer.release_all()
+        self.timeline.flush()
 
     def owner_of(self, tensor: torch.Tensor) -> FlatParam | None:
         return self.gatherer.owner_of(tensor)
@@ -107,6 +110,7 @@ class UnitRuntime:
         self.hbm_usage.acquire(transient, f"gradient of unit {flat.name}")
         landing = None
         with self.streams.on_offload():
+            begin = self.timeline.mark()
             if self.group.world_size > 1:
                 full32 = grad.to(self.reduce_dtype)
                 shard = torch.empty(flat.shard_numel, dtype=self.reduce_dtype, device=grad.device)
@@ -120,6 +124,8 @@ class UnitRuntime:
             if shard.device != self.grad_device:
                 landing, shard = self.manager.land_grad(shard)
             ready = self.streams.record()
+            self.timeline.between(f"reduce+offload {flat.name}", "d2h", "offload stream", begin,
+                                  self.timeline.mark())
         self.streams.keep_for_offload(grad)
         del grad
         self.gatherer.release(flat)
@@ -130,7 +136,8 @@ class UnitRuntime:
                   overwrite: bool, transient: int, step_now: bool) -> None:
         """CPU worker: add one landed gradient shard into the grads tier."""
         wait_for(ready, shard)
-        self.manager.accumulate_grad(index, shard, overwrite)
+        with self.timeline.span(f"add grad {self.flats[index].name}", "cpu"):
+            self.manager.accumulate_grad(index, shard, overwrite)
         if landing is not None:
             self.manager.return_landing(landing)
         del shard

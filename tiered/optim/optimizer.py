@@ -58,6 +58,7 @@ class TieredAdamW(torch.optim.Optimizer):
         defaults = dict(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
         super().__init__([flat.full for flat in runtime.flats], defaults)
         self._runtime = runtime
+        self._timeline = runtime.timeline
         self._manager = runtime.manager
         self._worker = runtime.worker
         self._norm_group = norm_group
@@ -145,12 +146,16 @@ class TieredAdamW(torch.optim.Optimizer):
 
     def _step_unit(self, i: int, hyper: AdamWHyper, grad_divisor: torch.Tensor | None,
                    into_next: bool) -> None:
-        master, exp_avg, exp_avg_sq = self._manager.optimizer_states(i)
-        grad = self._manager.load(i, StateKind.GRAD)
-        adamw_step(master, grad, exp_avg, exp_avg_sq, self._steps[i], hyper, grad_divisor)
-        for kind, value in zip(OPTIMIZER_STATES, (master, exp_avg, exp_avg_sq)):
-            self._manager.store(i, kind, value)
-        self._manager.store(i, StateKind.PARAM_NEXT if into_next else StateKind.PARAM, master)
+        name = self._runtime.flats[i].name
+        with self._timeline.span(f"adamw {name}", "cpu"):
+            master, exp_avg, exp_avg_sq = self._manager.optimizer_states(i)
+            grad = self._manager.load(i, StateKind.GRAD)
+            adamw_step(master, grad, exp_avg, exp_avg_sq, self._steps[i], hyper, grad_divisor)
+        with self._timeline.span(f"write back {name}", "cpu"):
+            for kind, value in zip(OPTIMIZER_STATES, (master, exp_avg, exp_avg_sq)):
+                self._manager.store(i, kind, value)
+            self._manager.store(i, StateKind.PARAM_NEXT if into_next else StateKind.PARAM,
+                                master)
 
     def _grad_divisor(self, update: _Update) -> float | None:
         """What the accumulated gradients are divided by (loss scale over clip factor), or None

@@ -1,0 +1,42 @@
+"""The Chrome-trace timeline: every kind of work appears, on its own track, and loads as JSON."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+import tiered
+from gpt import GPT, next_token_loss
+
+
+def test_trace_has_compute_transfers_nvme_and_cpu_work(tmp_path, monkeypatch):
+    path = tmp_path / "trace.json"
+    monkeypatch.setenv("TIERED_TRACE", str(path))
+    torch.manual_seed(0)
+    engine, optimizer = tiered.initialize(GPT(64, 32, 2, 2), "configs/nvme.yaml", device="cpu",
+                                          nvme={"path": str(tmp_path)})
+    for _ in range(3):
+        idx = torch.randint(0, 64, (2, 8))
+        next_token_loss(engine(idx), idx).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    engine.close()
+    events = json.loads(path.read_text())["traceEvents"]
+    kinds = {(e["cat"], e["name"].split(" ")[0]) for e in events}
+    for expected in [("compute", "forward"), ("compute", "backward"), ("h2d", "gather"),
+                     ("d2h", "reduce+offload"), ("nvme", "nvme"), ("cpu", "add"),
+                     ("cpu", "adamw"), ("cpu", "write")]:
+        assert expected in kinds, f"no {expected} span"
+    # One forward and one backward span per unit per step; spans have a start and a length.
+    forwards = [e for e in events if e["name"] == "forward blocks.0"]
+    assert len(forwards) == 3
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in events)
+    tracks = {e["tid"] for e in events}
+    assert {"compute stream", "gather stream", "offload stream", "tiered-cpu-worker"} <= tracks
+
+
+def test_no_trace_without_a_path(tmp_path, monkeypatch):
+    monkeypatch.delenv("TIERED_TRACE", raising=False)
+    engine, optimizer = tiered.initialize(GPT(64, 32, 2, 2), "configs/cpu.yaml", device="cpu")
+    assert not engine.runtime.timeline.enabled
+    engine.close()

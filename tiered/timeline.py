@@ -1,0 +1,116 @@
+"""A Chrome-trace timeline of a run (open it in Perfetto or chrome://tracing).
+
+``TIERED_TRACE=trace.json`` (or the policy's ``trace.path``) records spans for each unit's
+forward and backward compute, host-to-device gathers, gradient reduce and device-to-host copies,
+NVMe reads and writes and the CPU worker's gradient adds and AdamW steps, on one track per thread
+(host work) or stream (device work). Device spans are timed with CUDA events, read back one
+iteration later (when they have long completed), so tracing adds no synchronisation to the step.
+With several ranks each writes ``trace.rank<r>.json``.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+
+import torch
+
+TRACE_ENV = "TIERED_TRACE"
+
+
+class Timeline:
+    """Records spans; a disabled timeline (no path) records nothing and costs a branch."""
+
+    def __init__(self, path: str | None, device: torch.device):
+        self.path = path
+        self.enabled = path is not None
+        self._events: list[dict] = []
+        self._device_spans: list[tuple[str, str, str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._lock = threading.Lock()
+        self._t0 = time.perf_counter_ns()
+        self._reference = None
+        if self.enabled and device.type == "cuda":
+            # Device times are offsets from this event, placed at the host time it was recorded.
+            torch.cuda.synchronize(device)
+            self._reference = torch.cuda.Event(enable_timing=True)
+            self._reference.record()
+            torch.cuda.synchronize(device)
+            self._reference_us = (time.perf_counter_ns() - self._t0) / 1e3
+
+    @classmethod
+    def for_rank(cls, policy_path: str | None, device: torch.device, rank: int,
+                 world_size: int) -> "Timeline":
+        path = os.environ.get(TRACE_ENV) or policy_path
+        if path and world_size > 1:
+            root, ext = os.path.splitext(path)
+            path = f"{root}.rank{rank}{ext or '.json'}"
+        return cls(path, device)
+
+    @contextlib.contextmanager
+    def span(self, name: str, category: str):
+        """Time the body on this thread's track."""
+        if not self.enabled:
+            yield
+            return
+        start = time.perf_counter_ns()
+        try:
+            yield
+        finally:
+            self._add(name, category, threading.current_thread().name, start - self._t0,
+                      time.perf_counter_ns() - start)
+
+    def mark(self):
+        """A point in time: a timing event on the current stream when tracing a GPU, else the
+        host clock. Two marks make a span (:meth:`between`)."""
+        if not self.enabled:
+            return None
+        if self._reference is None:
+            return time.perf_counter_ns()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def between(self, name: str, category: str, track: str, start, end) -> None:
+        """A span from one :meth:`mark` to another, on ``track`` (a stream's name for device
+        work; on the CPU, host time)."""
+        if start is None or end is None:
+            return
+        if isinstance(start, int):
+            self._add(name, category, track, start - self._t0, end - start)
+            return
+        with self._lock:
+            self._device_spans.append((name, category, track, start, end))
+
+    def flush(self, wait: bool = False) -> None:
+        """Turn completed device spans into events (all of them, waiting, when ``wait``)."""
+        if not self._device_spans:
+            return
+        with self._lock:
+            spans, self._device_spans = self._device_spans, []
+        pending = []
+        for span in spans:
+            name, category, track, start, end = span
+            if not wait and not end.query():
+                pending.append(span)
+                continue
+            end.synchronize()
+            begin_us = self._reference_us + self._reference.elapsed_time(start) * 1e3
+            length_us = start.elapsed_time(end) * 1e3
+            self._add(name, category, track, int(begin_us * 1e3), int(length_us * 1e3))
+        with self._lock:
+            self._device_spans[:0] = pending
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.flush(wait=True)
+        with open(self.path, "w") as f:
+            json.dump({"traceEvents": self._events, "displayTimeUnit": "ms"}, f)
+        self.enabled = False
+
+    def _add(self, name: str, category: str, track: str, offset_ns: int, length_ns: int) -> None:
+        with self._lock:
+            self._events.append({"name": name, "cat": category, "ph": "X", "pid": os.getpid(),
+                                 "tid": track, "ts": offset_ns / 1e3, "dur": length_ns / 1e3})
