@@ -79,10 +79,23 @@ def _plain_step(model, autocast: bool):
     return step
 
 
-def _run_tiered(args, policy):
+def _run_tiered(args, variant):
+    """``variant`` is a policy name with optional ``+dpu`` (the delayed update after 2 warm-up
+    steps) and ``+arrive`` (accumulation_steps 1: units stepped as their gradients arrive)."""
     import tiered
 
+    policy, *extras = variant.split("+")
     overrides = {"nvme": {"path": args.nvme}} if args.nvme else {}
+    optimizer = {}
+    if "dpu" in extras:
+        optimizer["delayed_update"] = {"enabled": True, "warmup_steps": 2}
+    if "arrive" in extras:
+        optimizer["accumulation_steps"] = 1
+    if optimizer:
+        overrides["optimizer"] = optimizer
+    if args.trace:
+        name = variant.replace("+", "-")
+        overrides["trace"] = {"path": os.path.join(args.trace, f"trace_{name}_b{args.batch}.json")}
     path = os.path.join(REPO, "configs", f"{policy}.yaml")
     with tiered.init(path, **overrides):
         model = _model(args)
@@ -149,6 +162,7 @@ def table(results: list[dict], baselines: list[str]) -> str:
         f"x vs {b}" for b in baselines]
     rows = [head]
     by_mode = {r["mode"]: r for r in results if "step_s" in r}
+    # A baseline that ran out of memory has no step time to compare with.
     for r in results:
         if "step_s" not in r:
             rows.append([r["mode"], "failed: " + r.get("error", "?")] + [""] * (len(head) - 2))
@@ -169,6 +183,8 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=2560)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--batches", default=None, help="several batch sizes, e.g. 4,8")
+    parser.add_argument("--trace", default=None, help="folder for tiered's timelines")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--modes", default="gpu,fsdp2_offload,tiered:cpu")
     parser.add_argument("--nvme", default=None, help="folder for NVMe policies")
@@ -180,18 +196,23 @@ def main() -> None:
         return
 
     results = []
-    for mode in args.modes.split(","):
-        cmd = [sys.executable, __file__, "--run", mode, "--layers", str(args.layers),
-               "--dim", str(args.dim), "--seq", str(args.seq), "--batch", str(args.batch),
-               "--steps", str(args.steps)] + (["--nvme", args.nvme] if args.nvme else [])
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-        if proc.returncode or not lines:
-            results.append({"mode": mode, "error": f"exit {proc.returncode}"})
-        else:
-            results.append(json.loads(lines[-1]))
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else [args.batch]
+    for batch in batches:
+        for mode in args.modes.split(","):
+            cmd = [sys.executable, __file__, "--run", mode, "--layers", str(args.layers),
+                   "--dim", str(args.dim), "--seq", str(args.seq), "--batch", str(batch),
+                   "--steps", str(args.steps)] + (["--nvme", args.nvme] if args.nvme else []) + (
+                   ["--trace", args.trace] if args.trace else [])
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+            if proc.returncode or not lines:
+                results.append({"mode": mode, "batch": batch, "error": f"exit {proc.returncode}"})
+            else:
+                results.append(json.loads(lines[-1]))
     baselines = [m for m in ("gpu", "fsdp2_offload") if m in args.modes.split(",")]
-    print(table(results, baselines))
+    for batch in batches:
+        print(f"\nbatch {batch}, seq {args.seq}, {args.layers} x {args.dim}")
+        print(table([r for r in results if r["batch"] == batch], baselines))
     print(json.dumps(results))
     if args.out:
         with open(args.out, "w") as f:
