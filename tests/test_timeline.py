@@ -16,8 +16,9 @@ def test_trace_has_compute_transfers_nvme_and_cpu_work(tmp_path, monkeypatch):
     engine, optimizer = tiered.initialize(GPT(64, 32, 2, 2), "configs/nvme.yaml", device="cpu",
                                           nvme={"path": str(tmp_path)})
     for _ in range(3):
-        idx = torch.randint(0, 64, (2, 8))
-        next_token_loss(engine(idx), idx).backward()
+        for _ in range(2):  # the second backward's gradients are added to the first's
+            idx = torch.randint(0, 64, (2, 8))
+            next_token_loss(engine(idx), idx).backward()
         optimizer.step()
         optimizer.zero_grad()
     engine.close()
@@ -27,9 +28,9 @@ def test_trace_has_compute_transfers_nvme_and_cpu_work(tmp_path, monkeypatch):
                      ("d2h", "reduce+offload"), ("nvme", "nvme"), ("cpu", "add"),
                      ("cpu", "adamw"), ("cpu", "write")]:
         assert expected in kinds, f"no {expected} span"
-    # One forward and one backward span per unit per step; spans have a start and a length.
+    # One forward and one backward span per unit per backward; spans have a start and a length.
     forwards = [e for e in events if e["name"] == "forward blocks.0"]
-    assert len(forwards) == 3
+    assert len(forwards) == 6
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in events)
     tracks = {e["tid"] for e in events}
     assert {"compute stream", "gather stream", "offload stream", "tiered-cpu-worker"} <= tracks

@@ -154,17 +154,21 @@ class TierManager:
     def return_landing(self, name: str) -> None:
         self._landing.put(name)
 
-    def accumulate_grad(self, unit: int, value: torch.Tensor, overwrite: bool) -> None:
-        """Add a reduced gradient shard into the grads tier, in fp32; ``overwrite`` starts a new
-        sum instead. ``value`` is on the grads tier's device (landed there if it had to move)."""
+    def grad_buffer(self, unit: int, dtype: torch.dtype) -> torch.Tensor:
+        """The unit's fp32 grads-tier buffer, or its first half viewed as a 2-byte ``dtype``
+        (where a compute-dtype gradient is kept; see [Note: gradient states])."""
         grad = self.shards[(unit, StateKind.GRAD)].resident
-        if overwrite:
-            grad.copy_(value)
-        else:
-            grad.add_(value)
+        if dtype is torch.float32:
+            return grad
+        return grad.view(torch.uint8)[:grad.numel() * dtype.itemsize].view(dtype)
 
-    def zero_grad(self, unit: int) -> None:
-        self.shards[(unit, StateKind.GRAD)].resident.zero_()
+    def param_target(self, unit: int, kind: StateKind) -> torch.Tensor:
+        """Where the CPU may write new weights of ``kind`` in place: the DRAM shard itself, or
+        the "param_out" staging buffer for weights bound for HBM or NVMe (then :meth:`store`)."""
+        shard = self.shards[(unit, kind)]
+        if shard.resident is not None and shard.resident.device.type == "cpu":
+            return shard.resident
+        return _typed(self._staging["param_out"], shard.numel, shard.dtype)
 
     def grad_device(self) -> torch.device:
         return next(s.resident.device for (_, kind), s in self.shards.items()

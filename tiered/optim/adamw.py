@@ -9,6 +9,8 @@ those steps agree to rounding, not bit for bit. On the reference box the fused C
 """
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -42,3 +44,58 @@ def adamw_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
         [master], [grad], [exp_avg], [exp_avg_sq], [], [step],
         lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay,
         eps=hyper.eps, amsgrad=False, maximize=False, grad_scale=grad_divisor, found_inf=None)
+
+
+def _adamw_one_pass(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                    exp_avg_sq: torch.Tensor, weights: torch.Tensor,
+                    scalars: torch.Tensor) -> None:
+    """AdamW as torch.optim.AdamW computes it, plus the cast of the result, in one pass."""
+    lr, beta1, beta2, eps, weight_decay, step_size, bias2_sqrt, divisor = scalars.unbind()
+    g = grad.float() / divisor
+    master.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g * (1 - beta2))
+    master.sub_(step_size * exp_avg / (exp_avg_sq.sqrt() / bias2_sqrt + eps))
+    weights.copy_(master)
+
+
+class OnePassAdamW:
+    """AdamW for mixed precision on the CPU: reads the gradient in the compute dtype and writes
+    the new compute-dtype weights in the same pass over memory.
+
+    The fused kernel needs an fp32 gradient and leaves the cast to a second pass, so a step
+    costs 2 + 28 + 6 bytes of DRAM traffic per parameter against this one's 28 (bf16 gradient
+    in; master and moments in and out; bf16 weights out). On the reference box the same
+    ``torch.compile``d function ran 2.78 B parameters in 0.630 s, against 1.04 s for fused AdamW
+    with the casts done by ``copy_``. It is compiled on first use, on the thread that calls it
+    (the compiled code takes that thread's intra-op thread count); if compiling fails (no C++
+    compiler), the fused kernel and a separate cast do the same work, with a warning.
+    """
+
+    def __init__(self):
+        self._compiled = None
+        self._failed = False
+
+    def step(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+             exp_avg_sq: torch.Tensor, weights: torch.Tensor, step: torch.Tensor,
+             hyper: AdamWHyper, grad_divisor: float) -> None:
+        step += 1
+        t = float(step)
+        scalars = torch.tensor(
+            [hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay,
+             hyper.lr / (1 - hyper.beta1 ** t), math.sqrt(1 - hyper.beta2 ** t), grad_divisor],
+            dtype=torch.float64).float()
+        if not self._failed:
+            try:
+                if self._compiled is None:
+                    self._compiled = torch.compile(_adamw_one_pass, dynamic=True)
+                self._compiled(master, grad, exp_avg, exp_avg_sq, weights, scalars)
+                return
+            except Exception as error:  # no compiler, or an inductor failure: stay correct
+                self._failed = True
+                warnings.warn(f"tiered: compiling the one-pass AdamW failed ({error}); using "
+                              f"fused AdamW and a separate cast instead")
+        step -= 1
+        divisor = None if grad_divisor == 1.0 else torch.tensor(grad_divisor)
+        adamw_step(master, grad.float(), exp_avg, exp_avg_sq, step, hyper, divisor)
+        weights.copy_(master)

@@ -10,7 +10,7 @@ import torch
 from ..errors import TieredError
 from ..plan import OPTIMIZER_STATES, StateKind
 from ..policy import Policy, Tier
-from .adamw import AdamWHyper, adamw_step
+from .adamw import AdamWHyper, OnePassAdamW, adamw_step
 from .loss_scale import LossScaler
 
 
@@ -73,14 +73,19 @@ class TieredAdamW(torch.optim.Optimizer):
         self._steps_called = 0
         self._pending: _Update | None = None
         self._arrived: list[int] = []
-        runtime.on_grad_added = self._step_on_arrival
+        self._grads = runtime.grads
+        self._grads.on_added = self._step_on_arrival
+        self._one_pass = (OnePassAdamW() if self.device.type == "cpu"
+                          and policy.compute_dtype.torch_dtype is not torch.float32 else None)
+        """Mixed precision on the CPU: read the compute-dtype gradient, write the compute-dtype
+        weights, in one pass (fp32 keeps torch's fused kernel, bit for bit)."""
         self.last_grad_norm: float | None = None
         """The global gradient norm (unscaled) of the last finished update, when it had one."""
         self.skipped_steps = 0
         """Updates skipped because fp16 gradients overflowed."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._runtime.zero_grad(set_to_none)
+        self._grads.zero_grad(set_to_none)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -95,7 +100,7 @@ class TieredAdamW(torch.optim.Optimizer):
                               f"{len(self.param_groups)}")
         # The loss scale this step's backwards used: finishing the previous update may change it.
         loss_scale = self.scaler.scale if self.scaler is not None else 1.0
-        units = [i for i, has in enumerate(self._runtime.has_grad) if has]
+        units = [i for i, has in enumerate(self._grads.has_grad) if has]
         self._steps_called += 1
         delayed = self._delayed.enabled and self._steps_called > self._delayed.warmup_steps
         self.synchronize()  # the previous update, and this step's gradients, are all in
@@ -129,7 +134,7 @@ class TieredAdamW(torch.optim.Optimizer):
 
     def _step_on_arrival(self, index: int) -> None:
         """CPU worker: step one unit as soon as its gradient of the step's last backward is in."""
-        self._step_unit(index, AdamWHyper.from_group(self.param_groups[0]), None, False)
+        self._step_unit(index, AdamWHyper.from_group(self.param_groups[0]), 1.0, False)
         self._arrived.append(index)
 
     def _run_update(self, update: _Update) -> None:
@@ -138,24 +143,32 @@ class TieredAdamW(torch.optim.Optimizer):
         if divisor is None:
             update.overflowed = True
             return
-        grad_divisor = (None if divisor == 1.0 else
-                        torch.tensor(divisor, dtype=torch.float32, device=self.device))
         for i in update.units:
-            self._step_unit(i, update.hyper, grad_divisor, update.into_next)
+            self._step_unit(i, update.hyper, divisor, update.into_next)
             update.written.append(i)
 
-    def _step_unit(self, i: int, hyper: AdamWHyper, grad_divisor: torch.Tensor | None,
-                   into_next: bool) -> None:
+    def _step_unit(self, i: int, hyper: AdamWHyper, divisor: float, into_next: bool) -> None:
+        """Worker: step unit ``i`` and write its new weights (see [Note: gradient states])."""
         name = self._runtime.flats[i].name
+        kind = StateKind.PARAM_NEXT if into_next else StateKind.PARAM
         with self._timeline.span(f"adamw {name}", "cpu"):
             master, exp_avg, exp_avg_sq = self._manager.optimizer_states(i)
-            grad = self._manager.load(i, StateKind.GRAD)
-            adamw_step(master, grad, exp_avg, exp_avg_sq, self._steps[i], hyper, grad_divisor)
+            grad = self._grads.read(i)
+            if self._one_pass is not None:
+                weights = self._manager.param_target(i, kind)
+                self._one_pass.step(master, grad, exp_avg, exp_avg_sq, weights, self._steps[i],
+                                    hyper, divisor)
+            else:
+                weights = master
+                divisor_tensor = (None if divisor == 1.0 else
+                                  torch.tensor(divisor, dtype=torch.float32, device=self.device))
+                adamw_step(master, grad.float(), exp_avg, exp_avg_sq, self._steps[i], hyper,
+                           divisor_tensor)
+        self._grads.consumed(i)
         with self._timeline.span(f"write back {name}", "cpu"):
-            for kind, value in zip(OPTIMIZER_STATES, (master, exp_avg, exp_avg_sq)):
-                self._manager.store(i, kind, value)
-            self._manager.store(i, StateKind.PARAM_NEXT if into_next else StateKind.PARAM,
-                                master)
+            for state, value in zip(OPTIMIZER_STATES, (master, exp_avg, exp_avg_sq)):
+                self._manager.store(i, state, value)
+            self._manager.store(i, kind, weights)
 
     def _grad_divisor(self, update: _Update) -> float | None:
         """What the accumulated gradients are divided by (loss scale over clip factor), or None
@@ -180,8 +193,8 @@ class TieredAdamW(torch.optim.Optimizer):
         device = self._runtime.group.device
         square_sum = torch.zeros((), dtype=torch.float64, device=device)
         for i in units:
-            grad = self._manager.load(i, StateKind.GRAD)
-            square_sum += torch.linalg.vector_norm(grad).to(device, torch.float64) ** 2
+            norm = torch.linalg.vector_norm(self._grads.read(i), dtype=torch.float32)
+            square_sum += norm.to(device, torch.float64) ** 2
         self._norm_group.all_reduce_sum(square_sum)
         return math.sqrt(square_sum.item())
 

@@ -1,0 +1,76 @@
+"""The AdamW kernels against torch.optim.AdamW."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiered.optim import adamw
+from tiered.optim.adamw import AdamWHyper, OnePassAdamW, adamw_step
+
+HYPER = AdamWHyper(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+
+
+def torch_adamw(master, grads, divisor):
+    param = torch.nn.Parameter(master.clone())
+    optimizer = torch.optim.AdamW([param], lr=HYPER.lr, betas=(HYPER.beta1, HYPER.beta2),
+                                  eps=HYPER.eps, weight_decay=HYPER.weight_decay)
+    for grad in grads:
+        param.grad = grad.float() / divisor
+        optimizer.step()
+    return param.detach()
+
+
+def test_fused_step_is_torch_adamw_bit_for_bit():
+    torch.manual_seed(0)
+    master = torch.randn(4099)
+    grads = [torch.randn(4099) for _ in range(3)]
+    ours, exp_avg, exp_avg_sq, step = master.clone(), torch.zeros(4099), torch.zeros(4099), \
+        torch.zeros(())
+    for grad in grads:
+        adamw_step(ours, grad.clone(), exp_avg, exp_avg_sq, step, HYPER)
+    reference = torch.nn.Parameter(master.clone())
+    optimizer = torch.optim.AdamW([reference], lr=HYPER.lr, betas=(HYPER.beta1, HYPER.beta2),
+                                  eps=HYPER.eps, weight_decay=HYPER.weight_decay, fused=True)
+    for grad in grads:
+        reference.grad = grad.clone()
+        optimizer.step()
+    assert torch.equal(ours, reference.detach())
+
+
+@pytest.mark.parametrize("grad_dtype,weights_dtype", [(torch.bfloat16, torch.bfloat16),
+                                                     (torch.float16, torch.float16),
+                                                     (torch.float32, torch.bfloat16)])
+def test_one_pass_matches_torch_adamw_and_writes_the_cast(grad_dtype, weights_dtype):
+    torch.manual_seed(0)
+    master = torch.randn(10_001)
+    grads = [torch.randn(10_001).to(grad_dtype) for _ in range(3)]
+    kernel = OnePassAdamW()
+    ours, exp_avg, exp_avg_sq, step = master.clone(), torch.zeros(10_001), \
+        torch.zeros(10_001), torch.zeros(())
+    weights = torch.full((10_001,), float("nan"), dtype=weights_dtype)
+    for grad in grads:
+        kernel.step(ours, grad, exp_avg, exp_avg_sq, weights, step, HYPER, grad_divisor=4.0)
+    assert not kernel._failed
+    assert step.item() == 3
+    torch.testing.assert_close(ours, torch_adamw(master, grads, 4.0), rtol=1e-6, atol=1e-6)
+    assert torch.equal(weights, ours.to(weights_dtype))
+
+
+def test_one_pass_falls_back_to_fused_when_compiling_fails(monkeypatch):
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(adamw.torch, "compile", no_compiler)
+    torch.manual_seed(0)
+    master = torch.randn(1000)
+    grads = [torch.randn(1000).bfloat16() for _ in range(2)]
+    kernel = OnePassAdamW()
+    ours, exp_avg, exp_avg_sq, step = master.clone(), torch.zeros(1000), torch.zeros(1000), \
+        torch.zeros(())
+    weights = torch.empty(1000, dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="no C.. compiler"):
+        for grad in grads:
+            kernel.step(ours, grad, exp_avg, exp_avg_sq, weights, step, HYPER, grad_divisor=2.0)
+    assert kernel._failed and step.item() == 2
+    torch.testing.assert_close(ours, torch_adamw(master, grads, 2.0), rtol=1e-6, atol=1e-6)
+    assert torch.equal(weights, ours.bfloat16())
