@@ -152,3 +152,21 @@ def test_fp16_overflow_under_delay_skips_that_update():
     after = engine.full_state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before), "an overflowed update moved"
     engine.close()
+
+
+def test_update_steps_units_in_the_order_their_gradients_arrived():
+    # Backward delivers the last block first; stepping it first lets the next backward refill
+    # its buffer without waiting for the whole update (see [Note: buffer hand-off]).
+    engine, optimizer = tiered.initialize(
+        make_model(), "configs/cpu.yaml", compute_dtype="fp32", device="cpu",
+        optimizer=dict(OPTIM, delayed_update={"enabled": True, "warmup_steps": 0}))
+    stepped = []
+    step_unit = optimizer._step_unit
+    optimizer._step_unit = lambda i, *args: (stepped.append(i), step_unit(i, *args))
+    idx = batches()[0]
+    next_token_loss(engine(idx), idx).backward()
+    optimizer.step()
+    optimizer.synchronize()
+    arrived = [f.spec.index for f in reversed(engine.runtime.flats[:-1])] + [2]
+    assert stepped == arrived == [1, 0, 2]  # block 1, block 0, then the root (embeddings)
+    engine.close()

@@ -49,6 +49,9 @@ class GradientPath:
         """Whether unit i has a gradient since ``zero_grad`` (as the training thread sees it)."""
         self.dtype: list[torch.dtype | None] = [None] * len(flats)
         """What unit i's buffer holds (see [Note: gradient states]); the worker's view."""
+        self.arrival_order: list[int] = []
+        """Units in the order their first gradient since ``zero_grad`` arrived (worker's view):
+        the order an update steps them in, see [Note: buffer hand-off]."""
         self._free = [threading.Event() for _ in flats]
         for event in self._free:
             event.set()
@@ -108,6 +111,7 @@ class GradientPath:
         """Worker: a first gradient is in its buffer (pending, or an fp32 sum)."""
         wait_for(ready, shard)
         self.dtype[index] = shard.dtype
+        self.arrival_order.append(index)
         self._done(transient, index, step_now)
 
     def _add(self, index: int, shard: torch.Tensor, ready, landing: str | None, transient: int,
@@ -146,7 +150,14 @@ class GradientPath:
         self.worker.submit(partial(self._zero, set_to_none))
         self.has_grad = [not set_to_none] * len(self.flats)
 
+    def in_arrival_order(self, units: list[int]) -> list[int]:
+        """Worker: ``units`` ordered as their gradients arrived (any others last)."""
+        wanted = set(units)
+        ordered = [i for i in self.arrival_order if i in wanted]
+        return ordered + [i for i in units if i not in set(ordered)]
+
     def _zero(self, set_to_none: bool) -> None:
+        self.arrival_order = []
         for index in range(len(self.flats)):
             if set_to_none:
                 self.dtype[index] = None

@@ -76,6 +76,13 @@ class OnePassAdamW:
         self._compiled = None
         self._failed = False
 
+    def warm_up(self, grad_dtype: torch.dtype, weights_dtype: torch.dtype) -> None:
+        """Compile now, on a few elements, so the first real step does not pay for it."""
+        master, exp_avg, exp_avg_sq = torch.zeros(64), torch.zeros(64), torch.zeros(64)
+        self.step(master, torch.zeros(64, dtype=grad_dtype), exp_avg, exp_avg_sq,
+                  torch.empty(64, dtype=weights_dtype), torch.zeros(()),
+                  AdamWHyper(0.0, 0.9, 0.999, 1e-8, 0.0), 1.0)
+
     def step(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
              exp_avg_sq: torch.Tensor, weights: torch.Tensor, step: torch.Tensor,
              hyper: AdamWHyper, grad_divisor: float) -> None:

@@ -79,6 +79,10 @@ class TieredAdamW(torch.optim.Optimizer):
                           and policy.compute_dtype.torch_dtype is not torch.float32 else None)
         """Mixed precision on the CPU: read the compute-dtype gradient, write the compute-dtype
         weights, in one pass (fp32 keeps torch's fused kernel, bit for bit)."""
+        if self._one_pass is not None:
+            # Compiled on the worker (its thread count is baked in), while the first forward runs.
+            compute = policy.compute_dtype.torch_dtype
+            self._worker.submit(partial(self._one_pass.warm_up, compute, compute))
         self.last_grad_norm: float | None = None
         """The global gradient norm (unscaled) of the last finished update, when it had one."""
         self.skipped_steps = 0
@@ -143,7 +147,7 @@ class TieredAdamW(torch.optim.Optimizer):
         if divisor is None:
             update.overflowed = True
             return
-        for i in update.units:
+        for i in self._grads.in_arrival_order(update.units):
             self._step_unit(i, update.hyper, divisor, update.into_next)
             update.written.append(i)
 
