@@ -34,8 +34,6 @@ def _model(args):
 
 
 def _run_gpu(args):
-    import torch
-
     model = _model(args).cuda()
     return model, _plain_step(model, autocast=True)
 

@@ -13,21 +13,14 @@ import torch
 
 import tiered
 from distributed import run_ranks
-from gpt import GPT, next_token_loss
+from gpt import next_token_loss
+from test_parity import BATCH, OPTIM, REPO, make_model, token_batches
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS, WARMUP, BATCH, SEQ, VOCAB = 8, 2, 8, 16, 64
-OPTIM = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-
-
-def make_model() -> GPT:
-    torch.manual_seed(0)
-    return GPT(VOCAB, 32, 2, 2, max_seq=SEQ, tied=True, qkv_bias=False)
+STEPS, WARMUP = 8, 2
 
 
 def batches():
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
+    return token_batches(STEPS)
 
 
 def reference(max_grad_norm: float | None, world: int = 1):

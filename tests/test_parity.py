@@ -5,7 +5,6 @@ fp32 compute on the CPU; each rank takes its part of every batch, gradients aver
 """
 from __future__ import annotations
 
-import copy
 import os
 
 import pytest
@@ -26,10 +25,14 @@ def make_model() -> GPT:
     return GPT(VOCAB, 32, 2, 2, max_seq=SEQ, tied=True, qkv_bias=False)
 
 
+def token_batches(count: int, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(count)]
+
+
 def batches():
-    g = torch.Generator().manual_seed(1)
-    return [[torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(MICRO)]
-            for _ in range(STEPS)]
+    flat = token_batches(STEPS * MICRO)
+    return [flat[i:i + MICRO] for i in range(0, len(flat), MICRO)]
 
 
 def train_engine(policy: str, rank: int, world: int, nvme: str, max_grad_norm: float | None):

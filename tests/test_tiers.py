@@ -6,7 +6,6 @@ import errno
 import os
 import re
 import resource
-import shutil
 import stat
 import subprocess
 import warnings
