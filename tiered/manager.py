@@ -10,7 +10,6 @@ It knows nothing of modules or autograd, so the per-node daemon can host it late
 """
 from __future__ import annotations
 
-import queue
 from dataclasses import dataclass
 
 import torch
@@ -61,8 +60,7 @@ class TierManager:
                      if policy.uses_nvme else None)
         self.shards: dict[tuple[int, StateKind], Shard] = {}
         self._staging: dict[str, torch.Tensor] = {}
-        self._landing: queue.SimpleQueue[str] = queue.SimpleQueue()
-        """Free gradient landing buffers (see plan.GRAD_LANDING_SLOTS)."""
+
 
     def available(self) -> dict[Tier, int]:
         out = {Tier.HBM: self.hbm.usage.budget - self.hbm.usage.current,
@@ -83,8 +81,6 @@ class TierManager:
         blocks = self.dram.reserve(dram)
         for name in plan.staging:
             self._staging[name] = blocks[("staging", name)]
-            if name.startswith("grad"):
-                self._landing.put(name)
         for (unit, kind), buf in plan.shards.items():
             shard = Shard(unit, kind, buf.tier, buf.numel, buf.dtype)
             if buf.tier is Tier.DRAM:
@@ -142,17 +138,12 @@ class TierManager:
         else:
             target.copy_(value)
 
-    def land_grad(self, value: torch.Tensor) -> tuple[str, torch.Tensor]:
-        """A free landing buffer holding a copy of the gradient shard ``value`` (started with
-        ``non_blocking``: the caller records an event after it). Blocks while every buffer is
-        still waiting for the CPU worker, which is how backward is kept from outrunning it."""
-        name = self._landing.get()
+    def land_grad(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """Copy the gradient shard ``value`` into the landing buffer ``name`` (``non_blocking``:
+        the caller records an event after it); returns the landed view."""
         landed = _typed(self._staging[name], value.numel(), value.dtype)
         landed.copy_(value, non_blocking=True)
-        return name, landed
-
-    def return_landing(self, name: str) -> None:
-        self._landing.put(name)
+        return landed
 
     def grad_buffer(self, unit: int, dtype: torch.dtype) -> torch.Tensor:
         """The unit's fp32 grads-tier buffer, or its first half viewed as a 2-byte ``dtype``

@@ -147,7 +147,8 @@ class OptimizerPolicy:
         default=None, metadata=_parse(lambda v: None if v is None else _int(v)))
     """Backward calls per ``optimizer.step()``. When set (and neither clipping nor fp16 needs the
     global norm first), each unit is stepped as soon as its gradient of the last backward lands,
-    overlapping the rest of that backward; null waits for ``optimizer.step()``."""
+    overlapping the rest of that backward, with the learning rate set at that moment; null waits
+    for ``optimizer.step()``."""
     delayed_update: DelayedUpdatePolicy = DelayedUpdatePolicy()
 
     def __post_init__(self):

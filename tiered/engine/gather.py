@@ -48,23 +48,30 @@ class Gatherer:
         self.usage.acquire(flat.gathered_bytes, f"gathered unit {flat.name}")
         if self.on_gather is not None:
             self.on_gather(index)
-        landed = None
-        if self.readahead is not None:
-            landed = self.readahead.take(index)  # this rank's shard, read from NVMe
-            source = landed.tensor
-        else:
-            source = self.manager.load(index, StateKind.PARAM)
-        with self.streams.on_gather():
-            begin = self.timeline.mark()
-            full = flat.allocate()
-            mine = flat.own_shard(full)
-            mine.copy_(source, non_blocking=True)
-            self.group.all_gather(full, mine)
-            event = self.streams.record()
-            self.timeline.between(f"gather {flat.name}", "h2d", "gather stream", begin,
-                                  self.timeline.mark())
-        if landed is not None:
-            self.readahead.give_back(landed, event)
+        landed = event = None
+        try:
+            if self.readahead is not None:
+                landed = self.readahead.take(index)  # this rank's shard, read from NVMe
+                source = landed.tensor
+            else:
+                source = self.manager.load(index, StateKind.PARAM)
+            with self.streams.on_gather():
+                begin = self.timeline.mark()
+                full = flat.allocate()
+                mine = flat.own_shard(full)
+                mine.copy_(source, non_blocking=True)
+                self.group.all_gather(full, mine)
+                event = self.streams.record()
+                self.timeline.between(f"gather {flat.name}", "h2d", "gather stream", begin,
+                                      self.timeline.mark())
+        except BaseException:
+            if flat.residency is Residency.GATHERED:
+                flat.free()
+            self.usage.release(flat.gathered_bytes)
+            raise
+        finally:
+            if landed is not None:  # the buffer is free once the copy that reads it is done
+                self.readahead.give_back(landed, event)
         if event is not None:
             self._ready[index] = event
         self._by_storage[full.untyped_storage().data_ptr()] = flat

@@ -13,13 +13,18 @@ on the CPU worker, in the order of its queue.
 
 [Note: buffer hand-off]
 With the delayed update, step t+1's backward produces a unit's gradient while step t's update
-may not yet have read the previous one from the same buffer. Each unit's buffer is therefore
-free or taken: the copy into it waits until the worker has freed it (the update stepped that
-unit, or ``zero_grad`` dropped the gradient). Updates step units in the order their gradients
-arrived, so backward waits only when it catches up with the CPU.
+may not yet have read the previous one from the same buffer. So each buffer is FREE (may be
+filled), TAKEN (the training thread is filling it; the worker has not seen it yet) or HELD (the
+worker has it; an update will read it). Backward waits for FREE before a first gradient; the
+worker makes a buffer HELD when the gradient arrives and FREE when an update has read it or
+``zero_grad`` drops it. ``zero_grad`` never frees a TAKEN buffer: that gradient belongs to a
+backward after it. Updates step units in the order their gradients arrived, so backward waits
+only when it catches up with the CPU. Every wait here also ends, with an error, if the worker
+fails: a task it skipped would otherwise never free what backward waits for.
 """
 from __future__ import annotations
 
+import enum
 import threading
 from functools import partial
 
@@ -33,6 +38,12 @@ from ..timeline import Timeline
 from .collectives import ProcessGroup
 from .flat import FlatParam
 from .streams import Streams, wait_for
+
+
+class Buffer(enum.Enum):
+    FREE = "free"
+    TAKEN = "taken"
+    HELD = "held"
 
 
 class GradientPath:
@@ -52,11 +63,14 @@ class GradientPath:
         self.arrival_order: list[int] = []
         """Units in the order their first gradient since ``zero_grad`` arrived (worker's view):
         the order an update steps them in, see [Note: buffer hand-off]."""
-        self._free = [threading.Event() for _ in flats]
-        for event in self._free:
-            event.set()
-        self._in_flight = threading.Semaphore(GRAD_LANDING_SLOTS)
-        """Backward waits for the worker once this many gradients are on their way to it."""
+        self._changed = threading.Condition()
+        """Guards the three below; notified whenever one changes or the worker fails."""
+        self._buffers = [Buffer.FREE] * len(flats)
+        self._in_flight = 0
+        """Gradients on their way to the worker; backward waits at GRAD_LANDING_SLOTS."""
+        self._landing = manager.staging_names("grad")
+        """Free pinned landing buffers (for gradients after a step's first)."""
+        worker.on_failure(self._wake)
         self.on_added = None
         """Called on the worker with a unit whose gradient of the step's last backward is in,
         when stepping on arrival (set by the optimizer)."""
@@ -68,43 +82,73 @@ class GradientPath:
     def reduce(self, flat: FlatParam, step_now: bool) -> None:
         """Average the unit's full gradient over ranks into this rank's shard and send it to the
         grads tier; the caller then releases the gathered weights. See [Note: offload stream]."""
-        grad = flat.full.grad
-        flat.full.grad = None
         index = flat.spec.index
         first = not self.has_grad[index]
-        self.has_grad[index] = True
-        self._in_flight.acquire()
-        transient = grad.numel() * grad.element_size()
-        self.usage.acquire(transient, f"gradient of unit {flat.name}")
-        landing = None
-        if first:
-            self._free[index].wait()  # [Note: buffer hand-off]
-            self._free[index].clear()
-        with self.streams.on_offload():
-            begin = self.timeline.mark()
-            if self.group.world_size > 1:
-                full32 = grad.to(self.reduce_dtype)
-                shard = torch.empty(flat.shard_numel, dtype=self.reduce_dtype, device=grad.device)
-                extra = (full32.numel() * 4 if full32 is not grad else 0) + shard.numel() * 4
-                self.usage.acquire(extra, f"fp32 gradient reduction of unit {flat.name}")
+        needs_landing = (not first and flat.full.device.type != "cpu"
+                         and self.manager.grad_device().type == "cpu")
+        landing = self._reserve(index, first, needs_landing)
+        transient = 0
+        try:
+            grad = flat.full.grad
+            flat.full.grad = None
+            transient = grad.numel() * grad.element_size()
+            self.usage.acquire(transient, f"gradient of unit {flat.name}")
+            with self.streams.on_offload():
+                begin = self.timeline.mark()
+                shard, extra = self._reduce(flat, grad)
                 transient += extra
-                self.group.reduce_scatter_mean(shard, full32)
-                del full32
-            else:
-                shard = grad
+                if first:
+                    target = self.manager.grad_buffer(index, shard.dtype)
+                    target.copy_(shard, non_blocking=True)
+                    shard = target
+                elif landing is not None:
+                    shard = self.manager.land_grad(landing, shard)
+                ready = self.streams.record()
+                self.timeline.between(f"reduce+offload {flat.name}", "d2h", "offload stream",
+                                      begin, self.timeline.mark())
+            self.streams.keep_for_offload(grad)
+            del grad
+            task = self._arrived if first else self._add
+            self.worker.submit(partial(task, index, shard, ready, landing, transient, step_now))
+        except BaseException:
+            self.usage.release(transient)
+            self._unreserve(index, first, landing)
+            raise
+        self.has_grad[index] = True
+
+    def _reduce(self, flat: FlatParam, grad: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """This rank's shard of the rank-averaged gradient, and the extra device bytes held."""
+        if self.group.world_size == 1:
+            return grad, 0
+        full32 = grad.to(self.reduce_dtype)
+        shard = torch.empty(flat.shard_numel, dtype=self.reduce_dtype, device=grad.device)
+        extra = (full32.numel() * 4 if full32 is not grad else 0) + shard.numel() * 4
+        self.usage.acquire(extra, f"fp32 gradient reduction of unit {flat.name}")
+        self.group.reduce_scatter_mean(shard, full32)
+        return shard, extra
+
+    def _reserve(self, index: int, first: bool, needs_landing: bool) -> str | None:
+        """Training thread: wait for room on the way to the worker (and, for a first gradient,
+        for the unit's buffer to be FREE); returns a landing buffer when one is needed."""
+        with self._changed:
+            self._changed.wait_for(lambda: self.worker.failed or (
+                self._in_flight < GRAD_LANDING_SLOTS
+                and (not first or self._buffers[index] is Buffer.FREE)
+                and (not needs_landing or self._landing)))
+            self.worker.raise_if_failed()
+            self._in_flight += 1
             if first:
-                target = self.manager.grad_buffer(index, shard.dtype)
-                target.copy_(shard, non_blocking=True)
-                shard = target
-            elif shard.device.type != "cpu" and self.manager.grad_device().type == "cpu":
-                landing, shard = self.manager.land_grad(shard)
-            ready = self.streams.record()
-            self.timeline.between(f"reduce+offload {flat.name}", "d2h", "offload stream", begin,
-                                  self.timeline.mark())
-        self.streams.keep_for_offload(grad)
-        del grad
-        task = self._arrived if first else self._add
-        self.worker.submit(partial(task, index, shard, ready, landing, transient, step_now))
+                self._buffers[index] = Buffer.TAKEN
+            return self._landing.pop() if needs_landing else None
+
+    def _unreserve(self, index: int, first: bool, landing: str | None) -> None:
+        with self._changed:
+            self._in_flight -= 1
+            if first:
+                self._buffers[index] = Buffer.FREE
+            if landing is not None:
+                self._landing.append(landing)
+            self._changed.notify_all()
 
     def _arrived(self, index: int, shard: torch.Tensor, ready, landing, transient: int,
                  step_now: bool) -> None:
@@ -112,7 +156,9 @@ class GradientPath:
         wait_for(ready, shard)
         self.dtype[index] = shard.dtype
         self.arrival_order.append(index)
-        self._done(transient, index, step_now)
+        with self._changed:
+            self._buffers[index] = Buffer.HELD
+        self._done(transient, index, step_now, landing)
 
     def _add(self, index: int, shard: torch.Tensor, ready, landing: str | None, transient: int,
              step_now: bool) -> None:
@@ -124,14 +170,16 @@ class GradientPath:
                 self.manager.grad_buffer(index, torch.float32).copy_(pending)
             self.manager.grad_buffer(index, torch.float32).add_(shard)
             self.dtype[index] = torch.float32
-        if landing is not None:
-            self.manager.return_landing(landing)
         del shard
-        self._done(transient, index, step_now)
+        self._done(transient, index, step_now, landing)
 
-    def _done(self, transient: int, index: int, step_now: bool) -> None:
+    def _done(self, transient: int, index: int, step_now: bool, landing: str | None) -> None:
         self.usage.release(transient)
-        self._in_flight.release()
+        with self._changed:
+            self._in_flight -= 1
+            if landing is not None:
+                self._landing.append(landing)
+            self._changed.notify_all()
         if step_now:
             self.on_added(index)
 
@@ -141,7 +189,14 @@ class GradientPath:
 
     def consumed(self, index: int) -> None:
         """Worker: the update has read unit ``index``'s gradient; its buffer may be refilled."""
-        self._free[index].set()
+        self._set_free(lambda i: i == index)
+
+    def in_arrival_order(self, units: list[int]) -> list[int]:
+        """Worker: ``units`` ordered as their gradients arrived (any others last)."""
+        wanted = set(units)
+        ordered = [i for i in self.arrival_order if i in wanted]
+        seen = set(ordered)
+        return ordered + [i for i in units if i not in seen]
 
     def zero_grad(self, set_to_none: bool) -> None:
         """``set_to_none`` forgets the gradients (the next backward starts new ones); otherwise
@@ -150,18 +205,27 @@ class GradientPath:
         self.worker.submit(partial(self._zero, set_to_none))
         self.has_grad = [not set_to_none] * len(self.flats)
 
-    def in_arrival_order(self, units: list[int]) -> list[int]:
-        """Worker: ``units`` ordered as their gradients arrived (any others last)."""
-        wanted = set(units)
-        ordered = [i for i in self.arrival_order if i in wanted]
-        return ordered + [i for i in units if i not in set(ordered)]
-
     def _zero(self, set_to_none: bool) -> None:
         self.arrival_order = []
-        for index in range(len(self.flats)):
+        with self._changed:
+            # A TAKEN buffer is a backward's after this zero_grad: leave it alone.
+            units = [i for i, state in enumerate(self._buffers) if state is not Buffer.TAKEN]
+        for index in units:
             if set_to_none:
                 self.dtype[index] = None
             else:
                 self.manager.grad_buffer(index, torch.float32).zero_()
                 self.dtype[index] = torch.float32
-            self._free[index].set()
+        chosen = set(units)
+        self._set_free(lambda i: i in chosen)
+
+    def _set_free(self, which) -> None:
+        with self._changed:
+            for index, state in enumerate(self._buffers):
+                if state is Buffer.HELD and which(index):
+                    self._buffers[index] = Buffer.FREE
+            self._changed.notify_all()
+
+    def _wake(self) -> None:
+        with self._changed:
+            self._changed.notify_all()

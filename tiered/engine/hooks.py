@@ -82,12 +82,13 @@ class UnitHooks:
             self.runtime.end_iteration()
 
     def _pre_forward(self, flat: FlatParam, module, args) -> None:
-        self.runtime.use(flat)
-        flat.bind_views()
-        self._started[flat.spec.index] = self.runtime.timeline.mark()
+        # Pushed first: the post-hook pops it even when what follows raises.
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
         self._saved_hooks.append(hooks)
+        self.runtime.use(flat)
+        flat.bind_views()
+        self._started[flat.spec.index] = self.runtime.timeline.mark()
 
     def _post_forward(self, flat: FlatParam, module, args, output) -> None:
         self._saved_hooks.pop().__exit__(None, None, None)

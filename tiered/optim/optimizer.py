@@ -41,7 +41,10 @@ class TieredAdamW(torch.optim.Optimizer):
     and lowers the loss scale when any rank's gradients hold an inf or nan. Both factors are
     applied inside the AdamW kernel as one divisor, not as a separate pass over the gradients.
 
-    The work runs on the CPU worker (see workers.py). With ``optimizer.delayed_update`` the step
+    The work runs on the CPU worker (see workers.py). With ``optimizer.accumulation_steps``, units
+    stepped as their gradients arrive use the hyperparameters ``param_groups`` holds at that
+    moment, during the step's last backward (schedulers stepped after ``optimizer.step()`` set
+    them in time). With ``optimizer.delayed_update`` the step
     after warm-up returns at once and its update overlaps the next forward and backward;
     :meth:`synchronize` (also run by ``engine.full_state_dict()``, ``engine.eval()`` and
     ``engine.close()``) finishes it. ``last_grad_norm`` and ``skipped_steps`` describe the
@@ -123,7 +126,14 @@ class TieredAdamW(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Finish the queued update; its weights become the ones the next forward gathers."""
+        streams = self._runtime.streams
+        written = []
+        if streams.gather is not None:
+            # Weights the worker wrote on the device are ready after the work it queued there.
+            self._worker.submit(lambda: written.append(streams.record()))
         self._worker.drain()
+        if written:
+            streams.gather_after(written[0])
         update, self._pending = self._pending, None
         if update is None:
             return

@@ -51,11 +51,24 @@ class CpuWorker:
         self._idle = threading.Condition()
         self._pending = 0
         self._error: BaseException | None = None
+        self._failure_callbacks: list[Callable[[], None]] = []
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="tiered-cpu-worker", daemon=True)
         self._thread.start()
 
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+    def on_failure(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (on the worker) when a task fails: whoever waits for work the
+        worker will now skip must wake up and see ``failed``."""
+        self._failure_callbacks.append(callback)
+
     def submit(self, task: Callable[[], None]) -> None:
-        self._raise_if_failed()
+        if self._closed:
+            raise TieredError("the CPU worker is closed (the engine was closed)")
+        self.raise_if_failed()
         with self._idle:
             self._pending += 1
         self._tasks.put(task)
@@ -64,14 +77,16 @@ class CpuWorker:
         """Wait until every submitted task has run; re-raise a task's failure here."""
         with self._idle:
             self._idle.wait_for(lambda: self._pending == 0)
-        self._raise_if_failed()
+        self.raise_if_failed()
 
     def close(self) -> None:
+        self._closed = True
         if self._thread.is_alive():
             self._tasks.put(None)
             self._thread.join()
 
-    def _raise_if_failed(self) -> None:
+    def raise_if_failed(self) -> None:
+        """Raise the failure of a task (on the calling thread), if one failed."""
         if self._error is not None:
             raise TieredError(f"the CPU worker failed: {self._error}") from self._error
 
@@ -83,6 +98,8 @@ class CpuWorker:
                     task()
             except BaseException as error:  # surfaced to the training thread by drain/submit
                 self._error = error
+                for callback in self._failure_callbacks:
+                    callback()
             finally:
                 with self._idle:
                     self._pending -= 1

@@ -1,0 +1,109 @@
+"""Failures in the background must surface in the training thread, never as a hang or a leak."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import tiered
+from gpt import next_token_loss
+from test_delayed_update import assert_matches, reference, train_engine
+from test_parity import make_model, token_batches
+
+
+def run_with_deadline(fn, seconds: float = 60.0):
+    """Run ``fn`` on a thread; fail the test (instead of hanging it) if it does not finish."""
+    outcome: dict = {}
+
+    def target():
+        try:
+            outcome["value"] = fn()
+        except BaseException as error:  # handed to the test thread below
+            outcome["error"] = error
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s: a wait that never ends"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
+
+
+def test_delayed_update_holds_its_rule_when_the_cpu_is_slower_than_backward(monkeypatch, tmp_path):
+    # The update of step t must not read a gradient step t+1 has already written: slow every
+    # unit's step so that backward catches up with the update (see [Note: buffer hand-off]).
+    step_unit = tiered.TieredAdamW._step_unit
+
+    def slow_step_unit(self, *args):
+        time.sleep(0.03)
+        return step_unit(self, *args)
+
+    monkeypatch.setattr(tiered.TieredAdamW, "_step_unit", slow_step_unit)
+    state, losses = run_with_deadline(lambda: train_engine("cpu", 0, 1, str(tmp_path), None))
+    ref_state, ref_losses = reference(None)
+    assert_matches(state, losses, ref_state, ref_losses, world=1)
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_a_failing_worker_task_raises_in_backward_instead_of_hanging(monkeypatch, delayed):
+    engine, optimizer = tiered.initialize(
+        make_model(), "configs/cpu.yaml", compute_dtype="fp32", device="cpu",
+        optimizer={"delayed_update": {"enabled": delayed, "warmup_steps": 0}})
+    engine.runtime.worker.drain()
+    calls = []
+
+    def failing_arrival(*args):
+        calls.append(args[0])
+        raise OSError(5, "simulated I/O error")
+
+    monkeypatch.setattr(engine.runtime.grads, "_arrived", failing_arrival)
+
+    def train():
+        for idx in token_batches(4):
+            next_token_loss(engine(idx), idx).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    with pytest.raises(tiered.TieredError, match="simulated I/O error"):
+        run_with_deadline(train)
+    assert calls, "the failure was never triggered"
+    engine.runtime.worker.close()
+
+
+def test_a_failed_gather_leaves_no_buffer_or_bytes_behind(monkeypatch, tmp_path):
+    # NVMe weights with prefetch off have one read buffer: losing it would hang the retry.
+    engine, optimizer = tiered.initialize(
+        make_model(), "configs/nvme.yaml", compute_dtype="fp32", device="cpu",
+        nvme={"path": str(tmp_path)}, prefetch={"enabled": False})
+    flat = engine.runtime.flats[0]
+    allocate = flat.allocate
+    failures = []
+
+    def failing_allocate():
+        if not failures:
+            failures.append(True)
+            raise torch.OutOfMemoryError("simulated out of memory")
+        return allocate()
+
+    monkeypatch.setattr(flat, "allocate", failing_allocate)
+    idx = token_batches(1)[0]
+    with pytest.raises(torch.OutOfMemoryError):
+        engine(idx)
+    assert engine.memory_report()["hbm"]["current"] == 0
+    loss = run_with_deadline(lambda: next_token_loss(engine(idx), idx))
+    loss.backward()
+    optimizer.step()
+    engine.close()
+
+
+def test_a_closed_engine_refuses_work_by_name():
+    engine, optimizer = tiered.initialize(make_model(), "configs/cpu.yaml", device="cpu")
+    engine.close()
+    with pytest.raises(tiered.TieredError, match="closed"):
+        optimizer.zero_grad()
+    with pytest.raises(tiered.TieredError, match="closed"):
+        engine(token_batches(1)[0])
+    engine.close()  # twice is fine
