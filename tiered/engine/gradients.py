@@ -68,6 +68,7 @@ class GradientPath:
         self._buffers = [Buffer.FREE] * len(flats)
         self._in_flight = 0
         """Gradients on their way to the worker; backward waits at GRAD_LANDING_SLOTS."""
+        self._grads_on_host = manager.grad_device().type == "cpu"
         self._landing = manager.staging_names("grad")
         """Free pinned landing buffers (for gradients after a step's first)."""
         worker.on_failure(self._wake)
@@ -84,8 +85,7 @@ class GradientPath:
         grads tier; the caller then releases the gathered weights. See [Note: offload stream]."""
         index = flat.spec.index
         first = not self.has_grad[index]
-        needs_landing = (not first and flat.full.device.type != "cpu"
-                         and self.manager.grad_device().type == "cpu")
+        needs_landing = not first and flat.full.device.type != "cpu" and self._grads_on_host
         landing = self._reserve(index, first, needs_landing)
         transient = 0
         try:
