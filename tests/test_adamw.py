@@ -27,6 +27,7 @@ def test_fused_step_is_torch_adamw_bit_for_bit():
     ours, exp_avg, exp_avg_sq, step = master.clone(), torch.zeros(4099), torch.zeros(4099), \
         torch.zeros(())
     for grad in grads:
+        step += 1
         adamw_step(ours, grad.clone(), exp_avg, exp_avg_sq, step, HYPER)
     reference = torch.nn.Parameter(master.clone())
     optimizer = torch.optim.AdamW([reference], lr=HYPER.lr, betas=(HYPER.beta1, HYPER.beta2),
@@ -49,6 +50,7 @@ def test_one_pass_matches_torch_adamw_and_writes_the_cast(grad_dtype, weights_dt
         torch.zeros(10_001), torch.zeros(())
     weights = torch.full((10_001,), float("nan"), dtype=weights_dtype)
     for grad in grads:
+        step += 1
         kernel.step(ours, grad, exp_avg, exp_avg_sq, weights, step, HYPER, grad_divisor=4.0)
     assert not kernel._failed
     assert step.item() == 3
@@ -70,6 +72,7 @@ def test_one_pass_falls_back_to_fused_when_compiling_fails(monkeypatch):
     weights = torch.empty(1000, dtype=torch.bfloat16)
     with pytest.warns(UserWarning, match="no C.. compiler"):
         for grad in grads:
+            step += 1
             kernel.step(ours, grad, exp_avg, exp_avg_sq, weights, step, HYPER, grad_divisor=2.0)
     assert kernel._failed and step.item() == 2
     torch.testing.assert_close(ours, torch_adamw(master, grads, 2.0), rtol=1e-6, atol=1e-6)

@@ -1,5 +1,6 @@
 """The tier layer on real memory, real files and real mounts: HBM (the CPU plays it), DRAM slabs,
-NVMe files with O_DIRECT, and the tier manager as a real engine drives it."""
+NVMe extents (files with O_DIRECT), and the tier manager as a real engine drives it. The NVMe I/O
+engine itself, and failures injected into it, are in test_aio.py."""
 from __future__ import annotations
 
 import errno
@@ -9,6 +10,7 @@ import resource
 import stat
 import subprocess
 import warnings
+from collections import Counter
 from contextlib import contextmanager
 
 import pytest
@@ -16,11 +18,12 @@ import torch
 from torch import nn
 
 import tiered
+from tiered.plan import StateKind
 from tiered.sizes import align_up, format_size
-from tiered.tiers import DramTier, HbmTier, NvmeTier, PinnedSlabSource
+from tiered.tiers import DramTier, HbmTier, NvmeShard, NvmeTier, PinnedSlabSource
 from tiered.tiers import dram as dram_module
-from tiered.tiers import nvme as nvme_module
-from tiered.tiers.nvme import check_nvme_path, free_bytes
+from tiered.tiers.aio import IoSettings, inject_faults
+from tiered.tiers.nvme import SPARE_EXTENTS, check_nvme_path, free_bytes, nvme_bytes
 
 from gpt import GPT
 
@@ -235,17 +238,42 @@ def test_dram_reservation_is_all_or_nothing_when_a_slab_cannot_be_had(monkeypatc
     assert tier.usage.current == 0 and tier._slabs == []
 
 
-# -- NVMe: files --------------------------------------------------------------------------------
+# -- NVMe: extents ------------------------------------------------------------------------------
+
+SMALL_IO = IoSettings(block_size=2 * BLOCK, queue_depth=4)
+"""Small requests, so that every transfer of more than 8 KiB is split into several."""
+EXTENT_NAME = re.compile(r"extent-\d{5}\.bin")
+
+
+def make_tier(root, budget: int | None = None, rank: int = 0, io: IoSettings = SMALL_IO):
+    return NvmeTier(str(root), budget=budget, rank=rank, io=io)
+
+
+def open_files_under(folder: str) -> dict[str, int]:
+    """Every file under ``folder`` this process holds open (path -> descriptor), read from /proc,
+    so independent of what the tier says it opened. A path open twice fails the check."""
+    out: dict[str, int] = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except FileNotFoundError:  # the descriptor of the listing itself, closed since
+            continue
+        if target.startswith(folder + os.sep):
+            assert target not in out, f"{target} is open twice"
+            out[target] = int(name)
+    return out
+
 
 @pytest.fixture
 def nvme_tier(tmp_path):
-    tier = NvmeTier(str(tmp_path), budget=None, rank=0)
+    tier = make_tier(tmp_path)
     yield tier
     tier.close()
 
 
-def test_nvme_run_folder_and_files(tmp_path):
-    tier = NvmeTier(str(tmp_path), budget=None, rank=3)
+def test_nvme_run_folder_and_extents(tmp_path):
+    tier = make_tier(tmp_path, rank=3)
+    shards = {}
     try:
         assert os.path.dirname(tier.run_dir) == str(tmp_path)
         assert "rank3" in os.path.basename(tier.run_dir)
@@ -253,22 +281,40 @@ def test_nvme_run_folder_and_files(tmp_path):
         assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
         assert tier.direct is True  # ext4
         assert os.listdir(tier.run_dir) == []  # the O_DIRECT probe is gone
+        assert open_files_under(tier.run_dir) == {}
 
-        sizes = {"a.bin": 1, "b.bin": 4096, "c.bin": 5000, "d.bin": 70_000}
-        files = {name: tier.create(name, n) for name, n in sizes.items()}
-        assert sorted(os.listdir(tier.run_dir)) == sorted(sizes)
-        for name, n in sizes.items():
-            f = files[name]
-            assert f.path == os.path.join(tier.run_dir, name)
-            st = os.stat(f.path)
+        sizes = {"a": 1, "b": 4096, "c": 5000, "d": 70_000, "e": 4000}  # a, b, e: one 4 KiB size
+        shards = {what: tier.create(what, n) for what, n in sizes.items()}
+        extent_sizes = Counter(align_up(n, BLOCK) for n in sizes.values())
+        names = sorted(os.listdir(tier.run_dir))
+        assert len(names) == len(sizes) + SPARE_EXTENTS * len(extent_sizes)
+        assert all(EXTENT_NAME.fullmatch(n) for n in names), names
+        for what, n in sizes.items():
+            shard = shards[what]
+            assert shard.nbytes == shard.extent.nbytes == align_up(n, BLOCK)
+            assert shard.path == shard.extent.path
+            assert os.path.dirname(shard.path) == tier.run_dir
+            assert os.path.samefile(f"/proc/self/fd/{shard.extent.fd}", shard.path)
+        assert len({s.path for s in shards.values()}) == len(shards)
+
+        # Every extent, the shards' and the spares', is a preallocated private file, open once,
+        # with O_DIRECT; each extent size has its shards' extents and SPARE_EXTENTS spares.
+        paths = {os.path.join(tier.run_dir, n) for n in names}
+        opened = open_files_under(tier.run_dir)
+        assert set(opened) == paths
+        found = Counter()
+        for path in paths:
+            st = os.stat(path)
             assert stat.S_IMODE(st.st_mode) == 0o600
-            assert st.st_size == f.nbytes == align_up(n, BLOCK)
             assert st.st_blocks * 512 >= st.st_size  # preallocated, not sparse
-            assert fd_flags(f._fd) & os.O_DIRECT, f"{name} was not opened with O_DIRECT"
-        assert tier.usage.current == sum(align_up(n, BLOCK) for n in sizes.values())
+            assert fd_flags(opened[path]) & os.O_DIRECT, f"{path} was not opened with O_DIRECT"
+            found[st.st_size] += 1
+        assert found == {size: count + SPARE_EXTENTS for size, count in extent_sizes.items()}
+        on_disk = sum(os.path.getsize(p) for p in paths)
+        assert tier.usage.current == on_disk == nvme_bytes(list(sizes.values()))
 
         # A second tier in the same root (another rank) gets a folder of its own.
-        other = NvmeTier(str(tmp_path), budget=None, rank=4)
+        other = make_tier(tmp_path, rank=4)
         assert other.run_dir != tier.run_dir and "rank4" in other.run_dir
         other.close()
         assert not os.path.exists(other.run_dir) and os.path.isdir(tier.run_dir)
@@ -277,7 +323,8 @@ def test_nvme_run_folder_and_files(tmp_path):
     assert not os.path.exists(tier.run_dir)
     assert os.listdir(tmp_path) == []
     assert tier.usage.current == 0
-    assert all(f._fd == -1 for f in files.values())
+    assert all(s.extent.fd == -1 for s in shards.values())
+    assert open_files_under(tier.run_dir) == {}  # the spares are closed too
     tier.close()  # idempotent
     assert os.listdir(tmp_path) == [] and tier.usage.current == 0
 
@@ -289,42 +336,56 @@ def round_trip(tier: NvmeTier, sizes: list[int]) -> None:
         keys[("dst", i)] = n
     _, blocks = dram_blocks(keys)
     gen = torch.Generator().manual_seed(1234)
+    step = tier.io.settings.block_size
     for i, n in enumerate(sizes):
-        f = tier.create(f"rt{i}.bin", n)
+        shard = tier.create(f"round trip {i}", n)
         src, dst = blocks[("src", i)], blocks[("dst", i)]
-        assert src.numel() == f.nbytes == align_up(n, BLOCK)
+        assert src.numel() == shard.nbytes == align_up(n, BLOCK)
         dst.fill_(0xAB)
-        f.read_into(dst)  # a fresh file reads back as zeros (the optimizer moments rely on it)
-        assert not dst.any(), f"fresh file of {n} bytes is not zeros"
-        src.copy_(torch.randint(0, 256, (src.numel(),), dtype=torch.uint8, generator=gen))
-        f.write_from(src)
-        dst.fill_(0)
-        f.read_into(dst)
-        assert torch.equal(src, dst), f"round trip of {n} bytes differs"
-        with open(f.path, "rb") as raw:  # and the bytes really are in the file
-            assert raw.read() == bytes(src.tolist())
-        # Overwriting replaces the contents.
-        src.copy_(torch.flip(src, [0]))
-        f.write_from(src)
-        f.read_into(dst)
-        assert torch.equal(src, dst)
+        shard.read_into(dst)  # a fresh extent reads as zeros (the optimizer moments rely on it)
+        assert not dst.any(), f"fresh extent of {n} bytes is not zeros"
+        for version in range(2):  # the second write replaces the first
+            src.copy_(torch.randint(0, 256, (src.numel(),), dtype=torch.uint8, generator=gen))
+            before = shard.path
+            requests = []
+            with inject_faults(lambda *request: requests.append(request)):  # observes only
+                shard.write_from(src)
+            # The new version went to what was a spare, in requests of at most block_size that
+            # cover the extent exactly once.
+            assert shard.path != before and os.path.dirname(shard.path) == tier.run_dir
+            assert sorted(requests) == [
+                ("write", shard.path, offset, min(step, shard.nbytes - offset))
+                for offset in range(0, shard.nbytes, step)]
+            dst.fill_(0)
+            shard.read_into(dst)
+            assert torch.equal(src, dst), f"round trip {version} of {n} bytes differs"
+            with open(shard.path, "rb") as raw:  # and the bytes really are in the file
+                assert raw.read() == bytes(src.tolist())
 
 
 IO_SIZES = [1, 4096, 5000, 3 * 4096 + 7, 8192, 40_000]
 
 
-def test_nvme_round_trip_over_several_chunks(nvme_tier, monkeypatch):
-    monkeypatch.setattr(nvme_module, "IO_CHUNK_BYTES", 8192)
-    round_trip(nvme_tier, IO_SIZES)
+@pytest.mark.parametrize("block_size", [2 * BLOCK, 3 * BLOCK])
+def test_nvme_round_trip_in_several_requests(tmp_path, block_size):
+    # 40 KiB in 8 KiB requests, or in 12 KiB requests and a last one of 4 KiB.
+    tier = make_tier(tmp_path, io=IoSettings(block_size=block_size, queue_depth=4))
+    try:
+        round_trip(tier, IO_SIZES)
+    finally:
+        tier.close()
+    assert os.listdir(tmp_path) == []
 
 
 def test_nvme_close_removes_everything_and_is_idempotent(tmp_path):
-    tier = NvmeTier(str(tmp_path), budget=None, rank=0)
-    f = tier.create("x.bin", 10_000)
+    tier = make_tier(tmp_path)
+    shard = tier.create("x", 10_000)
     _, blocks = dram_blocks({"b": 10_000})
-    f.write_from(blocks["b"])
+    shard.write_from(blocks["b"])
+    assert len(open_files_under(tier.run_dir)) == 1 + SPARE_EXTENTS
     tier.close()
-    assert os.listdir(tmp_path) == [] and tier.usage.current == 0 and f._fd == -1
+    assert os.listdir(tmp_path) == [] and tier.usage.current == 0 and shard.extent.fd == -1
+    assert open_files_under(tier.run_dir) == {}
     tier.close()
     assert os.listdir(tmp_path) == [] and tier.usage.current == 0
 
@@ -336,7 +397,7 @@ def test_check_nvme_path_errors(tmp_path):
     assert missing in str(info.value) and info.value.path == missing
     assert info.value.errno == errno.ENOENT
     with pytest.raises(tiered.NvmeError, match=re.escape(missing)):
-        NvmeTier(missing, budget=None, rank=0)
+        make_tier(missing)
 
     a_file = tmp_path / "a_file"
     a_file.write_bytes(b"x")
@@ -345,7 +406,7 @@ def test_check_nvme_path_errors(tmp_path):
     assert str(a_file) in str(info.value) and info.value.path == str(a_file)
     assert info.value.errno == errno.ENOTDIR
     with pytest.raises(tiered.NvmeError, match=re.escape(str(a_file))):
-        NvmeTier(str(a_file), budget=None, rank=0)
+        make_tier(a_file)
     assert sorted(os.listdir(tmp_path)) == ["a_file"]
 
     check_nvme_path(str(tmp_path))  # a writable folder passes
@@ -353,17 +414,34 @@ def test_check_nvme_path_errors(tmp_path):
 
 
 def test_nvme_budget(tmp_path):
-    tier = NvmeTier(str(tmp_path), budget=3 * BLOCK, rank=0)
+    # A shard of a new extent size takes its extent and SPARE_EXTENTS spares of that size.
+    assert nvme_bytes([5000]) == 4 * 2 * BLOCK
+    budget = 14 * BLOCK
+    tier = make_tier(tmp_path, budget=budget)
     try:
-        tier.create("first.bin", 5000)  # 8 KiB
+        tier.create("first", 5000)  # 4 x 8 KiB; 24 KiB left
+        held = sorted(os.listdir(tier.run_dir))
+        assert len(held) == 1 + SPARE_EXTENTS and tier.usage.current == 8 * BLOCK
+
+        # 28 KiB: not even its first spare fits.
         with pytest.raises(tiered.BudgetError) as info:
-            tier.create("second.bin", 5000)
-        assert info.value.shortfalls == {"nvme": (4 * BLOCK, 3 * BLOCK)}
-        assert str(info.value).startswith("nvme") and "second.bin" in str(info.value)
-        assert os.listdir(tier.run_dir) == ["first.bin"]
-        assert tier.usage.current == 2 * BLOCK
-        tier.create("third.bin", 1)  # what is left still fits
-        assert tier.usage.current == 3 * BLOCK
+            tier.create("second", 7 * BLOCK)
+        assert info.value.shortfalls == {"nvme": (15 * BLOCK, budget)}
+        assert str(info.value).startswith("nvme") and "second" in str(info.value)
+        assert sorted(os.listdir(tier.run_dir)) == held and tier.usage.current == 8 * BLOCK
+
+        # 12 KiB: two spares fit, the third does not; what was made for it is not kept.
+        with pytest.raises(tiered.BudgetError) as info:
+            tier.create("third", 3 * BLOCK)
+        assert info.value.shortfalls == {"nvme": (17 * BLOCK, budget)}
+        assert "third" in str(info.value)
+        assert sorted(os.listdir(tier.run_dir)) == held and tier.usage.current == 8 * BLOCK
+
+        tier.create("fourth", 5000)  # a size with spares already: its own extent only
+        assert tier.usage.current == 10 * BLOCK
+        tier.create("fifth", 1)  # a new size, 4 x 4 KiB: exactly what is left
+        assert tier.usage.current == budget == nvme_bytes([5000, 5000, 1])
+        assert len(os.listdir(tier.run_dir)) == 2 + 2 * SPARE_EXTENTS + 1
     finally:
         tier.close()
     assert os.listdir(tmp_path) == []
@@ -371,7 +449,7 @@ def test_nvme_budget(tmp_path):
 
 def test_nvme_default_budget_is_the_free_space(tmp_path):
     before = free_bytes(str(tmp_path))
-    tier = NvmeTier(str(tmp_path), budget=None, rank=0)
+    tier = make_tier(tmp_path)
     try:
         # Another process may write meanwhile; the budget is a statvfs reading, within 1%.
         assert abs(tier.usage.budget - before) <= before // 100
@@ -379,13 +457,22 @@ def test_nvme_default_budget_is_the_free_space(tmp_path):
         tier.close()
 
 
-def test_nvme_existing_name_is_an_nvme_error(nvme_tier):
-    nvme_tier.create("same.bin", 100)
+def test_nvme_existing_file_is_never_overwritten(nvme_tier):
+    nvme_tier.create("first", 100)
+    names = sorted(os.listdir(nvme_tier.run_dir))
+    assert names == [f"extent-{i:05d}.bin" for i in range(1 + SPARE_EXTENTS)]
+    # Something else put a file where the next extent goes: creating it fails (O_EXCL).
+    squatter = os.path.join(nvme_tier.run_dir, f"extent-{len(names):05d}.bin")
+    with open(squatter, "wb") as f:
+        f.write(b"not ours")
     with pytest.raises(tiered.NvmeError) as info:
-        nvme_tier.create("same.bin", 100)
-    assert info.value.path == os.path.join(nvme_tier.run_dir, "same.bin")
-    assert info.value.path in str(info.value) and info.value.errno == errno.EEXIST
-    assert nvme_tier.usage.current == BLOCK
+        nvme_tier.create("second", 100)
+    assert info.value.path == squatter
+    assert squatter in str(info.value) and info.value.errno == errno.EEXIST
+    with open(squatter, "rb") as f:
+        assert f.read() == b"not ours"
+    assert sorted(os.listdir(nvme_tier.run_dir)) == sorted(names + [os.path.basename(squatter)])
+    assert nvme_tier.usage.current == nvme_bytes([100])
 
 
 def test_nvme_out_of_file_descriptors_is_an_nvme_error(nvme_tier):
@@ -393,79 +480,107 @@ def test_nvme_out_of_file_descriptors_is_an_nvme_error(nvme_tier):
     highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
     created = []
     error = None
-    resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 4, hard))
+    # Room for at least the first shard and its spares (4 descriptors), then it runs out.
+    resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 1 + 1 + SPARE_EXTENTS, hard))
     try:
         for i in range(highest + 8):  # fds are numbered below the limit: this must run out
             try:
-                created.append(nvme_tier.create(f"f{i}.bin", 100))
+                created.append(nvme_tier.create(f"shard {i}", 100))
             except tiered.NvmeError as e:
                 error = e
                 break
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert error is not None, "never ran out of file descriptors"
+    assert created, "not even the first shard got its descriptors"
     assert error.errno == errno.EMFILE and "ulimit" in str(error)
-    assert error.path == os.path.join(nvme_tier.run_dir, f"f{len(created)}.bin")
+    names = sorted(os.listdir(nvme_tier.run_dir))
+    assert len(names) == len(created) + SPARE_EXTENTS
+    assert error.path == os.path.join(nvme_tier.run_dir, f"extent-{len(names):05d}.bin")
     assert error.path in str(error)
-    assert sorted(os.listdir(nvme_tier.run_dir)) == sorted(
-        os.path.basename(f.path) for f in created)
-    assert nvme_tier.usage.current == len(created) * BLOCK
+    assert set(open_files_under(nvme_tier.run_dir)) == {
+        os.path.join(nvme_tier.run_dir, n) for n in names}
+    assert nvme_tier.usage.current == nvme_bytes([100] * len(created))
 
 
-def test_nvme_io_errors_name_file_offset_and_size(nvme_tier, tmp_path, monkeypatch):
-    monkeypatch.setattr(nvme_module, "IO_CHUNK_BYTES", BLOCK)
-    f = nvme_tier.create("broken.bin", 4 * BLOCK)
-    _, blocks = dram_blocks({"b": 4 * BLOCK})
-    own_fd = f._fd
-
-    # The descriptor is closed behind the file's back: every request fails with EBADF.
-    os.close(own_fd)
+def point_at(fd: int, path, flags: int) -> None:
+    """Make descriptor number ``fd`` refer to ``path`` opened with ``flags``: the extent's own
+    file is closed, and the tier still owns the number (and closes it)."""
+    other = os.open(path, flags)
     try:
-        for transfer, verb in ((f.read_into, "read"), (f.write_from, "write")):
-            with pytest.raises(tiered.NvmeError) as info:
-                transfer(blocks["b"])
-            e = info.value
-            assert (e.path, e.offset, e.size, e.errno) == (f.path, 0, BLOCK, errno.EBADF)
-            assert verb in str(e) and f.path in str(e)
-            assert "offset 0" in str(e) and f"size {BLOCK}" in str(e)
+        os.dup2(other, fd)
     finally:
-        f._fd = -1  # already closed: keep close() from closing a reused number
+        os.close(other)
 
-    # The descriptor reaches a file shorter than expected: the read stops at its end, and the
-    # error names that offset. Writes through a read-only descriptor fail at the first request.
-    short = tmp_path / "short"
-    short.write_bytes(b"\1" * (2 * BLOCK))
-    f._fd = os.open(short, os.O_RDONLY)
+
+def test_nvme_io_errors_name_file_offset_and_size(tmp_path):
+    # Real errors from the kernel, no fault injection (tests/test_aio.py injects ENOSPC and EIO).
+    tier = make_tier(tmp_path, io=IoSettings(block_size=BLOCK, queue_depth=4))
     try:
+        shard = tier.create("broken", 4 * BLOCK)
+        spares = {p: fd for p, fd in open_files_under(tier.run_dir).items() if p != shard.path}
+        assert len(spares) == SPARE_EXTENTS
+        _, blocks = dram_blocks({"b": 4 * BLOCK})
+        b = blocks["b"]
+        scratch = tmp_path / "scratch"
+        scratch.write_bytes(b"\1" * (2 * BLOCK))
+        extent = shard.extent
+
+        # The shard's descriptor reaches a file open for writing only: every read request fails
+        # (EBADF), and the error is the first one's.
+        point_at(shard.extent.fd, scratch, os.O_WRONLY)
         with pytest.raises(tiered.NvmeError) as info:
-            f.read_into(blocks["b"])
+            shard.read_into(b)
         e = info.value
-        assert (e.path, e.offset, e.size, e.errno) == (f.path, 2 * BLOCK, BLOCK, errno.EIO)
-        assert f"offset {2 * BLOCK}" in str(e) and f"size {BLOCK}" in str(e)
-        assert f.path in str(e)
-        assert bool((blocks["b"][:2 * BLOCK] == 1).all())
+        assert (e.path, e.offset, e.size, e.errno) == (shard.path, 0, BLOCK, errno.EBADF)
+        assert "read" in str(e) and shard.path in str(e)
+        assert "offset 0" in str(e) and f"size {BLOCK}" in str(e)
+
+        # The same file open for reading: reads stop at its end, the error names that offset,
+        # and what came before it is read.
+        point_at(shard.extent.fd, scratch, os.O_RDONLY)
+        b.fill_(0)
         with pytest.raises(tiered.NvmeError) as info:
-            f.write_from(blocks["b"])
-        assert (info.value.offset, info.value.size, info.value.errno) == (0, BLOCK, errno.EBADF)
+            shard.read_into(b)
+        e = info.value
+        assert (e.path, e.offset, e.size, e.errno) == (shard.path, 2 * BLOCK, BLOCK, errno.EIO)
+        assert f"offset {2 * BLOCK}" in str(e) and f"size {BLOCK}" in str(e)
+        assert shard.path in str(e)
+        assert bool((b[:2 * BLOCK] == 1).all()) and not b[2 * BLOCK:].any()
+
+        # A write goes to a spare: with every spare reaching a read-only file, it fails at its
+        # first request (EBADF), naming the spare, and the shard stays on its extent.
+        for fd in spares.values():
+            point_at(fd, scratch, os.O_RDONLY)
+        with pytest.raises(tiered.NvmeError) as info:
+            shard.write_from(b)
+        e = info.value
+        assert e.path in spares
+        assert (e.offset, e.size, e.errno) == (0, BLOCK, errno.EBADF)
+        assert "write" in str(e) and e.path in str(e) and f"size {BLOCK}" in str(e)
+        assert shard.extent is extent and shard.path == extent.path
+        assert scratch.read_bytes() == b"\1" * (2 * BLOCK)
     finally:
-        os.close(f._fd)
-        f._fd = -1
+        tier.close()
+    assert os.listdir(tmp_path) == ["scratch"]
 
 
 # -- NVMe: file systems without O_DIRECT, full disks --------------------------------------------
 
-def test_nvme_falls_back_to_buffered_io_without_o_direct(tmp_path, monkeypatch):
-    monkeypatch.setattr(nvme_module, "IO_CHUNK_BYTES", 8192)
+def test_nvme_falls_back_to_buffered_io_without_o_direct(tmp_path):
     with mounted(tmp_path, "ramfs") as root:  # ramfs has no O_DIRECT on any kernel
         assert not accepts_o_direct(root)
         with expect_direct_fallback_warning(root, expected=True):
-            tier = NvmeTier(root, budget=1 << 20, rank=0)
+            tier = make_tier(root, budget=1 << 20)
         try:
             assert tier.direct is False
             assert os.listdir(tier.run_dir) == []  # the failed probe left no file
             round_trip(tier, IO_SIZES)
-            f = tier.create("flags.bin", 1)
-            assert not fd_flags(f._fd) & os.O_DIRECT
+            tier.create("flags", 1)
+            opened = open_files_under(tier.run_dir)
+            assert len(opened) == len(os.listdir(tier.run_dir)) > 0
+            for path, fd in opened.items():
+                assert not fd_flags(fd) & os.O_DIRECT, path
         finally:
             tier.close()
         assert os.listdir(root) == []
@@ -477,18 +592,34 @@ def test_nvme_full_disk(tmp_path):
         assert capacity == 1 << 20
         direct = accepts_o_direct(root)
         with expect_direct_fallback_warning(root, expected=not direct):
-            tier = NvmeTier(root, budget=64 << 20, rank=0)
+            tier = make_tier(root, budget=64 << 20)
         try:
             assert tier.direct is direct
-            tier.create("small.bin", 64 << 10)
-            with pytest.raises(tiered.NvmeError) as info:
-                tier.create("big.bin", 2 << 20)
-            e = info.value
-            big = os.path.join(tier.run_dir, "big.bin")
-            assert (e.path, e.size, e.errno) == (big, 2 << 20, errno.ENOSPC)
-            assert big in str(e) and format_size(2 << 20) in str(e)
-            assert os.listdir(tier.run_dir) == ["small.bin"]  # the failed file is not left
-            assert tier.usage.current == 64 << 10
+            small = 64 << 10
+            tier.create("small", small)  # with its spares: 256 KiB
+            held = sorted(os.listdir(tier.run_dir))
+            assert len(held) == 1 + SPARE_EXTENTS
+            assert free_bytes(root) == capacity - nvme_bytes([small])
+
+            # 2 MiB: not even the first spare fits. 200 KiB: its spares fit, its own extent does
+            # not. Either way nothing made for it is left, on disk or counted.
+            medium = 200 << 10
+            assert nvme_bytes([small]) + SPARE_EXTENTS * medium <= capacity
+            assert nvme_bytes([small, medium]) > capacity
+            for what, nbytes in (("big", 2 << 20), ("medium", medium)):
+                with pytest.raises(tiered.NvmeError) as info:
+                    tier.create(what, nbytes)
+                e = info.value
+                assert (e.size, e.errno) == (nbytes, errno.ENOSPC), what
+                assert os.path.dirname(e.path) == tier.run_dir
+                assert EXTENT_NAME.fullmatch(os.path.basename(e.path))
+                assert e.path in str(e) and format_size(nbytes) in str(e)
+                assert sorted(os.listdir(tier.run_dir)) == held, what
+                assert tier.usage.current == nvme_bytes([small]), what
+                assert free_bytes(root) == capacity - nvme_bytes([small]), what
+
+            tier.create("small again", small)  # what fits still works
+            assert tier.usage.current == nvme_bytes([small, small])
         finally:
             tier.close()
         assert os.listdir(root) == []
@@ -499,7 +630,7 @@ def test_nvme_folder_removed_when_no_file_can_be_created(tmp_path):
     # Two inodes: the run folder takes the last one, so the O_DIRECT probe cannot be created.
     with mounted(tmp_path, "tmpfs", "size=1M,nr_inodes=2") as root:
         with pytest.raises(tiered.NvmeError) as info:
-            NvmeTier(root, budget=None, rank=0)
+            make_tier(root)
         assert root in str(info.value) and info.value.errno == errno.ENOSPC
         assert os.listdir(root) == []
 
@@ -512,14 +643,23 @@ def init_engine(model, root: str, **overrides):
     return tiered.initialize(model, NVME_YAML, nvme=nvme, device="cpu", **overrides)
 
 
-def expected_nvme_files(engine, param_itemsize: int) -> dict[str, int]:
-    files = {}
+def nvme_shards(engine) -> dict[tuple[int, str], NvmeShard]:
+    """Each (unit, kind) NVMe shard state of the engine; nothing else of it is on NVMe."""
+    shards = {(i, kind): engine.manager.shards[(i, StateKind(kind))].file
+              for i in range(len(engine.runtime.flats)) for kind in NVME_KINDS}
+    on_nvme = {key for key, shard in engine.manager.shards.items() if shard.file is not None}
+    assert on_nvme == {(i, StateKind(kind)) for i, kind in shards}
+    return shards
+
+
+def expected_nvme_sizes(engine, param_itemsize: int) -> dict[tuple[int, str], int]:
+    sizes = {}
     for i, flat in enumerate(engine.runtime.flats):
         assert flat.spec.index == i
         for kind in NVME_KINDS:
             itemsize = param_itemsize if kind == "param" else 4
-            files[f"unit{i:05d}.{kind}.bin"] = align_up(flat.shard_numel * itemsize, BLOCK)
-    return files
+            sizes[(i, kind)] = align_up(flat.shard_numel * itemsize, BLOCK)
+    return sizes
 
 
 def only_run_dir(root) -> str:
@@ -528,8 +668,34 @@ def only_run_dir(root) -> str:
     return os.path.join(root, entries[0])
 
 
+def check_run_folder(engine, run_dir: str, expected: dict[tuple[int, str], int]) -> None:
+    """The run folder holds each shard state's extent, of its expected size, and
+    SPARE_EXTENTS spares per extent size: nothing else, all of it counted."""
+    shards = nvme_shards(engine)
+    assert shards.keys() == expected.keys()
+    for key, size in expected.items():
+        assert os.path.dirname(shards[key].path) == run_dir, key
+        assert os.path.getsize(shards[key].path) == size, key
+    paths = {os.path.join(run_dir, name) for name in os.listdir(run_dir)}
+    in_use = {shard.path for shard in shards.values()}
+    assert len(in_use) == len(shards) and in_use <= paths
+    spares = Counter(os.path.getsize(p) for p in paths - in_use)
+    assert spares == {size: SPARE_EXTENTS for size in set(expected.values())}
+    for path in paths:
+        assert EXTENT_NAME.fullmatch(os.path.basename(path)), path
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
+    on_disk = sum(os.path.getsize(p) for p in paths)
+    assert engine.memory_report()["nvme"]["current"] == on_disk
+    assert on_disk == nvme_bytes(list(expected.values()))
+
+
+def file_tensor(path: str, dtype: torch.dtype) -> torch.Tensor:
+    with open(path, "rb") as f:
+        return torch.frombuffer(bytearray(f.read()), dtype=dtype)
+
+
 @pytest.mark.parametrize("dtype,itemsize", [("fp32", 4), ("bf16", 2)])
-def test_engine_places_states_in_files(tmp_path, dtype, itemsize):
+def test_engine_places_states_in_extents(tmp_path, dtype, itemsize):
     torch.manual_seed(0)
     engine, _ = init_engine(GPT(64, 32, 2, 2), str(tmp_path), compute_dtype=dtype)
     try:
@@ -541,25 +707,19 @@ def test_engine_places_states_in_files(tmp_path, dtype, itemsize):
 
         run_dir = only_run_dir(tmp_path)
         assert stat.S_IMODE(os.stat(run_dir).st_mode) == 0o700
-        expected = expected_nvme_files(engine, itemsize)
-        found = {name: os.path.getsize(os.path.join(run_dir, name))
-                 for name in os.listdir(run_dir)}
-        assert found == expected
-        for name in found:
-            assert stat.S_IMODE(os.stat(os.path.join(run_dir, name)).st_mode) == 0o600
-        assert engine.memory_report()["nvme"]["current"] == sum(expected.values())
+        check_run_folder(engine, run_dir, expected_nvme_sizes(engine, itemsize))
 
-        # The files hold the model: the master file is this rank's fp32 shard, and the param
-        # file its compute-dtype copy.
+        # The extents hold the model: the master extent is this rank's fp32 shard, and the
+        # param extent its compute-dtype copy.
+        shards = nvme_shards(engine)
         flat = engine.runtime.flats[0]
-        master = torch.frombuffer(bytearray(open(os.path.join(run_dir, "unit00000.master.bin"),
-                                                 "rb").read()), dtype=torch.float32)
-        param = torch.frombuffer(bytearray(open(os.path.join(run_dir, "unit00000.param.bin"),
-                                                "rb").read()), dtype=flat.full.dtype)
+        master = file_tensor(shards[(0, "master")].path, torch.float32)
+        param = file_tensor(shards[(0, "param")].path, flat.full.dtype)
         shard = master[:flat.shard_numel]
         assert shard.abs().sum() > 0
         assert torch.equal(param[:flat.shard_numel], shard.to(flat.full.dtype))
-        moments = open(os.path.join(run_dir, "unit00000.exp_avg.bin"), "rb").read()
+        with open(shards[(0, "exp_avg")].path, "rb") as f:
+            moments = f.read()
         assert moments == bytes(len(moments))
     finally:
         engine.close()
@@ -579,32 +739,32 @@ class Square(nn.Module):
         return x + self.fc(x)
 
 
-def test_engine_bf16_param_files_are_half_the_size(tmp_path):
+def test_engine_bf16_param_extents_are_half_the_size(tmp_path):
     sizes = {}
-    for dtype in ("fp32", "bf16"):
+    for dtype, itemsize in (("fp32", 4), ("bf16", 2)):
         root = tmp_path / dtype
         root.mkdir()
         # Root unit: embedding + head (2 * 63 * 64) + final norm (128) = 8192 numbers.
         engine, _ = init_engine(GPT(63, 64, 2, 2, block=Square), str(root), compute_dtype=dtype)
         try:
             assert [f.shard_numel for f in engine.runtime.flats] == [4096, 4096, 8192]
-            run_dir = only_run_dir(root)
-            sizes[dtype] = {n: os.path.getsize(os.path.join(run_dir, n))
-                            for n in os.listdir(run_dir)}
+            check_run_folder(engine, only_run_dir(root), expected_nvme_sizes(engine, itemsize))
+            sizes[dtype] = {key: os.path.getsize(shard.path)
+                            for key, shard in nvme_shards(engine).items()}
         finally:
             engine.close()
         assert os.listdir(root) == []
     assert sizes["fp32"].keys() == sizes["bf16"].keys() and len(sizes["fp32"]) == 12
-    for name, size in sizes["fp32"].items():
-        if ".param." in name:
-            assert sizes["bf16"][name] * 2 == size, name
+    for key, size in sizes["fp32"].items():
+        if key[1] == "param":
+            assert sizes["bf16"][key] * 2 == size, key
         else:
-            assert sizes["bf16"][name] == size, name
+            assert sizes["bf16"][key] == size, key
 
 
 def big_gpt() -> GPT:
     torch.manual_seed(0)
-    return GPT(64, 64, 2, 2)  # about 1.6 MiB of NVMe files in fp32
+    return GPT(64, 64, 2, 2)  # about 2.4 MiB of NVMe extents in fp32, spares included
 
 
 def test_engine_full_disk_fails_cleanly(tmp_path):
@@ -612,7 +772,7 @@ def test_engine_full_disk_fails_cleanly(tmp_path):
     reference_root.mkdir()
     engine, _ = init_engine(big_gpt(), str(reference_root))
     needed = engine.memory_report()["nvme"]["current"]
-    assert needed == sum(expected_nvme_files(engine, 4).values())
+    assert needed == nvme_bytes(list(expected_nvme_sizes(engine, 4).values()))
     engine.close()
     assert needed > 1 << 20
 

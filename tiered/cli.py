@@ -1,11 +1,13 @@
 """``tiered``: the project's own commands.
 
-    tiered check-policy FILE [--nvme PATH]   validate a policy and print it resolved, with defaults
+    tiered check-policy FILE [--nvme PATH]          validate a policy and print it resolved
+    tiered bench-io --nvme PATH [--size 4GiB] [--policy FILE]   NVMe engine bandwidth, and a sweep
     tiered version
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import yaml
@@ -25,6 +27,26 @@ def _check_policy(args) -> int:
     return 0
 
 
+def _bench_io(args) -> int:
+    import json
+
+    from .sizes import parse_size
+    from .tiers import bench_io
+    from .tiers.aio import IoSettings
+
+    try:
+        policy = policy_from_args(args.policy, args.nvme)
+        size, sweep_size = parse_size(args.size), parse_size(args.sweep_size)
+        result = bench_io.run(os.path.abspath(args.nvme), size, min(size, sweep_size),
+                              IoSettings(policy.nvme.block_size, policy.nvme.queue_depth))
+    except (TieredError, ValueError) as e:
+        print(f"tiered: error: {e}", file=sys.stderr)
+        return 2
+    print(bench_io.table(result))
+    print(json.dumps(result))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tiered", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -32,6 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("file", help="YAML policy file")
     check.add_argument("--nvme", default=None, metavar="PATH", help="sets nvme.path")
     check.set_defaults(run=_check_policy)
+    bench = commands.add_parser("bench-io", help="measure the NVMe I/O engine on a file system")
+    bench.add_argument("--nvme", required=True, metavar="PATH", help="folder on the drive")
+    bench.add_argument("--size", default="4GiB", help="bytes of the main test file")
+    bench.add_argument("--sweep-size", default="1GiB", help="bytes per point of the sweep")
+    bench.add_argument("--policy", default=None, metavar="FILE",
+                       help="policy whose nvme.block_size and queue_depth the engine uses")
+    bench.set_defaults(run=_bench_io)
     version = commands.add_parser("version", help="print the version")
     version.set_defaults(run=lambda args: print(__version__) or 0)
     args = parser.parse_args(argv)

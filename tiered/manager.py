@@ -16,7 +16,8 @@ import torch
 
 from .plan import OPTIMIZER_STATES, MemoryPlan, StateKind
 from .policy import Policy, Tier
-from .tiers import DramTier, HbmTier, NvmeFile, NvmeTier, SlabSource
+from .tiers import DramTier, HbmTier, NvmeShard, NvmeTier, SlabSource
+from .tiers.aio import IoSettings
 
 
 @dataclass
@@ -30,8 +31,8 @@ class Shard:
     dtype: torch.dtype
     resident: torch.Tensor | None = None
     """The storage itself, for HBM and DRAM shards."""
-    file: NvmeFile | None = None
-    """The file, for NVMe shards."""
+    file: NvmeShard | None = None
+    """Its extent, for NVMe shards."""
 
 
 def _typed(block: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -56,7 +57,8 @@ class TierManager:
         self.policy = policy
         self.hbm = HbmTier(device, policy.hbm.budget)
         self.dram = DramTier(policy.dram.budget, dram_source)
-        self.nvme = (NvmeTier(policy.nvme.path, policy.nvme.budget, rank)
+        io = IoSettings(policy.nvme.block_size, policy.nvme.queue_depth)
+        self.nvme = (NvmeTier(policy.nvme.path, policy.nvme.budget, rank, io)
                      if policy.uses_nvme else None)
         self.shards: dict[tuple[int, StateKind], Shard] = {}
         self._staging: dict[str, torch.Tensor] = {}
@@ -88,7 +90,7 @@ class TierManager:
             elif buf.tier is Tier.HBM:
                 shard.resident = self.hbm.empty(buf.numel, buf.dtype, buf.label)
             else:
-                shard.file = self.nvme.create(f"unit{unit:05d}.{kind.value}.bin", buf.nbytes)
+                shard.file = self.nvme.create(buf.label, buf.nbytes)
             if shard.resident is not None and kind in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ):
                 shard.resident.zero_()
             self.shards[(unit, kind)] = shard

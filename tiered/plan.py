@@ -15,6 +15,7 @@ from .errors import BudgetError
 from .policy import Policy, Tier
 from .sizes import align_up, format_size
 from .tiers.dram import BLOCK_ALIGN
+from .tiers.nvme import nvme_bytes
 
 
 class StateKind(enum.Enum):
@@ -74,11 +75,12 @@ class Buffer:
         return raw if self.tier is Tier.HBM else align_up(max(raw, 1), BLOCK_ALIGN)
 
 
-def staging_buffers(policy: Policy, device: torch.device, max_shard: int,
+def staging_buffers(policy: Policy, device: torch.device, placement: "Placement",
                     world_size: int) -> dict[str, Buffer]:
     """DRAM buffers through which shards move when they are not where they are used.
 
-    Each is sized for the largest shard and reused unit after unit; each has one user thread:
+    Each is sized for the largest shard it serves and reused unit after unit; each has one user
+    thread:
     - "param_in0", "param_in1", ...: weights read from NVMe ahead of their gather (the I/O
       thread of readahead.py; ``prefetch.dram_bytes`` of them, at least one);
     - "param_out": new weights cast on the CPU on their way to NVMe or HBM (CPU worker);
@@ -89,19 +91,23 @@ def staging_buffers(policy: Policy, device: torch.device, max_shard: int,
     """
     compute = policy.compute_dtype.torch_dtype
     out = {}
-    optimizer_on_cpu = policy.optimizer.tier is not Tier.HBM
-    if policy.params.tier is Tier.NVME:
-        for slot in range(read_ahead_slots(policy, max_shard)):
-            out[f"param_in{slot}"] = Buffer(f"staging param_in{slot}", Tier.DRAM, max_shard,
+    nvme_params = placement.largest(StateKind.PARAM, Tier.NVME)
+    hbm_params = placement.largest(StateKind.PARAM, Tier.HBM)
+    nvme_states = placement.largest(StateKind.MASTER, Tier.NVME)
+    if nvme_params:
+        for slot in range(read_ahead_slots(policy, nvme_params)):
+            out[f"param_in{slot}"] = Buffer(f"staging param_in{slot}", Tier.DRAM, nvme_params,
                                             compute)
-    if policy.params.tier is Tier.NVME or (policy.params.tier is Tier.HBM and optimizer_on_cpu):
-        out["param_out"] = Buffer("staging param_out", Tier.DRAM, max_shard, compute)
-    if policy.optimizer.tier is Tier.NVME:
+    param_out = max(nvme_params, hbm_params if policy.optimizer.tier is not Tier.HBM else 0)
+    if param_out:
+        out["param_out"] = Buffer("staging param_out", Tier.DRAM, param_out, compute)
+    if nvme_states:
         for kind in OPTIMIZER_STATES:
-            out[kind.value] = Buffer(f"staging {kind.value}", Tier.DRAM, max_shard, torch.float32)
+            out[kind.value] = Buffer(f"staging {kind.value}", Tier.DRAM, nvme_states,
+                                     torch.float32)
     if policy.grads.tier is Tier.DRAM and device.type != "cpu":
         for slot in range(GRAD_LANDING_SLOTS):
-            out[f"grad{slot}"] = Buffer(f"staging grad{slot}", Tier.DRAM, max_shard,
+            out[f"grad{slot}"] = Buffer(f"staging grad{slot}", Tier.DRAM, placement.max_shard,
                                         reduce_dtype(policy, world_size))
     return out
 
@@ -170,9 +176,10 @@ class MemoryPlan:
     """Transient HBM bytes (gathered units, gradients in flight), counted against the HBM budget."""
 
     def needed(self, tier: Tier) -> int:
-        resident = sum(b.nbytes for b in (*self.shards.values(), *self.staging.values())
-                       if b.tier is tier)
-        return resident + (self.working_set if tier is Tier.HBM else 0)
+        buffers = [b for b in (*self.shards.values(), *self.staging.values()) if b.tier is tier]
+        if tier is Tier.NVME:  # extents, with spares for atomic writes
+            return nvme_bytes([b.nbytes for b in buffers])
+        return sum(b.nbytes for b in buffers) + (self.working_set if tier is Tier.HBM else 0)
 
     def check(self, available: dict[Tier, int]) -> None:
         """Raise BudgetError naming every tier whose needs exceed what is available."""
@@ -185,15 +192,60 @@ class MemoryPlan:
                               {t.value: v for t, v in short.items()})
 
 
-def build_plan(policy: Policy, device: torch.device, shard_numels: list[int],
-               full_numels: list[int], unit_paths: list[str], world_size: int) -> MemoryPlan:
-    shards = {}
-    for unit, numel in enumerate(shard_numels):
-        for kind in state_kinds(policy):
-            tier = state_tier(policy, kind)
-            shards[(unit, kind)] = Buffer(f"unit {unit} {kind.value}", tier, numel,
-                                          state_dtype(policy, kind))
+@dataclass(frozen=True)
+class Placement:
+    """The tier of every (unit, state), and the shard sizes."""
+
+    tiers: dict[tuple[int, StateKind], Tier]
+    shard_numels: list[int]
+
+    @property
+    def max_shard(self) -> int:
+        return max(self.shard_numels, default=0)
+
+    def largest(self, kind: StateKind, tier: Tier) -> int:
+        """The largest shard whose ``kind`` state is in ``tier`` (0 if none is)."""
+        return max((n for u, n in enumerate(self.shard_numels)
+                    if self.tiers.get((u, kind)) is tier), default=0)
+
+    def moved(self, unit: int, kinds: tuple[StateKind, ...], tier: Tier) -> "Placement":
+        tiers = dict(self.tiers)
+        for kind in kinds:
+            tiers[(unit, kind)] = tier
+        return Placement(tiers, self.shard_numels)
+
+
+def _plan(policy: Policy, device: torch.device, placement: Placement, full_numels: list[int],
+          unit_paths: list[str], world_size: int) -> MemoryPlan:
+    shards = {(unit, kind): Buffer(f"unit {unit} {kind.value}", tier,
+                                   placement.shard_numels[unit], state_dtype(policy, kind))
+              for (unit, kind), tier in placement.tiers.items()}
     return MemoryPlan(
         shards=shards,
-        staging=staging_buffers(policy, device, max(shard_numels, default=0), world_size),
+        staging=staging_buffers(policy, device, placement, world_size),
         working_set=hbm_working_set(policy, full_numels, unit_paths, world_size))
+
+
+def build_plan(policy: Policy, device: torch.device, shard_numels: list[int],
+               full_numels: list[int], unit_paths: list[str], world_size: int,
+               dram_available: int | None = None) -> MemoryPlan:
+    """The plan of ``policy``; with ``dram.spill: nvme``, states placed in DRAM move to NVMe
+    until what stays fits ``dram_available``: the optimizer states of the largest units first
+    (read and written once per step), then their weights (read twice per step), never the
+    gradients. Staging buffers for what moved are counted as it moves."""
+    tiers = {(unit, kind): state_tier(policy, kind)
+             for unit in range(len(shard_numels)) for kind in state_kinds(policy)}
+    placement = Placement(tiers, shard_numels)
+    plan = _plan(policy, device, placement, full_numels, unit_paths, world_size)
+    if policy.dram.spill is not Tier.NVME or dram_available is None:
+        return plan
+    weights = (StateKind.PARAM,) if not policy.optimizer.delayed_update.enabled else ()
+    by_size = sorted(range(len(shard_numels)), key=lambda u: -shard_numels[u])
+    for kinds in (OPTIMIZER_STATES, weights):
+        for unit in by_size:
+            if plan.needed(Tier.DRAM) <= dram_available:
+                return plan
+            if kinds and all(placement.tiers[(unit, k)] is Tier.DRAM for k in kinds):
+                placement = placement.moved(unit, kinds, Tier.NVME)
+                plan = _plan(policy, device, placement, full_numels, unit_paths, world_size)
+    return plan

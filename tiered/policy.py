@@ -173,6 +173,16 @@ class NvmePolicy:
     """Folder on the drive; each run makes its own subfolder there and removes it at exit."""
     budget: int | None = field(default=None, metadata=_parse(_size_or_none))
     """Bytes tiered may use there; null = the free space of that file system."""
+    block_size: int = field(default=4 << 20, metadata=_parse(parse_size))
+    """Bytes per I/O request; large transfers are split into requests of this size."""
+    queue_depth: int = field(default=8, metadata=_parse(_int))
+    """Requests in flight per direction (reads and writes each have their own threads)."""
+
+    def __post_init__(self):
+        if self.block_size < 4096 or self.block_size % 4096:
+            raise ValueError(f"block_size must be a multiple of 4096 bytes, got {self.block_size}")
+        if self.queue_depth < 1:
+            raise ValueError(f"queue_depth must be >= 1, got {self.queue_depth}")
 
 
 @dataclass(frozen=True)
@@ -185,6 +195,14 @@ class HbmPolicy:
 class DramPolicy:
     budget: int | None = field(default=None, metadata=_parse(_size_or_none))
     """Bytes of (pinned) host memory tiered may hold; null = the machine's memory."""
+    spill: Tier | None = field(default=None, metadata=_parse(
+        lambda v: None if v is None else Tier(v)))
+    """null, or nvme: states placed in DRAM that do not fit the budget move to NVMe, unit by
+    unit (optimizer states first, then weights), so only what does not fit uses the drive."""
+
+    def __post_init__(self):
+        if self.spill not in (None, Tier.NVME):
+            raise ValueError(f"spill must be null or 'nvme', got {self.spill.value!r}")
 
 
 @dataclass(frozen=True)
@@ -272,8 +290,9 @@ class Policy:
             raise ValueError("optimizer.delayed_update needs params.tier hbm or dram: the "
                              "weights are double-buffered, which NVMe weights do not support yet")
         if self.uses_nvme and not self.nvme.path:
-            raise ValueError("nvme.path is required when params.tier or optimizer.tier is nvme "
-                             "(set it in the policy or pass tiered-launch --nvme PATH)")
+            raise ValueError("nvme.path is required when params.tier or optimizer.tier is nvme, "
+                             "or dram.spill is nvme (set it in the policy or pass "
+                             "tiered-launch --nvme PATH)")
         expected_grads = Tier.HBM if self.optimizer.tier is Tier.HBM else Tier.DRAM
         if self.grads.tier is not expected_grads:
             raise ValueError(
@@ -283,7 +302,7 @@ class Policy:
 
     @property
     def uses_nvme(self) -> bool:
-        return Tier.NVME in (self.params.tier, self.optimizer.tier)
+        return Tier.NVME in (self.params.tier, self.optimizer.tier, self.dram.spill)
 
     # -- construction -------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from ..optim import TieredAdamW
 from ..optim.loss_scale import LossScaler
 from ..optim.workers import CpuWorker, optimizer_threads
 from ..plan import StateKind, build_plan, state_kinds
-from ..policy import ComputeDtype, Device, Policy, resolve
+from ..policy import ComputeDtype, Device, Policy, Tier, resolve
 from ..tiers import SlabSource
 from ..timeline import Timeline
 from .collectives import ProcessGroup
@@ -129,7 +129,8 @@ class TieredEngine:
         if self._closed:
             return
         try:
-            self.optimizer.synchronize()
+            if not self.runtime.worker.failed:  # a failure was raised already; just clean up
+                self.optimizer.synchronize()
         finally:
             self.runtime.worker.close()
             if self.runtime.readahead is not None:
@@ -170,13 +171,12 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
     state_dict_keys = list(model.state_dict().keys())
     flats = [FlatParam(spec, group.rank, group.world_size, policy.compute_dtype.torch_dtype,
                        device) for spec in specs]
-    plan = build_plan(policy, device, [f.shard_numel for f in flats],
-                      [f.padded_numel for f in flats], [f.spec.path for f in flats],
-                      group.world_size)
-
     manager = TierManager(policy, device, group.rank, dram_source)
     worker = None
     try:
+        plan = build_plan(policy, device, [f.shard_numel for f in flats],
+                          [f.padded_numel for f in flats], [f.spec.path for f in flats],
+                          group.world_size, dram_available=manager.available()[Tier.DRAM])
         manager.allocate(plan)
         materializer = Materializer(model, specs, device,
                                     context.param_init_fn if context is not None else None)

@@ -10,6 +10,7 @@ import torch
 
 from ..manager import TierManager
 from ..plan import StateKind
+from ..policy import Tier
 from .collectives import ProcessGroup
 from .flat import FlatParam, Residency
 from .readahead import ReadAhead
@@ -50,7 +51,7 @@ class Gatherer:
             self.on_gather(index)
         landed = event = None
         try:
-            if self.readahead is not None:
+            if self.manager.tier_of(index, StateKind.PARAM) is Tier.NVME:
                 landed = self.readahead.take(index)  # this rank's shard, read from NVMe
                 source = landed.tensor
             else:

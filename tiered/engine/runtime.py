@@ -12,7 +12,7 @@ import torch
 from ..errors import TieredError
 from ..manager import TierManager
 from ..optim.workers import CpuWorker
-from ..plan import prefetch_limit
+from ..plan import StateKind, prefetch_limit
 from ..policy import ComputeDtype, Policy, Tier
 from ..prefetch import Prefetcher
 from .collectives import ProcessGroup
@@ -45,7 +45,7 @@ class UnitRuntime:
         self.step_on_arrival = False
         self.grads = GradientPath(flats, manager, group, policy, worker, self.streams, timeline)
         self.readahead = (ReadAhead(manager, manager.staging_names("param_in"), timeline)
-                          if policy.params.tier is Tier.NVME else None)
+                          if manager.staging_names("param_in") else None)
         self.gatherer = Gatherer(flats, manager, group, self.streams, self.readahead, timeline)
         self.prefetcher = Prefetcher([f.gathered_bytes for f in flats], policy.prefetch,
                                      prefetch_limit(policy, [f.padded_numel for f in flats]))
@@ -63,6 +63,8 @@ class UnitRuntime:
             self.gatherer.start(self.flats[index])
         if self.readahead is not None:
             for index in self.prefetcher.upcoming(self.gatherer.is_gathered):
+                if self.manager.tier_of(index, StateKind.PARAM) is not Tier.NVME:
+                    continue  # weights that live in DRAM need no reading ahead
                 if not self.readahead.read_ahead(index):
                     break
 

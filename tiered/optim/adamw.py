@@ -34,12 +34,12 @@ def adamw_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                exp_avg_sq: torch.Tensor, step: torch.Tensor, hyper: AdamWHyper,
                grad_divisor: torch.Tensor | None = None) -> None:
     """One AdamW step in place on ``master``, ``exp_avg``, ``exp_avg_sq``; ``step`` (a float32
-    scalar tensor on the same device) counts this step first, as torch does.
+    scalar tensor on the same device) holds this step's number, already counted by the caller
+    (once per unit, also when the unit is stepped in sub-groups), as torch counts before it steps.
 
     ``grad_divisor`` (a scalar tensor) divides the gradient inside the kernel: the loss scale
     and the clipping factor applied without a separate pass over the gradient.
     """
-    step += 1
     torch._fused_adamw_(
         [master], [grad], [exp_avg], [exp_avg_sq], [], [step],
         lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay,
@@ -80,13 +80,12 @@ class OnePassAdamW:
         """Compile now, on a few elements, so the first real step does not pay for it."""
         master, exp_avg, exp_avg_sq = torch.zeros(64), torch.zeros(64), torch.zeros(64)
         self.step(master, torch.zeros(64, dtype=grad_dtype), exp_avg, exp_avg_sq,
-                  torch.empty(64, dtype=weights_dtype), torch.zeros(()),
+                  torch.empty(64, dtype=weights_dtype), torch.ones(()),
                   AdamWHyper(0.0, 0.9, 0.999, 1e-8, 0.0), 1.0)
 
     def step(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
              exp_avg_sq: torch.Tensor, weights: torch.Tensor, step: torch.Tensor,
              hyper: AdamWHyper, grad_divisor: float) -> None:
-        step += 1
         t = float(step)
         scalars = torch.tensor(
             [hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay,
@@ -102,7 +101,6 @@ class OnePassAdamW:
                 self._failed = True
                 warnings.warn(f"tiered: compiling the one-pass AdamW failed ({error}); using "
                               f"fused AdamW and a separate cast instead")
-        step -= 1
         divisor = None if grad_divisor == 1.0 else torch.tensor(grad_divisor)
         adamw_step(master, grad.float(), exp_avg, exp_avg_sq, step, hyper, divisor)
         weights.copy_(master)

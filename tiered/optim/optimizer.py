@@ -165,6 +165,7 @@ class TieredAdamW(torch.optim.Optimizer):
         """Worker: step unit ``i`` and write its new weights (see [Note: gradient states])."""
         name = self._runtime.flats[i].name
         kind = StateKind.PARAM_NEXT if into_next else StateKind.PARAM
+        self._steps[i] += 1
         with self._timeline.span(f"adamw {name}", "cpu"):
             master, exp_avg, exp_avg_sq = self._manager.optimizer_states(i)
             grad = self._grads.read(i)

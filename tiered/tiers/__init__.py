@@ -1,8 +1,8 @@
 """The three tiers: device memory (HBM), pinned host memory (DRAM) and files on NVMe."""
 from .dram import DramTier, PinnedSlabSource, SlabSource
 from .hbm import HbmTier
-from .nvme import NvmeFile, NvmeTier
+from .nvme import NvmeShard, NvmeTier
 from .usage import TierUsage
 
-__all__ = ["DramTier", "HbmTier", "NvmeFile", "NvmeTier", "PinnedSlabSource", "SlabSource",
+__all__ = ["DramTier", "HbmTier", "NvmeShard", "NvmeTier", "PinnedSlabSource", "SlabSource",
            "TierUsage"]

@@ -1,33 +1,41 @@
-"""NVMe: shard files opened with O_DIRECT in a folder of this run's own.
+"""NVMe: shard states in preallocated O_DIRECT files (extents) in a folder of this run's own.
 
-Layout: ``<nvme.path>/tiered-<host>-<pid>-<token>-rank<r>/`` (mode 0700) holds one file per shard
-state (mode 0600), each preallocated to its full, block-aligned size when the engine starts, so a
-full disk shows up then, before any training state exists, and not in the middle of a step. The
-folder is removed when the engine closes (and at interpreter exit).
+Layout: ``<nvme.path>/tiered-<host>-<pid>-<token>-rank<r>/`` (mode 0700) holds the extents
+(``extent-NNNNN.bin``, mode 0600), each preallocated to a shard state's full, block-aligned size
+when the engine starts, so a full disk shows up then, before any training state exists, and not
+in the middle of a step. The folder is removed when the engine closes (and at interpreter exit).
 
-Reads and writes go between a file and a DRAM block (aligned, from the DRAM tier) with
-``os.preadv``/``os.pwritev``, which release the GIL. File systems without O_DIRECT (tmpfs) fall
-back to buffered I/O with a warning.
+[Note: atomic shard writes]
+A shard state's current version lives in one extent. A write goes to a spare extent of the same
+size; only when every block of it is written does the shard switch to it, and its old extent
+becomes a spare. A failed write leaves the shard on its old extent, readable as before, so an
+I/O error or a full device never corrupts training state. Each extent size has SPARE_EXTENTS
+spares: that many writes of that size may be in flight at once (the optimizer writes a unit's
+master weights and two moments together); a further write waits for one to finish.
+
+Transfers go through the I/O engine (aio.py) between an extent and an aligned DRAM block. File
+systems without O_DIRECT fall back to buffered I/O with a warning.
 """
 from __future__ import annotations
 
-import ctypes
 import errno as errno_codes
 import os
 import secrets
 import shutil
 import socket
+import threading
 import warnings
 
 import torch
 
 from ..errors import NvmeError
 from ..sizes import align_up, format_size
+from .aio import IoEngine, IoSettings, Transfer, host_buffer
 from .dram import BLOCK_ALIGN
 from .usage import TierUsage
 
-IO_CHUNK_BYTES = 64 << 20
-"""Largest single request: big enough to stream, small enough to keep the kernel's work bounded."""
+SPARE_EXTENTS = 3
+"""Spare extents per extent size (see [Note: atomic shard writes])."""
 
 
 def check_nvme_path(path: str) -> None:
@@ -47,34 +55,37 @@ def free_bytes(path: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def _buffer(block: torch.Tensor, nbytes: int) -> memoryview:
-    """A writable view of the first ``nbytes`` of a CPU block, for preadv/pwritev (no numpy)."""
-    assert block.device.type == "cpu" and block.is_contiguous()
-    assert nbytes <= block.numel() * block.element_size()
-    return memoryview((ctypes.c_char * nbytes).from_address(block.data_ptr())).cast("B")
+def extent_bytes(nbytes: int) -> int:
+    return align_up(max(nbytes, 1), BLOCK_ALIGN)
 
 
-class NvmeFile:
-    """One shard state's file: ``nbytes`` (a multiple of BLOCK_ALIGN) preallocated bytes."""
+def nvme_bytes(state_sizes: list[int]) -> int:
+    """Bytes of extents for shard states of these sizes, spares included."""
+    sizes = [extent_bytes(n) for n in state_sizes]
+    return sum(sizes) + SPARE_EXTENTS * sum(set(sizes))
+
+
+class Extent:
+    """A preallocated file of ``nbytes`` (a multiple of BLOCK_ALIGN), open for the run."""
 
     def __init__(self, path: str, nbytes: int, direct: bool):
         self.path = path
         self.nbytes = nbytes
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if direct else 0)
         try:
-            self._fd = os.open(path, flags, 0o600)
+            self.fd = os.open(path, flags, 0o600)
         except OSError as e:
             # Wrapped so that it is a tiered error naming the file (EMFILE is the likely one: every
-            # NVMe shard state keeps its file open).
-            hint = ("; each NVMe shard state keeps a file open: raise the open-file limit "
+            # extent keeps its file open).
+            hint = ("; each NVMe extent keeps a file open: raise the open-file limit "
                     "(ulimit -n)" if e.errno == errno_codes.EMFILE else "")
             raise NvmeError(f"NVMe file {path}: cannot create it: {e.strerror}{hint}",
                             errno=e.errno, path=path) from None
         try:
-            os.posix_fallocate(self._fd, 0, nbytes)
+            os.posix_fallocate(self.fd, 0, nbytes)
         except OSError as e:
-            os.close(self._fd)
-            self._fd = -1
+            os.close(self.fd)
+            self.fd = -1
             # Leave no empty or partly reserved file behind for the failed request.
             try:
                 os.unlink(path)
@@ -84,39 +95,76 @@ class NvmeFile:
                 f"NVMe file {path}: cannot reserve {format_size(nbytes)}: {e.strerror}",
                 errno=e.errno, path=path, offset=0, size=nbytes) from None
 
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class NvmeShard:
+    """One shard state on NVMe: the extent holding its current version."""
+
+    def __init__(self, tier: "NvmeTier", extent: Extent):
+        self._tier = tier
+        self.extent = extent
+
+    @property
+    def nbytes(self) -> int:
+        return self.extent.nbytes
+
+    @property
+    def path(self) -> str:
+        return self.extent.path
+
+    def start_read(self, block: torch.Tensor) -> Transfer:
+        """Start filling ``block`` (at least ``nbytes`` of aligned DRAM) with the current version."""
+        extent = self.extent
+        return self._tier.io.read(extent.fd, extent.path, 0, host_buffer(block, extent.nbytes))
+
     def read_into(self, block: torch.Tensor) -> None:
-        """Fill ``block`` (at least ``nbytes`` of aligned DRAM) with the file's contents."""
-        self._transfer(block, os.preadv, "read")
+        self.start_read(block).wait()
+
+    def start_write(self, block: torch.Tensor) -> "PendingWrite":
+        """Start writing the first ``nbytes`` of ``block`` as the next version (to a spare)."""
+        spare = self._tier.take_spare(self.extent.nbytes)
+        try:
+            transfer = self._tier.io.write(spare.fd, spare.path, 0,
+                                           host_buffer(block, spare.nbytes))
+        except BaseException:
+            self._tier.give_back(spare)
+            raise
+        return PendingWrite(self, spare, transfer)
 
     def write_from(self, block: torch.Tensor) -> None:
-        """Write the first ``nbytes`` of ``block`` over the file's contents."""
-        self._transfer(block, os.pwritev, "write")
+        self.start_write(block).wait()
 
-    def _transfer(self, block: torch.Tensor, syscall, verb: str) -> None:
-        view = _buffer(block, self.nbytes)
-        offset = 0
-        while offset < self.nbytes:
-            size = min(IO_CHUNK_BYTES, self.nbytes - offset)
-            try:
-                done = syscall(self._fd, [view[offset:offset + size]], offset)
-            except OSError as e:
-                raise NvmeError(f"NVMe {verb} failed on {self.path} at offset {offset}, "
-                                f"size {size}: {e.strerror}", errno=e.errno, path=self.path,
-                                offset=offset, size=size) from None
-            if done <= 0:
-                raise NvmeError(f"NVMe {verb} on {self.path} at offset {offset}, size {size} "
-                                f"moved {done} bytes", errno=errno_codes.EIO, path=self.path,
-                                offset=offset, size=size)
-            offset += done
 
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+class PendingWrite:
+    """A shard's next version being written; :meth:`wait` switches to it once it is complete."""
+
+    def __init__(self, shard: NvmeShard, spare: Extent, transfer: Transfer):
+        self._shard, self._spare, self._transfer = shard, spare, transfer
+        self._settled = False
+
+    def wait(self) -> None:
+        # Fix: settle once. A second wait() used to switch again and give back the extent just
+        # made current (after a failure: the spare a second time), so a later write could take
+        # the shard's current version, or two writes the same spare.
+        if self._settled:
+            self._transfer.wait()  # re-raises the failure, if there was one
+            return
+        self._settled = True
+        try:
+            self._transfer.wait()
+        except BaseException:
+            self._shard._tier.give_back(self._spare)  # the old version stays current
+            raise
+        old, self._shard.extent = self._shard.extent, self._spare
+        self._shard._tier.give_back(old)
 
 
 class NvmeTier:
-    def __init__(self, root: str, budget: int | None, rank: int):
+    def __init__(self, root: str, budget: int | None, rank: int, io: IoSettings):
         check_nvme_path(root)
         self.root = root
         self.usage = TierUsage("nvme", free_bytes(root) if budget is None else budget)
@@ -136,7 +184,10 @@ class NvmeTier:
         if not self.direct:
             warnings.warn(f"{root} does not support O_DIRECT; the NVMe tier uses buffered I/O "
                           f"there (the page cache will hold copies of what it writes)")
-        self._files: list[NvmeFile] = []
+        self.io = IoEngine(io)
+        self._extents: list[Extent] = []
+        self._spares: dict[int, list[Extent]] = {}
+        self._spare_returned = threading.Condition()
 
     def _supports_direct_io(self) -> bool:
         probe = os.path.join(self.run_dir, ".direct-probe")
@@ -152,21 +203,66 @@ class NvmeTier:
             if os.path.exists(probe):
                 os.unlink(probe)
 
-    def create(self, name: str, nbytes: int) -> NvmeFile:
-        size = align_up(max(nbytes, 1), BLOCK_ALIGN)
-        self.usage.acquire(size, f"NVMe file {name}")
+    def create(self, what: str, nbytes: int) -> NvmeShard:
+        """A shard state of ``nbytes`` on this tier (contents zero), with its size's spares.
+
+        All or nothing: when an extent cannot be had (budget, full disk, no descriptors), the
+        extents this call made are removed and no longer counted."""
+        size = extent_bytes(nbytes)
+        made: list[Extent] = []
+        # Fix: the spares used to be kept (files left, bytes counted, and not registered as
+        # spares, so a retry made three more) when a later spare or the shard's extent failed.
         try:
-            f = NvmeFile(os.path.join(self.run_dir, name), size, self.direct)
+            if size not in self._spares:
+                for _ in range(SPARE_EXTENTS):
+                    made.append(self._new_extent(size, f"spare for {what}"))
+            made.append(self._new_extent(size, what))
+        except BaseException:
+            for extent in reversed(made):  # the newest extents: numbering stays consecutive
+                self._drop_extent(extent)
+            raise
+        if len(made) > 1:
+            self._spares[size] = made[:-1]
+        return NvmeShard(self, made[-1])
+
+    def _new_extent(self, size: int, what: str) -> Extent:
+        self.usage.acquire(size, f"NVMe extent for {what}")
+        path = os.path.join(self.run_dir, f"extent-{len(self._extents):05d}.bin")
+        try:
+            extent = Extent(path, size, self.direct)
         except BaseException:
             self.usage.release(size)
             raise
-        self._files.append(f)
-        return f
+        self._extents.append(extent)
+        return extent
+
+    def _drop_extent(self, extent: Extent) -> None:
+        """Undo :meth:`_new_extent`: close and remove the file, stop counting its bytes."""
+        extent.close()
+        try:
+            os.unlink(extent.path)
+        except OSError:
+            pass
+        self._extents.remove(extent)
+        self.usage.release(extent.nbytes)
+
+    def take_spare(self, size: int) -> Extent:
+        with self._spare_returned:
+            self._spare_returned.wait_for(lambda: self._spares[size])
+            return self._spares[size].pop()
+
+    def give_back(self, extent: Extent) -> None:
+        with self._spare_returned:
+            self._spares[extent.nbytes].append(extent)
+            self._spare_returned.notify_all()
 
     def close(self) -> None:
-        """Close every file and remove this run's folder; safe to call more than once."""
-        for f in self._files:
-            f.close()
-        self._files.clear()
+        """Close every extent and remove this run's folder; safe to call more than once."""
+        if self._extents:
+            self.io.close()
+        for extent in self._extents:
+            extent.close()
+        self._extents.clear()
+        self._spares.clear()
         shutil.rmtree(self.run_dir, ignore_errors=True)
         self.usage.release(self.usage.current)

@@ -1,0 +1,100 @@
+"""Spill by budget: what does not fit the DRAM budget moves to NVMe, unit by unit."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tiered
+from gpt import GPT
+from test_engine import assert_same, reference_optimizer, train_both
+from tiered.plan import StateKind, build_plan
+from tiered.policy import Policy, Tier
+from tiered.tiers.nvme import nvme_bytes
+
+
+def make_gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(64, 32, 4, 2, max_seq=16, tied=True, qkv_bias=False)
+
+
+def plan_for(policy: Policy, dram_available: int | None = None):
+    engine, _ = tiered.initialize(make_gpt(), policy.replace(dram={"spill": None}))
+    flats = engine.runtime.flats
+    args = ([f.shard_numel for f in flats], [f.padded_numel for f in flats],
+            [f.spec.path for f in flats], 1)
+    engine.close()
+    return build_plan(policy, torch.device("cpu"), *args, dram_available=dram_available)
+
+
+def spill_policy(tmp_path, **dram) -> Policy:
+    return Policy.from_dict(dict(device="cpu", compute_dtype="fp32", nvme={"path": str(tmp_path)},
+                                 dram=dict(spill="nvme", **dram),
+                                 optimizer={"lr": 1e-2, "weight_decay": 0.1}))
+
+
+def tiers_of(engine, kind: StateKind) -> list[str]:
+    return [engine.manager.tier_of(f.spec.index, kind).value for f in engine.runtime.flats]
+
+
+def test_part_of_the_optimizer_spills_and_training_matches_pytorch(tmp_path):
+    everything = plan_for(spill_policy(tmp_path)).needed(Tier.DRAM)
+    optimizer_bytes = sum(b.nbytes for (u, k), b in plan_for(spill_policy(tmp_path)).shards.items()
+                          if k in (StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ))
+    budget = everything - optimizer_bytes // 2  # about half the optimizer states must move
+    model = make_gpt()
+    reference = copy.deepcopy(model)
+    engine, optimizer = tiered.initialize(model, spill_policy(tmp_path, budget=budget))
+    masters = tiers_of(engine, StateKind.MASTER)
+    assert "nvme" in masters and "dram" in masters, masters
+    assert tiers_of(engine, StateKind.PARAM) == ["dram"] * len(masters)  # weights stayed
+    for kind in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ):
+        assert tiers_of(engine, kind) == masters  # a unit's optimizer states move together
+    train_both(engine, optimizer, reference, reference_optimizer(reference), steps=4)
+    assert_same(engine.full_state_dict(), reference.state_dict())
+    report = engine.memory_report()
+    assert report["dram"]["peak"] <= budget
+    spilled = [f.shard_numel * 4 for f in engine.runtime.flats
+               if engine.manager.tier_of(f.spec.index, StateKind.MASTER) is Tier.NVME]
+    assert report["nvme"]["current"] == nvme_bytes(spilled * 3)
+    engine.close()
+
+
+def test_weights_spill_after_the_optimizer(tmp_path):
+    policy = spill_policy(tmp_path)
+    plan = plan_for(policy)
+    grads = sum(b.nbytes for (u, k), b in plan.shards.items() if k is StateKind.GRAD)
+    params = sum(b.nbytes for (u, k), b in plan.shards.items() if k is StateKind.PARAM)
+    # Room for the gradients, the staging, and a little under half the weights.
+    budget = plan_for(policy, dram_available=grads + params // 2).needed(Tier.DRAM)
+    model = make_gpt()
+    reference = copy.deepcopy(model)
+    engine, optimizer = tiered.initialize(model, spill_policy(tmp_path, budget=budget))
+    assert set(tiers_of(engine, StateKind.MASTER)) == {"nvme"}
+    assert "nvme" in tiers_of(engine, StateKind.PARAM)
+    assert set(tiers_of(engine, StateKind.GRAD)) == {"dram"}
+    train_both(engine, optimizer, reference, reference_optimizer(reference), steps=3)
+    assert_same(engine.full_state_dict(), reference.state_dict())
+    assert engine.memory_report()["dram"]["peak"] <= budget
+    engine.close()
+
+
+def test_nothing_spills_when_dram_has_room(tmp_path):
+    engine, _ = tiered.initialize(make_gpt(), spill_policy(tmp_path, budget="1GiB"))
+    assert set(tiers_of(engine, StateKind.MASTER)) == {"dram"}
+    assert engine.memory_report()["nvme"]["current"] == 0
+    engine.close()
+
+
+def test_gradients_that_do_not_fit_fail_in_initialize(tmp_path):
+    with pytest.raises(tiered.BudgetError) as error:
+        tiered.initialize(make_gpt(), spill_policy(tmp_path, budget=8192))
+    assert "dram" in error.value.shortfalls
+
+
+def test_spill_without_a_path_is_refused():
+    with pytest.raises(tiered.PolicyError, match="nvme.path is required"):
+        Policy.from_dict({"dram": {"spill": "nvme"}})
+    with pytest.raises(tiered.PolicyError, match="spill must be null or 'nvme'"):
+        Policy.from_dict({"dram": {"spill": "hbm"}, "nvme": {"path": "/tmp"}})
