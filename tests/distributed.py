@@ -1,6 +1,8 @@
 """Run a function on several real ranks: one process each, joined by torch.distributed (gloo)."""
 from __future__ import annotations
 
+import faulthandler
+import gc
 import os
 import socket
 
@@ -15,11 +17,16 @@ def _free_port() -> int:
 
 
 def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
+    faulthandler.enable()  # a rank that aborts in C++ still shows where Python was
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
     finally:
+        # Engines are gone and their groups' last tensors freed before the groups are: gloo's
+        # threads must not be left holding tensors for interpreter exit to destroy, which can
+        # abort the process (pytorch/pytorch PR 179291 describes it).
+        gc.collect()
         dist.destroy_process_group()
 
 

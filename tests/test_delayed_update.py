@@ -154,8 +154,9 @@ def test_update_steps_units_in_the_order_their_gradients_arrived():
         make_model(), "configs/cpu.yaml", compute_dtype="fp32", device="cpu",
         optimizer=dict(OPTIM, delayed_update={"enabled": True, "warmup_steps": 0}))
     stepped = []
-    step_unit = optimizer._step_unit
-    optimizer._step_unit = lambda i, *args: (stepped.append(i), step_unit(i, *args))
+    step = optimizer._stepper.step
+    optimizer._stepper.step = lambda units, *args, **kw: (stepped.extend(units),
+                                                          step(units, *args, **kw))
     idx = batches()[0]
     next_token_loss(engine(idx), idx).backward()
     optimizer.step()

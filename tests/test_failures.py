@@ -11,6 +11,7 @@ import tiered
 from gpt import next_token_loss
 from test_delayed_update import assert_matches, reference, train_engine
 from test_parity import make_model, token_batches
+from tiered.optim.stepper import UnitStepper
 
 
 def run_with_deadline(fn, seconds: float = 60.0):
@@ -35,13 +36,13 @@ def run_with_deadline(fn, seconds: float = 60.0):
 def test_delayed_update_holds_its_rule_when_the_cpu_is_slower_than_backward(monkeypatch, tmp_path):
     # The update of step t must not read a gradient step t+1 has already written: slow every
     # unit's step so that backward catches up with the update (see [Note: buffer hand-off]).
-    step_unit = tiered.TieredAdamW._step_unit
+    kernel = UnitStepper._kernel
 
-    def slow_step_unit(self, *args):
+    def slow_kernel(self, *args):
         time.sleep(0.03)
-        return step_unit(self, *args)
+        return kernel(self, *args)
 
-    monkeypatch.setattr(tiered.TieredAdamW, "_step_unit", slow_step_unit)
+    monkeypatch.setattr(UnitStepper, "_kernel", slow_kernel)
     state, losses = run_with_deadline(lambda: train_engine("cpu", 0, 1, str(tmp_path), None))
     ref_state, ref_losses = reference(None)
     assert_matches(state, losses, ref_state, ref_losses, world=1)

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .plan import OPTIMIZER_STATES, MemoryPlan, StateKind
+from .plan import MemoryPlan, StateKind
 from .policy import Policy, Tier
 from .tiers import DramTier, HbmTier, NvmeShard, NvmeTier, SlabSource
+from .sizes import align_up
 from .tiers.aio import IoSettings
+from .tiers.dram import BLOCK_ALIGN
 
 
 @dataclass
@@ -39,16 +41,24 @@ def _typed(block: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
     return block.view(dtype)[:numel]
 
 
+def _pieces(shard: "Shard", block: torch.Tensor):
+    """(first element, elements, byte offset, bytes to move) of each piece of an NVMe shard
+    that fits ``block``; byte counts round up to whole 4 KiB blocks (the extent has them)."""
+    per_piece = block.numel() // shard.dtype.itemsize
+    for start in range(0, shard.numel, per_piece):
+        numel = min(per_piece, shard.numel - start)
+        yield (start, numel, start * shard.dtype.itemsize,
+               align_up(numel * shard.dtype.itemsize, BLOCK_ALIGN))
+
+
 def _staging_in(kind: StateKind) -> str:
-    """The staging buffer an NVMe optimizer state is read into (see plan.staging_buffers);
-    NVMe weights are read into the read-ahead ring instead (``read_param``)."""
-    assert kind in OPTIMIZER_STATES, f"NVMe {kind.value} shards are not loaded this way"
-    return kind.value
+    """The staging buffer an NVMe state is copied out through (see plan.staging_buffers)."""
+    return "param_in0" if kind is StateKind.PARAM else f"{kind.value}0"
 
 
 def _staging_out(kind: StateKind) -> str:
     """The staging buffer a new value goes through on its way to a state's tier."""
-    return "param_out" if kind in (StateKind.PARAM, StateKind.PARAM_NEXT) else kind.value
+    return "param_out" if kind in (StateKind.PARAM, StateKind.PARAM_NEXT) else f"{kind.value}0"
 
 
 class TierManager:
@@ -98,14 +108,30 @@ class TierManager:
         # has already shown that its worst case fits beside everything resident.
 
     def load(self, unit: int, kind: StateKind) -> torch.Tensor:
-        """The shard state as a tensor: resident storage, or (NVMe) its staging buffer filled
-        from the file, valid until the next load or store of that kind."""
+        """A resident (HBM or DRAM) shard state itself, to compute with in place. NVMe states
+        are read by the read-ahead ring (weights), the optimizer's stream (optimizer states) or
+        :meth:`copy_out`."""
+        shard = self.shards[(unit, kind)]
+        assert shard.resident is not None, f"unit {unit} {kind.value} is on NVMe"
+        return shard.resident
+
+    def copy_out(self, unit: int, kind: StateKind, out: torch.Tensor) -> None:
+        """Copy the shard state into ``out`` (any device or dtype), piece by piece through its
+        staging buffer when it is on NVMe."""
         shard = self.shards[(unit, kind)]
         if shard.resident is not None:
-            return shard.resident
+            out.copy_(shard.resident)
+            return
         block = self._staging[_staging_in(kind)]
-        shard.file.read_into(block)
-        return _typed(block, shard.numel, shard.dtype)
+        for start, numel, offset, nbytes in _pieces(shard, block):
+            shard.file.start_read(block, offset, nbytes).wait()
+            out[start:start + numel].copy_(_typed(block, numel, shard.dtype))
+
+    def nvme_file(self, unit: int, kind: StateKind) -> NvmeShard | None:
+        return self.shards[(unit, kind)].file
+
+    def staging_block(self, name: str) -> torch.Tensor:
+        return self._staging[name]
 
     def read_param(self, unit: int, slot: str) -> torch.Tensor:
         """Read an NVMe weight shard into the staging buffer ``slot`` (one of the read-ahead
@@ -129,16 +155,29 @@ class TierManager:
         if target is not None and value.data_ptr() == target.data_ptr():
             return
         staging = _staging_out(kind)
-        cross = target is not None and value.device != target.device and value.dtype != target.dtype
-        if target is None or (cross and staging in self._staging):
-            staged = _typed(self._staging[staging], shard.numel, shard.dtype)
-            if value.data_ptr() != staged.data_ptr():
-                staged.copy_(value)
-            value = staged
         if target is None:
-            shard.file.write_from(self._staging[staging])
-        else:
-            target.copy_(value)
+            self._write_nvme(shard, self._staging[staging], value)
+            return
+        cross = value.device != target.device and value.dtype != target.dtype
+        if cross and staging in self._staging:
+            staged = _typed(self._staging[staging], shard.numel, shard.dtype)
+            staged.copy_(value)
+            value = staged
+        target.copy_(value)
+
+    def _write_nvme(self, shard: Shard, block: torch.Tensor, value: torch.Tensor) -> None:
+        """Write ``value`` as the shard's next version, piece by piece through ``block``
+        (which ``value`` may already be), switching only once all of it is written."""
+        version = shard.file.next_version()
+        try:
+            for start, numel, offset, nbytes in _pieces(shard, block):
+                staged = _typed(block, numel, shard.dtype)
+                if value.data_ptr() != staged.data_ptr():
+                    staged.copy_(value[start:start + numel])
+                version.write(block, offset, nbytes).wait()  # the block is reused next
+        finally:
+            version.commit()
+        version.wait()
 
     def land_grad(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """Copy the gradient shard ``value`` into the landing buffer ``name`` (``non_blocking``:
@@ -155,12 +194,14 @@ class TierManager:
             return grad
         return grad.view(torch.uint8)[:grad.numel() * dtype.itemsize].view(dtype)
 
-    def param_target(self, unit: int, kind: StateKind) -> torch.Tensor:
-        """Where the CPU may write new weights of ``kind`` in place: the DRAM shard itself, or
-        the "param_out" staging buffer for weights bound for HBM or NVMe (then :meth:`store`)."""
+    def param_target(self, unit: int, kind: StateKind, cpu_only: bool) -> torch.Tensor:
+        """Where new weights of ``kind`` may be written in place: the resident shard itself
+        (when ``cpu_only``, only if it is in DRAM), or the "param_out" staging buffer for
+        weights bound for NVMe, or for HBM from the CPU (then :meth:`store` moves them)."""
         shard = self.shards[(unit, kind)]
-        if shard.resident is not None and shard.resident.device.type == "cpu":
-            return shard.resident
+        resident = shard.resident
+        if resident is not None and (resident.device.type == "cpu" or not cpu_only):
+            return resident
         return _typed(self._staging["param_out"], shard.numel, shard.dtype)
 
     def grad_device(self) -> torch.device:
@@ -177,8 +218,6 @@ class TierManager:
     def tier_of(self, unit: int, kind: StateKind) -> Tier:
         return self.shards[(unit, kind)].tier
 
-    def optimizer_states(self, unit: int) -> list[torch.Tensor]:
-        return [self.load(unit, kind) for kind in OPTIMIZER_STATES]
 
     def memory_report(self) -> dict[str, dict[str, int | None]]:
         report = {"hbm": self.hbm.usage.report(), "dram": self.dram.usage.report()}

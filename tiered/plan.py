@@ -32,6 +32,9 @@ class StateKind(enum.Enum):
 OPTIMIZER_STATES = (StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
 
 
+STAGING_SETS = 3
+"""Sub-group buffer sets of the NVMe optimizer stream: read ahead, stepped, written back."""
+
 GRAD_LANDING_SLOTS = 4
 """Pinned buffers in which reduced gradient shards land from the GPU until the CPU worker adds
 them in: this many units' gradients may be in flight before backward waits for the worker."""
@@ -84,8 +87,8 @@ def staging_buffers(policy: Policy, device: torch.device, placement: "Placement"
     - "param_in0", "param_in1", ...: weights read from NVMe ahead of their gather (the I/O
       thread of readahead.py; ``prefetch.dram_bytes`` of them, at least one);
     - "param_out": new weights cast on the CPU on their way to NVMe or HBM (CPU worker);
-    - "master", "exp_avg", "exp_avg_sq": optimizer states read from NVMe, stepped in place and
-      written back (CPU worker);
+    - "master0".."master2", "exp_avg0".., "exp_avg_sq0"..: three sets of sub-group buffers
+      through which optimizer states stream from NVMe (CPU worker; see [Note: state stream]);
     - "grad0".."grad3": reduced gradient shards landing from the GPU (filled by backward, emptied
       by the CPU worker; see GRAD_LANDING_SLOTS).
     """
@@ -102,9 +105,11 @@ def staging_buffers(policy: Policy, device: torch.device, placement: "Placement"
     if param_out:
         out["param_out"] = Buffer("staging param_out", Tier.DRAM, param_out, compute)
     if nvme_states:
+        piece = min(nvme_states, policy.optimizer.sub_group_size)
         for kind in OPTIMIZER_STATES:
-            out[kind.value] = Buffer(f"staging {kind.value}", Tier.DRAM, nvme_states,
-                                     torch.float32)
+            for slot in range(STAGING_SETS):
+                out[f"{kind.value}{slot}"] = Buffer(f"staging {kind.value}{slot}", Tier.DRAM,
+                                                    piece, torch.float32)
     if policy.grads.tier is Tier.DRAM and device.type != "cpu":
         for slot in range(GRAD_LANDING_SLOTS):
             out[f"grad{slot}"] = Buffer(f"staging grad{slot}", Tier.DRAM, placement.max_shard,

@@ -150,8 +150,14 @@ class OptimizerPolicy:
     overlapping the rest of that backward, with the learning rate set at that moment; null waits
     for ``optimizer.step()``."""
     delayed_update: DelayedUpdatePolicy = DelayedUpdatePolicy()
+    sub_group_size: int = field(default=1 << 25, metadata=_parse(_int))
+    """Elements per sub-group when optimizer states stream from NVMe: three sets of pinned
+    buffers of this many elements per state (read ahead, stepped, written back)."""
 
     def __post_init__(self):
+        if self.sub_group_size < 1024 or self.sub_group_size % 1024:
+            raise ValueError(f"sub_group_size must be a multiple of 1024 elements (4 KiB of "
+                             f"fp32), got {self.sub_group_size}")
         if self.accumulation_steps is not None and self.accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be >= 1 or null, "
                              f"got {self.accumulation_steps}")

@@ -113,7 +113,7 @@ class TieredEngine:
             usage.acquire(nbytes, f"consolidating unit {flat.name}")
             full = torch.empty(flat.padded_numel, dtype=torch.float32, device=group.device)
             mine = flat.own_shard(full)
-            mine.copy_(self.manager.load(flat.spec.index, StateKind.MASTER))
+            self.manager.copy_out(flat.spec.index, StateKind.MASTER, mine)
             group.all_gather(full, mine)
             for spec, tensor in zip(flat.spec.params, flat.unflatten(full.cpu())):
                 for name in spec.names:

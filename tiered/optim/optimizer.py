@@ -8,10 +8,11 @@ from functools import partial
 import torch
 
 from ..errors import TieredError
-from ..plan import OPTIMIZER_STATES, StateKind
+
 from ..policy import Policy, Tier
-from .adamw import AdamWHyper, OnePassAdamW, adamw_step
+from .adamw import AdamWHyper, OnePassAdamW
 from .loss_scale import LossScaler
+from .stepper import UnitStepper
 
 
 @dataclass
@@ -61,7 +62,6 @@ class TieredAdamW(torch.optim.Optimizer):
         defaults = dict(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
         super().__init__([flat.full for flat in runtime.flats], defaults)
         self._runtime = runtime
-        self._timeline = runtime.timeline
         self._manager = runtime.manager
         self._worker = runtime.worker
         self._norm_group = norm_group
@@ -71,21 +71,22 @@ class TieredAdamW(torch.optim.Optimizer):
         self.scaler = scaler
         self._delayed = opt.delayed_update
         self.device = runtime.group.device if opt.tier is Tier.HBM else torch.device("cpu")
-        self._steps = [torch.zeros((), dtype=torch.float32, device=self.device)
-                       for _ in runtime.flats]
         self._steps_called = 0
         self._pending: _Update | None = None
         self._arrived: list[int] = []
         self._grads = runtime.grads
         self._grads.on_added = self._step_on_arrival
-        self._one_pass = (OnePassAdamW() if self.device.type == "cpu"
-                          and policy.compute_dtype.torch_dtype is not torch.float32 else None)
-        """Mixed precision on the CPU: read the compute-dtype gradient, write the compute-dtype
-        weights, in one pass (fp32 keeps torch's fused kernel, bit for bit)."""
-        if self._one_pass is not None:
+        # Mixed precision on the CPU: read the compute-dtype gradient, write the compute-dtype
+        # weights, in one pass (fp32 keeps torch's fused kernel, bit for bit).
+        compute = policy.compute_dtype.torch_dtype
+        one_pass = (OnePassAdamW() if self.device.type == "cpu" and compute is not torch.float32
+                    else None)
+        self._stepper = UnitStepper(self._manager, self._grads,
+                                    [flat.name for flat in runtime.flats], self.device, one_pass,
+                                    opt.sub_group_size, runtime.timeline)
+        if one_pass is not None:
             # Compiled on the worker (its thread count is baked in), while the first forward runs.
-            compute = policy.compute_dtype.torch_dtype
-            self._worker.submit(partial(self._one_pass.warm_up, compute, compute))
+            self._worker.submit(partial(one_pass.warm_up, compute, compute))
         self.last_grad_norm: float | None = None
         """The global gradient norm (unscaled) of the last finished update, when it had one."""
         self.skipped_steps = 0
@@ -148,42 +149,17 @@ class TieredAdamW(torch.optim.Optimizer):
 
     def _step_on_arrival(self, index: int) -> None:
         """CPU worker: step one unit as soon as its gradient of the step's last backward is in."""
-        self._step_unit(index, AdamWHyper.from_group(self.param_groups[0]), 1.0, False)
+        self._stepper.step([index], AdamWHyper.from_group(self.param_groups[0]), 1.0, False)
         self._arrived.append(index)
 
     def _run_update(self, update: _Update) -> None:
-        """CPU worker: one optimizer step over ``update.units``."""
+        """CPU worker: one optimizer step over ``update.units``, in the order they arrived."""
         divisor = self._grad_divisor(update)
         if divisor is None:
             update.overflowed = True
             return
-        for i in self._grads.in_arrival_order(update.units):
-            self._step_unit(i, update.hyper, divisor, update.into_next)
-            update.written.append(i)
-
-    def _step_unit(self, i: int, hyper: AdamWHyper, divisor: float, into_next: bool) -> None:
-        """Worker: step unit ``i`` and write its new weights (see [Note: gradient states])."""
-        name = self._runtime.flats[i].name
-        kind = StateKind.PARAM_NEXT if into_next else StateKind.PARAM
-        self._steps[i] += 1
-        with self._timeline.span(f"adamw {name}", "cpu"):
-            master, exp_avg, exp_avg_sq = self._manager.optimizer_states(i)
-            grad = self._grads.read(i)
-            if self._one_pass is not None:
-                weights = self._manager.param_target(i, kind)
-                self._one_pass.step(master, grad, exp_avg, exp_avg_sq, weights, self._steps[i],
-                                    hyper, divisor)
-            else:
-                weights = master
-                divisor_tensor = (None if divisor == 1.0 else
-                                  torch.tensor(divisor, dtype=torch.float32, device=self.device))
-                adamw_step(master, grad.float(), exp_avg, exp_avg_sq, self._steps[i], hyper,
-                           divisor_tensor)
-        self._grads.consumed(i)
-        with self._timeline.span(f"write back {name}", "cpu"):
-            for state, value in zip(OPTIMIZER_STATES, (master, exp_avg, exp_avg_sq)):
-                self._manager.store(i, state, value)
-            self._manager.store(i, kind, weights)
+        self._stepper.step(self._grads.in_arrival_order(update.units), update.hyper, divisor,
+                           update.into_next, on_unit=update.written.append)
 
     def _grad_divisor(self, update: _Update) -> float | None:
         """What the accumulated gradients are divided by (loss scale over clip factor), or None

@@ -16,6 +16,7 @@ import contextlib
 import ctypes
 import errno as errno_codes
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
@@ -62,6 +63,29 @@ class Transfer:
 
     def done(self) -> bool:
         return all(block.done() for block in self._blocks)
+
+    def on_done(self, callback: Callable[[BaseException | None], None]) -> None:
+        """Call ``callback(first failure or None)`` once every block has finished (on the
+        thread that finished the last one, or now if all have)."""
+        remaining = [len(self._blocks)]
+        lock = threading.Lock()
+
+        def block_done(_future) -> None:
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                callback(next((b.exception() for b in self._blocks if b.exception()), None))
+
+        if not self._blocks:
+            callback(None)
+        for block in self._blocks:
+            block.add_done_callback(block_done)
+
+    def settle(self) -> None:
+        """Wait until no block is in flight, without raising (for clean-up after a failure)."""
+        for block in self._blocks:
+            block.exception()
 
     def wait(self) -> None:
         failure = None

@@ -116,51 +116,143 @@ class NvmeShard:
     def path(self) -> str:
         return self.extent.path
 
-    def start_read(self, block: torch.Tensor) -> Transfer:
-        """Start filling ``block`` (at least ``nbytes`` of aligned DRAM) with the current version."""
+    def start_read(self, block: torch.Tensor, offset: int = 0,
+                   nbytes: int | None = None) -> Transfer:
+        """Start filling ``block`` with ``nbytes`` (default: all) of the current version from
+        byte ``offset`` (both multiples of BLOCK_ALIGN)."""
         extent = self.extent
-        return self._tier.io.read(extent.fd, extent.path, 0, host_buffer(block, extent.nbytes))
+        nbytes = extent.nbytes - offset if nbytes is None else nbytes
+        return self._tier.io.read(extent.fd, extent.path, offset, host_buffer(block, nbytes))
 
     def read_into(self, block: torch.Tensor) -> None:
         self.start_read(block).wait()
 
-    def start_write(self, block: torch.Tensor) -> "PendingWrite":
-        """Start writing the first ``nbytes`` of ``block`` as the next version (to a spare)."""
-        spare = self._tier.take_spare(self.extent.nbytes)
-        try:
-            transfer = self._tier.io.write(spare.fd, spare.path, 0,
-                                           host_buffer(block, spare.nbytes))
-        except BaseException:
-            self._tier.give_back(spare)
-            raise
-        return PendingWrite(self, spare, transfer)
+    def next_version(self) -> "NextVersion":
+        """A spare extent to write this shard's next version into (waits while all are busy)."""
+        return NextVersion(self, self._tier.take_spare(self.extent.nbytes))
+
+    def start_write(self, block: torch.Tensor) -> "NextVersion":
+        """Start writing the first ``nbytes`` of ``block`` as the next version."""
+        version = self.next_version()
+        version.write(block)
+        version.commit()
+        return version
 
     def write_from(self, block: torch.Tensor) -> None:
         self.start_write(block).wait()
 
 
-class PendingWrite:
-    """A shard's next version being written; :meth:`wait` switches to it once it is complete."""
+class NextVersion:
+    """A shard's next version, written into a spare extent in one or more pieces.
 
-    def __init__(self, shard: NvmeShard, spare: Extent, transfer: Transfer):
-        self._shard, self._spare, self._transfer = shard, spare, transfer
-        self._settled = False
+    Once :meth:`commit` has been called and every piece is written, the shard switches to it,
+    on whichever thread finishes last; if any piece failed, the spare goes back and the shard
+    keeps its version. Nobody has to wait for that to happen, so a writer blocked waiting for a
+    spare never waits on itself. :meth:`wait` waits for it and raises the failure (every time).
+    """
+
+    def __init__(self, shard: NvmeShard, spare: Extent):
+        self._shard, self._spare = shard, spare
+        self._group: VersionGroup | None = None
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._committed = False
+        self._failure: BaseException | None = None
+        self._settled = threading.Event()
+
+    def write(self, block: torch.Tensor, offset: int = 0, nbytes: int | None = None) -> Transfer:
+        """Start writing ``nbytes`` (default: all) of ``block`` at byte ``offset``; ``block``
+        must stay untouched until the returned transfer is done."""
+        nbytes = self._spare.nbytes - offset if nbytes is None else nbytes
+        with self._lock:
+            assert not self._committed, "write after commit"
+            self._pending += 1
+        try:
+            transfer = self._shard._tier.io.write(self._spare.fd, self._spare.path, offset,
+                                                  host_buffer(block, nbytes))
+        except BaseException as error:
+            self._finished(error)
+            raise
+        transfer.on_done(self._finished)
+        return transfer
+
+    def commit(self) -> None:
+        """No more pieces: switch once they are all written."""
+        with self._lock:
+            self._committed = True
+            ready = self._pending == 0
+        if ready:
+            self._settle()
+
+    def abandon(self) -> None:
+        """Give the spare back once pieces in flight are done; the shard keeps its version."""
+        with self._lock:
+            self._failure = self._failure or NvmeError(
+                f"next version of {self._shard.path} abandoned", path=self._spare.path)
+        self.commit()
 
     def wait(self) -> None:
-        # Fix: settle once. A second wait() used to switch again and give back the extent just
-        # made current (after a failure: the spare a second time), so a later write could take
-        # the shard's current version, or two writes the same spare.
-        if self._settled:
-            self._transfer.wait()  # re-raises the failure, if there was one
-            return
-        self._settled = True
-        try:
-            self._transfer.wait()
-        except BaseException:
-            self._shard._tier.give_back(self._spare)  # the old version stays current
-            raise
-        old, self._shard.extent = self._shard.extent, self._spare
-        self._shard._tier.give_back(old)
+        self._settled.wait()
+        if self._failure is not None:
+            raise self._failure
+
+    def _finished(self, failure: BaseException | None) -> None:
+        with self._lock:
+            self._pending -= 1
+            self._failure = self._failure or failure
+            ready = self._committed and self._pending == 0
+        if ready:
+            self._settle()
+
+    def _settle(self) -> None:
+        if self._group is not None:
+            self._group.ready(self)
+        else:
+            self._apply(self._failure)
+
+    def _apply(self, failure: BaseException | None) -> None:
+        """Switch to the new version, or (on ``failure``) keep the old one."""
+        tier = self._shard._tier
+        self._failure = self._failure or failure
+        if self._failure is not None:
+            tier.give_back(self._spare)  # the old version stays current
+        else:
+            old, self._shard.extent = self._shard.extent, self._spare
+            tier.give_back(old)
+        self._settled.set()
+
+
+class VersionGroup:
+    """Next versions of several shards (a unit's master weights and moments) that switch
+    together: all of them once every piece of each is written, or, if any piece failed, none."""
+
+    def __init__(self, versions: list[NextVersion]):
+        self.versions = versions
+        self._lock = threading.Lock()
+        self._ready = 0
+        for version in versions:
+            version._group = self
+
+    def ready(self, version: NextVersion) -> None:
+        with self._lock:
+            self._ready += 1
+            last = self._ready == len(self.versions)
+        if last:
+            failure = next((v._failure for v in self.versions if v._failure), None)
+            for member in self.versions:
+                member._apply(failure)
+
+    def commit(self) -> None:
+        for version in self.versions:
+            version.commit()
+
+    def abandon(self) -> None:
+        for version in self.versions:
+            version.abandon()
+
+    def wait(self) -> None:
+        for version in self.versions:
+            version.wait()
 
 
 class NvmeTier:

@@ -1,0 +1,89 @@
+"""The CPU worker's side of an update: each unit stepped where its optimizer states live, its new
+weights written to the weights' tier, its gradient buffer handed back.
+
+States in HBM or DRAM are stepped in place; a run of units whose states are on NVMe streams
+through DRAM (stream.py). Either way the kernel sees one piece at a time (a whole resident shard
+is one piece), reading that piece's gradient and writing that piece's new weights; a unit's step
+count advances once, before its first piece.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..manager import TierManager
+from ..plan import OPTIMIZER_STATES, StateKind
+from ..timeline import Timeline
+from .adamw import AdamWHyper, OnePassAdamW, adamw_step
+from .stream import Piece, StateStream
+
+
+class UnitStepper:
+    def __init__(self, manager: TierManager, grads, names: list[str], device: torch.device,
+                 one_pass: OnePassAdamW | None, sub_group_size: int, timeline: Timeline):
+        self.manager = manager
+        self.grads = grads
+        self.names = names
+        self.device = device
+        self.one_pass = one_pass
+        """Mixed precision on the CPU (see adamw.OnePassAdamW); else torch's fused kernel."""
+        self.timeline = timeline
+        self.steps = [torch.zeros((), dtype=torch.float32, device=device) for _ in names]
+        """Per unit: the number of its last step (what AdamW's bias correction reads)."""
+        has_nvme_states = any(manager.nvme_file(i, StateKind.MASTER) is not None
+                              for i in range(len(names)))
+        self.stream = StateStream(manager, sub_group_size) if has_nvme_states else None
+
+    def step(self, units: list[int], hyper: AdamWHyper, divisor: float, into_next: bool,
+             on_unit: Callable[[int], None] = lambda unit: None) -> None:
+        """Step ``units`` in this order; ``on_unit(unit)`` after each one's weights are written."""
+        kind = StateKind.PARAM_NEXT if into_next else StateKind.PARAM
+        divisor_tensor = (None if divisor == 1.0 or self.one_pass is not None else
+                          torch.tensor(divisor, dtype=torch.float32, device=self.device))
+
+        def step_piece(piece: Piece, master, exp_avg, exp_avg_sq) -> None:
+            if piece.start == 0:
+                self.steps[piece.unit] += 1
+            with self.timeline.span(f"adamw {self.names[piece.unit]}", "cpu"):
+                self._kernel(piece, master, exp_avg, exp_avg_sq, hyper, divisor,
+                             divisor_tensor, kind)
+
+        def unit_done(unit: int) -> None:
+            self.grads.consumed(unit)
+            with self.timeline.span(f"write back {self.names[unit]}", "cpu"):
+                self.manager.store(unit, kind, self._weights(unit, kind))
+            on_unit(unit)
+
+        streamed: list[int] = []
+        for unit in [*units, None]:
+            on_nvme = unit is not None and self.manager.nvme_file(unit, StateKind.MASTER)
+            if on_nvme:
+                streamed.append(unit)
+                continue
+            if streamed:
+                self.stream.run(streamed, step_piece, unit_done)
+                streamed = []
+            if unit is not None:
+                numel = self.manager.shards[(unit, StateKind.MASTER)].numel
+                states = [self.manager.load(unit, state) for state in OPTIMIZER_STATES]
+                step_piece(Piece(unit, 0, numel, last=True), *states)
+                for state, value in zip(OPTIMIZER_STATES, states):
+                    self.manager.store(unit, state, value)  # in place: nothing moves
+                unit_done(unit)
+
+    def _kernel(self, piece: Piece, master, exp_avg, exp_avg_sq, hyper: AdamWHyper,
+                divisor: float, divisor_tensor, kind: StateKind) -> None:
+        span = slice(piece.start, piece.start + piece.numel)
+        grad = self.grads.read(piece.unit)[span]
+        weights = self._weights(piece.unit, kind)[span]
+        step = self.steps[piece.unit]
+        if self.one_pass is not None:
+            self.one_pass.step(master, grad, exp_avg, exp_avg_sq, weights, step, hyper, divisor)
+        else:
+            adamw_step(master, grad.float(), exp_avg, exp_avg_sq, step, hyper, divisor_tensor)
+            weights.copy_(master)
+
+    def _weights(self, unit: int, kind: StateKind) -> torch.Tensor:
+        """Where this unit's new weights are written (then stored to their tier)."""
+        return self.manager.param_target(unit, kind, cpu_only=self.one_pass is not None)
