@@ -10,10 +10,11 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 from .engine import TieredEngine, init, initialize
 from .errors import BudgetError, NvmeError, PolicyError, TieredError
+from .ops import TiledLinear
 from .optim import TieredAdamW
 from .policy import Policy
 
 __version__ = "0.1.0"
 
 __all__ = ["BudgetError", "NvmeError", "Policy", "PolicyError", "TieredAdamW", "TieredEngine",
-           "TieredError", "init", "initialize"]
+           "TieredError", "TiledLinear", "init", "initialize"]

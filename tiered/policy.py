@@ -262,6 +262,13 @@ class PrefetchPolicy:
 
 
 @dataclass(frozen=True)
+class TilingPolicy:
+    max_unit_bytes: int | None = field(default=None, metadata=_parse(_size_or_none))
+    """Every nn.Linear whose weight (in the compute dtype) is larger becomes a TiledLinear whose
+    tiles are units of at most this size; null = no automatic tiling."""
+
+
+@dataclass(frozen=True)
 class TracePolicy:
     path: str | None = field(default=None, metadata=_parse(lambda v: None if v is None else str(v)))
     """Write a Chrome-trace timeline here (the environment's TIERED_TRACE wins)."""
@@ -290,6 +297,7 @@ class Policy:
     cpu: CpuPolicy = CpuPolicy()
     prefetch: PrefetchPolicy = PrefetchPolicy()
     trace: TracePolicy = TracePolicy()
+    tiling: TilingPolicy = TilingPolicy()
 
     def __post_init__(self):
         if self.optimizer.delayed_update.enabled and self.params.tier is Tier.NVME:

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..errors import PolicyError, TieredError
 from ..manager import TierManager
+from ..ops.tiled_linear import merge_tiles, tile_large_linears
 from ..optim import TieredAdamW
 from ..optim.loss_scale import LossScaler
 from ..optim.workers import CpuWorker, optimizer_threads
@@ -120,6 +121,7 @@ class TieredEngine:
                     values[name] = tensor
             del full, mine
             usage.release(nbytes)
+        merge_tiles(self.module, values)
         return {key: values[key] for key in self._state_dict_keys}
 
     def close(self) -> None:
@@ -165,10 +167,13 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
     _init_distributed(device)
     group = ProcessGroup.current(device)
 
+    state_dict_keys = list(model.state_dict().keys())
+    if policy.tiling.max_unit_bytes is not None:
+        tile_large_linears(model, policy.tiling.max_unit_bytes,
+                           policy.compute_dtype.torch_dtype.itemsize)
     specs = find_units(model, policy.units.classes)
     if not specs:
         raise TieredError("the model has no parameters to train")
-    state_dict_keys = list(model.state_dict().keys())
     flats = [FlatParam(spec, group.rank, group.world_size, policy.compute_dtype.torch_dtype,
                        device) for spec in specs]
     manager = TierManager(policy, device, group.rank, dram_source)

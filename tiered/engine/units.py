@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..errors import PolicyError
+from ..ops.tiled_linear import LinearTile
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,8 @@ def find_units(model: nn.Module, classes: tuple[str, ...] | None) -> list[UnitSp
                               f"its module classes are: {', '.join(sorted(known))}")
         unit_paths = [path for path, m in model.named_modules()
                       if path and type(m).__name__ in classes]
+    # Tiles of a TiledLinear are always units of their own: that is what they are for.
+    unit_paths += [path for path, m in model.named_modules() if isinstance(m, LinearTile)]
     modules = dict(model.named_modules(remove_duplicate=False))
     candidates = sorted(set(unit_paths), key=lambda p: p.count("."), reverse=True) + [""]
 

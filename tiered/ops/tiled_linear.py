@@ -1,0 +1,178 @@
+"""Memory-centric tiling of huge linear layers (ZeRO-Infinity's idea).
+
+``TiledLinear`` computes what ``nn.Linear`` computes, but its weight is held by a grid of tiles,
+each a module of its own and therefore a unit of the engine: a tile's weights are gathered, used
+and released on their own, in forward and in backward, so a layer whose weight alone does not
+fit in HBM still trains. Output columns are split ``out_splits`` ways and input columns
+``in_splits`` ways; tile (i, j) multiplies input piece j into a partial sum of output piece i,
+and only tiles (i, 0) carry a bias. Its state dict has ``weight`` and ``bias`` as ``nn.Linear``
+has them, so it loads and exports the untiled layer's tensors.
+
+``tile_large_linears`` replaces every ``nn.Linear`` whose weight exceeds ``tiling.max_unit_bytes``
+(in the compute dtype) with a ``TiledLinear`` that keeps each tile under it, splitting output
+columns first (no partial sums) and input columns only when one row is too large.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def _split(total: int, parts: int) -> list[int]:
+    """``total`` in ``parts`` near-equal sizes, the larger ones first."""
+    base, extra = divmod(total, parts)
+    return [base + (i < extra) for i in range(parts)]
+
+
+class LinearTile(nn.Module):
+    """One tile: ``x_j @ W_ij^T (+ b_i)``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, fan_in: int,
+                 device=None, dtype=None):
+        super().__init__()
+        self.fan_in = fan_in
+        """The whole layer's input size, which nn.Linear's initialization depends on."""
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device,
+                                               dtype=dtype))
+        self.bias = (nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
+                     if bias else None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # nn.Linear's: kaiming_uniform(a=sqrt(5)) and the bias bound, both from the layer's fan-in.
+        bound = 1 / math.sqrt(self.fan_in) if self.fan_in > 0 else 0.0
+        nn.init.uniform_(self.weight, -bound, bound)
+        if self.bias is not None:
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
+class TiledLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 in_splits: int = 1, out_splits: int = 1, device=None, dtype=None):
+        super().__init__()
+        if not 1 <= in_splits <= in_features or not 1 <= out_splits <= out_features:
+            raise ValueError(f"in_splits must be in [1, {in_features}] and out_splits in "
+                             f"[1, {out_features}], got {in_splits} and {out_splits}")
+        self.in_features, self.out_features = in_features, out_features
+        self.in_sizes = _split(in_features, in_splits)
+        self.out_sizes = _split(out_features, out_splits)
+        self.tiles = nn.ModuleList(
+            LinearTile(cols, rows, bias and j == 0, in_features, device=device, dtype=dtype)
+            for rows in self.out_sizes for j, cols in enumerate(self.in_sizes))
+        self._register_state_dict_hook(_merge_tiles)
+        self._register_load_state_dict_pre_hook(_split_tiles, with_module=True)
+
+    def tile(self, i: int, j: int) -> LinearTile:
+        return self.tiles[i * len(self.in_sizes) + j]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pieces = x.split(self.in_sizes, dim=-1)
+        outputs = []
+        for i in range(len(self.out_sizes)):
+            out = self.tile(i, 0)(pieces[0])
+            for j in range(1, len(self.in_sizes)):
+                out = out + self.tile(i, j)(pieces[j])
+            outputs.append(out)
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+
+    def merge(self, tile_weights: list[torch.Tensor],
+              tile_biases: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The whole weight and bias from the tiles' (in tile order)."""
+        cols = len(self.in_sizes)
+        rows = [torch.cat(tile_weights[i * cols:(i + 1) * cols], dim=1)
+                for i in range(len(self.out_sizes))]
+        biases = [tile_biases[i * cols] for i in range(len(self.out_sizes))]
+        bias = None if biases[0] is None else torch.cat(biases)
+        return torch.cat(rows, dim=0), bias
+
+    def pieces(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        """(tile weight, tile bias or None) for each tile, as views of ``weight`` and ``bias``."""
+        out = []
+        for rows, weight_rows, bias_rows in zip(
+                self.out_sizes, weight.split(self.out_sizes, dim=0),
+                bias.split(self.out_sizes) if bias is not None else [None] * len(self.out_sizes)):
+            for j, tile_weight in enumerate(weight_rows.split(self.in_sizes, dim=1)):
+                out.append((tile_weight, bias_rows if j == 0 else None))
+        return out
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, in_splits: int, out_splits: int) -> "TiledLinear":
+        """The same layer, tiled; its tiles' parameters are views of ``linear``'s (meta stays
+        meta: nothing is materialized)."""
+        weight = linear.weight
+        with torch.device("meta"):
+            tiled = cls(linear.in_features, linear.out_features, linear.bias is not None,
+                        in_splits, out_splits, dtype=weight.dtype)
+        for tile, (tile_weight, tile_bias) in zip(tiled.tiles, tiled.pieces(weight, linear.bias)):
+            tile.weight = nn.Parameter(tile_weight, requires_grad=weight.requires_grad)
+            if tile_bias is not None:
+                tile.bias = nn.Parameter(tile_bias, requires_grad=linear.bias.requires_grad)
+        return tiled
+
+
+def _merge_tiles(module: TiledLinear, state: dict, prefix: str, local_metadata=None) -> None:
+    """State-dict hook: ``weight`` and ``bias`` in nn.Linear's shapes, not the tiles. (A layer
+    whose tiles an engine has taken has none here: the engine's full_state_dict merges them.)"""
+    names = [f"{prefix}tiles.{k}." for k in range(len(module.tiles))]
+    if names[0] + "weight" not in state:
+        return
+    weights = [state.pop(name + "weight") for name in names]
+    biases = [state.pop(name + "bias", None) for name in names]
+    weight, bias = module.merge(weights, biases)
+    state[prefix + "weight"] = weight
+    if bias is not None:
+        state[prefix + "bias"] = bias
+
+
+def _split_tiles(module: TiledLinear, state: dict, prefix: str, *args) -> None:
+    """Load-state-dict pre-hook: nn.Linear's ``weight`` and ``bias`` into the tiles."""
+    if prefix + "weight" not in state:
+        return
+    weight, bias = state.pop(prefix + "weight"), state.pop(prefix + "bias", None)
+    for k, (tile_weight, tile_bias) in enumerate(module.pieces(weight, bias)):
+        state[f"{prefix}tiles.{k}.weight"] = tile_weight
+        if tile_bias is not None:
+            state[f"{prefix}tiles.{k}.bias"] = tile_bias
+
+
+def tile_shape(out_features: int, in_features: int, itemsize: int,
+               max_bytes: int) -> tuple[int, int]:
+    """(in_splits, out_splits) keeping every tile within ``max_bytes``: rows split first (each
+    tile's product then has the layer's full inner size, large enough to run at the device's
+    rate), columns only when a single row is over the limit."""
+    row_bytes = in_features * itemsize
+    in_splits = max(1, math.ceil(row_bytes / max_bytes))
+    cols = math.ceil(in_features / in_splits)
+    rows_per_tile = max(1, max_bytes // (cols * itemsize))
+    return in_splits, max(1, math.ceil(out_features / rows_per_tile))
+
+
+def merge_tiles(model: nn.Module, state: dict) -> None:
+    """Turn tile entries of ``state`` (a model's full state dict) into nn.Linear's."""
+    for path, module in model.named_modules():
+        if isinstance(module, TiledLinear):
+            _merge_tiles(module, state, f"{path}." if path else "")
+
+
+def tile_large_linears(model: nn.Module, max_bytes: int, itemsize: int) -> list[str]:
+    """Replace each ``nn.Linear`` whose weight is over ``max_bytes`` (at ``itemsize`` bytes an
+    element) by a ``TiledLinear``; returns the replaced modules' paths. A layer whose weight is
+    shared with another module (tied embeddings) is left whole: tiles cannot share it."""
+    held = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        held[id(param)] = held.get(id(param), 0) + 1
+    replaced = []
+    for path, module in list(model.named_modules()):
+        for name, child in list(module.named_children()):
+            if (type(child) is nn.Linear and child.weight.numel() * itemsize > max_bytes
+                    and held[id(child.weight)] == 1):
+                in_splits, out_splits = tile_shape(child.out_features, child.in_features,
+                                                   itemsize, max_bytes)
+                setattr(module, name, TiledLinear.from_linear(child, in_splits, out_splits))
+                replaced.append(f"{path}.{name}" if path else name)
+    return replaced
