@@ -5,16 +5,17 @@
 """
 import warnings
 
+__version__ = "0.1.0"  # first: modules imported below read it
+
 # torch warns at import when numpy is absent; tiered never uses numpy, so the warning is noise.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
+from .checkpoint import CheckpointError
 from .engine import TieredEngine, init, initialize
 from .errors import BudgetError, NvmeError, PolicyError, TieredError
 from .ops import TiledLinear
 from .optim import TieredAdamW
 from .policy import Policy
 
-__version__ = "0.1.0"
-
-__all__ = ["BudgetError", "NvmeError", "Policy", "PolicyError", "TieredAdamW", "TieredEngine",
-           "TieredError", "TiledLinear", "init", "initialize"]
+__all__ = ["BudgetError", "CheckpointError", "NvmeError", "Policy", "PolicyError", "TieredAdamW",
+           "TieredEngine", "TieredError", "TiledLinear", "init", "initialize"]

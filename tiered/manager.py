@@ -118,14 +118,23 @@ class TierManager:
     def copy_out(self, unit: int, kind: StateKind, out: torch.Tensor) -> None:
         """Copy the shard state into ``out`` (any device or dtype), piece by piece through its
         staging buffer when it is on NVMe."""
+        for start, piece in self.pieces(unit, kind):
+            out[start:start + piece.numel()].copy_(piece)
+
+    def pieces(self, unit: int, kind: StateKind, max_bytes: int = 64 << 20):
+        """(first element, contents) of the shard state, piece by piece, as CPU tensors valid
+        until the next piece: slices of a DRAM shard, copies of an HBM one, and NVMe extents
+        read through their staging buffer."""
         shard = self.shards[(unit, kind)]
         if shard.resident is not None:
-            out.copy_(shard.resident)
+            step = max(1, max_bytes // shard.dtype.itemsize)
+            for start in range(0, shard.numel, step):
+                yield start, shard.resident[start:start + step].cpu()
             return
         block = self._staging[_staging_in(kind)]
         for start, numel, offset, nbytes in _pieces(shard, block):
             shard.file.start_read(block, offset, nbytes).wait()
-            out[start:start + numel].copy_(_typed(block, numel, shard.dtype))
+            yield start, _typed(block, numel, shard.dtype)
 
     def nvme_file(self, unit: int, kind: StateKind) -> NvmeShard | None:
         return self.shards[(unit, kind)].file
@@ -214,6 +223,7 @@ class TierManager:
         current = self.shards[(unit, StateKind.PARAM)]
         following = self.shards[(unit, StateKind.PARAM_NEXT)]
         current.resident, following.resident = following.resident, current.resident
+        current.file, following.file = following.file, current.file
 
     def tier_of(self, unit: int, kind: StateKind) -> Tier:
         return self.shards[(unit, kind)].tier

@@ -244,7 +244,7 @@ def build_plan(policy: Policy, device: torch.device, shard_numels: list[int],
     plan = _plan(policy, device, placement, full_numels, unit_paths, world_size)
     if policy.dram.spill is not Tier.NVME or dram_available is None:
         return plan
-    weights = (StateKind.PARAM,) if not policy.optimizer.delayed_update.enabled else ()
+    weights = tuple(k for k in (StateKind.PARAM, StateKind.PARAM_NEXT) if k in state_kinds(policy))
     by_size = sorted(range(len(shard_numels)), key=lambda u: -shard_numels[u])
     for kinds in (OPTIMIZER_STATES, weights):
         for unit in by_size:

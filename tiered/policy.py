@@ -300,9 +300,6 @@ class Policy:
     tiling: TilingPolicy = TilingPolicy()
 
     def __post_init__(self):
-        if self.optimizer.delayed_update.enabled and self.params.tier is Tier.NVME:
-            raise ValueError("optimizer.delayed_update needs params.tier hbm or dram: the "
-                             "weights are double-buffered, which NVMe weights do not support yet")
         if self.uses_nvme and not self.nvme.path:
             raise ValueError("nvme.path is required when params.tier or optimizer.tier is nvme, "
                              "or dram.spill is nvme (set it in the policy or pass "

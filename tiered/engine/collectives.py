@@ -55,6 +55,9 @@ class ProcessGroup:
         if self.world_size > 1:
             dist.all_reduce(tensor, group=self.group)
 
+    def barrier(self) -> None:
+        self.all_reduce_sum(torch.zeros(1, device=self.device))
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         if self.world_size > 1:
             dist.broadcast(tensor, src=src, group=self.group)

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..checkpoint import checkpoint, export
 from ..errors import PolicyError, TieredError
 from ..manager import TierManager
 from ..ops.tiled_linear import merge_tiles, tile_large_linears
@@ -123,6 +124,23 @@ class TieredEngine:
             usage.release(nbytes)
         merge_tiles(self.module, values)
         return {key: values[key] for key in self._state_dict_keys}
+
+    def save_checkpoint(self, directory: str, tag: str | None = None) -> str:
+        """Save every tier's state under ``directory/tag`` (default tag: ``step<N>``), atomically,
+        each rank its own part; returns the folder. Call it on every rank."""
+        return checkpoint.save(self, directory, tag)
+
+    def load_checkpoint(self, directory: str, tag: str | None = None) -> str:
+        """Load ``directory/tag`` (default: the latest complete one), also one saved at another
+        world size or with another policy; returns the tag. Call it on every rank."""
+        return checkpoint.load(self, directory, tag)
+
+    def save_pretrained(self, directory: str, dtype: torch.dtype = torch.float32,
+                        max_shard_bytes: int = 5 << 30) -> list[str]:
+        """Consolidated weights as (sharded) safetensors with an index, in the layout Hugging
+        Face's ``from_pretrained`` reads, streamed unit by unit; ``dtype`` is fp32 (the master
+        weights) or the dtype to cast them to. Call it on every rank; rank 0 writes."""
+        return export.save_pretrained(self, directory, dtype, max_shard_bytes)
 
     def close(self) -> None:
         """Free every tier and remove this run's NVMe folder (also done at interpreter exit).

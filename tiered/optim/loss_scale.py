@@ -24,3 +24,10 @@ class LossScaler:
         if self._good_steps == self.policy.growth_interval:
             self.scale *= self.policy.growth_factor
             self._good_steps = 0
+
+    def state(self) -> dict:
+        return {"scale": self.scale, "good_steps": self._good_steps}
+
+    def load_state(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self._good_steps = int(state["good_steps"])

@@ -147,6 +147,47 @@ class TieredAdamW(torch.optim.Optimizer):
             self.scaler.update(found_inf=update.overflowed)
             self.skipped_steps += update.overflowed
 
+    def checkpoint_state(self) -> dict:
+        """The optimizer's state for a checkpoint, with the worker idle. A queued delayed update
+        is finished but not made current: what it wrote and found is recorded instead, so a
+        resumed run swaps to it at its next step exactly as this one will."""
+        self._worker.drain()
+        pending = self._pending
+        group = self.param_groups[0]
+        return {
+            "steps_called": self._steps_called,
+            "skipped_steps": self.skipped_steps,
+            "last_grad_norm": self.last_grad_norm,
+            "hyper": {"lr": float(group["lr"]), "betas": list(group["betas"]),
+                      "eps": group["eps"], "weight_decay": group["weight_decay"]},
+            "unit_steps": [float(step) for step in self._stepper.steps],
+            "loss_scale": self.scaler.state() if self.scaler is not None else None,
+            "pending": None if pending is None else {
+                "written": list(pending.written), "norm": pending.norm,
+                "overflowed": pending.overflowed, "loss_scale": pending.loss_scale},
+        }
+
+    def restore_state(self, state: dict) -> None:
+        """Undo :meth:`checkpoint_state` (the engine has restored the shards)."""
+        self._worker.drain()
+        self._steps_called = state["steps_called"]
+        self.skipped_steps = state["skipped_steps"]
+        self.last_grad_norm = state["last_grad_norm"]
+        hyper = state["hyper"]
+        self.param_groups[0].update(lr=hyper["lr"], betas=tuple(hyper["betas"]), eps=hyper["eps"],
+                                    weight_decay=hyper["weight_decay"])
+        for step, value in zip(self._stepper.steps, state["unit_steps"]):
+            step.fill_(value)
+        if self.scaler is not None and state["loss_scale"] is not None:
+            self.scaler.load_state(state["loss_scale"])
+        pending = state["pending"]
+        self._pending = None if pending is None else _Update(
+            units=list(pending["written"]), hyper=AdamWHyper.from_group(self.param_groups[0]),
+            loss_scale=pending["loss_scale"], into_next=True, written=list(pending["written"]),
+            norm=pending["norm"], overflowed=pending["overflowed"])
+        self._arrived = []
+        self._runtime.backwards_since_step = 0
+
     def _step_on_arrival(self, index: int) -> None:
         """CPU worker: step one unit as soon as its gradient of the step's last backward is in."""
         self._stepper.step([index], AdamWHyper.from_group(self.param_groups[0]), 1.0, False)

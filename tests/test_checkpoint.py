@@ -1,0 +1,295 @@
+"""Checkpoints: exact resume, resharding, policy changes, crash safety, corruption, export."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import tiered
+from distributed import run_ranks
+from gpt import next_token_loss
+from test_engine import assert_same
+from test_parity import BATCH, OPTIM, REPO, make_model, token_batches
+
+SCENARIOS = [(policy, delayed) for policy in ("cpu", "nvme") for delayed in (False, True)]
+
+
+def engine_for(policy: str, nvme: str, delayed: bool = False):
+    return tiered.initialize(
+        make_model(), os.path.join(REPO, "configs", f"{policy}.yaml"), compute_dtype="fp32",
+        device="cpu", nvme={"path": nvme},
+        optimizer=dict(OPTIM, max_grad_norm=0.5,
+                       delayed_update={"enabled": delayed, "warmup_steps": 1}))
+
+
+def train(engine, optimizer, batches, rank: int = 0, world: int = 1) -> list[float]:
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    losses = []
+    for idx in batches:
+        loss = next_token_loss(engine(idx[rows]), idx[rows])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def resume_scenario(policy: str, delayed: bool, folder: str, rank: int = 0, world: int = 1):
+    """Train 3 steps, save, train 3 more; load, train the same 3 again: both branches' losses
+    and final weights."""
+    engine, optimizer = engine_for(policy, folder, delayed)
+    batches = token_batches(6)
+    train(engine, optimizer, batches[:3], rank, world)
+    engine.save_checkpoint(os.path.join(folder, "ckpt"), f"{policy}-{delayed}")
+    first = train(engine, optimizer, batches[3:], rank, world)
+    first_state = engine.full_state_dict()
+    engine.load_checkpoint(os.path.join(folder, "ckpt"))
+    second = train(engine, optimizer, batches[3:], rank, world)
+    second_state = engine.full_state_dict()
+    engine.close()
+    return first, first_state, second, second_state
+
+
+def assert_identical(first, first_state, second, second_state) -> None:
+    assert first == second, f"losses after the reload differ: {first} vs {second}"
+    for name in first_state:
+        assert torch.equal(first_state[name], second_state[name]), name
+
+
+@pytest.mark.parametrize("policy,delayed", SCENARIOS)
+def test_resume_is_exact_one_rank(policy, delayed, tmp_path):
+    assert_identical(*resume_scenario(policy, delayed, str(tmp_path)))
+
+
+def _resume_ranks(rank: int, world: int, folder: str) -> None:
+    results = {f"{p}-{d}": resume_scenario(p, d, folder, rank, world) for p, d in SCENARIOS}
+    torch.save(results, os.path.join(folder, f"resume{rank}.pt"))
+
+
+def test_resume_is_exact_two_ranks(tmp_path):
+    run_ranks(2, _resume_ranks, str(tmp_path))
+    for rank in range(2):
+        for name, result in torch.load(tmp_path / f"resume{rank}.pt", weights_only=True).items():
+            assert_identical(*result)
+
+
+def _train_and_save(rank: int, world: int, folder: str, policy: str, steps: int) -> None:
+    engine, optimizer = engine_for(policy, folder)
+    train(engine, optimizer, token_batches(steps), rank, world)
+    engine.save_checkpoint(os.path.join(folder, "ckpt"), "saved")
+    torch.save(engine.full_state_dict(), os.path.join(folder, f"saved{rank}.pt"))
+    engine.close()
+
+
+def _load_and_train(rank: int, world: int, folder: str, policy: str, steps: int) -> None:
+    engine, optimizer = engine_for(policy, folder)
+    engine.load_checkpoint(os.path.join(folder, "ckpt"))
+    loaded = engine.full_state_dict()
+    train(engine, optimizer, token_batches(steps)[-2:], rank, world)
+    torch.save((loaded, engine.full_state_dict()), os.path.join(folder, f"loaded{rank}.pt"))
+    engine.close()
+
+
+def continuous(steps: int) -> dict:
+    """The same training without a save, at one rank: what a resume at one rank must match."""
+    engine, optimizer = engine_for("cpu", "/tmp")
+    train(engine, optimizer, token_batches(steps))
+    state = engine.full_state_dict()
+    engine.close()
+    return state
+
+
+def reference(worlds: list[int]) -> dict:
+    """Plain PyTorch, step t's gradient averaged over ``worlds[t]`` ranks as DDP does (each
+    rank's mean over its rows, then the mean over ranks, summed in rank order as the engine's
+    reduction sums them), clipped, stepped with AdamW."""
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), **OPTIM)
+    for world, idx in zip(worlds, token_batches(len(worlds))):
+        grads = [torch.zeros_like(p) for p in model.parameters()]
+        for rows in idx.chunk(world):
+            shares = torch.autograd.grad(next_token_loss(model(rows), rows),
+                                         list(model.parameters()))
+            for grad, share in zip(grads, shares):
+                grad += share / world
+        for param, grad in zip(model.parameters(), grads):
+            param.grad = grad
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("saved_world,loaded_world", [(2, 1), (1, 2)])
+def test_resharding_keeps_the_weights_and_training_continues_with_parity(
+        saved_world, loaded_world, tmp_path):
+    def run(world, fn, *args):
+        if world == 1:
+            fn(0, 1, *args)
+        else:
+            run_ranks(world, fn, *args)
+
+    run(saved_world, _train_and_save, str(tmp_path), "nvme", 3)
+    run(loaded_world, _load_and_train, str(tmp_path), "cpu", 5)
+    saved = torch.load(tmp_path / "saved0.pt", weights_only=True)
+    expected = reference([saved_world] * 3 + [loaded_world] * 2)
+    for rank in range(loaded_world):
+        loaded, trained = torch.load(tmp_path / f"loaded{rank}.pt", weights_only=True)
+        for name in saved:
+            assert torch.equal(loaded[name], saved[name]), name
+        assert_same(trained, expected)
+
+
+@pytest.mark.parametrize("saved,loaded", [("nvme", "cpu"), ("cpu", "nvme")])
+def test_loading_under_another_policy_continues_exactly(saved, loaded, tmp_path):
+    folder = str(tmp_path)
+    _train_and_save(0, 1, folder, saved, 3)
+    _load_and_train(0, 1, folder, loaded, 5)
+    loaded_state, trained = torch.load(tmp_path / "loaded0.pt", weights_only=True)
+    saved_state = torch.load(tmp_path / "saved0.pt", weights_only=True)
+    assert all(torch.equal(loaded_state[k], saved_state[k]) for k in saved_state)
+    reference = continuous(5)
+    for name in reference:  # same world size: the same arithmetic, bit for bit
+        assert torch.equal(trained[name], reference[name]), name
+
+
+def saved_checkpoint(tmp_path):
+    engine, optimizer = engine_for("cpu", str(tmp_path))
+    train(engine, optimizer, token_batches(2))
+    folder = engine.save_checkpoint(str(tmp_path / "ckpt"), "good")
+    return engine, optimizer, folder
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_a_damaged_file_fails_by_name_and_loads_nothing(damage, tmp_path):
+    engine, optimizer, folder = saved_checkpoint(tmp_path)
+    train(engine, optimizer, token_batches(3)[2:])  # the engine moves on from the checkpoint
+    before = engine.full_state_dict()
+    path = os.path.join(folder, "rank00000.safetensors")
+    data = bytearray(open(path, "rb").read())
+    if damage == "truncate":
+        data = data[:len(data) // 2]
+    else:
+        data[len(data) * 2 // 3] ^= 0x10
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(tiered.CheckpointError, match="rank00000.safetensors") as error:
+        engine.load_checkpoint(str(tmp_path / "ckpt"))
+    assert ("truncated" if damage == "truncate" else "corrupted") in str(error.value)
+    after = engine.full_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "half-loaded"
+    engine.close()
+
+
+def test_a_checkpoint_of_another_model_or_none_at_all_is_refused(tmp_path):
+    engine, optimizer, folder = saved_checkpoint(tmp_path)
+    engine.close()
+    other, _ = tiered.initialize(torch.nn.Sequential(torch.nn.Linear(4, 4)), "configs/cpu.yaml",
+                                 device="cpu")
+    with pytest.raises(tiered.CheckpointError, match="another model"):
+        other.load_checkpoint(str(tmp_path / "ckpt"))
+    with pytest.raises(tiered.CheckpointError, match="no checkpoint in"):
+        other.load_checkpoint(str(tmp_path / "nowhere"))
+    os.remove(os.path.join(folder, "manifest.json"))
+    with pytest.raises(tiered.CheckpointError, match="not a complete checkpoint"):
+        other.load_checkpoint(str(tmp_path / "ckpt"), "good")
+    other.close()
+
+
+def test_a_full_disk_during_save_keeps_the_previous_checkpoint(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        engine, optimizer = engine_for("cpu", str(tmp_path))
+        train(engine, optimizer, token_batches(2))
+        engine.save_checkpoint(str(disk), "first")
+        good = engine.full_state_dict()
+        train(engine, optimizer, token_batches(3)[2:])
+        free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+        (disk / "filler").write_bytes(b"\0" * (free - 20_000))  # no room for another one
+        with pytest.raises(tiered.CheckpointError, match="cannot write .*No space left"):
+            engine.save_checkpoint(str(disk), "second")
+        assert sorted(os.listdir(disk)) == ["filler", "first", "latest"]
+        assert (disk / "latest").read_text() == "first"
+        engine.load_checkpoint(str(disk))
+        loaded = engine.full_state_dict()
+        assert all(torch.equal(good[k], loaded[k]) for k in good)
+        engine.close()
+    finally:
+        subprocess.run(["umount", str(disk)])
+
+
+SAVE_AND_HANG = r"""
+import os, sys, time
+sys.path[:0] = [{tests!r}, {examples!r}]
+import torch, tiered
+from tiered.checkpoint import format as fmt
+from test_checkpoint import engine_for, train
+from test_parity import token_batches
+engine, optimizer = engine_for("cpu", {folder!r})
+train(engine, optimizer, token_batches(2))
+engine.save_checkpoint({ckpt!r}, "first")
+torch.save(engine.full_state_dict(), {first!r})
+train(engine, optimizer, token_batches(3)[2:])
+write = fmt.Writer.write
+def slow_write(self, tensor):  # the save crawls, so the parent's SIGKILL lands inside it
+    time.sleep(0.05)
+    write(self, tensor)
+fmt.Writer.write = slow_write
+print("saving", flush=True)
+engine.save_checkpoint({ckpt!r}, "second")
+print("saved", flush=True)
+"""
+
+
+def test_killed_in_the_middle_of_a_save_the_previous_checkpoint_loads(tmp_path):
+    ckpt, first = str(tmp_path / "ckpt"), str(tmp_path / "first.pt")
+    script = SAVE_AND_HANG.format(tests=os.path.join(REPO, "tests"),
+                                  examples=os.path.join(REPO, "examples"), folder=str(tmp_path),
+                                  ckpt=ckpt, first=first)
+    child = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE,
+                             text=True)
+    assert child.stdout.readline().strip() == "saving"
+    deadline = time.time() + 30
+    while not os.path.exists(os.path.join(ckpt, ".second.tmp", "rank00000.safetensors")):
+        assert time.time() < deadline, "the save never started writing"
+        time.sleep(0.01)
+    time.sleep(0.1)
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    assert child.returncode == -signal.SIGKILL
+    assert open(os.path.join(ckpt, "latest")).read() == "first"
+    assert not os.path.exists(os.path.join(ckpt, "second")), "a half-written save was published"
+    engine, _ = engine_for("cpu", str(tmp_path))
+    engine.load_checkpoint(ckpt)
+    loaded, saved = engine.full_state_dict(), torch.load(first, weights_only=True)
+    assert all(torch.equal(loaded[k], saved[k]) for k in saved)
+    engine.close()
+
+
+def test_exported_safetensors_load_into_the_plain_model(tmp_path):
+    safetensors = pytest.importorskip("safetensors.torch")
+    engine, optimizer = engine_for("nvme", str(tmp_path))
+    train(engine, optimizer, token_batches(2))
+    files = engine.save_pretrained(str(tmp_path / "export"), max_shard_bytes=16 << 10)
+    assert len(files) > 1
+    index = json.loads((tmp_path / "export" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(files)
+    state = {}
+    for name in files:
+        state.update(safetensors.load_file(str(tmp_path / "export" / name)))
+    plain = make_model()
+    plain.load_state_dict(state, strict=True)
+    idx = token_batches(1)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(plain(idx), engine(idx), rtol=0, atol=0)
+    assert set(index["weight_map"]) == set(plain.state_dict())
+    engine.close()

@@ -1,0 +1,132 @@
+"""``engine.save_pretrained(dir)``: consolidated weights as (sharded) safetensors, the layout
+Hugging Face's ``from_pretrained`` reads, streamed unit by unit.
+
+Files are ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` with a
+``model.safetensors.index.json`` mapping each name to its file. Every rank takes part in
+gathering one unit at a time; rank 0 writes it and drops it, so no rank holds the whole model
+(only a TiledLinear's tiles wait for each other, to be written as the one layer they are). Names
+and shapes are those of the original ``model.state_dict()``; tied parameters are written under
+each of their names.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from ..ops.tiled_linear import TiledLinear
+from ..plan import StateKind
+from .format import Entry, Writer
+
+INDEX = "model.safetensors.index.json"
+
+
+def save_pretrained(engine, directory: str, dtype: torch.dtype = torch.float32,
+                    max_shard_bytes: int = 5 << 30) -> list[str]:
+    """Write the weights under ``directory`` (``dtype``: fp32 master weights, or a compute
+    dtype cast from them); returns the files written (on rank 0; others return [])."""
+    engine.optimizer.synchronize()
+    group, model = engine.runtime.group, engine.module
+    tiled = {path: m for path, m in model.named_modules() if isinstance(m, TiledLinear)}
+    buffers = {name: b for name, b in model.state_dict().items()}
+    plan = _plan(engine, tiled, buffers, dtype)
+    files = _assign(plan, max_shard_bytes)
+    writers: dict[str, Writer] = {}
+    if group.rank == 0:
+        os.makedirs(directory, exist_ok=True)
+        for name in dict.fromkeys(files.values()):
+            entries = [entry for entry in plan if files[entry.name] == name]
+            writers[name] = Writer(os.path.join(directory, name), entries, {"format": "pt"})
+    waiting: dict[str, torch.Tensor] = {}  # tile tensors until their layer is complete
+    for flat in engine.runtime.flats:
+        full = torch.empty(flat.padded_numel, dtype=torch.float32, device=group.device)
+        mine = flat.own_shard(full)
+        engine.manager.copy_out(flat.spec.index, StateKind.MASTER, mine)
+        group.all_gather(full, mine)
+        if group.rank == 0:
+            for spec, tensor in zip(flat.spec.params, flat.unflatten(full.cpu())):
+                for name in spec.names:
+                    waiting[name] = tensor
+            for name, tensor in _ready(waiting, tiled):
+                writers[files[name]].write(tensor.to(dtype))
+    if group.rank == 0:
+        for name, tensor in buffers.items():
+            if name in files:
+                writers[files[name]].write(tensor.detach().cpu())
+        for writer in writers.values():
+            writer.close()
+        _write_index(directory, plan, files)
+    group.barrier()
+    return list(writers) if group.rank == 0 else []
+
+
+def _plan(engine, tiled: dict[str, TiledLinear], buffers: dict[str, torch.Tensor],
+          dtype: torch.dtype) -> list[Entry]:
+    """Every tensor, in the order it will be written: each unit's parameters as the unit is
+    gathered (a tiled layer's weight and bias after its last tile), then buffers."""
+    entries, seen_tiles = [], {path: 0 for path in tiled}
+    for flat in engine.runtime.flats:
+        for spec in flat.spec.params:
+            for name in spec.names:
+                layer = _tiled_layer(name, tiled)
+                if layer is None:
+                    entries.append(Entry(name, dtype, tuple(spec.shape)))
+                elif name.endswith(".weight"):
+                    seen_tiles[layer] += 1
+                    module = tiled[layer]
+                    if seen_tiles[layer] == len(module.tiles):
+                        entries.append(Entry(f"{layer}.weight", dtype,
+                                             (module.out_features, module.in_features)))
+                        if module.tiles[0].bias is not None:
+                            entries.append(Entry(f"{layer}.bias", dtype, (module.out_features,)))
+    keys = set(engine._state_dict_keys)
+    entries += [Entry(name, t.dtype, tuple(t.shape)) for name, t in buffers.items() if name in keys]
+    return entries
+
+
+def _tiled_layer(name: str, tiled: dict[str, TiledLinear]) -> str | None:
+    for path in tiled:
+        if name.startswith(f"{path}.tiles."):
+            return path
+    return None
+
+
+def _ready(waiting: dict[str, torch.Tensor], tiled: dict[str, TiledLinear]):
+    """(name, tensor) pairs that can be written now, removed from ``waiting``."""
+    for name in [n for n in waiting if _tiled_layer(n, tiled) is None]:
+        yield name, waiting.pop(name)
+    for path, module in tiled.items():
+        names = [f"{path}.tiles.{k}.weight" for k in range(len(module.tiles))]
+        if all(name in waiting for name in names):
+            bias_names = [f"{path}.tiles.{k}.bias" for k in range(len(module.tiles))]
+            weight, bias = module.merge([waiting.pop(n) for n in names],
+                                        [waiting.pop(n, None) for n in bias_names])
+            yield f"{path}.weight", weight
+            if bias is not None:
+                yield f"{path}.bias", bias
+
+
+def _assign(plan: list[Entry], max_shard_bytes: int) -> dict[str, str]:
+    """Entry name -> file name, filling files up to ``max_shard_bytes`` in write order."""
+    groups, size = [[]], 0
+    for entry in plan:
+        if groups[-1] and size + entry.nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(entry.name)
+        size += entry.nbytes
+    if len(groups) == 1:
+        return {name: "model.safetensors" for name in groups[0]}
+    total = len(groups)
+    return {name: f"model-{i + 1:05d}-of-{total:05d}.safetensors"
+            for i, names in enumerate(groups) for name in names}
+
+
+def _write_index(directory: str, plan: list[Entry], files: dict[str, str]) -> None:
+    if len(set(files.values())) == 1:
+        return
+    index = {"metadata": {"total_size": sum(entry.nbytes for entry in plan)},
+             "weight_map": {entry.name: files[entry.name] for entry in plan}}
+    with open(os.path.join(directory, INDEX), "w") as f:
+        json.dump(index, f, indent=2)
