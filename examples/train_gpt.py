@@ -1,6 +1,8 @@
 """Train a small GPT through tiered on generated data.
 
     tiered-launch --nvme "$(mktemp -d)" --policy configs/nvme.yaml examples/train_gpt.py
+    ... examples/train_gpt.py --checkpoint ckpt --save-every 50   # checkpoints as it goes
+    ... examples/train_gpt.py --checkpoint ckpt --resume          # on from the latest one
 
 The model is built under ``tiered.init`` (never materialized whole), then trained with an
 ordinary loop. The data is a random Markov chain over the vocabulary in which every token has a
@@ -41,6 +43,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--checkpoint", default=None, help="folder for checkpoints")
+    parser.add_argument("--save-every", type=int, default=0, help="steps between checkpoints")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest checkpoint in --checkpoint")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -60,18 +66,27 @@ def main() -> None:
         f"{world}, compute {engine.policy.compute_dtype.value} on {engine.device}")
     log("placement of the first unit:", engine.placement()[engine.runtime.flats[0].name])
 
+    first = 1
+    if args.resume:
+        tag = engine.load_checkpoint(args.checkpoint)
+        first = optimizer.steps_taken + 1
+        log(f"resumed from {args.checkpoint}/{tag} at step {first}")
     data = markov_batches(args.vocab, args.batch, args.seq, seed=1)
+    for _ in range(first - 1):  # the batches the resumed steps already saw
+        next(data)
     start = time.perf_counter()
-    for step in range(1, args.steps + 1):
+    for step in range(first, args.steps + 1):
         idx = next(data)[rank * per_rank:(rank + 1) * per_rank].to(engine.device)
         loss = next_token_loss(engine(idx), idx)
         engine.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
-        if step % 20 == 0 or step == 1:
+        if step % 20 == 0 or step == first:
             elapsed = time.perf_counter() - start
             log(f"step {step:4d}  loss {loss.item():.4f}  "
-                f"{step * args.batch * args.seq / elapsed:,.0f} tokens/s")
+                f"{(step - first + 1) * args.batch * args.seq / elapsed:,.0f} tokens/s")
+        if args.checkpoint and args.save_every and step % args.save_every == 0:
+            engine.save_checkpoint(args.checkpoint)
 
     log("memory report (bytes):")
     for tier, usage in engine.memory_report().items():

@@ -2,6 +2,9 @@
 
     tiered-launch [--nvme PATH] [--policy FILE] [--nproc-per-node N] [torchrun's flags] train.py [args]
 
+A script resumes with one flag of its own: the example takes ``--checkpoint DIR --resume`` and
+calls ``engine.load_checkpoint(DIR)``, which picks up the latest complete checkpoint there.
+
 The policy is loaded and checked here, before any rank starts (a bad file, key or NVMe path is a
 one-line error and exit status 2), then handed to every rank as JSON in the environment, where
 ``tiered.initialize(model)`` picks it up. Ranks are started and connected by

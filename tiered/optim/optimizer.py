@@ -92,6 +92,11 @@ class TieredAdamW(torch.optim.Optimizer):
         self.skipped_steps = 0
         """Updates skipped because fp16 gradients overflowed."""
 
+    @property
+    def steps_taken(self) -> int:
+        """``step()`` calls so far (restored by ``engine.load_checkpoint``)."""
+        return self._steps_called
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._grads.zero_grad(set_to_none)
 
