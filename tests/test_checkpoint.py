@@ -15,7 +15,7 @@ import tiered
 from distributed import run_ranks
 from gpt import next_token_loss
 from test_engine import assert_same
-from test_parity import BATCH, OPTIM, REPO, make_model, token_batches
+from test_parity import BATCH, OPTIM, REPO, ddp_gradients, make_model, token_batches
 
 SCENARIOS = [(policy, delayed) for policy in ("cpu", "nvme") for delayed in (False, True)]
 
@@ -112,13 +112,7 @@ def reference(worlds: list[int]) -> dict:
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), **OPTIM)
     for world, idx in zip(worlds, token_batches(len(worlds))):
-        grads = [torch.zeros_like(p) for p in model.parameters()]
-        for rows in idx.chunk(world):
-            shares = torch.autograd.grad(next_token_loss(model(rows), rows),
-                                         list(model.parameters()))
-            for grad, share in zip(grads, shares):
-                grad += share / world
-        for param, grad in zip(model.parameters(), grads):
+        for param, grad in zip(model.parameters(), ddp_gradients(model, idx, world)):
             param.grad = grad
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         optimizer.step()

@@ -14,7 +14,7 @@ import torch
 import tiered
 from distributed import run_ranks
 from gpt import next_token_loss
-from test_parity import BATCH, OPTIM, REPO, make_model, token_batches
+from test_parity import BATCH, OPTIM, REPO, ddp_gradients, make_model, token_batches
 
 STEPS, WARMUP = 8, 2
 
@@ -38,12 +38,7 @@ def reference(max_grad_norm: float | None, world: int = 1):
         at = thetas[t - 1] if t <= WARMUP + 1 else thetas[t - 2]
         compute.load_state_dict(at)
         loss = next_token_loss(compute(idx), idx)
-        grads = [torch.zeros_like(p) for p in compute.parameters()]
-        for rows in idx.chunk(world):
-            shares = torch.autograd.grad(next_token_loss(compute(rows), rows),
-                                         list(compute.parameters()))
-            for grad, share in zip(grads, shares):
-                grad += share / world
+        grads = ddp_gradients(compute, idx, world)
         for param, grad in zip(master.parameters(), grads):
             param.grad = grad
         if max_grad_norm is not None:

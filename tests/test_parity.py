@@ -30,6 +30,17 @@ def token_batches(count: int, seed: int = 1) -> list[torch.Tensor]:
     return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(count)]
 
 
+def ddp_gradients(model, idx: torch.Tensor, world: int) -> list[torch.Tensor]:
+    """DDP's gradient of ``model`` on ``idx`` over ``world`` ranks: each rank's mean over its
+    rows, averaged over ranks, summed in rank order as the engine's reduction sums them."""
+    grads = [torch.zeros_like(p) for p in model.parameters()]
+    for rows in idx.chunk(world):
+        shares = torch.autograd.grad(next_token_loss(model(rows), rows), list(model.parameters()))
+        for grad, share in zip(grads, shares):
+            grad += share / world
+    return grads
+
+
 def batches():
     flat = token_batches(STEPS * MICRO)
     return [flat[i:i + MICRO] for i in range(0, len(flat), MICRO)]
