@@ -15,13 +15,13 @@ from ..optim.workers import CpuWorker
 from ..plan import StateKind, prefetch_limit
 from ..policy import ComputeDtype, Policy, Tier
 from ..prefetch import Prefetcher
+from ..timeline import Timeline
 from .collectives import ProcessGroup
 from .flat import FlatParam
 from .gather import Gatherer
-from .readahead import ReadAhead
 from .gradients import GradientPath
+from .readahead import ReadAhead
 from .streams import Streams
-from ..timeline import Timeline
 
 
 class UnitRuntime:
@@ -49,10 +49,6 @@ class UnitRuntime:
         self.gatherer = Gatherer(flats, manager, group, self.streams, self.readahead, timeline)
         self.prefetcher = Prefetcher([f.gathered_bytes for f in flats], policy.prefetch,
                                      prefetch_limit(policy, [f.padded_numel for f in flats]))
-
-    @property
-    def hbm_usage(self):
-        return self.manager.hbm.usage
 
     def use(self, flat: FlatParam) -> None:
         """``flat`` is needed now (its forward, or its first use in a backward): gather it if it
