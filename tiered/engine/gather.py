@@ -11,11 +11,11 @@ import torch
 from ..manager import TierManager
 from ..plan import StateKind
 from ..policy import Tier
+from ..timeline import Timeline
 from .collectives import ProcessGroup
 from .flat import FlatParam, Residency
 from .readahead import ReadAhead
 from .streams import Streams
-from ..timeline import Timeline
 
 
 class Gatherer:
