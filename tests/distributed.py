@@ -1,6 +1,7 @@
 """Run a function on several real ranks: one process each, joined by torch.distributed (gloo)."""
 from __future__ import annotations
 
+import datetime
 import faulthandler
 import gc
 import os
@@ -19,7 +20,9 @@ def _free_port() -> int:
 def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
     faulthandler.enable()  # a rank that aborts in C++ still shows where Python was
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    # A rank waiting for a peer that will never come fails the test in two minutes, not 30.
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120))
     try:
         fn(rank, world_size, *args)
     finally:

@@ -287,3 +287,211 @@ def test_exported_safetensors_load_into_the_plain_model(tmp_path):
         torch.testing.assert_close(plain(idx), engine(idx), rtol=0, atol=0)
     assert set(index["weight_map"]) == set(plain.state_dict())
     engine.close()
+
+
+def test_loading_right_after_a_delayed_step_waits_for_its_update(tmp_path):
+    engine, optimizer = engine_for("nvme", str(tmp_path), delayed=True)
+    train(engine, optimizer, token_batches(3))
+    engine.save_checkpoint(str(tmp_path / "ckpt"), "saved")
+    saved = engine.full_state_dict()
+    train(engine, optimizer, token_batches(5)[3:])  # the last update is still running
+    engine.load_checkpoint(str(tmp_path / "ckpt"))
+    loaded = engine.full_state_dict()
+    assert all(torch.equal(saved[k], loaded[k]) for k in saved), "the update wrote over the load"
+    engine.close()
+
+
+def fp16_scenario(folder: str):
+    """fp16 with the delayed update and a loss scale that overflows for many steps: the save
+    happens with an overflowed update pending (nothing written, the scale still to lower)."""
+    engine, optimizer = tiered.initialize(
+        make_model(), "configs/cpu.yaml", compute_dtype="fp16", device="cpu",
+        loss_scale={"initial_scale": 2.0**40},
+        optimizer=dict(OPTIM, delayed_update={"enabled": True, "warmup_steps": 0}))
+
+    def run(batches):
+        losses = []
+        for idx in batches:
+            loss = next_token_loss(engine(idx), idx)
+            engine.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        optimizer.synchronize()
+        return losses, engine.scaler.scale, optimizer.skipped_steps, engine.full_state_dict()
+
+    batches = token_batches(6)
+    run(batches[:3])
+    engine.save_checkpoint(os.path.join(folder, "ckpt"), "fp16")
+    first = run(batches[3:])
+    engine.load_checkpoint(os.path.join(folder, "ckpt"))
+    second = run(batches[3:])
+    engine.close()
+    return first, second
+
+
+def test_resume_keeps_a_pending_overflow_and_the_loss_scale(tmp_path):
+    (losses, scale, skipped, state), again = fp16_scenario(str(tmp_path))
+    assert skipped >= 4 and scale < 2.0**40  # the scenario overflows across the save
+    assert again[:3] == (losses, scale, skipped)
+    assert all(torch.equal(state[k], again[3][k]) for k in state)
+
+
+def test_writer_copies_non_contiguous_tensors_whole(tmp_path):
+    from tiered.checkpoint.format import Entry, Reader, Writer
+
+    matrix = torch.arange(64.0).view(8, 8)
+    columns = matrix.t()  # not contiguous
+    writer = Writer(str(tmp_path / "t.safetensors"), [Entry("t", torch.float32, (8, 8))])
+    writer.write(columns)
+    writer.close()
+    out = torch.empty(8, 8)
+    reader = Reader(str(tmp_path / "t.safetensors"))
+    reader.read("t", out)
+    assert torch.equal(out, columns)
+
+
+def test_a_write_that_fails_between_pieces_keeps_the_old_version(tmp_path):
+    from tiered.plan import StateKind
+
+    engine, _ = tiered.initialize(
+        make_model(), "configs/nvme.yaml", compute_dtype="fp32", device="cpu",
+        nvme={"path": str(tmp_path)}, optimizer={"sub_group_size": 1024})
+    manager = engine.manager
+    unit = max(range(len(engine.runtime.flats)), key=lambda u: manager.shards[(u, StateKind.MASTER)].numel)
+    shard = manager.shards[(unit, StateKind.MASTER)]
+    assert shard.numel > 1024  # several pieces
+    before = torch.empty(shard.numel)
+    manager.copy_out(unit, StateKind.MASTER, before)
+    extent = shard.file.extent
+    short = torch.ones(shard.numel - 1)  # the copy of the last piece fails
+    with pytest.raises(RuntimeError):
+        manager.store(unit, StateKind.MASTER, short)
+    after = torch.empty(shard.numel)
+    manager.copy_out(unit, StateKind.MASTER, after)
+    assert shard.file.extent is extent and torch.equal(before, after)
+    engine.close()
+
+
+def test_saving_a_tag_again_survives_a_crash_between_the_renames(tmp_path, monkeypatch):
+    from tiered.checkpoint import checkpoint as ckpt_module
+
+    engine, optimizer, folder = saved_checkpoint(tmp_path)
+    good = engine.full_state_dict()
+    train(engine, optimizer, token_batches(3)[2:])
+    rename = os.rename
+
+    def crash_on_publish(src, dst):
+        if src.endswith(".good.tmp"):
+            raise OSError(5, "simulated crash")
+        rename(src, dst)
+
+    monkeypatch.setattr(ckpt_module.os, "rename", crash_on_publish)
+    with pytest.raises(tiered.CheckpointError):
+        engine.save_checkpoint(str(tmp_path / "ckpt"), "good")
+    monkeypatch.setattr(ckpt_module.os, "rename", rename)
+    assert not os.path.exists(folder)  # set aside, not yet replaced
+    engine.load_checkpoint(str(tmp_path / "ckpt"))  # finds the copy set aside
+    loaded = engine.full_state_dict()
+    assert all(torch.equal(good[k], loaded[k]) for k in good)
+    engine.close()
+
+
+class TiledModel(torch.nn.Module):
+    """A model whose wide layer is tiled, with a bias, and a non-contiguous buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 32)
+        self.wide = torch.nn.Linear(32, 64)
+        self.register_buffer("rotation", torch.arange(16.0).view(4, 4).t())
+
+    def forward(self, x):
+        return self.wide(torch.tanh(self.inp(x)))
+
+
+def test_export_before_any_forward_with_tiles_and_buffers(tmp_path):
+    safetensors = pytest.importorskip("safetensors.torch")
+    torch.manual_seed(0)
+    model = TiledModel()
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    engine, _ = tiered.initialize(model, "configs/cpu.yaml", device="cpu", compute_dtype="fp32",
+                                  tiling={"max_unit_bytes": 2048})
+    assert isinstance(model.wide, tiered.TiledLinear) and model.wide.has_bias
+    files = engine.save_pretrained(str(tmp_path / "export"))
+    state = safetensors.load_file(str(tmp_path / "export" / files[0]))
+    assert set(state) == set(reference)
+    for name in reference:
+        assert torch.equal(state[name], reference[name]), name
+    engine.close()
+
+
+def test_export_of_a_model_that_is_a_tiled_layer(tmp_path):
+    safetensors = pytest.importorskip("safetensors.torch")
+    torch.manual_seed(0)
+    model = tiered.TiledLinear(16, 12, True, in_splits=2, out_splits=3)
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    engine, _ = tiered.initialize(model, "configs/cpu.yaml", device="cpu", compute_dtype="fp32")
+    files = engine.save_pretrained(str(tmp_path / "export"))
+    state = safetensors.load_file(str(tmp_path / "export" / files[0]))
+    assert set(state) == {"weight", "bias"}
+    assert torch.equal(state["weight"], reference["weight"])
+    assert torch.equal(state["bias"], reference["bias"])
+    engine.close()
+
+
+def _damaged_rank_load(rank: int, world: int, folder: str) -> None:
+    engine, optimizer = engine_for("cpu", folder)
+    train(engine, optimizer, token_batches(2), rank, world)
+    engine.save_checkpoint(os.path.join(folder, "ckpt"), "two")
+    train(engine, optimizer, token_batches(3)[2:], rank, world)
+    before = engine.full_state_dict()
+    engine.runtime.group.barrier()
+    if rank == 1:  # only rank 1's file is damaged
+        path = os.path.join(folder, "ckpt", "two", "rank00001.safetensors")
+        data = bytearray(open(path, "rb").read())
+        data[-10] ^= 0xFF
+        open(path, "wb").write(bytes(data))
+    engine.runtime.group.barrier()
+    outcome = "loaded"
+    try:
+        engine.load_checkpoint(os.path.join(folder, "ckpt"))
+    except tiered.CheckpointError as error:
+        outcome = str(error)
+    after = engine.full_state_dict()
+    unchanged = all(torch.equal(before[k], after[k]) for k in before)
+    torch.save((outcome, unchanged), os.path.join(folder, f"damaged{rank}.pt"))
+    engine.close()
+
+
+def test_ranks_agree_when_one_cannot_load(tmp_path):
+    run_ranks(2, _damaged_rank_load, str(tmp_path))
+    outcomes = [torch.load(tmp_path / f"damaged{r}.pt", weights_only=True) for r in range(2)]
+    assert "rank00001.safetensors" in outcomes[1][0]
+    assert "another rank cannot use the checkpoint" in outcomes[0][0]
+    assert outcomes[0][1] and outcomes[1][1], "a rank loaded while the other refused"
+
+
+def _commit_fails_on_rank0(rank: int, world: int, folder: str) -> None:
+    from tiered.checkpoint import checkpoint as ckpt_module
+
+    engine, optimizer = engine_for("cpu", folder)
+    train(engine, optimizer, token_batches(2), rank, world)
+    if rank == 0:
+        def full_disk(*args):
+            raise OSError(28, "No space left on device")
+        ckpt_module._commit = full_disk
+    try:
+        engine.save_checkpoint(os.path.join(folder, "ckpt"), "x")
+        outcome = "saved"
+    except tiered.CheckpointError as error:
+        outcome = str(error)
+    torch.save(outcome, os.path.join(folder, f"commit{rank}.pt"))
+    engine.close()
+
+
+def test_a_save_failing_on_rank_0_raises_on_every_rank(tmp_path):
+    run_ranks(2, _commit_fails_on_rank0, str(tmp_path))
+    outcomes = [torch.load(tmp_path / f"commit{r}.pt", weights_only=True) for r in range(2)]
+    assert "No space left" in outcomes[0]
+    assert "rank 0 could not complete" in outcomes[1]

@@ -53,7 +53,8 @@ def _pieces(shard: "Shard", block: torch.Tensor):
 
 def _staging_in(kind: StateKind) -> str:
     """The staging buffer an NVMe state is copied out through (see plan.staging_buffers)."""
-    return "param_in0" if kind is StateKind.PARAM else f"{kind.value}0"
+    weights = (StateKind.PARAM, StateKind.PARAM_NEXT)
+    return "param_in0" if kind in weights else f"{kind.value}0"
 
 
 def _staging_out(kind: StateKind) -> str:
@@ -184,8 +185,10 @@ class TierManager:
                 if value.data_ptr() != staged.data_ptr():
                     staged.copy_(value[start:start + numel])
                 version.write(block, offset, nbytes).wait()  # the block is reused next
-        finally:
-            version.commit()
+        except BaseException:
+            version.abandon()  # a part-written version must never become current
+            raise
+        version.commit()
         version.wait()
 
     def land_grad(self, name: str, value: torch.Tensor) -> torch.Tensor:

@@ -15,24 +15,25 @@ A save writes into ``.<tag>.tmp``: each rank streams its file from wherever its 
 (NVMe extents piece by piece through a staging buffer, never the whole model) and fsyncs it;
 rank 0 then writes the manifest, fsyncs it and the folder, renames the folder to ``<tag>`` and
 only then replaces ``latest`` (written aside, fsynced, renamed). A crash or a full disk at any
-point leaves the previous checkpoint and ``latest`` as they were; a folder without a manifest
-is never loaded. A load checks the manifest against the engine and every file's size and sha256
+point leaves the previous checkpoint and ``latest`` as they were (saving a tag again sets its
+previous folder aside until ``latest`` is written); a folder without a manifest is never loaded. A load checks the manifest against the engine and every file's size and sha256
 before it changes anything, and reads only JSON and raw tensor bytes (no pickle).
 
 Compute-dtype weights are the master weights cast, so they are recomputed on load, except under
 a pending delayed update: then the weights the next forward uses are the previous step's, and
-they are saved too.
+they are saved too. Saves and loads agree across ranks: a failure on one raises on all, and a
+load checks every file and entry it will read before it stores anything.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+from dataclasses import dataclass
 
 import torch
 
 from .. import __version__
-from ..errors import TieredError
 from ..plan import OPTIMIZER_STATES, StateKind, state_kinds
 from .format import CheckpointError, Entry, Reader, Writer, file_digest
 
@@ -47,23 +48,26 @@ def rank_file(rank: int) -> str:
 
 def save(engine, directory: str, tag: str | None) -> str:
     """Write a checkpoint of ``engine`` under ``directory`` (see the module note); returns its
-    folder. Every rank must call it."""
+    folder. Every rank must call it; a failure on any rank raises on every rank."""
     runtime, group = engine.runtime, engine.runtime.group
     state = engine.optimizer.checkpoint_state()
     tag = tag or f"step{state['steps_called']:08d}"
     if not tag or "/" in tag or tag.startswith(".") or tag == LATEST:
         raise CheckpointError(f"checkpoint tag {tag!r}: use letters, digits, '-' or '_'")
     staging = os.path.join(directory, f".{tag}.tmp")
-    if group.rank == 0:
-        os.makedirs(directory, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)  # left by a save that crashed
-        os.mkdir(staging)
-    group.barrier()
-    pending = set(state["pending"]["written"]) if state["pending"] else set()
     failure = None
+    if group.rank == 0:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)  # left by a save that crashed
+            os.mkdir(staging)
+        except OSError as error:
+            failure = CheckpointError(f"cannot create {staging}: {error.strerror}")
+    _all_or_raise(group, failure, f"rank 0 could not create {staging}")
+    pending = set(state["pending"]["written"]) if state["pending"] else set()
     try:
         size, digest = _write_rank(engine, os.path.join(staging, rank_file(group.rank)), pending)
-    except (TieredError, OSError) as error:  # every rank must still reach the gather below
+    except Exception as error:  # every rank must still reach the gather below
         failure, size, digest = error, -1, "0" * 64
     sizes, digests = _gather_files(group, size, digest)
     if any(s < 0 for s in sizes):
@@ -82,9 +86,18 @@ def save(engine, directory: str, tag: str | None) -> str:
             "files": {rank_file(r): {"size": sizes[r], "sha256": digests[r]}
                       for r in range(group.world_size)},
         }
-        _commit(staging, folder, manifest, directory, tag)
-    group.barrier()
+        try:
+            _commit(staging, folder, manifest, directory, tag)
+        except OSError as error:
+            failure = CheckpointError(f"cannot complete {folder}: {error.strerror}")
+    _all_or_raise(group, failure, f"rank 0 could not complete {folder}")
     return folder
+
+
+def _all_or_raise(group, failure: BaseException | None, elsewhere: str) -> None:
+    """A collective: raise on every rank if any failed (its own error where it has one)."""
+    if not group.agree(failure is None):
+        raise failure or CheckpointError(elsewhere)
 
 
 def _write_rank(engine, path: str, pending: set[int]) -> tuple[int, str]:
@@ -133,14 +146,19 @@ def _gather_files(group, size: int, digest: str) -> tuple[list[int], list[str]]:
 
 
 def _commit(staging: str, folder: str, manifest: dict, directory: str, tag: str) -> None:
+    """Manifest last, then the folder renamed into place, then ``latest``. A tag saved again
+    sets its previous folder aside (``.<tag>.old``) until ``latest`` is written, so a crash in
+    between still leaves one complete copy that :func:`load` finds."""
     manifest_path = os.path.join(staging, MANIFEST)
     with open(manifest_path, "w") as f:
         json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(staging)
-    if os.path.exists(folder):  # saving a tag again: the new one replaces it whole
-        shutil.rmtree(folder)
+    aside = os.path.join(directory, f".{tag}.old")
+    if os.path.exists(folder):
+        shutil.rmtree(aside, ignore_errors=True)
+        os.rename(folder, aside)
     os.rename(staging, folder)
     _fsync_dir(directory)
     latest_tmp = os.path.join(directory, f".{LATEST}.tmp")
@@ -150,6 +168,7 @@ def _commit(staging: str, folder: str, manifest: dict, directory: str, tag: str)
         os.fsync(f.fileno())
     os.rename(latest_tmp, os.path.join(directory, LATEST))
     _fsync_dir(directory)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _fsync_dir(path: str) -> None:
@@ -162,17 +181,27 @@ def _fsync_dir(path: str) -> None:
 
 def load(engine, directory: str, tag: str | None) -> str:
     """Load the checkpoint ``tag`` (default: ``latest``) of ``directory`` into ``engine``, which
-    may have another world size or policy than the one that saved it; returns the tag."""
-    tag = tag or _latest(directory)
-    folder = os.path.join(directory, tag)
-    manifest = _read_manifest(folder)
-    _check_units(manifest, engine)
+    may have another world size or policy than the one that saved it; returns the tag. Every
+    rank must call it: each checks what it will read first, and if any rank cannot use the
+    checkpoint, every rank raises before anything is changed."""
     group = engine.runtime.group
-    same_layout = manifest["world_size"] == group.world_size
-    needed = ([rank_file(group.rank)] if same_layout else list(manifest["files"]))
-    readers = _open_verified(folder, manifest, needed)
+    engine.runtime.worker.drain()  # a delayed update may still be writing the shards
+    failure, readers = None, {}
     try:
-        _load_states(engine, manifest, readers, same_layout)
+        tag = tag or _latest(directory)
+        folder = _complete_folder(directory, tag)
+        manifest = _read_manifest(folder)
+        _check_units(manifest, engine)
+        same_layout = manifest["world_size"] == group.world_size
+        needed = [rank_file(group.rank)] if same_layout else list(manifest["files"])
+        readers = _open_verified(folder, manifest, needed)
+        reads = _plan_reads(engine, manifest, readers, same_layout)
+    except CheckpointError as error:
+        failure = error
+    try:
+        _all_or_raise(group, failure, "another rank cannot use the checkpoint; nothing loaded")
+        _load_states(engine, manifest, reads,
+                     readers[rank_file(group.rank)] if same_layout else None)
     finally:
         for reader in readers.values():
             reader.close()
@@ -185,6 +214,17 @@ def _latest(directory: str) -> str:
             return f.read().strip()
     except OSError:
         raise CheckpointError(f"no checkpoint in {directory} (no '{LATEST}' file)") from None
+
+
+def _complete_folder(directory: str, tag: str) -> str:
+    """The folder of ``tag``; or, where a save of the same tag crashed after setting the
+    previous copy aside, that copy (see :func:`_commit`)."""
+    folder = os.path.join(directory, tag)
+    aside = os.path.join(directory, f".{tag}.old")
+    if not os.path.exists(os.path.join(folder, MANIFEST)) and \
+            os.path.exists(os.path.join(aside, MANIFEST)):
+        return aside
+    return folder
 
 
 def _read_manifest(folder: str) -> dict:
@@ -230,61 +270,104 @@ def _open_verified(folder: str, manifest: dict, names: list[str]) -> dict[str, R
     return readers
 
 
-def _load_states(engine, manifest: dict, readers: dict[str, Reader], same_layout: bool) -> None:
-    manager, group, flats = engine.manager, engine.runtime.group, engine.runtime.flats
-    state = manifest["optimizer"]
-    pending = set(state["pending"]["written"]) if state["pending"] and same_layout else set()
-    delayed = engine.policy.optimizer.delayed_update.enabled
-    for flat, saved in zip(flats, manifest["units"]):
+@dataclass(frozen=True)
+class Read:
+    """Where the elements of one state of one unit's new shard come from."""
+
+    name: str
+    dtype: torch.dtype
+    numel: int
+    pieces: tuple[tuple[Reader, int, int, int], ...]
+    """(file, first element of the shard, elements, first element in the file's tensor); the
+    elements no piece covers (the padding) are zeros."""
+
+    def fetch(self) -> torch.Tensor:
+        out = torch.zeros(self.numel, dtype=self.dtype)
+        for reader, at, count, start in self.pieces:
+            reader.read(self.name, out[at:at + count], start=start)
+        return out
+
+
+def _plan_reads(engine, manifest: dict, readers: dict[str, Reader],
+                same_layout: bool) -> dict[tuple[int, StateKind], Read]:
+    """What to read for every state this rank loads, every entry checked first (names, dtypes,
+    shapes), so that a bad checkpoint is refused before anything is stored."""
+    pending = manifest["optimizer"]["pending"]
+    swap = (set(pending["written"]) if pending and same_layout
+            and engine.policy.optimizer.delayed_update.enabled else set())
+    reads = {}
+    for flat, saved in zip(engine.runtime.flats, manifest["units"]):
         unit = flat.spec.index
-        start, end = flat.shard_range
-        masters = None
-        for kind in OPTIMIZER_STATES:
-            values = _read_range(readers, saved, f"unit{unit}.{kind.value}", start, end,
-                                 torch.float32)
-            manager.store(unit, kind, values)
-            if kind is StateKind.MASTER:
-                masters = values
-        if unit in pending and delayed:
-            current = _read_range(readers, saved, f"unit{unit}.param", start, end,
-                                  engine.policy.compute_dtype.torch_dtype)
-            manager.store(unit, StateKind.PARAM, current)
-            manager.store(unit, StateKind.PARAM_NEXT, masters)
-        else:
-            for kind in state_kinds(engine.policy):
-                if kind in (StateKind.PARAM, StateKind.PARAM_NEXT):
-                    manager.store(unit, kind, masters)
-    if not (delayed and pending):
-        state = dict(state, pending=None)  # its update is applied: the weights are its master's
-    engine.runtime.grads.zero_grad(set_to_none=True)
-    engine.optimizer.restore_state(state)
+        kinds = list(OPTIMIZER_STATES) + ([StateKind.PARAM] if unit in swap else [])
+        for kind in kinds:
+            reads[(unit, kind)] = _read_plan(readers, saved, f"unit{unit}.{kind.value}",
+                                             *flat.shard_range, any_float=kind is StateKind.PARAM)
     if same_layout:
-        reader = readers[rank_file(group.rank)]
-        torch.set_rng_state(_read_whole(reader, "rng.cpu"))
-        if engine.device.type == "cuda" and "rng.cuda" in reader.entries:
-            torch.cuda.set_rng_state(_read_whole(reader, "rng.cuda"), engine.device)
+        reader = readers[rank_file(engine.runtime.group.rank)]
+        for name in ("rng.cpu", "rng.cuda"):
+            if name in reader.entries and reader.entry(name).dtype is not torch.uint8:
+                raise CheckpointError(f"{reader.path}: {name!r} is not a byte tensor")
+    return reads
 
 
-def _read_range(readers: dict[str, Reader], saved: dict, name: str, start: int, end: int,
-                dtype: torch.dtype) -> torch.Tensor:
-    """Elements ``[start, end)`` of a unit's padded flat state, from the saved rank files (rank
-    k saved elements ``[k*S, (k+1)*S)`` of the same flat); zeros past the unit's real ones."""
-    out = torch.zeros(end - start, dtype=dtype)
+def _read_plan(readers: dict[str, Reader], saved: dict, name: str, start: int, end: int,
+               any_float: bool) -> Read:
+    """Elements ``[start, end)`` of a unit's padded flat state: rank k saved elements
+    ``[k*S, (k+1)*S)`` of the same flat; past the unit's real elements there is only padding.
+    Weights may have been saved in another compute dtype (they are cast when stored)."""
     shard = saved["shard_numel"]
     stop = min(end, saved["numel"])
-    position = start
+    pieces, dtype, position = [], torch.float32, start
     while position < stop:
         rank = position // shard
         reader = readers[rank_file(rank)]
         entry = reader.entry(name)
-        if entry.dtype is not dtype or entry.shape != (shard,):
+        wrong_dtype = (not entry.dtype.is_floating_point if any_float
+                       else entry.dtype is not torch.float32)
+        if entry.shape != (shard,) or wrong_dtype:
             raise CheckpointError(f"{reader.path}: {name!r} is {entry.dtype} {entry.shape}, "
-                                  f"expected {dtype} ({shard},)")
-        offset = position - rank * shard
+                                  f"expected {'a float' if any_float else 'float32'} ({shard},)")
+        dtype = entry.dtype
         count = min(stop, (rank + 1) * shard) - position
-        reader.read(name, out[position - start:position - start + count], start=offset)
+        pieces.append((reader, position - start, count, position - rank * shard))
         position += count
-    return out
+    return Read(name, dtype, end - start, tuple(pieces))
+
+
+def _load_states(engine, manifest: dict, reads: dict[tuple[int, StateKind], Read],
+                 own_file: Reader | None) -> None:
+    """Store what ``reads`` says, then the optimizer's state, then (``own_file``: the same
+    layout) this rank's RNG states."""
+    manager = engine.manager
+    state = manifest["optimizer"]
+    weights = [k for k in (StateKind.PARAM, StateKind.PARAM_NEXT)
+               if k in state_kinds(engine.policy)]
+    swapping = set()
+    for flat in engine.runtime.flats:
+        unit = flat.spec.index
+        masters = None
+        for kind in OPTIMIZER_STATES:
+            values = reads[(unit, kind)].fetch()
+            manager.store(unit, kind, values)
+            masters = values if kind is StateKind.MASTER else masters
+        if (unit, StateKind.PARAM) in reads:  # a delayed update pending: keep its two weights
+            manager.store(unit, StateKind.PARAM, reads[(unit, StateKind.PARAM)].fetch())
+            manager.store(unit, StateKind.PARAM_NEXT, masters)
+            swapping.add(unit)
+        else:
+            for kind in weights:
+                manager.store(unit, kind, masters)
+    pending = state["pending"]
+    if pending is not None and set(pending["written"]) != swapping:
+        # The weights were rebuilt from the master weights: nothing is left to swap to, but the
+        # update's outcome (its norm, an fp16 overflow) still counts at the next step.
+        pending = dict(pending, written=sorted(swapping))
+    engine.runtime.grads.zero_grad(set_to_none=True)
+    engine.optimizer.restore_state(dict(state, pending=pending))
+    if own_file is not None:
+        torch.set_rng_state(_read_whole(own_file, "rng.cpu"))
+        if engine.device.type == "cuda" and "rng.cuda" in own_file.entries:
+            torch.cuda.set_rng_state(_read_whole(own_file, "rng.cuda"), engine.device)
 
 
 def _read_whole(reader: Reader, name: str) -> torch.Tensor:

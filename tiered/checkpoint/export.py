@@ -15,9 +15,8 @@ import os
 
 import torch
 
-from ..ops.tiled_linear import TiledLinear
-from ..plan import StateKind
-from .format import Entry, Writer
+from ..ops.tiled_linear import TiledLinear, tiled_layers
+from .format import CheckpointError, Entry, Writer
 
 INDEX = "model.safetensors.index.json"
 
@@ -28,36 +27,47 @@ def save_pretrained(engine, directory: str, dtype: torch.dtype = torch.float32,
     dtype cast from them); returns the files written (on rank 0; others return [])."""
     engine.optimizer.synchronize()
     group, model = engine.runtime.group, engine.module
-    tiled = {path: m for path, m in model.named_modules() if isinstance(m, TiledLinear)}
+    tiled = tiled_layers(model)
     buffers = {name: b for name, b in model.state_dict().items()}
     plan = _plan(engine, tiled, buffers, dtype)
     files = _assign(plan, max_shard_bytes)
     writers: dict[str, Writer] = {}
+    failure = None
     if group.rank == 0:
-        os.makedirs(directory, exist_ok=True)
-        for name in dict.fromkeys(files.values()):
-            entries = [entry for entry in plan if files[entry.name] == name]
-            writers[name] = Writer(os.path.join(directory, name), entries, {"format": "pt"})
+        try:
+            os.makedirs(directory, exist_ok=True)
+            for name in dict.fromkeys(files.values()):
+                entries = [entry for entry in plan if files[entry.name] == name]
+                writers[name] = Writer(os.path.join(directory, name), entries, {"format": "pt"})
+        except Exception as error:
+            failure = error
+    if not group.agree(failure is None):
+        raise failure or CheckpointError("rank 0 could not create the export's files")
     waiting: dict[str, torch.Tensor] = {}  # tile tensors until their layer is complete
-    for flat in engine.runtime.flats:
-        full = torch.empty(flat.padded_numel, dtype=torch.float32, device=group.device)
-        mine = flat.own_shard(full)
-        engine.manager.copy_out(flat.spec.index, StateKind.MASTER, mine)
-        group.all_gather(full, mine)
-        if group.rank == 0:
-            for spec, tensor in zip(flat.spec.params, flat.unflatten(full.cpu())):
+    failure = None
+    for flat, full in engine.consolidated_units():  # every rank gathers; rank 0 writes
+        if group.rank != 0 or failure is not None:
+            continue
+        try:
+            for spec, tensor in zip(flat.spec.params, flat.unflatten(full)):
                 for name in spec.names:
                     waiting[name] = tensor
             for name, tensor in _ready(waiting, tiled):
                 writers[files[name]].write(tensor.to(dtype))
-    if group.rank == 0:
-        for name, tensor in buffers.items():
-            if name in files:
-                writers[files[name]].write(tensor.detach().cpu())
-        for writer in writers.values():
-            writer.close()
-        _write_index(directory, plan, files)
-    group.barrier()
+        except Exception as error:  # keep gathering with the others, then report
+            failure = error
+    if group.rank == 0 and failure is None:
+        try:
+            for name, tensor in buffers.items():
+                if name in files:
+                    writers[files[name]].write(tensor.detach().cpu())
+            for writer in writers.values():
+                writer.close()
+            _write_index(directory, plan, files)
+        except Exception as error:
+            failure = error
+    if not group.agree(failure is None):
+        raise failure or CheckpointError("rank 0 could not write the export")
     return list(writers) if group.rank == 0 else []
 
 
@@ -65,7 +75,7 @@ def _plan(engine, tiled: dict[str, TiledLinear], buffers: dict[str, torch.Tensor
           dtype: torch.dtype) -> list[Entry]:
     """Every tensor, in the order it will be written: each unit's parameters as the unit is
     gathered (a tiled layer's weight and bias after its last tile), then buffers."""
-    entries, seen_tiles = [], {path: 0 for path in tiled}
+    entries, seen_tiles = [], {prefix: 0 for prefix in tiled}
     for flat in engine.runtime.flats:
         for spec in flat.spec.params:
             for name in spec.names:
@@ -76,19 +86,20 @@ def _plan(engine, tiled: dict[str, TiledLinear], buffers: dict[str, torch.Tensor
                     seen_tiles[layer] += 1
                     module = tiled[layer]
                     if seen_tiles[layer] == len(module.tiles):
-                        entries.append(Entry(f"{layer}.weight", dtype,
+                        entries.append(Entry(f"{layer}weight", dtype,
                                              (module.out_features, module.in_features)))
-                        if module.tiles[0].bias is not None:
-                            entries.append(Entry(f"{layer}.bias", dtype, (module.out_features,)))
+                        if module.has_bias:
+                            entries.append(Entry(f"{layer}bias", dtype, (module.out_features,)))
     keys = set(engine._state_dict_keys)
     entries += [Entry(name, t.dtype, tuple(t.shape)) for name, t in buffers.items() if name in keys]
     return entries
 
 
 def _tiled_layer(name: str, tiled: dict[str, TiledLinear]) -> str | None:
-    for path in tiled:
-        if name.startswith(f"{path}.tiles."):
-            return path
+    """The state-dict prefix of the TiledLinear whose tile ``name`` belongs to, if any."""
+    for prefix in tiled:
+        if name.startswith(f"{prefix}tiles."):
+            return prefix
     return None
 
 
@@ -96,15 +107,15 @@ def _ready(waiting: dict[str, torch.Tensor], tiled: dict[str, TiledLinear]):
     """(name, tensor) pairs that can be written now, removed from ``waiting``."""
     for name in [n for n in waiting if _tiled_layer(n, tiled) is None]:
         yield name, waiting.pop(name)
-    for path, module in tiled.items():
-        names = [f"{path}.tiles.{k}.weight" for k in range(len(module.tiles))]
+    for prefix, module in tiled.items():
+        names = [f"{prefix}tiles.{k}.weight" for k in range(len(module.tiles))]
         if all(name in waiting for name in names):
-            bias_names = [f"{path}.tiles.{k}.bias" for k in range(len(module.tiles))]
+            bias_names = [f"{prefix}tiles.{k}.bias" for k in range(len(module.tiles))]
             weight, bias = module.merge([waiting.pop(n) for n in names],
                                         [waiting.pop(n, None) for n in bias_names])
-            yield f"{path}.weight", weight
+            yield f"{prefix}weight", weight
             if bias is not None:
-                yield f"{path}.bias", bias
+                yield f"{prefix}bias", bias
 
 
 def _assign(plan: list[Entry], max_shard_bytes: int) -> dict[str, str]:

@@ -70,8 +70,9 @@ class Writer:
         self._emit(struct.pack("<Q", len(encoded)) + encoded)
 
     def write(self, tensor: torch.Tensor) -> None:
-        """The next bytes of the current entry: a contiguous CPU tensor."""
-        self._emit(host_buffer(tensor.contiguous(), tensor.numel() * tensor.element_size()))
+        """The next bytes of the current entry (a CPU tensor)."""
+        data = tensor.contiguous()  # kept alive here: host_buffer holds only its address
+        self._emit(host_buffer(data, data.numel() * data.element_size()))
 
     def close(self) -> str:
         """Flush, fsync, close; returns the file's sha256."""

@@ -58,6 +58,12 @@ class ProcessGroup:
     def barrier(self) -> None:
         self.all_reduce_sum(torch.zeros(1, device=self.device))
 
+    def agree(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every rank (a collective: every rank must call it)."""
+        failures = torch.tensor([0.0 if ok else 1.0], device=self.device)
+        self.all_reduce_sum(failures)
+        return failures.item() == 0
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         if self.world_size > 1:
             dist.broadcast(tensor, src=src, group=self.group)

@@ -106,24 +106,33 @@ class TieredEngine:
         """Consolidated fp32 weights (and buffers) as CPU tensors under the keys of the original
         ``model.state_dict()``, on every rank; tied parameters share one tensor, as in torch."""
         self.optimizer.synchronize()
-        group = self.runtime.group
         values: dict[str, torch.Tensor] = {
             name: tensor.detach().cpu() for name, tensor in self.module.state_dict().items()}
-        usage = self.manager.hbm.usage
+        for flat, full in self.consolidated_units():
+            for spec, tensor in zip(flat.spec.params, flat.unflatten(full)):
+                for name in spec.names:
+                    values[name] = tensor
+        merge_tiles(self.module, values)
+        return {key: values[key] for key in self._state_dict_keys}
+
+    def consolidated_units(self):
+        """Each unit's fp32 master weights gathered from every rank, one unit at a time, as a
+        CPU tensor on every rank (the device copy is counted against the HBM budget while it
+        exists). Every rank must iterate to the end: each unit is a collective."""
+        group, usage = self.runtime.group, self.manager.hbm.usage
         for flat in self.runtime.flats:
             nbytes = flat.padded_numel * 4
             usage.acquire(nbytes, f"consolidating unit {flat.name}")
-            full = torch.empty(flat.padded_numel, dtype=torch.float32, device=group.device)
-            mine = flat.own_shard(full)
-            self.manager.copy_out(flat.spec.index, StateKind.MASTER, mine)
-            group.all_gather(full, mine)
-            for spec, tensor in zip(flat.spec.params, flat.unflatten(full.cpu())):
-                for name in spec.names:
-                    values[name] = tensor
-            del full, mine
-            usage.release(nbytes)
-        merge_tiles(self.module, values)
-        return {key: values[key] for key in self._state_dict_keys}
+            try:
+                full = torch.empty(flat.padded_numel, dtype=torch.float32, device=group.device)
+                mine = flat.own_shard(full)
+                self.manager.copy_out(flat.spec.index, StateKind.MASTER, mine)
+                group.all_gather(full, mine)
+                host = full.cpu()
+                del full, mine
+            finally:
+                usage.release(nbytes)
+            yield flat, host
 
     def save_checkpoint(self, directory: str, tag: str | None = None) -> str:
         """Save every tier's state under ``directory/tag`` (default tag: ``step<N>``), atomically,

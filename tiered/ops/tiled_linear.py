@@ -59,6 +59,7 @@ class TiledLinear(nn.Module):
             raise ValueError(f"in_splits must be in [1, {in_features}] and out_splits in "
                              f"[1, {out_features}], got {in_splits} and {out_splits}")
         self.in_features, self.out_features = in_features, out_features
+        self.has_bias = bias
         self.in_sizes = _split(in_features, in_splits)
         self.out_sizes = _split(out_features, out_splits)
         self.tiles = nn.ModuleList(
@@ -152,11 +153,17 @@ def tile_shape(out_features: int, in_features: int, itemsize: int,
     return in_splits, max(1, math.ceil(out_features / rows_per_tile))
 
 
+def tiled_layers(model: nn.Module) -> dict[str, TiledLinear]:
+    """Every TiledLinear of ``model``, by its state-dict prefix ("" for the model itself,
+    "head." for one called head)."""
+    return {f"{path}." if path else "": module for path, module in model.named_modules()
+            if isinstance(module, TiledLinear)}
+
+
 def merge_tiles(model: nn.Module, state: dict) -> None:
     """Turn tile entries of ``state`` (a model's full state dict) into nn.Linear's."""
-    for path, module in model.named_modules():
-        if isinstance(module, TiledLinear):
-            _merge_tiles(module, state, f"{path}." if path else "")
+    for prefix, module in tiled_layers(model).items():
+        _merge_tiles(module, state, prefix)
 
 
 def tile_large_linears(model: nn.Module, max_bytes: int, itemsize: int) -> list[str]:

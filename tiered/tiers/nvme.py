@@ -35,7 +35,8 @@ from .dram import BLOCK_ALIGN
 from .usage import TierUsage
 
 SPARE_EXTENTS = 3
-"""Spare extents per extent size (see [Note: atomic shard writes])."""
+"""Spare extents per extent size (see [Note: atomic shard writes]). A unit's optimizer states
+(master weights, two moments) take one each before any switches, so fewer would deadlock."""
 
 
 def check_nvme_path(path: str) -> None:
@@ -132,7 +133,7 @@ class NvmeShard:
         return NextVersion(self, self._tier.take_spare(self.extent.nbytes))
 
     def start_write(self, block: torch.Tensor) -> "NextVersion":
-        """Start writing the first ``nbytes`` of ``block`` as the next version."""
+        """Start writing the shard's size of ``block`` as the next version."""
         version = self.next_version()
         version.write(block)
         version.commit()
