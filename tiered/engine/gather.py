@@ -15,7 +15,7 @@ from ..timeline import Timeline
 from .collectives import ProcessGroup
 from .flat import FlatParam, Residency
 from .readahead import ReadAhead
-from .streams import Streams
+from .streams import Streams, wait_for
 
 
 class Gatherer:
@@ -81,7 +81,7 @@ class Gatherer:
         """Make ``flat`` usable by the compute stream, gathering it now if needed."""
         self.start(flat)
         event = self._ready.pop(flat.spec.index, None)
-        self.streams.use_on_compute(event, flat.full)
+        wait_for(event, flat.full)  # the compute stream waits, and owns the buffer from here on
 
     def release(self, flat: FlatParam) -> None:
         if flat.residency is Residency.GATHERED:

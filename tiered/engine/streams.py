@@ -40,13 +40,6 @@ class Streams:
         with torch.cuda.stream(self.gather):
             yield
 
-    def use_on_compute(self, event: torch.cuda.Event | None, tensor: torch.Tensor) -> None:
-        """The compute stream waits for a gather and owns the gathered buffer from here on."""
-        if event is not None:
-            current = torch.cuda.current_stream(self.device)
-            current.wait_event(event)
-            tensor.record_stream(current)
-
     def gather_after(self, event: torch.cuda.Event | None) -> None:
         """Later gathers wait for ``event`` (device work that wrote the weights they read)."""
         if event is not None:
