@@ -16,10 +16,9 @@ import json
 import os
 import sys
 
-import psutil
-
 from .engine.engine import LAUNCHED_ENV
 from .errors import TieredError
+from .optim.workers import usable_cores
 from .policy import POLICY_ENV, resolve
 from .tiers.nvme import check_nvme_path
 
@@ -56,10 +55,9 @@ def _single_node_without_rendezvous(args) -> bool:
 
 def _threads_per_rank(nproc_per_node: str) -> int:
     """torchrun would set OMP_NUM_THREADS=1 for several ranks, starving the CPU optimizer; give
-    each rank its share of the cores this process may use instead."""
-    cores = len(psutil.Process().cpu_affinity() or []) or os.cpu_count() or 1
+    each rank its share of the cores this process may use (affinity and cgroup quota) instead."""
     ranks = int(nproc_per_node) if str(nproc_per_node).isdigit() else 1
-    return max(1, cores // max(1, ranks))
+    return max(1, usable_cores() // max(1, ranks))
 
 
 def main(argv: list[str] | None = None) -> int:

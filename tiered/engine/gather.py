@@ -32,7 +32,7 @@ class Gatherer:
         self._ready: dict[int, torch.cuda.Event] = {}
         """Units whose gather was issued on the gather stream and not yet waited for."""
         self.on_gather = None
-        """Called with each unit index when its gather is issued (the timeline records it)."""
+        """Called with each unit index when its gather is issued (tests record the order)."""
 
     @property
     def usage(self):
