@@ -40,7 +40,7 @@ from .flat import FlatParam
 from .streams import Streams, wait_for
 
 
-class Buffer(enum.Enum):
+class BufferState(enum.Enum):
     FREE = "free"
     TAKEN = "taken"
     HELD = "held"
@@ -65,7 +65,7 @@ class GradientPath:
         the order an update steps them in, see [Note: buffer hand-off]."""
         self._changed = threading.Condition()
         """Guards the three below; notified whenever one changes or the worker fails."""
-        self._buffers = [Buffer.FREE] * len(flats)
+        self._buffers = [BufferState.FREE] * len(flats)
         self._in_flight = 0
         """Gradients on their way to the worker; backward waits at GRAD_LANDING_SLOTS."""
         self._grads_on_host = manager.grad_device().type == "cpu"
@@ -133,19 +133,19 @@ class GradientPath:
         with self._changed:
             self._changed.wait_for(lambda: self.worker.failed or (
                 self._in_flight < GRAD_LANDING_SLOTS
-                and (not first or self._buffers[index] is Buffer.FREE)
+                and (not first or self._buffers[index] is BufferState.FREE)
                 and (not needs_landing or self._landing)))
             self.worker.raise_if_failed()
             self._in_flight += 1
             if first:
-                self._buffers[index] = Buffer.TAKEN
+                self._buffers[index] = BufferState.TAKEN
             return self._landing.pop() if needs_landing else None
 
     def _unreserve(self, index: int, first: bool, landing: str | None) -> None:
         with self._changed:
             self._in_flight -= 1
             if first:
-                self._buffers[index] = Buffer.FREE
+                self._buffers[index] = BufferState.FREE
             if landing is not None:
                 self._landing.append(landing)
             self._changed.notify_all()
@@ -157,7 +157,7 @@ class GradientPath:
         self.dtype[index] = shard.dtype
         self.arrival_order.append(index)
         with self._changed:
-            self._buffers[index] = Buffer.HELD
+            self._buffers[index] = BufferState.HELD
         self._done(transient, index, step_now, landing)
 
     def _add(self, index: int, shard: torch.Tensor, ready, landing: str | None, transient: int,
@@ -209,7 +209,7 @@ class GradientPath:
         self.arrival_order = []
         with self._changed:
             # A TAKEN buffer is a backward's after this zero_grad: leave it alone.
-            units = [i for i, state in enumerate(self._buffers) if state is not Buffer.TAKEN]
+            units = [i for i, state in enumerate(self._buffers) if state is not BufferState.TAKEN]
         for index in units:
             if set_to_none:
                 self.dtype[index] = None
@@ -222,8 +222,8 @@ class GradientPath:
     def _set_free(self, which) -> None:
         with self._changed:
             for index, state in enumerate(self._buffers):
-                if state is Buffer.HELD and which(index):
-                    self._buffers[index] = Buffer.FREE
+                if state is BufferState.HELD and which(index):
+                    self._buffers[index] = BufferState.FREE
             self._changed.notify_all()
 
     def _wake(self) -> None:
