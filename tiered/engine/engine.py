@@ -17,6 +17,7 @@ from ..errors import PolicyError, TieredError
 from ..manager import TierManager
 from ..ops.tiled_linear import merge_tiles, tile_large_linears
 from ..optim import TieredAdamW
+from ..optim.adamw import one_pass_for
 from ..optim.loss_scale import LossScaler
 from ..optim.workers import CpuWorker, optimizer_threads
 from ..plan import StateKind, build_plan, state_kinds
@@ -209,6 +210,11 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
         plan = build_plan(policy, device, [f.shard_numel for f in flats],
                           [f.padded_numel for f in flats], [f.spec.path for f in flats],
                           group.world_size, dram_available=manager.available()[Tier.DRAM])
+        worker = CpuWorker(optimizer_threads(policy.cpu.optimizer_threads,
+                                             drives_gpu=device.type == "cuda"))
+        one_pass = one_pass_for(policy.compute_dtype.torch_dtype,
+                                device if policy.optimizer.tier is Tier.HBM else torch.device("cpu"),
+                                worker)
         manager.allocate(plan)
         materializer = Materializer(model, specs, device,
                                     context.param_init_fn if context is not None else None)
@@ -218,13 +224,11 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
             for name, buffer in module._buffers.items():
                 if buffer is not None:
                     module._buffers[name] = buffer.to(device)
-        worker = CpuWorker(optimizer_threads(policy.cpu.optimizer_threads,
-                                             drives_gpu=device.type == "cuda"))
         timeline = Timeline.for_rank(policy.trace.path, device, group.rank, group.world_size)
         runtime = UnitRuntime(flats, manager, group, policy, worker, timeline)
         scaler = (LossScaler(policy.loss_scale)
                   if policy.compute_dtype is ComputeDtype.FP16 else None)
-        optimizer = TieredAdamW(runtime, policy, scaler, group.duplicate())
+        optimizer = TieredAdamW(runtime, policy, scaler, group.duplicate(), one_pass)
         engine = TieredEngine(model, policy, runtime, optimizer, scaler, state_dict_keys)
     except BaseException:
         if worker is not None:

@@ -104,3 +104,23 @@ class OnePassAdamW:
         divisor = None if grad_divisor == 1.0 else torch.tensor(grad_divisor)
         adamw_step(master, grad.float(), exp_avg, exp_avg_sq, step, hyper, divisor)
         weights.copy_(master)
+
+
+def one_pass_for(compute_dtype: torch.dtype, optimizer_device: torch.device,
+                 worker) -> OnePassAdamW | None:
+    """The one-pass kernel for mixed precision with the optimizer on the CPU, compiled now on
+    ``worker`` (the thread that will run it: its intra-op thread count is baked into the code);
+    ``None`` where torch's fused kernel serves (fp32 keeps it, bit for bit, as does a GPU).
+
+    Returns once compiled. Compiling runs the C++ compiler in child processes, and a child of a
+    process holding page-locked memory starts by copying every locked page (Linux copies
+    DMA-pinned pages at fork instead of sharing them), so this must finish before the DRAM tier
+    pins its slabs: compiled after pinning 47 GiB, the kernel took 53 s instead of seconds.
+    """
+    if optimizer_device.type != "cpu" or compute_dtype is torch.float32:
+        return None
+    one_pass = OnePassAdamW()
+    worker.submit(lambda: one_pass.warm_up(compute_dtype, compute_dtype))
+    worker.drain()
+    return one_pass
+

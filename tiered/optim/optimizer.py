@@ -57,7 +57,10 @@ class TieredAdamW(torch.optim.Optimizer):
     leave it alone; put such parameters in a unit of their own (``units.classes``) if it matters.
     """
 
-    def __init__(self, runtime, policy: Policy, scaler: LossScaler | None, norm_group):
+    def __init__(self, runtime, policy: Policy, scaler: LossScaler | None, norm_group,
+                 one_pass: OnePassAdamW | None = None):
+        """``one_pass`` steps mixed precision on the CPU (see :func:`one_pass_for`); without it
+        every unit takes torch's fused kernel."""
         opt = policy.optimizer
         defaults = dict(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
         super().__init__([flat.full for flat in runtime.flats], defaults)
@@ -76,17 +79,9 @@ class TieredAdamW(torch.optim.Optimizer):
         self._arrived: list[int] = []
         self._grads = runtime.grads
         self._grads.on_added = self._step_on_arrival
-        # Mixed precision on the CPU: read the compute-dtype gradient, write the compute-dtype
-        # weights, in one pass (fp32 keeps torch's fused kernel, bit for bit).
-        compute = policy.compute_dtype.torch_dtype
-        one_pass = (OnePassAdamW() if self.device.type == "cpu" and compute is not torch.float32
-                    else None)
         self._stepper = UnitStepper(self._manager, self._grads,
                                     [flat.name for flat in runtime.flats], self.device, one_pass,
                                     opt.sub_group_size, runtime.timeline)
-        if one_pass is not None:
-            # Compiled on the worker (its thread count is baked in), while the first forward runs.
-            self._worker.submit(partial(one_pass.warm_up, compute, compute))
         self.last_grad_norm: float | None = None
         """The global gradient norm (unscaled) of the last finished update, when it had one."""
         self.skipped_steps = 0
