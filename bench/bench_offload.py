@@ -79,18 +79,21 @@ def _plain_step(model, autocast: bool):
 
 def _run_tiered(args, variant):
     """``variant`` is a policy name with optional ``+dpu`` (the delayed update after 2 warm-up
-    steps) and ``+arrive`` (accumulation_steps 1: units stepped as their gradients arrive)."""
+    steps), ``+arrive`` (accumulation_steps 1: units stepped as their gradients arrive) and
+    ``+depth1`` (prefetch one need ahead instead of two); ``--set`` adds keys for every mode."""
     import tiered
 
     policy, *extras = variant.split("+")
-    overrides = {"nvme": {"path": args.nvme}} if args.nvme else {}
-    optimizer = {}
+    overrides = json.loads(args.set) if args.set else {}
+    if args.nvme:
+        overrides.setdefault("nvme", {})["path"] = args.nvme
+    optimizer = overrides.setdefault("optimizer", {})
     if "dpu" in extras:
         optimizer["delayed_update"] = {"enabled": True, "warmup_steps": 2}
     if "arrive" in extras:
         optimizer["accumulation_steps"] = 1
-    if optimizer:
-        overrides["optimizer"] = optimizer
+    if "depth1" in extras:
+        overrides.setdefault("prefetch", {})["depth"] = 1
     if args.trace:
         name = variant.replace("+", "-")
         overrides["trace"] = {"path": os.path.join(args.trace, f"trace_{name}_b{args.batch}.json")}
@@ -131,6 +134,8 @@ def run_mode(args) -> dict:
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     idx = torch.randint(0, VOCAB, (args.batch, args.seq), device="cuda" if cuda else "cpu")
+    nvme = getattr(getattr(model, "manager", None), "nvme", None)
+    moved = [nvme.io.bytes_moved()] if nvme is not None else []
     times, losses = [], []
     for _ in range(args.steps):
         sync()
@@ -138,7 +143,12 @@ def run_mode(args) -> dict:
         losses.append(float(step(idx)))
         sync()
         times.append(time.perf_counter() - t)
-        print(f"{args.run} step {len(times)}: {times[-1]:.3f} s, loss {losses[-1]:.4f}",
+        io = ""
+        if nvme is not None:
+            moved.append(nvme.io.bytes_moved())
+            io = ", NVMe read {:.1f} GB, written {:.1f} GB".format(
+                *(moved[-1][v] / 1e9 - moved[-2][v] / 1e9 for v in ("read", "write")))
+        print(f"{args.run} step {len(times)}: {times[-1]:.3f} s, loss {losses[-1]:.4f}{io}",
               file=sys.stderr, flush=True)
     warm = sorted(times[2:])
     step_s = warm[len(warm) // 2]
@@ -149,6 +159,9 @@ def run_mode(args) -> dict:
                   peak_hbm_GiB=torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
                   times=times,
                   losses=losses)
+    if moved:  # the last step's NVMe traffic (a step moves the same bytes as the one before)
+        result["nvme_GB_per_step"] = {v: (moved[-1][v] - moved[-2][v]) / 1e9
+                                      for v in ("read", "write")}
     if hasattr(model, "memory_report"):
         result["memory_report"] = model.memory_report()
         model.close()
@@ -156,8 +169,9 @@ def run_mode(args) -> dict:
 
 
 def table(results: list[dict], baselines: list[str]) -> str:
+    io = any("nvme_GB_per_step" in r for r in results)
     head = ["mode", "step s", "tokens/s", "TFLOPS", "peak HBM GiB"] + [
-        f"x vs {b}" for b in baselines]
+        f"x vs {b}" for b in baselines] + (["NVMe GB/step read, written"] if io else [])
     rows = [head]
     by_mode = {r["mode"]: r for r in results if "step_s" in r}
     # A baseline that ran out of memory has no step time to compare with.
@@ -168,7 +182,9 @@ def table(results: list[dict], baselines: list[str]) -> str:
         ratios = [f"{by_mode[b]['step_s'] / r['step_s']:.2f}" if b in by_mode else "-"
                   for b in baselines]
         rows.append([r["mode"], f"{r['step_s']:.3f}", f"{r['tokens_per_s']:,.0f}",
-                     f"{r['tflops']:.1f}", f"{r['peak_hbm_GiB']:.1f}"] + ratios)
+                     f"{r['tflops']:.1f}", f"{r['peak_hbm_GiB']:.1f}"] + ratios + (
+                    ["{read:.1f}, {write:.1f}".format(**r["nvme_GB_per_step"])
+                     if "nvme_GB_per_step" in r else "-"] if io else []))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -186,6 +202,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--modes", default="gpu,fsdp2_offload,tiered:cpu")
     parser.add_argument("--nvme", default=None, help="folder for NVMe policies")
+    parser.add_argument("--set", default=None,
+                        help='policy keys for every tiered mode, as JSON: \'{"dram": {"spill": "nvme"}}\'')
     parser.add_argument("--out", default=None, help="write all results as JSON here")
     parser.add_argument("--run", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -200,7 +218,8 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--run", mode, "--layers", str(args.layers),
                    "--dim", str(args.dim), "--seq", str(args.seq), "--batch", str(batch),
                    "--steps", str(args.steps)] + (["--nvme", args.nvme] if args.nvme else []) + (
-                   ["--trace", args.trace] if args.trace else [])
+                   ["--trace", args.trace] if args.trace else []) + (
+                   ["--set", args.set] if args.set else [])
             proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
             lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
             if proc.returncode or not lines:

@@ -83,6 +83,7 @@ def big(args) -> dict:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     report = engine.memory_report()
+    allocated_peak = torch.cuda.max_memory_allocated()  # the engine's and this loop's tensors
     tiles = len(model.big.tiles)
     engine.close()
     untiled_fits = True
@@ -95,6 +96,7 @@ def big(args) -> dict:
         untiled_error = str(error)
     return {"tiles": tiles, "max_unit_bytes": max_unit, "step_s": times, "memory": report,
             "hbm_peak_within_budget": report["hbm"]["peak"] <= budget,
+            "torch_max_memory_allocated": allocated_peak,
             "untiled_fits": untiled_fits,
             "untiled_error": None if untiled_fits else untiled_error,
             "budget": format_size(budget)}

@@ -165,6 +165,9 @@ def test_many_concurrent_transfers_read_back_what_was_written(tmp_path, seed, bl
         threads = observer.threads[verb]
         assert 1 <= len(threads) <= queue_depth, (verb, threads)
         assert all(name.startswith(f"tiered-nvme-{verb}") for name in threads), threads
+    # The engine's byte counts are those of the requests it ran.
+    assert engine.bytes_moved() == {
+        verb: sum(size for v, _, _, size in expected if v == verb) for verb in ("read", "write")}
 
 
 @pytest.mark.parametrize("queue_depth", [1, 4])

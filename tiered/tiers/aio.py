@@ -101,6 +101,14 @@ class IoEngine:
         self.settings = settings
         self._readers = ThreadPoolExecutor(settings.queue_depth, "tiered-nvme-read")
         self._writers = ThreadPoolExecutor(settings.queue_depth, "tiered-nvme-write")
+        self._moved = {"read": 0, "write": 0}
+        self._moved_lock = threading.Lock()  # transfers start on several threads
+
+    def bytes_moved(self) -> dict[str, int]:
+        """Bytes of every transfer started so far, by verb ("read", "write"): what a step's
+        I/O floor is computed from."""
+        with self._moved_lock:
+            return dict(self._moved)
 
     def read(self, fd: int, path: str, offset: int, buffer: memoryview) -> Transfer:
         """Start reading ``len(buffer)`` bytes at ``offset`` of the file into ``buffer``."""
@@ -115,6 +123,8 @@ class IoEngine:
         self._writers.shutdown(wait=True)
 
     def _split(self, pool, syscall, verb, fd, path, offset, buffer) -> Transfer:
+        with self._moved_lock:
+            self._moved[verb] += len(buffer)
         step = self.settings.block_size
         blocks = [pool.submit(_request, syscall, verb, fd, path, offset + start,
                               buffer[start:start + step])
