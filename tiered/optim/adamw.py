@@ -59,6 +59,10 @@ def _adamw_one_pass(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Ten
     weights.copy_(master)
 
 
+WARM_UP_NUMEL = 1 << 22
+"""Elements the kernel is compiled on: the size of a small unit's shard (64 MiB of states)."""
+
+
 class OnePassAdamW:
     """AdamW for mixed precision on the CPU: reads the gradient in the compute dtype and writes
     the new compute-dtype weights in the same pass over memory.
@@ -77,10 +81,16 @@ class OnePassAdamW:
         self._failed = False
 
     def warm_up(self, grad_dtype: torch.dtype, weights_dtype: torch.dtype) -> None:
-        """Compile now, on a few elements, so the first real step does not pay for it."""
-        master, exp_avg, exp_avg_sq = torch.zeros(64), torch.zeros(64), torch.zeros(64)
-        self.step(master, torch.zeros(64, dtype=grad_dtype), exp_avg, exp_avg_sq,
-                  torch.empty(64, dtype=weights_dtype), torch.ones(()),
+        """Compile now, so the first real step does not pay for it.
+
+        On shard-sized inputs: inductor decides from the sizes it first sees whether the loop
+        runs on the thread pool, and code compiled on 64 elements stayed serial for every later
+        size (6x slower on the reference box's 15 threads).
+        """
+        numel = WARM_UP_NUMEL
+        master, exp_avg, exp_avg_sq = torch.zeros(numel), torch.zeros(numel), torch.zeros(numel)
+        self.step(master, torch.zeros(numel, dtype=grad_dtype), exp_avg, exp_avg_sq,
+                  torch.empty(numel, dtype=weights_dtype), torch.ones(()),
                   AdamWHyper(0.0, 0.9, 0.999, 1e-8, 0.0), 1.0)
 
     def step(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
