@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import TieredError
 from .plan import MemoryPlan, StateKind
 from .policy import Policy, Tier
 from .tiers import DramTier, HbmTier, NvmeShard, NvmeTier, SlabSource
@@ -199,11 +200,15 @@ class TierManager:
         return landed
 
     def grad_buffer(self, unit: int, dtype: torch.dtype) -> torch.Tensor:
-        """The unit's fp32 grads-tier buffer, or its first half viewed as a 2-byte ``dtype``
-        (where a compute-dtype gradient is kept; see [Note: gradient states])."""
+        """The unit's grads-tier buffer as ``dtype``: itself when it is allocated in ``dtype``
+        (fp32, or compact in the compute dtype), or the first half of an fp32 one viewed as a
+        2-byte ``dtype`` (where a pending gradient is kept; see [Note: gradient states])."""
         grad = self.shards[(unit, StateKind.GRAD)].resident
-        if dtype is torch.float32:
+        if grad.dtype is dtype:
             return grad
+        if grad.dtype is not torch.float32:
+            raise TieredError(f"unit {unit}'s gradient buffer is compact ({grad.dtype}, as "
+                              f"accumulation_steps: 1 allows) and cannot hold a {dtype} gradient")
         return grad.view(torch.uint8)[:grad.numel() * dtype.itemsize].view(dtype)
 
     def param_target(self, unit: int, kind: StateKind, cpu_only: bool) -> torch.Tensor:

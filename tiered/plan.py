@@ -23,7 +23,7 @@ class StateKind(enum.Enum):
 
     PARAM = "param"            # compute-dtype weights, in policy.params.tier
     PARAM_NEXT = "param_next"  # the delayed update's next weights (double buffer), same tier
-    GRAD = "grad"              # fp32 gradient, in policy.grads.tier
+    GRAD = "grad"              # gradient (fp32, or compact: see state_dtype), in policy.grads.tier
     MASTER = "master"          # fp32 master weights, in policy.optimizer.tier
     EXP_AVG = "exp_avg"        # Adam first moment, in policy.optimizer.tier
     EXP_AVG_SQ = "exp_avg_sq"  # Adam second moment, in policy.optimizer.tier
@@ -57,8 +57,15 @@ def state_tier(policy: Policy, kind: StateKind) -> Tier:
 
 
 def state_dtype(policy: Policy, kind: StateKind) -> torch.dtype:
+    """The dtype a state is allocated in. Gradients are fp32 so that backwards can add up in
+    them, except with ``accumulation_steps: 1``: no second backward can add to a step's
+    gradient there (it is refused), so they stay compact, in the compute dtype, saving 2 bytes
+    per parameter of the grads tier under bf16 or fp16 (see [Note: gradient states])."""
+    compute = policy.compute_dtype.torch_dtype
     if kind in (StateKind.PARAM, StateKind.PARAM_NEXT):
-        return policy.compute_dtype.torch_dtype
+        return compute
+    if kind is StateKind.GRAD and policy.optimizer.accumulation_steps == 1:
+        return compute
     return torch.float32
 
 

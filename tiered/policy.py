@@ -105,7 +105,8 @@ class ParamsPolicy:
 @dataclass(frozen=True)
 class GradsPolicy:
     tier: Tier = Tier.DRAM
-    """Where each rank's fp32 gradient shard accumulates: hbm | dram (where the optimizer reads it)."""
+    """Where each rank's gradient shard accumulates: hbm | dram (where the optimizer reads it).
+    fp32, or the compute dtype with ``optimizer.accumulation_steps: 1`` (plan.state_dtype)."""
 
     def __post_init__(self):
         if self.tier is Tier.NVME:
@@ -148,7 +149,8 @@ class OptimizerPolicy:
     """Backward calls per ``optimizer.step()``. When set (and neither clipping nor fp16 needs the
     global norm first), each unit is stepped as soon as its gradient of the last backward lands,
     overlapping the rest of that backward, with the learning rate set at that moment; null waits
-    for ``optimizer.step()``."""
+    for ``optimizer.step()``. At 1, bf16 and fp16 gradients are kept in the compute dtype, as
+    no sum of backwards needs fp32 (2 bytes per parameter less in the grads tier)."""
     delayed_update: DelayedUpdatePolicy = DelayedUpdatePolicy()
     sub_group_size: int = field(default=1 << 25, metadata=_parse(_int))
     """Elements per sub-group when optimizer states stream from NVMe: three sets of pinned

@@ -11,6 +11,12 @@ A first gradient goes from the offload stream straight into the buffer; a later 
 pinned landing buffer and the CPU worker widens the pending one and adds. The states change only
 on the CPU worker, in the order of its queue.
 
+With ``accumulation_steps: 1`` under bf16 or fp16 the buffer is *compact*, allocated in the
+compute dtype (plan.state_dtype): a second backward per step is refused, so no sum ever needs
+fp32. It holds nothing or the gradient in its own dtype (a reduced fp32 shard of several ranks
+is narrowed on its way in). A later gradient still comes after ``zero_grad(set_to_none=False)``,
+whose zeros count as gradients; the worker adds it in the compute dtype, which is exact on zeros.
+
 [Note: buffer hand-off]
 With the delayed update, step t+1's backward produces a unit's gradient while step t's update
 may not yet have read the previous one from the same buffer. So each buffer is FREE (may be
@@ -32,7 +38,7 @@ import torch
 
 from ..manager import TierManager
 from ..optim.workers import CpuWorker
-from ..plan import GRAD_LANDING_SLOTS, reduce_dtype
+from ..plan import GRAD_LANDING_SLOTS, StateKind, reduce_dtype, state_dtype
 from ..policy import Policy
 from ..timeline import Timeline
 from .collectives import ProcessGroup
@@ -56,6 +62,8 @@ class GradientPath:
         self.streams = streams
         self.timeline = timeline
         self.reduce_dtype = reduce_dtype(policy, group.world_size)
+        self.buffer_dtype = state_dtype(policy, StateKind.GRAD)
+        """fp32, or the compute dtype for compact buffers (see [Note: gradient states])."""
         self.has_grad = [False] * len(flats)
         """Whether unit i has a gradient since ``zero_grad`` (as the training thread sees it)."""
         self.dtype: list[torch.dtype | None] = [None] * len(flats)
@@ -98,7 +106,7 @@ class GradientPath:
                 shard, extra = self._reduce(flat, grad)
                 transient += extra
                 if first:
-                    target = self.manager.grad_buffer(index, shard.dtype)
+                    target = self.manager.grad_buffer(index, self._first_dtype(shard.dtype))
                     target.copy_(shard, non_blocking=True)
                     shard = target
                 elif landing is not None:
@@ -115,6 +123,11 @@ class GradientPath:
             self._unreserve(index, first, landing)
             raise
         self.has_grad[index] = True
+
+    def _first_dtype(self, shard_dtype: torch.dtype) -> torch.dtype:
+        """What a first gradient is kept as: the shard's own dtype in an fp32 buffer (pending or
+        sum), else the compact buffer's dtype."""
+        return shard_dtype if self.buffer_dtype is torch.float32 else self.buffer_dtype
 
     def _reduce(self, flat: FlatParam, grad: torch.Tensor) -> tuple[torch.Tensor, int]:
         """This rank's shard of the rank-averaged gradient, and the extra device bytes held."""
@@ -152,7 +165,7 @@ class GradientPath:
 
     def _arrived(self, index: int, shard: torch.Tensor, ready, landing, transient: int,
                  step_now: bool) -> None:
-        """Worker: a first gradient is in its buffer (pending, or an fp32 sum)."""
+        """Worker: a first gradient is in its buffer (pending, an fp32 sum, or compact)."""
         wait_for(ready, shard)
         self.dtype[index] = shard.dtype
         self.arrival_order.append(index)
@@ -162,14 +175,15 @@ class GradientPath:
 
     def _add(self, index: int, shard: torch.Tensor, ready, landing: str | None, transient: int,
              step_now: bool) -> None:
-        """Worker: add a later gradient into the fp32 sum (widening a pending one first)."""
+        """Worker: add a later gradient into the buffer in its dtype: the fp32 sum (widening a
+        pending one first), or a compact buffer as it is (see [Note: gradient states])."""
         wait_for(ready, shard)
         with self.timeline.span(f"add grad {self.flats[index].name}", "cpu"):
-            if self.dtype[index] is not torch.float32:
+            if self.dtype[index] is not self.buffer_dtype:
                 pending = self.manager.grad_buffer(index, self.dtype[index]).clone()
                 self.manager.grad_buffer(index, torch.float32).copy_(pending)
-            self.manager.grad_buffer(index, torch.float32).add_(shard)
-            self.dtype[index] = torch.float32
+            self.manager.grad_buffer(index, self.buffer_dtype).add_(shard)
+            self.dtype[index] = self.buffer_dtype
         del shard
         self._done(transient, index, step_now, landing)
 
@@ -184,7 +198,8 @@ class GradientPath:
             self.on_added(index)
 
     def read(self, index: int) -> torch.Tensor:
-        """Worker: unit ``index``'s gradient as it is held (pending dtype, or fp32)."""
+        """Worker: unit ``index``'s gradient as it is held (pending or compact in the compute
+        dtype, or fp32)."""
         return self.manager.grad_buffer(index, self.dtype[index])
 
     def consumed(self, index: int) -> None:
@@ -200,8 +215,8 @@ class GradientPath:
 
     def zero_grad(self, set_to_none: bool) -> None:
         """``set_to_none`` forgets the gradients (the next backward starts new ones); otherwise
-        they become fp32 zeros, counted as gradients, as in PyTorch. Done by the worker, after
-        whatever update may still read them."""
+        they become zeros in the buffer's dtype, counted as gradients, as in PyTorch. Done by the
+        worker, after whatever update may still read them."""
         self.worker.submit(partial(self._zero, set_to_none))
         self.has_grad = [not set_to_none] * len(self.flats)
 
@@ -214,8 +229,8 @@ class GradientPath:
             if set_to_none:
                 self.dtype[index] = None
             else:
-                self.manager.grad_buffer(index, torch.float32).zero_()
-                self.dtype[index] = torch.float32
+                self.manager.grad_buffer(index, self.buffer_dtype).zero_()
+                self.dtype[index] = self.buffer_dtype
         chosen = set(units)
         self._set_free(lambda i: i in chosen)
 
