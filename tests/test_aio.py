@@ -5,8 +5,11 @@ version: on the tier, and through a real engine's optimizer step."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import random
+import subprocess
+import sys
 import threading
 import time
 
@@ -505,3 +508,32 @@ def test_a_failed_write_in_optimizer_step_keeps_the_last_good_state(tmp_path):
     assert os.listdir(tmp_path) == []
     engine.close()
     assert os.listdir(tmp_path) == []
+
+
+# -- tiered bench-io ------------------------------------------------------------------------------
+
+def bench_io_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tiered.cli", "bench-io", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_bench_io_sweeps_every_point_with_repeats_and_leaves_nothing_behind(tmp_path):
+    result = bench_io_cli("--nvme", str(tmp_path), "--size", "8MiB", "--sweep-size", "4MiB",
+                          "--repeats", "2")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["repeats"] == 2 and report["size"] == 8 << 20
+    labels = [point["label"] for point in report["sweep"]]
+    assert len(labels) == 6 * 3 + 1 and labels[-1] == "policy settings, in the sweep"
+    assert all(p["write_gbps"] > 0 and p["read_gbps"] > 0 for p in report["sweep"])
+    best_read = max(p["read_gbps"] for p in report["sweep"][:-1])
+    assert report["engine_vs_best_sweep"]["read"] == report["sweep"][-1]["read_gbps"] / best_read
+    assert "policy settings / best of sweep" in result.stdout
+    assert list(tmp_path.iterdir()) == []  # its files and folder are removed
+
+
+def test_bench_io_refuses_zero_repeats(tmp_path):
+    result = bench_io_cli("--nvme", str(tmp_path), "--repeats", "0")
+    assert result.returncode == 2
+    assert "--repeats must be at least 1, got 0" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -37,8 +37,11 @@ def _bench_io(args) -> int:
     try:
         policy = policy_from_args(args.policy, args.nvme)
         size, sweep_size = parse_size(args.size), parse_size(args.sweep_size)
+        if args.repeats < 1:
+            raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
         result = bench_io.run(os.path.abspath(args.nvme), size, min(size, sweep_size),
-                              IoSettings(policy.nvme.block_size, policy.nvme.queue_depth))
+                              IoSettings(policy.nvme.block_size, policy.nvme.queue_depth),
+                              args.repeats)
     except (TieredError, ValueError) as e:
         print(f"tiered: error: {e}", file=sys.stderr)
         return 2
@@ -58,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--nvme", required=True, metavar="PATH", help="folder on the drive")
     bench.add_argument("--size", default="4GiB", help="bytes of the main test file")
     bench.add_argument("--sweep-size", default="1GiB", help="bytes per point of the sweep")
+    bench.add_argument("--repeats", type=int, default=3,
+                       help="runs of each sweep point (its median is reported)")
     bench.add_argument("--policy", default=None, metavar="FILE",
                        help="policy whose nvme.block_size and queue_depth the engine uses")
     bench.set_defaults(run=_bench_io)

@@ -1,5 +1,6 @@
 """``tiered bench-io``: what the NVMe tier's I/O engine moves on a file system, against the
-simplest alternative, and across queue depths and request sizes (to choose the defaults).
+simplest alternative, and across queue depths and request sizes (to choose the defaults; each sweep point is the
+median of several interleaved runs).
 
 Every figure is sequential O_DIRECT traffic through one file of the given size in a folder of
 its own under the path, removed afterwards: the engine at the policy's settings, a plain loop of
@@ -36,7 +37,7 @@ class Point:
     read_gbps: float
 
 
-def run(path: str, size: int, sweep_size: int, settings: IoSettings) -> dict:
+def run(path: str, size: int, sweep_size: int, settings: IoSettings, repeats: int = 3) -> dict:
     check_nvme_path(path)
     folder = os.path.join(path, f"tiered-bench-io-{secrets.token_hex(3)}")
     os.mkdir(folder, 0o700)
@@ -47,18 +48,22 @@ def run(path: str, size: int, sweep_size: int, settings: IoSettings) -> dict:
         engine = _measure(folder, "engine (policy settings)", settings, size, buffer)
         single = _measure_single_stream(folder, size, buffer)
         # The policy's own point is measured again among the sweep, under the same conditions.
-        sweep = [_measure(folder, f"qd {depth}, {block >> 20} MiB", IoSettings(block, depth),
-                          sweep_size, buffer)
-                 for block in SWEEP_BLOCKS for depth in SWEEP_DEPTHS]
-        policy_point = _measure(folder, "policy settings, in the sweep", settings, sweep_size,
-                                buffer)
+        # A disk's speed drifts and jitters by tens of percent from one run to the next, and
+        # the best of many single samples is biased upwards, so every point is measured
+        # ``repeats`` times, in interleaved rounds, and its median kept.
+        points = [(f"qd {depth}, {block >> 20} MiB", IoSettings(block, depth))
+                  for block in SWEEP_BLOCKS for depth in SWEEP_DEPTHS]
+        points.append(("policy settings, in the sweep", settings))
+        rounds = [[_measure(folder, label, point_settings, sweep_size, buffer)
+                   for label, point_settings in points] for _ in range(repeats)]
+        *sweep, policy_point = [_median(samples) for samples in zip(*rounds)]
         source.release(buffer)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     best_write = max(p.write_gbps for p in sweep)
     best_read = max(p.read_gbps for p in sweep)
     return {
-        "path": path, "size": size, "sweep_size": sweep_size,
+        "path": path, "size": size, "sweep_size": sweep_size, "repeats": repeats,
         "engine": engine.__dict__, "single_stream": single.__dict__,
         "sweep": [p.__dict__ for p in [*sweep, policy_point]],
         "engine_vs_best_sweep": {"write": policy_point.write_gbps / best_write,
@@ -66,6 +71,15 @@ def run(path: str, size: int, sweep_size: int, settings: IoSettings) -> dict:
         "engine_vs_single_stream": {"write": engine.write_gbps / single.write_gbps,
                                     "read": engine.read_gbps / single.read_gbps},
     }
+
+
+def _median(samples: tuple[Point, ...]) -> Point:
+    """The point with each direction's median bandwidth over its samples."""
+    def median(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2]
+    first = samples[0]
+    return Point(first.label, first.block_size, first.queue_depth,
+                 median([p.write_gbps for p in samples]), median([p.read_gbps for p in samples]))
 
 
 def _measure(folder: str, label: str, settings: IoSettings, size: int,
