@@ -42,11 +42,13 @@ class FlatParam:
         self.numel = sum(self.numels)
         self.padded_numel = -(-self.numel // world_size) * world_size
         self.shard_numel = self.padded_numel // world_size
-        # Born released: shaped like the whole unit over a zero-byte storage, so building the
-        # engine allocates nothing on the device before the plan has been checked.
-        empty = torch.UntypedStorage(0, device=device)
+        # Born released: shaped like the whole unit over a zero-byte storage. ``set_`` grows
+        # the storage to fit the shape, so it is shrunk again at once: left at full size, the
+        # units held a whole model's weights on the device until each was first gathered.
         self.full = torch.empty(0, dtype=dtype, device=device).set_(
-            empty, 0, (self.padded_numel,), (1,)).requires_grad_()
+            torch.UntypedStorage(0, device=device), 0, (self.padded_numel,), (1,))
+        self.full.untyped_storage().resize_(0)
+        self.full.requires_grad_()
         self._writer = self.full.data  # see [Note: gathered storage]
         self._storage_bytes = self.padded_numel * dtype.itemsize
         self.residency = Residency.RELEASED
