@@ -56,6 +56,35 @@ def test_cpu_policy_holds_exactly_the_shards_in_dram(compute_dtype, itemsize):
     engine.close()
 
 
+@pytest.mark.parametrize("built", ["eager", "tiered.init"])
+def test_units_hold_no_gathered_storage_until_first_used(built):
+    if built == "eager":
+        model = make_gpt()
+    else:
+        with tiered.init("configs/cpu.yaml", device="cpu"):
+            model = make_gpt()
+    engine, optimizer = tiered.initialize(model, "configs/cpu.yaml", device="cpu",
+                                          compute_dtype="bf16")
+    held = {f.name: f.full.untyped_storage().nbytes() for f in engine.runtime.flats}
+    assert held == {f.name: 0 for f in engine.runtime.flats}
+    train_step(engine, optimizer)
+    assert all(f.full.untyped_storage().nbytes() == 0 for f in engine.runtime.flats)
+    engine.close()
+
+
+def test_building_a_unit_counts_its_flat_copy_and_its_materialized_parameters():
+    policy = Policy.from_yaml("configs/gpu.yaml").replace(device="cpu", compute_dtype="bf16")
+    with tiered.init(policy):
+        model = make_gpt()  # on the meta device: each unit is materialized on "hbm" in fp32
+    numels = shard_numels(model)
+    engine, _ = tiered.initialize(model)
+    resident = sum(n * (2 + 4 + 12) for n in numels)
+    building = max(f.padded_numel * 4 + f.numel * 4 for f in engine.runtime.flats)
+    assert engine.memory_report()["hbm"] == {"current": resident, "peak": resident + building,
+                                             "budget": engine.memory_report()["hbm"]["budget"]}
+    engine.close()
+
+
 def test_gpu_policy_holds_the_shards_on_the_device_and_transients_stay_in_the_plan():
     model = make_gpt()
     numels = shard_numels(model)

@@ -160,7 +160,8 @@ def hbm_working_set(policy: Policy, full_numels: list[int], unit_paths: list[str
     Up to GRAD_LANDING_SLOTS units' flat gradients wait for the CPU worker at once, each (with
     several ranks) with its fp32 copy and reduced fp32 shard. On top of that, up to
     ``prefetch.hbm_bytes`` of units gathered ahead of need. Building a unit at start-up needs
-    its fp32 flat copy.
+    its fp32 flat copy and, for a model built under ``tiered.init``, the unit's parameters
+    materialized on the device (fp32 at most).
     """
     compute = policy.compute_dtype.torch_dtype.itemsize
     root = sum(n for n, path in zip(full_numels, unit_paths) if path == "")
@@ -176,7 +177,7 @@ def hbm_working_set(policy: Policy, full_numels: list[int], unit_paths: list[str
     if world_size > 1:
         grad += largest * 4 * (compute != 4) + largest // world_size * 4
     grad *= GRAD_LANDING_SLOTS
-    startup = largest * 4
+    startup = largest * 4 * 2
     return max(gathered + grad + prefetch_limit(policy, full_numels), startup)
 
 

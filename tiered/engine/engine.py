@@ -250,8 +250,10 @@ def _partition(flat: FlatParam, materializer: Materializer, manager: TierManager
     when ranks built or initialized it with different random states.
     """
     index = flat.spec.index
-    nbytes = flat.padded_numel * 4
-    manager.hbm.usage.acquire(nbytes, f"building unit {flat.name}")
+    # The fp32 flat copy, and the unit's parameters where tiered.init materializes them on
+    # the device, live until the unit's shard is stored and the parameters are dropped.
+    building = flat.padded_numel * 4 + materializer.device_bytes(flat.spec)
+    manager.hbm.usage.acquire(building, f"building unit {flat.name}")
     full = torch.empty(flat.padded_numel, dtype=torch.float32, device=group.device)
     flat.flatten(materializer.values(flat.spec), full)
     group.broadcast(full)
@@ -259,10 +261,10 @@ def _partition(flat: FlatParam, materializer: Materializer, manager: TierManager
     manager.store(index, StateKind.MASTER, shard)
     manager.store(index, StateKind.PARAM, shard)
     del full, shard
-    manager.hbm.usage.release(nbytes)
     for param in flat.spec.params:
         for module, attr in param.holders:
             module._parameters.pop(attr, None)
+    manager.hbm.usage.release(building)
 
 
 def _compute_device(policy: Policy) -> torch.device:

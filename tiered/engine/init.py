@@ -98,6 +98,11 @@ class Materializer:
         self.post_order = {id(m): i for i, m in enumerate(_post_order(model))}
         self.initialized: set[int] = set()
 
+    def device_bytes(self, unit: UnitSpec) -> int:
+        """Bytes :meth:`values` will allocate on the device for this unit's meta parameters."""
+        pending = [_current(p) for p in unit.params if _current(p).is_meta]
+        return sum(t.numel() * t.element_size() for t in pending)
+
     def values(self, unit: UnitSpec) -> list[torch.Tensor]:
         """The unit's parameter values in spec order, materializing meta ones first."""
         pending = [p for p in unit.params if _current(p).is_meta]
