@@ -1,6 +1,9 @@
 """The AdamW kernels against torch.optim.AdamW."""
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -77,3 +80,39 @@ def test_one_pass_falls_back_to_fused_when_compiling_fails(monkeypatch):
     assert kernel._failed and step.item() == 2
     torch.testing.assert_close(ours, torch_adamw(master, grads, 2.0), rtol=1e-6, atol=1e-6)
     assert torch.equal(weights, ours.bfloat16())
+
+
+def test_one_pass_lets_other_threads_run_while_it_steps():
+    """The worker steps while the training thread drives the GPU: the kernel must let go of
+    the GIL. The main thread records the longest it went without running while a single-
+    threaded kernel stepped a large shard on another thread; holding the GIL, that gap is a
+    whole step."""
+    numel = 1 << 25
+    kernel = OnePassAdamW()
+    tensors = dict(master=torch.randn(numel), grad=torch.randn(numel).bfloat16(),
+                   exp_avg=torch.zeros(numel), exp_avg_sq=torch.zeros(numel),
+                   weights=torch.empty(numel, dtype=torch.bfloat16))
+    compiled = threading.Event()
+    run_seconds: list[float] = []
+
+    def steps():
+        torch.set_num_threads(1)  # one core for the kernel, one left for the main thread
+        kernel.warm_up(torch.bfloat16, torch.bfloat16)
+        compiled.set()
+        for _ in range(3):
+            start = time.perf_counter()
+            kernel.step(**tensors, step=torch.ones(()), hyper=HYPER, grad_divisor=1.0)
+            run_seconds.append(time.perf_counter() - start)
+
+    threads = torch.get_num_threads()
+    worker = threading.Thread(target=steps)
+    worker.start()
+    compiled.wait()
+    longest_gap, last = 0.0, time.perf_counter()
+    while worker.is_alive():
+        now = time.perf_counter()
+        longest_gap, last = max(longest_gap, now - last), now
+    worker.join()
+    torch.set_num_threads(threads)  # the count is process-wide in torch
+    assert not kernel._failed and len(run_seconds) == 3
+    assert longest_gap < 0.5 * min(run_seconds), (longest_gap, run_seconds)
