@@ -1,0 +1,42 @@
+#!/bin/bash
+# The GPU-box checks, one stage per call so each fits the box's 10-minute command limit:
+#   bash bench/on_gpu_box.sh tests|offload|tiled|io|nvme|large [OUT]
+# Each stage prints its table last and keeps logs and timelines in OUT (default ./gpu-out).
+# Stage times on the H100 box (16 cores, 125 GiB, 64 GiB free disk), roughly: tests 2 min,
+# offload 8 min, tiled 3 min, io 3 min, nvme 5 min, large 8 min.
+set -o pipefail
+stage=${1:?stage: tests, offload, tiled, io, nvme or large}
+out=${2:-gpu-out}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+nvme=${TIERED_NVME:-/tmp/tiered-nvme}
+case $stage in
+tests)
+    python -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_adamw.py 2>&1 | tee "$out/tests.log" ;;
+offload)  # issue 3: batch 4 and 8, DPU off and on, beside the GPU-resident and FSDP2 baselines
+    python bench/bench_offload.py --batches 4,8 --steps 5 --trace "$out" --out "$out/offload.json" \
+        --modes gpu,fsdp2_offload,tiered:cpu,tiered:cpu+arrive,tiered:cpu+dpu 2>&1 \
+        | grep -v -e Warning -e _conversion | tee "$out/offload.log" ;;
+tiled)  # issue 5: throughput against nn.Linear, and a layer larger than a 2 GiB budget
+    for splits in 1x4 2x2; do
+        python bench/bench_tiled.py throughput --splits $splits 2>&1 | grep '^{'
+    done | tee "$out/tiled.log"
+    python bench/bench_tiled.py big --in 32768 --out 65536 --hbm 2GiB 2>&1 | grep '^{' \
+        | tee -a "$out/tiled.log" ;;
+io)  # issue 4: the engine at its defaults against the sweep on this disk
+    mkdir -p "$nvme"
+    python -m tiered.cli bench-io --nvme "$nvme" --size 4GiB --sweep-size 1GiB --repeats 3 2>&1 \
+        | tee "$out/io.log" ;;
+nvme)  # issue 4: ZeRO-Infinity's placement (params and optimizer on NVMe), 2.78 B, batch 8
+    mkdir -p "$nvme"
+    python bench/bench_offload.py --modes tiered:nvme --nvme "$nvme" --steps 3 \
+        --out "$out/nvme.json" 2>&1 | grep -v -e Warning -e _conversion | tee "$out/nvme.log" ;;
+large)  # issue 4: 10.1 B parameters in 104 GiB of DRAM plus the disk (compact gradients)
+    mkdir -p "$nvme"
+    python bench/bench_offload.py --layers 40 --dim 4480 --batch 1 --modes tiered:cpu+arrive \
+        --nvme "$nvme" --steps 3 --out "$out/large.json" \
+        --set '{"dram": {"budget": "104GiB", "spill": "nvme"}}' 2>&1 \
+        | grep -v -e Warning -e _conversion | tee "$out/large.log" ;;
+*)
+    echo "unknown stage $stage: tests, offload, tiled, io, nvme or large" >&2; exit 2 ;;
+esac
