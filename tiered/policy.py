@@ -202,7 +202,8 @@ class HbmPolicy:
 @dataclass(frozen=True)
 class DramPolicy:
     budget: int | None = field(default=None, metadata=_parse(_size_or_none))
-    """Bytes of (pinned) host memory tiered may hold; null = the machine's memory."""
+    """Bytes of (pinned) host memory tiered may hold; null = this rank's share (ranks on the
+    node) of 7/8 of the memory available when the engine starts."""
     spill: Tier | None = field(default=None, metadata=_parse(
         lambda v: None if v is None else Tier(v)))
     """null, or nvme: states placed in DRAM that do not fit the budget move to NVMe, unit by

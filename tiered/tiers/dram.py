@@ -8,6 +8,7 @@ carves them out of shared memory registered with CUDA, instead of :class:`Pinned
 """
 from __future__ import annotations
 
+import os
 from typing import Hashable, Protocol
 
 import psutil
@@ -58,9 +59,17 @@ class PinnedSlabSource:
             torch.cuda.cudart().cudaHostUnregister(slab.data_ptr())
 
 
+def default_budget() -> int:
+    """This rank's share of the host memory available now, less an eighth left to the processes
+    themselves (their own tensors, CUDA's, the page cache): what the tier can pin without the
+    machine swapping or killing a process, and what ``dram.spill`` keeps in DRAM."""
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return psutil.virtual_memory().available * 7 // 8 // ranks
+
+
 class DramTier:
     def __init__(self, budget: int | None, source: SlabSource | None = None):
-        self.usage = TierUsage("dram", psutil.virtual_memory().total if budget is None else budget)
+        self.usage = TierUsage("dram", default_budget() if budget is None else budget)
         self._source = source or PinnedSlabSource()
         self._slabs: list[torch.Tensor] = []
 
