@@ -79,6 +79,25 @@ def test_units_are_the_repeated_blocks_plus_the_root():
     engine.close()
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_modules_as_large_as_a_block_are_units_and_train_like_pytorch(tied):
+    torch.manual_seed(0)
+    # Embedding and head: 8192 parameters each; a block: 3.2k. No qkv bias, as in make_gpt:
+    # the key bias's gradient is rounding noise, which AdamW amplifies to whole steps.
+    model = GPT(512, 16, 2, 2, max_seq=SEQ, tied=tied, qkv_bias=False)
+    reference = copy.deepcopy(model)
+    engine, optimizer = fp32_engine(model)
+    # Untied, the embedding and the head are units of their own; tied, their one weight is
+    # held by both and stays with the root, the unit that contains them both.
+    expected = ["blocks.0", "blocks.1", "<root>"] if tied else [
+        "emb", "blocks.0", "blocks.1", "head", "<root>"]
+    assert [f.name for f in engine.runtime.flats] == expected
+    train_both(engine, optimizer, reference, reference_optimizer(reference), steps=3)
+    assert_same(engine.full_state_dict(), reference.state_dict())
+    assert all(f.residency is Residency.RELEASED for f in engine.runtime.flats)
+    engine.close()
+
+
 def test_units_by_class_name_and_unknown_class():
     engine, _ = fp32_engine(make_gpt(), units={"classes": ["Block", "LayerNorm"]})
     # The final LayerNorm becomes a unit of its own; block LayerNorms are inside Block units

@@ -2,8 +2,10 @@
 
 A unit is a module whose parameters are gathered and released together. By default every
 repeated block is a unit (the children of a ``ModuleList``/``Sequential`` that holds two or more
-modules of one class with parameters, outermost lists only), and the root module is one more unit
-for all remaining parameters. ``units.classes`` in the policy names the classes instead.
+modules of one class with parameters, outermost lists only), so is every module outside them
+whose own parameters are as large as a block (a language model's token embedding and output
+head), and the root module is one more unit for all remaining parameters. ``units.classes`` in
+the policy names the classes instead.
 
 Each parameter belongs to exactly one unit: the innermost unit containing the module that holds
 it. A parameter held by several modules (tied input and output embeddings) belongs to the deepest
@@ -68,10 +70,27 @@ def _repeated_blocks(model: nn.Module) -> list[str]:
     return found
 
 
+def _as_large_as_a_block(model: nn.Module, blocks: list[str]) -> list[str]:
+    """Modules outside the blocks whose own parameters are at least the largest block's.
+
+    Left in the root, they would be gathered for the whole forward (the root's forward encloses
+    every other) and their gradients would wait in one root-sized buffer from the output head's
+    backward, at the step's activation peak, until the embedding's at its end."""
+    modules = dict(model.named_modules())
+    largest = max((sum(p.numel() for p in modules[path].parameters()) for path in blocks),
+                  default=0)
+    if largest == 0:
+        return []
+    return [path for path, module in modules.items()
+            if path and not any(_is_ancestor(block, path) for block in blocks)
+            and sum(p.numel() for p in module._parameters.values() if p is not None) >= largest]
+
+
 def find_units(model: nn.Module, classes: tuple[str, ...] | None) -> list[UnitSpec]:
     """Units in forward-registration order, the root last; units without parameters are dropped."""
     if classes is None:
-        unit_paths = _repeated_blocks(model)
+        blocks = _repeated_blocks(model)
+        unit_paths = blocks + _as_large_as_a_block(model, blocks)
     else:
         known = {type(m).__name__ for m in model.modules()}
         missing = [c for c in classes if c not in known]
