@@ -79,8 +79,9 @@ def _plain_step(model, autocast: bool):
 
 def _run_tiered(args, variant):
     """``variant`` is a policy name with optional ``+dpu`` (the delayed update after 2 warm-up
-    steps), ``+arrive`` (accumulation_steps 1: units stepped as their gradients arrive) and
-    ``+depth1`` (prefetch one need ahead instead of two); ``--set`` adds keys for every mode."""
+    steps), ``+arrive`` (accumulation_steps 1: units stepped as their gradients arrive),
+    ``+depth1`` (prefetch one need ahead instead of two) and ``+split`` (units.split_large);
+    ``--set`` adds keys for every mode."""
     import tiered
 
     policy, *extras = variant.split("+")
@@ -94,6 +95,8 @@ def _run_tiered(args, variant):
         optimizer["accumulation_steps"] = 1
     if "depth1" in extras:
         overrides.setdefault("prefetch", {})["depth"] = 1
+    if "split" in extras:
+        overrides.setdefault("units", {})["split_large"] = True
     if args.trace:
         name = variant.replace("+", "-")
         overrides["trace"] = {"path": os.path.join(args.trace, f"trace_{name}_b{args.batch}.json")}
@@ -199,14 +202,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--batches", default=None, help="several batch sizes, e.g. 4,8")
     parser.add_argument("--trace", default=None, help="folder for tiered's timelines")
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=6, help="at least 3 (2 are warm-up)")
     parser.add_argument("--modes", default="gpu,fsdp2_offload,tiered:cpu")
     parser.add_argument("--nvme", default=None, help="folder for NVMe policies")
-    parser.add_argument("--set", default=None,
-                        help='policy keys for every tiered mode, as JSON: \'{"dram": {"spill": "nvme"}}\'')
+    parser.add_argument("--set", default=None, help="policy keys for every tiered mode, as "
+                        """JSON: '{"dram": {"spill": "nvme"}}'""")
     parser.add_argument("--out", default=None, help="write all results as JSON here")
     parser.add_argument("--run", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.steps < 3:
+        parser.error(f"--steps must be at least 3 (the first 2 are warm-up), got {args.steps}")
     if args.run:
         print(json.dumps(run_mode(args)), flush=True)
         return

@@ -1,22 +1,28 @@
 #!/bin/bash
 # The GPU-box checks, one stage per call so each fits the box's 10-minute command limit:
-#   bash bench/on_gpu_box.sh tests|offload|tiled|io|nvme|large [OUT]
+#   bash bench/on_gpu_box.sh tests|offload|variants|tiled|io|nvme|large [OUT]
 # Each stage prints its table last and keeps logs and timelines in OUT (default ./gpu-out).
 # Stage times on the H100 box (16 cores, 125 GiB, 64 GiB free disk), roughly: tests 2 min,
-# offload 8 min, tiled 3 min, io 3 min, nvme 5 min, large 8 min.
+# offload 8 min, variants 4 min, tiled 3 min, io 3 min, nvme 5 min, large 8 min.
 set -o pipefail
-stage=${1:?stage: tests, offload, tiled, io, nvme or large}
+stage=${1:?stage: tests, offload, variants, tiled, io, nvme or large}
 out=${2:-gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 nvme=${TIERED_NVME:-/tmp/tiered-nvme}
 case $stage in
 tests)
-    python -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_adamw.py 2>&1 | tee "$out/tests.log" ;;
+    python -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_adamw.py 2>&1 \
+        | tee "$out/tests.log" ;;
 offload)  # issue 3: batch 4 and 8, DPU off and on, beside the GPU-resident and FSDP2 baselines
     python bench/bench_offload.py --batches 4,8 --steps 5 --trace "$out" --out "$out/offload.json" \
         --modes gpu,fsdp2_offload,tiered:cpu,tiered:cpu+arrive,tiered:cpu+dpu 2>&1 \
         | grep -v -e Warning -e _conversion | tee "$out/offload.log" ;;
+variants)  # issue 3: lower peak HBM at batch 8 (units.split_large, prefetch depth 1)
+    python bench/bench_offload.py --batches 8 --steps 5 --out "$out/variants.json" \
+        --modes tiered:cpu+dpu,tiered:cpu+dpu+split,tiered:cpu+dpu+depth1,\
+tiered:cpu+dpu+split+depth1 \
+        2>&1 | grep -v -e Warning -e _conversion | tee "$out/variants.log" ;;
 tiled)  # issue 5: throughput against nn.Linear, and a layer larger than a 2 GiB budget
     for splits in 1x4 2x2; do
         python bench/bench_tiled.py throughput --splits $splits 2>&1 | grep '^{'
@@ -38,5 +44,5 @@ large)  # issue 4: 10.1 B parameters in 104 GiB of DRAM plus the disk (compact g
         --set '{"dram": {"budget": "104GiB", "spill": "nvme"}}' 2>&1 \
         | grep -v -e Warning -e _conversion | tee "$out/large.log" ;;
 *)
-    echo "unknown stage $stage: tests, offload, tiled, io, nvme or large" >&2; exit 2 ;;
+    echo "unknown stage $stage: tests, offload, variants, tiled, io, nvme or large" >&2; exit 2 ;;
 esac

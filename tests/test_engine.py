@@ -10,6 +10,7 @@ from torch import nn
 import tiered
 from gpt import GPT, next_token_loss
 from tiered.engine.flat import Residency
+from tiered.engine.units import find_units
 
 VOCAB, SEQ = 64, 16
 
@@ -80,13 +81,14 @@ def test_units_are_the_repeated_blocks_plus_the_root():
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_modules_as_large_as_a_block_are_units_and_train_like_pytorch(tied):
+def test_split_large_makes_units_of_block_sized_modules_and_trains_like_pytorch(tied):
     torch.manual_seed(0)
     # Embedding and head: 8192 parameters each; a block: 3.2k. No qkv bias, as in make_gpt:
     # the key bias's gradient is rounding noise, which AdamW amplifies to whole steps.
     model = GPT(512, 16, 2, 2, max_seq=SEQ, tied=tied, qkv_bias=False)
+    assert [u.path for u in find_units(model, None)] == ["blocks.0", "blocks.1", ""]
     reference = copy.deepcopy(model)
-    engine, optimizer = fp32_engine(model)
+    engine, optimizer = fp32_engine(model, units={"split_large": True})
     # Untied, the embedding and the head are units of their own; tied, their one weight is
     # held by both and stays with the root, the unit that contains them both.
     expected = ["blocks.0", "blocks.1", "<root>"] if tied else [

@@ -199,7 +199,7 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
     if policy.tiling.max_unit_bytes is not None:
         tile_large_linears(model, policy.tiling.max_unit_bytes,
                            policy.compute_dtype.torch_dtype.itemsize)
-    specs = find_units(model, policy.units.classes)
+    specs = find_units(model, policy.units.classes, policy.units.split_large)
     if not specs:
         raise TieredError("the model has no parameters to train")
     flats = [FlatParam(spec, group.rank, group.world_size, policy.compute_dtype.torch_dtype,

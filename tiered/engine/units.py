@@ -2,10 +2,10 @@
 
 A unit is a module whose parameters are gathered and released together. By default every
 repeated block is a unit (the children of a ``ModuleList``/``Sequential`` that holds two or more
-modules of one class with parameters, outermost lists only), so is every module outside them
-whose own parameters are as large as a block (a language model's token embedding and output
-head), and the root module is one more unit for all remaining parameters. ``units.classes`` in
-the policy names the classes instead.
+modules of one class with parameters, outermost lists only), and the root module is one more unit
+for all remaining parameters. ``units.classes`` in the policy names the classes instead, and
+``units.split_large`` also makes a unit of every module outside them whose own parameters are as
+large as the largest of them (a language model's untied token embedding and output head).
 
 Each parameter belongs to exactly one unit: the innermost unit containing the module that holds
 it. A parameter held by several modules (tied input and output embeddings) belongs to the deepest
@@ -70,27 +70,27 @@ def _repeated_blocks(model: nn.Module) -> list[str]:
     return found
 
 
-def _as_large_as_a_block(model: nn.Module, blocks: list[str]) -> list[str]:
-    """Modules outside the blocks whose own parameters are at least the largest block's.
+def _as_large_as_a_unit(model: nn.Module, units: list[str]) -> list[str]:
+    """Modules outside ``units`` whose own parameters are at least the largest unit's.
 
-    Left in the root, they would be gathered for the whole forward (the root's forward encloses
-    every other) and their gradients would wait in one root-sized buffer from the output head's
-    backward, at the step's activation peak, until the embedding's at its end."""
+    Left in the root, they are gathered for the whole forward (the root's forward encloses every
+    other) and their gradients wait in one root-sized buffer from the output head's backward, at
+    the step's activation peak, until the embedding's at its end."""
     modules = dict(model.named_modules())
-    largest = max((sum(p.numel() for p in modules[path].parameters()) for path in blocks),
+    largest = max((sum(p.numel() for p in modules[path].parameters()) for path in units),
                   default=0)
     if largest == 0:
         return []
     return [path for path, module in modules.items()
-            if path and not any(_is_ancestor(block, path) for block in blocks)
+            if path and not any(_is_ancestor(unit, path) for unit in units)
             and sum(p.numel() for p in module._parameters.values() if p is not None) >= largest]
 
 
-def find_units(model: nn.Module, classes: tuple[str, ...] | None) -> list[UnitSpec]:
+def find_units(model: nn.Module, classes: tuple[str, ...] | None,
+               split_large: bool = False) -> list[UnitSpec]:
     """Units in forward-registration order, the root last; units without parameters are dropped."""
     if classes is None:
-        blocks = _repeated_blocks(model)
-        unit_paths = blocks + _as_large_as_a_block(model, blocks)
+        unit_paths = _repeated_blocks(model)
     else:
         known = {type(m).__name__ for m in model.modules()}
         missing = [c for c in classes if c not in known]
@@ -99,6 +99,8 @@ def find_units(model: nn.Module, classes: tuple[str, ...] | None) -> list[UnitSp
                               f"its module classes are: {', '.join(sorted(known))}")
         unit_paths = [path for path, m in model.named_modules()
                       if path and type(m).__name__ in classes]
+    if split_large:
+        unit_paths += _as_large_as_a_unit(model, unit_paths)
     # Tiles of a TiledLinear are always units of their own: that is what they are for.
     unit_paths += [path for path, m in model.named_modules() if isinstance(m, LinearTile)]
     modules = dict(model.named_modules(remove_duplicate=False))
