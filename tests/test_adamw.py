@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -116,3 +117,37 @@ def test_one_pass_lets_other_threads_run_while_it_steps():
     torch.set_num_threads(threads)  # the count is process-wide in torch
     assert not kernel._failed and len(run_seconds) == 3
     assert longest_gap < 0.5 * min(run_seconds), (longest_gap, run_seconds)
+
+
+@pytest.mark.parametrize("accumulation_steps", [None, 1])
+def test_initialize_compiles_every_variant_the_steps_need(accumulation_steps):
+    """Compiling runs the C++ compiler in child processes, which a process holding pinned memory
+    starts slowly (11 s per fork with 16 GiB pinned on the GPU box): every variant of the kernel
+    the steps use must be compiled in initialize(), before the DRAM tier pins. Two backwards per
+    step and zero_grad(set_to_none=False) make fp32 gradient sums, the first backward of a step
+    a bf16 gradient; units are views at many offsets of a few slabs."""
+    import tiered
+    from gpt import GPT, next_token_loss
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    engine, optimizer = tiered.initialize(
+        GPT(64, 16, 6, 2), "configs/cpu.yaml", device="cpu", compute_dtype="bf16",
+        optimizer={"accumulation_steps": accumulation_steps})
+    kernel = optimizer._stepper.one_pass
+    idx = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    backwards = 1 if accumulation_steps == 1 else 2
+    compiled = dict(torch._dynamo.utils.counters["stats"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failed compile warns and falls back
+        for set_to_none in (True, False, True):
+            for _ in range(backwards):
+                engine.backward(next_token_loss(engine(idx), idx))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none)
+        optimizer.synchronize()
+    assert kernel is not None and not kernel._failed
+    # Nothing more was traced or compiled: the counters are process-wide (dynamo's config is
+    # per thread, so error_on_recompile would not reach the worker).
+    assert dict(torch._dynamo.utils.counters["stats"]) == compiled
+    engine.close()

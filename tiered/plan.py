@@ -149,6 +149,15 @@ def reduce_dtype(policy: Policy, world_size: int) -> torch.dtype:
     return torch.float32 if world_size > 1 else policy.compute_dtype.torch_dtype
 
 
+def grad_dtypes(policy: Policy, world_size: int) -> set[torch.dtype]:
+    """The dtypes the optimizer may find a unit's gradient in: a compact buffer's own, or an fp32
+    buffer's sum and the reduced shard's dtype, kept as it is until a second gradient comes."""
+    held = state_dtype(policy, StateKind.GRAD)
+    if held is not torch.float32:
+        return {held}
+    return {held, reduce_dtype(policy, world_size)}
+
+
 def hbm_working_set(policy: Policy, full_numels: list[int], unit_paths: list[str],
                     world_size: int) -> int:
     """Peak bytes of the engine's transient device buffers.

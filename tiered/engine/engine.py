@@ -20,7 +20,7 @@ from ..optim import TieredAdamW
 from ..optim.adamw import one_pass_for
 from ..optim.loss_scale import LossScaler
 from ..optim.workers import CpuWorker, optimizer_threads
-from ..plan import StateKind, build_plan, state_kinds
+from ..plan import StateKind, build_plan, grad_dtypes, state_kinds
 from ..policy import ComputeDtype, Device, Policy, Tier, resolve
 from ..tiers import SlabSource
 from ..timeline import Timeline
@@ -204,7 +204,7 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
         raise TieredError("the model has no parameters to train")
     flats = [FlatParam(spec, group.rank, group.world_size, policy.compute_dtype.torch_dtype,
                        device) for spec in specs]
-    manager = TierManager(policy, device, group.rank, dram_source)
+    manager = TierManager(policy, device, group.rank, dram_source, group.world_size)
     worker = None
     try:
         plan = build_plan(policy, device, [f.shard_numel for f in flats],
@@ -212,7 +212,9 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
                           group.world_size, dram_available=manager.available()[Tier.DRAM])
         worker = CpuWorker(optimizer_threads(policy.cpu.optimizer_threads,
                                              drives_gpu=device.type == "cuda"))
+        plan.check(manager.available())  # before paying for a compile the budget forbids
         one_pass = one_pass_for(policy.compute_dtype.torch_dtype,
+                                grad_dtypes(policy, group.world_size),
                                 device if policy.optimizer.tier is Tier.HBM else torch.device("cpu"),
                                 worker)
         manager.allocate(plan)

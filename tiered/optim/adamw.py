@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -63,6 +64,22 @@ WARM_UP_NUMEL = 1 << 22
 """Elements the kernel is compiled on: the size of a small unit's shard (64 MiB of states)."""
 
 
+def _alone(tensor: torch.Tensor) -> torch.Tensor:
+    """The same memory as the contiguous ``tensor``, as a tensor with a storage of its own that
+    starts where it does.
+
+    The tiers hand out states as views into shared slabs, at offsets and in groupings that vary
+    from unit to unit. Code compiled on such views is guarded on which inputs share a storage
+    and on offsets of 0 (seen with torch 2.13), so each pattern could cost another compile, and
+    past dynamo's limit of 8 the kernel would silently run uncompiled. Seen alone, every unit's
+    states match the one variant the warm-up compiled, whatever a torch version guards on.
+    """
+    start = tensor.storage_offset() * tensor.element_size()
+    storage = tensor.untyped_storage()[start:start + tensor.numel() * tensor.element_size()]
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
+        storage, 0, tensor.shape, tensor.stride())
+
+
 class OnePassAdamW:
     """AdamW for mixed precision on the CPU: reads the gradient in the compute dtype and writes
     the new compute-dtype weights in the same pass over memory.
@@ -88,9 +105,8 @@ class OnePassAdamW:
         size (6x slower on the reference box's 15 threads).
         """
         numel = WARM_UP_NUMEL
-        master, exp_avg, exp_avg_sq = torch.zeros(numel), torch.zeros(numel), torch.zeros(numel)
-        self.step(master, torch.zeros(numel, dtype=grad_dtype), exp_avg, exp_avg_sq,
-                  torch.empty(numel, dtype=weights_dtype), torch.ones(()),
+        self.step(torch.zeros(numel), torch.zeros(numel, dtype=grad_dtype), torch.zeros(numel),
+                  torch.zeros(numel), torch.empty(numel, dtype=weights_dtype), torch.ones(()),
                   AdamWHyper(0.0, 0.9, 0.999, 1e-8, 0.0), 1.0)
 
     def step(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
@@ -110,7 +126,8 @@ class OnePassAdamW:
                     # took 0.6 s instead of 0.27 s beside the delayed update).
                     self._compiled = torch.compile(_adamw_one_pass, dynamic=True,
                                                    options={"cpp_wrapper": True})
-                self._compiled(master, grad, exp_avg, exp_avg_sq, weights, scalars)
+                self._compiled(*(_alone(t) for t in (master, grad, exp_avg, exp_avg_sq,
+                                                     weights)), scalars)
                 return
             except Exception as error:  # no compiler, or an inductor failure: stay correct
                 self._failed = True
@@ -121,8 +138,8 @@ class OnePassAdamW:
         weights.copy_(master)
 
 
-def one_pass_for(compute_dtype: torch.dtype, optimizer_device: torch.device,
-                 worker) -> OnePassAdamW | None:
+def one_pass_for(compute_dtype: torch.dtype, grad_dtypes: set[torch.dtype],
+                 optimizer_device: torch.device, worker) -> OnePassAdamW | None:
     """The one-pass kernel for mixed precision with the optimizer on the CPU, compiled now on
     ``worker`` (the thread that will run it: its intra-op thread count is baked into the code);
     ``None`` where torch's fused kernel serves (fp32 keeps it, bit for bit, as does a GPU).
@@ -135,7 +152,8 @@ def one_pass_for(compute_dtype: torch.dtype, optimizer_device: torch.device,
     if optimizer_device.type != "cpu" or compute_dtype is torch.float32:
         return None
     one_pass = OnePassAdamW()
-    worker.submit(lambda: one_pass.warm_up(compute_dtype, compute_dtype))
+    for grad_dtype in sorted(grad_dtypes, key=str):  # each is a compiled variant
+        worker.submit(partial(one_pass.warm_up, grad_dtype, compute_dtype))
     worker.drain()
     return one_pass
 
