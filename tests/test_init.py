@@ -134,3 +134,31 @@ def test_model_larger_than_dram_builds_with_nvme_policy(tmp_path):
     assert result["init_growth"] < 4 * result["params"]
     assert result["init_growth"] < dram_budget + 16 * result["largest_unit"]
     assert all(math.isfinite(v) for row in result["sample"] for v in row)
+
+
+def test_device_bytes_count_every_parameter_materialized_with_a_unit():
+    """A head whose weight is tied to the embedding and whose bias is its own: with
+    units.split_large the head is a unit owning only the bias, but building it materializes the
+    head module's every parameter, the tied weight too, and both are counted."""
+    from tiered.engine.init import Materializer
+    from tiered.engine.units import find_units
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(512, 16)
+            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+            self.head = nn.Linear(16, 512)
+            self.head.weight = self.emb.weight
+
+    with torch.device("meta"):
+        model = Tied()
+    units = find_units(model, None, split_large=True)
+    assert [u.path for u in units] == ["blocks.0", "blocks.1", "head", ""]
+    materializer = Materializer(model, units, torch.device("cpu"), None)
+    head = units[2]
+    assert [p.names for p in head.params] == [("head.bias",)]
+    assert materializer.device_bytes(head) == (512 + 512 * 16) * 4
+    materializer.values(head)
+    assert not model.head.weight.is_meta and not model.head.bias.is_meta
+    assert materializer.device_bytes(units[3]) == 0  # the root's tied weight exists already

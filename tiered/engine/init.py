@@ -99,9 +99,10 @@ class Materializer:
         self.initialized: set[int] = set()
 
     def device_bytes(self, unit: UnitSpec) -> int:
-        """Bytes :meth:`values` will allocate on the device for this unit's meta parameters."""
-        pending = [_current(p) for p in unit.params if _current(p).is_meta]
-        return sum(t.numel() * t.element_size() for t in pending)
+        """Bytes :meth:`values` will allocate on the device: the unit's meta parameters, and
+        any other meta parameter of the modules holding them (materialized alongside)."""
+        pending = [p for p in unit.params if _current(p).is_meta]
+        return sum(t.numel() * t.element_size() for t in self._to_materialize(pending).values())
 
     def values(self, unit: UnitSpec) -> list[torch.Tensor]:
         """The unit's parameter values in spec order, materializing meta ones first."""
@@ -110,16 +111,22 @@ class Materializer:
             self._materialize(pending)
         return [_current(p) for p in unit.params]
 
+    def _to_materialize(self, specs: list[ParamSpec]) -> dict[int, nn.Parameter]:
+        """The meta parameters that get storage with ``specs``: theirs, and every other one of
+        the modules holding them (a module's init may touch all of its parameters)."""
+        chosen = {id(_current(spec)): _current(spec) for spec in specs}
+        for module in {id(m): m for spec in specs for m, _ in spec.holders}.values():
+            for param in module._parameters.values():
+                if param is not None and param.is_meta:
+                    chosen.setdefault(id(param), param)
+        return chosen
+
     def _materialize(self, specs: list[ParamSpec]) -> None:
         modules = {id(m): m for p in specs for m, _ in p.holders}
         # All of the unit's parameters get storage before any init runs, so a module's init may
         # touch a child's parameter of the same unit (MultiheadAttention does).
-        for spec in specs:
-            self._give_storage(_current(spec))
-        for module in modules.values():
-            for param in list(module._parameters.values()):
-                if param is not None and param.is_meta:
-                    self._give_storage(param)
+        for param in self._to_materialize(specs).values():
+            self._give_storage(param)
         with torch.no_grad():
             for module in sorted(modules.values(), key=lambda m: self.post_order[id(m)]):
                 # Keyed by spec: specs live as long as this object, so their ids stay unique
