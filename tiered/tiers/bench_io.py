@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -75,11 +76,10 @@ def run(path: str, size: int, sweep_size: int, settings: IoSettings, repeats: in
 
 def _median(samples: tuple[Point, ...]) -> Point:
     """The point with each direction's median bandwidth over its samples."""
-    def median(values: list[float]) -> float:
-        return sorted(values)[len(values) // 2]
     first = samples[0]
     return Point(first.label, first.block_size, first.queue_depth,
-                 median([p.write_gbps for p in samples]), median([p.read_gbps for p in samples]))
+                 statistics.median(p.write_gbps for p in samples),
+                 statistics.median(p.read_gbps for p in samples))
 
 
 def _measure(folder: str, label: str, settings: IoSettings, size: int,
