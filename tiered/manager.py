@@ -65,10 +65,11 @@ def _staging_out(kind: StateKind) -> str:
 
 class TierManager:
     def __init__(self, policy: Policy, device: torch.device, rank: int,
-                 dram_source: SlabSource | None = None):
+                 dram_source: SlabSource | None = None, ranks: int = 1):
+        """``ranks``: the ranks on this node, which share its DRAM when no budget is set."""
         self.policy = policy
         self.hbm = HbmTier(device, policy.hbm.budget)
-        self.dram = DramTier(policy.dram.budget, dram_source)
+        self.dram = DramTier(policy.dram.budget, dram_source, ranks)
         io = IoSettings(policy.nvme.block_size, policy.nvme.queue_depth)
         self.nvme = (NvmeTier(policy.nvme.path, policy.nvme.budget, rank, io)
                      if policy.uses_nvme else None)

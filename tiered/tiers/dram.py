@@ -8,7 +8,6 @@ carves them out of shared memory registered with CUDA, instead of :class:`Pinned
 """
 from __future__ import annotations
 
-import os
 from typing import Hashable, Protocol
 
 import psutil
@@ -59,17 +58,17 @@ class PinnedSlabSource:
             torch.cuda.cudart().cudaHostUnregister(slab.data_ptr())
 
 
-def default_budget() -> int:
-    """This rank's share of the host memory available now, less an eighth left to the processes
-    themselves (their own tensors, CUDA's, the page cache): what the tier can pin without the
-    machine swapping or killing a process, and what ``dram.spill`` keeps in DRAM."""
-    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return psutil.virtual_memory().available * 7 // 8 // ranks
+def default_budget(ranks: int) -> int:
+    """One of ``ranks`` equal shares (the ranks on this node) of the host memory available now,
+    less an eighth left to the processes themselves (their own tensors, CUDA's, the page cache):
+    what the tier can pin without the machine swapping or killing a process, and what
+    ``dram.spill`` keeps in DRAM."""
+    return psutil.virtual_memory().available * 7 // 8 // max(1, ranks)
 
 
 class DramTier:
-    def __init__(self, budget: int | None, source: SlabSource | None = None):
-        self.usage = TierUsage("dram", default_budget() if budget is None else budget)
+    def __init__(self, budget: int | None, source: SlabSource | None = None, ranks: int = 1):
+        self.usage = TierUsage("dram", default_budget(ranks) if budget is None else budget)
         self._source = source or PinnedSlabSource()
         self._slabs: list[torch.Tensor] = []
 
