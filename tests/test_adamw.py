@@ -121,11 +121,10 @@ def test_one_pass_lets_other_threads_run_while_it_steps():
 
 @pytest.mark.parametrize("accumulation_steps", [None, 1])
 def test_initialize_compiles_every_variant_the_steps_need(accumulation_steps):
-    """Compiling runs the C++ compiler in child processes, which a process holding pinned memory
-    starts slowly (11 s per fork with 16 GiB pinned on the GPU box): every variant of the kernel
-    the steps use must be compiled in initialize(), before the DRAM tier pins. Two backwards per
-    step and zero_grad(set_to_none=False) make fp32 gradient sums, the first backward of a step
-    a bf16 gradient; units are views at many offsets of a few slabs."""
+    """A compile takes about a minute on a cold GPU box: every variant of the kernel the steps
+    use must be compiled in initialize(), none in a step. Two backwards per step and
+    zero_grad(set_to_none=False) make fp32 gradient sums, the first backward of a step a bf16
+    gradient; units are views at many offsets of a few slabs."""
     import tiered
     from gpt import GPT, next_token_loss
 

@@ -144,10 +144,11 @@ def one_pass_for(compute_dtype: torch.dtype, grad_dtypes: set[torch.dtype],
     ``worker`` (the thread that will run it: its intra-op thread count is baked into the code);
     ``None`` where torch's fused kernel serves (fp32 keeps it, bit for bit, as does a GPU).
 
-    Returns once compiled. Compiling runs the C++ compiler in child processes, and a child of a
-    process holding page-locked memory starts by copying every locked page (Linux copies
-    DMA-pinned pages at fork instead of sharing them), so this must finish before the DRAM tier
-    pins its slabs: compiled after pinning 47 GiB, the kernel took 53 s instead of seconds.
+    Returns once compiled, a variant per gradient dtype in ``grad_dtypes``: a cold compile took
+    about a minute on the reference box, which the first step used to pay (53 s). Before the DRAM
+    tier pins its slabs: a ``fork()`` of a process holding 16 GiB pinned took 11 s there (Linux
+    copies DMA-pinned pages into the child); the compiler's children measured no slower, since
+    ``subprocess`` does not copy the parent's memory, but nothing depends on that.
     """
     if optimizer_device.type != "cpu" or compute_dtype is torch.float32:
         return None
