@@ -88,7 +88,7 @@ def test_one_pass_lets_other_threads_run_while_it_steps():
     the GIL. The main thread records the longest it went without running while a single-
     threaded kernel stepped a large shard on another thread; holding the GIL, that gap is a
     whole step."""
-    numel = 1 << 25
+    numel = 1 << 26  # about 0.1 s a step on one core: far longer than any scheduling hiccup
     kernel = OnePassAdamW()
     tensors = dict(master=torch.randn(numel), grad=torch.randn(numel).bfloat16(),
                    exp_avg=torch.zeros(numel), exp_avg_sq=torch.zeros(numel),
