@@ -80,8 +80,8 @@ def _plain_step(model, autocast: bool):
 def _run_tiered(args, variant):
     """``variant`` is a policy name with optional ``+dpu`` (the delayed update after 2 warm-up
     steps), ``+arrive`` (accumulation_steps 1: units stepped as their gradients arrive),
-    ``+depth1`` (prefetch one need ahead instead of two) and ``+split`` (units.split_large);
-    ``--set`` adds keys for every mode."""
+    ``+depth1`` (prefetch one need ahead instead of two) and ``+nosplit`` (units.split_large
+    off: embedding and head stay in the root unit); ``--set`` adds keys for every mode."""
     import tiered
 
     policy, *extras = variant.split("+")
@@ -95,8 +95,8 @@ def _run_tiered(args, variant):
         optimizer["accumulation_steps"] = 1
     if "depth1" in extras:
         overrides.setdefault("prefetch", {})["depth"] = 1
-    if "split" in extras:
-        overrides.setdefault("units", {})["split_large"] = True
+    if "nosplit" in extras:
+        overrides.setdefault("units", {})["split_large"] = False
     if args.trace:
         name = variant.replace("+", "-")
         overrides["trace"] = {"path": os.path.join(args.trace, f"trace_{name}_b{args.batch}.json")}

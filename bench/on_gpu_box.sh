@@ -18,10 +18,9 @@ offload)  # issue 3: batch 4 and 8, DPU off and on, beside the GPU-resident and 
     python bench/bench_offload.py --batches 4,8 --steps 5 --trace "$out" --out "$out/offload.json" \
         --modes gpu,fsdp2_offload,tiered:cpu,tiered:cpu+arrive,tiered:cpu+dpu 2>&1 \
         | grep -v -e Warning -e _conversion | tee "$out/offload.log" ;;
-variants)  # issue 3: lower peak HBM at batch 8 (units.split_large, prefetch depth 1)
+variants)  # issue 3: what sets peak HBM at batch 8 (units.split_large off, prefetch depth 1)
     python bench/bench_offload.py --batches 8 --steps 5 --out "$out/variants.json" \
-        --modes tiered:cpu+dpu,tiered:cpu+dpu+split,tiered:cpu+dpu+depth1,\
-tiered:cpu+dpu+split+depth1 \
+        --modes tiered:cpu+dpu,tiered:cpu+dpu+nosplit,tiered:cpu+dpu+depth1 \
         2>&1 | grep -v -e Warning -e _conversion | tee "$out/variants.log" ;;
 tiled)  # issue 5: throughput against nn.Linear, and a layer larger than a 2 GiB budget
     for splits in 1x4 2x2; do

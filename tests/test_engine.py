@@ -81,14 +81,14 @@ def test_units_are_the_repeated_blocks_plus_the_root():
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_split_large_makes_units_of_block_sized_modules_and_trains_like_pytorch(tied):
+def test_block_sized_modules_are_units_and_train_like_pytorch(tied):
     torch.manual_seed(0)
     # Embedding and head: 8192 parameters each; a block: 3.2k. No qkv bias, as in make_gpt:
     # the key bias's gradient is rounding noise, which AdamW amplifies to whole steps.
     model = GPT(512, 16, 2, 2, max_seq=SEQ, tied=tied, qkv_bias=False)
     assert [u.path for u in find_units(model, None)] == ["blocks.0", "blocks.1", ""]
     reference = copy.deepcopy(model)
-    engine, optimizer = fp32_engine(model, units={"split_large": True})
+    engine, optimizer = fp32_engine(model)  # units.split_large is on by default
     # Untied, the embedding and the head are units of their own; tied, their one weight is
     # held by both and stays with the root, the unit that contains them both.
     expected = ["blocks.0", "blocks.1", "<root>"] if tied else [
@@ -96,6 +96,43 @@ def test_split_large_makes_units_of_block_sized_modules_and_trains_like_pytorch(
     assert [f.name for f in engine.runtime.flats] == expected
     train_both(engine, optimizer, reference, reference_optimizer(reference), steps=3)
     assert_same(engine.full_state_dict(), reference.state_dict())
+    assert all(f.residency is Residency.RELEASED for f in engine.runtime.flats)
+    engine.close()
+
+
+class ReadsWeightsElsewhere(nn.Module):
+    """Logits from the embedding's weight in the model's own forward (as OLMo ties them), and a
+    projection whose module is never called, only its weight read."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(512, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+        self.proj = nn.Linear(16, 16, bias=False)
+        self.unused = nn.Linear(16, 512, bias=False)  # never called; as large as a block
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        h = torch.nn.functional.linear(h, self.proj.weight)
+        return torch.nn.functional.linear(h, self.emb.weight) + self.unused.weight.sum(1)
+
+
+def test_whole_forward_units_may_be_read_anywhere_in_the_forward():
+    torch.manual_seed(0)
+    model = ReadsWeightsElsewhere()
+    reference = copy.deepcopy(model)
+    engine, optimizer = fp32_engine(model)  # units.split_large is on by default
+    assert [(f.name, f.spec.whole_forward) for f in engine.runtime.flats] == [
+        ("emb", True), ("blocks.0", False), ("blocks.1", False), ("unused", True),
+        ("<root>", False)]
+    train_both(engine, optimizer, reference, reference_optimizer(reference), steps=3)
+    assert_same(engine.full_state_dict(), reference.state_dict())
+    assert all(f.residency is Residency.RELEASED for f in engine.runtime.flats)
+    with torch.no_grad():  # and outside training, as torch would
+        idx = data(1)[0]
+        torch.testing.assert_close(engine(idx), reference(idx), rtol=1e-5, atol=1e-6)
     assert all(f.residency is Residency.RELEASED for f in engine.runtime.flats)
     engine.close()
 

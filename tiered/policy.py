@@ -281,13 +281,11 @@ class TracePolicy:
 class UnitsPolicy:
     classes: tuple[str, ...] | None = field(default=None, metadata=_parse(_class_names))
     """Module class names that each become a unit; null = every repeated block (see units.py)."""
-    split_large: bool = field(default=False, metadata=_parse(_bool))
+    split_large: bool = field(default=True, metadata=_parse(_bool))
     """Also make a unit of every module outside the units whose own parameters are as large as
-    the largest unit (an untied token embedding, an output head), instead of leaving them to the
-    root, which holds them gathered through the whole forward and their gradients in one buffer
-    through the whole backward. Only for models that use such a module's weights inside its own
-    forward: one that reads them elsewhere (logits as F.linear(h, emb.weight) in the model's
-    forward) fails, since the unit is gathered only while that module runs."""
+    the largest unit (an untied token embedding, an output head). Such a unit is gathered for the
+    whole forward, as the root is, but its gradient leaves when its own backward is done instead
+    of waiting in the root's buffer through the whole backward (see units.py)."""
 
 
 @dataclass(frozen=True)

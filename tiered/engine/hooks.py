@@ -19,7 +19,8 @@ Gathering on unpack, rather than from hooks on a unit's outputs, covers every pa
 gradient can reach a unit's weights (outputs hidden in dataclasses, auxiliary losses, activation
 checkpointing that recomputes a forward inside backward: its post-hook does not release then).
 The root unit is the model itself, so the root's own parameters (embeddings, final norm, head)
-stay gathered through the whole forward.
+stay gathered through the whole forward; so do whole-forward units (units.py), gathered by the
+model's pre-hook and released by its post-hook.
 """
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ class UnitHooks:
         self._started: dict[int, object] = {}
         """Timeline marks of the units computing now (forward, or backward since first use)."""
         self._saved_hooks: list[torch.autograd.graph.saved_tensors_hooks] = []
+        self._whole_forward = [flat for flat in runtime.flats if flat.spec.whole_forward]
         self._handles = [
             model.register_forward_pre_hook(self._start_forward, with_kwargs=True),
             model.register_forward_hook(self._end_forward, always_call=True),
@@ -67,18 +69,27 @@ class UnitHooks:
         self._handles.clear()
 
     def _start_forward(self, module, args, kwargs):
-        """Model pre-hook: recover from a backward that raised, and cast floating inputs to the
-        compute dtype, as the weights have."""
+        """Model pre-hook: recover from a backward that raised, gather the units the whole
+        forward may read, and cast floating inputs to the compute dtype, as the weights have."""
         if self._in_backward and not _in_backward_pass():
             self._end_backward()  # a backward that raised never reached its end callback
+        if not _in_backward_pass():
+            for flat in self._whole_forward:
+                self.runtime.use(flat)
+                flat.bind_views()
         if self.compute_dtype is torch.float32:
             return None
         cast = partial(_cast_floating, dtype=self.compute_dtype)
         return tree_map_only(torch.Tensor, cast, (args, kwargs))
 
     def _end_forward(self, module, args, output) -> None:
-        """Model post-hook: a forward without grad has no backward to wait for."""
-        if not torch.is_grad_enabled() and not _in_backward_pass():
+        """Model post-hook: release what the whole forward held; a forward without grad has no
+        backward to wait for."""
+        if _in_backward_pass():
+            return
+        for flat in self._whole_forward:
+            self.runtime.done(flat)
+        if not torch.is_grad_enabled():
             self.runtime.end_iteration()
 
     def _pre_forward(self, flat: FlatParam, module, args) -> None:
@@ -86,14 +97,17 @@ class UnitHooks:
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
         self._saved_hooks.append(hooks)
-        self.runtime.use(flat)
-        flat.bind_views()
+        if not flat.spec.whole_forward or _in_backward_pass():
+            self.runtime.use(flat)
+            flat.bind_views()
         self._started[flat.spec.index] = self.runtime.timeline.mark()
 
     def _post_forward(self, flat: FlatParam, module, args, output) -> None:
         self._saved_hooks.pop().__exit__(None, None, None)
         self._span(flat, "forward")
-        if not _in_backward_pass():  # a forward recomputed inside backward keeps its unit
+        # A forward recomputed inside backward keeps its unit; a whole-forward unit is released
+        # at the end of the model's forward.
+        if not _in_backward_pass() and not flat.spec.whole_forward:
             self.runtime.done(flat)
 
     def _pack(self, tensor: torch.Tensor):

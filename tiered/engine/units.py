@@ -3,9 +3,12 @@
 A unit is a module whose parameters are gathered and released together. By default every
 repeated block is a unit (the children of a ``ModuleList``/``Sequential`` that holds two or more
 modules of one class with parameters, outermost lists only), and the root module is one more unit
-for all remaining parameters. ``units.classes`` in the policy names the classes instead, and
-``units.split_large`` also makes a unit of every module outside them whose own parameters are as
-large as the largest of them (a language model's untied token embedding and output head).
+for all remaining parameters. ``units.classes`` in the policy names the classes instead.
+``units.split_large`` (on by default) also makes a unit of every module outside them whose own
+parameters are as large as the largest of them (a language model's untied token embedding and
+output head): gathered through the whole forward like the root, but with a gradient of its own
+that leaves as soon as its backward is done, and gathered in backward only if its backward
+reads its weights (an embedding's does not).
 
 Each parameter belongs to exactly one unit: the innermost unit containing the module that holds
 it. A parameter held by several modules (tied input and output embeddings) belongs to the deepest
@@ -45,6 +48,10 @@ class UnitSpec:
     """Module path of the unit ("" for the root)."""
     module: nn.Module
     params: tuple[ParamSpec, ...]
+    whole_forward: bool = False
+    """Gathered for the whole model forward, as the root's own parameters are: the model may
+    read its weights anywhere in its forward (a head computed as ``F.linear(h, emb.weight)``),
+    not only inside the unit's module. In backward it is a unit like any other."""
 
 
 def _is_ancestor(path: str, of: str) -> bool:
@@ -73,9 +80,9 @@ def _repeated_blocks(model: nn.Module) -> list[str]:
 def _as_large_as_a_unit(model: nn.Module, units: list[str]) -> list[str]:
     """Modules outside ``units`` whose own parameters are at least the largest unit's.
 
-    Left in the root, they are gathered for the whole forward (the root's forward encloses every
-    other) and their gradients wait in one root-sized buffer from the output head's backward, at
-    the step's activation peak, until the embedding's at its end."""
+    Left in the root, their gradients wait in one root-sized buffer from the output head's
+    backward, at the step's activation peak, until the embedding's at its end, and the root's
+    backward gathers them all again."""
     modules = dict(model.named_modules())
     largest = max((sum(p.numel() for p in modules[path].parameters()) for path in units),
                   default=0)
@@ -99,8 +106,8 @@ def find_units(model: nn.Module, classes: tuple[str, ...] | None,
                               f"its module classes are: {', '.join(sorted(known))}")
         unit_paths = [path for path, m in model.named_modules()
                       if path and type(m).__name__ in classes]
-    if split_large:
-        unit_paths += _as_large_as_a_unit(model, unit_paths)
+    split = _as_large_as_a_unit(model, unit_paths) if split_large else []
+    unit_paths += split
     # Tiles of a TiledLinear are always units of their own: that is what they are for.
     unit_paths += [path for path, m in model.named_modules() if isinstance(m, LinearTile)]
     modules = dict(model.named_modules(remove_duplicate=False))
@@ -134,5 +141,6 @@ def find_units(model: nn.Module, classes: tuple[str, ...] | None,
     units = []
     for path in specs:
         if owned[path]:
-            units.append(UnitSpec(len(units), path, modules[path], tuple(owned[path])))
+            units.append(UnitSpec(len(units), path, modules[path], tuple(owned[path]),
+                                  whole_forward=path in split))
     return units
