@@ -103,15 +103,24 @@ def test_gpu_policy_holds_the_shards_on_the_device_and_transients_stay_in_the_pl
     engine.close()
 
 
-def test_budget_exactly_the_plan_trains_and_never_passes_it(tmp_path):
-    model = make_gpt()
+def make_wide_vocab_gpt() -> GPT:
+    """Embedding and head as large as a block: units gathered through the whole forward."""
+    torch.manual_seed(0)
+    return GPT(2048, 32, 3, 2, max_seq=SEQ, tied=False)
+
+
+@pytest.mark.parametrize("make_model", [make_gpt, make_wide_vocab_gpt])
+def test_budget_exactly_the_plan_trains_and_never_passes_it(tmp_path, make_model):
+    model = make_model()
     policy = Policy.from_yaml("configs/nvme.yaml", dict(
         device="cpu", compute_dtype="fp32", nvme={"path": str(tmp_path)}))
     # Find what the plan needs, then give each tier exactly that.
-    probe, _ = tiered.initialize(make_gpt(), policy)
+    probe, _ = tiered.initialize(make_model(), policy)
     flats = probe.runtime.flats
+    assert any(f.spec.whole_forward for f in flats) == (make_model is make_wide_vocab_gpt)
+    paths = ["" if f.spec.whole_forward else f.spec.path for f in flats]  # as initialize()
     plan = build_plan(policy, torch.device("cpu"), [f.shard_numel for f in flats],
-                      [f.padded_numel for f in flats], [f.spec.path for f in flats], 1)
+                      [f.padded_numel for f in flats], paths, 1)
     probe.close()
     tight = policy.replace(hbm={"budget": plan.needed(Tier.HBM)},
                            dram={"budget": plan.needed(Tier.DRAM)},
@@ -127,7 +136,7 @@ def test_budget_exactly_the_plan_trains_and_never_passes_it(tmp_path):
 
     one_byte_short = tight.replace(hbm={"budget": plan.needed(Tier.HBM) - 1})
     with pytest.raises(tiered.BudgetError) as error:
-        tiered.initialize(make_gpt(), one_byte_short)
+        tiered.initialize(make_model(), one_byte_short)
     assert error.value.shortfalls == {"hbm": (plan.needed(Tier.HBM), plan.needed(Tier.HBM) - 1)}
     assert os.listdir(tmp_path) == [], "a failed initialize left NVMe files behind"
 

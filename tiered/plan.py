@@ -160,7 +160,8 @@ def grad_dtypes(policy: Policy, world_size: int) -> set[torch.dtype]:
 
 def hbm_working_set(policy: Policy, full_numels: list[int], unit_paths: list[str],
                     world_size: int) -> int:
-    """Peak bytes of the engine's transient device buffers.
+    """Peak bytes of the engine's transient device buffers; ``unit_paths`` are the units' module
+    paths, "" for the root and for the units gathered with it through the whole forward.
 
     A unit stays gathered while any unit nested in it runs, so what is gathered at once is a
     chain of nested units (the root, and each unit's enclosing units). In backward the next

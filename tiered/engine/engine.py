@@ -207,8 +207,10 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
     manager = TierManager(policy, device, group.rank, dram_source, group.world_size)
     worker = None
     try:
+        # Units gathered through the whole forward are gathered as long as the root is.
+        paths = ["" if f.spec.whole_forward else f.spec.path for f in flats]
         plan = build_plan(policy, device, [f.shard_numel for f in flats],
-                          [f.padded_numel for f in flats], [f.spec.path for f in flats],
+                          [f.padded_numel for f in flats], paths,
                           group.world_size, dram_available=manager.available()[Tier.DRAM])
         worker = CpuWorker(optimizer_threads(policy.cpu.optimizer_threads,
                                              drives_gpu=device.type == "cuda"))
