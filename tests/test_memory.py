@@ -116,11 +116,9 @@ def test_budget_exactly_the_plan_trains_and_never_passes_it(tmp_path, make_model
         device="cpu", compute_dtype="fp32", nvme={"path": str(tmp_path)}))
     # Find what the plan needs, then give each tier exactly that.
     probe, _ = tiered.initialize(make_model(), policy)
-    flats = probe.runtime.flats
-    assert any(f.spec.whole_forward for f in flats) == (make_model is make_wide_vocab_gpt)
-    paths = ["" if f.spec.whole_forward else f.spec.path for f in flats]  # as initialize()
-    plan = build_plan(policy, torch.device("cpu"), [f.shard_numel for f in flats],
-                      [f.padded_numel for f in flats], paths, 1)
+    whole_forward = any(f.spec.whole_forward for f in probe.runtime.flats)
+    assert whole_forward == (make_model is make_wide_vocab_gpt)
+    plan = probe.runtime.manager.plan
     probe.close()
     tight = policy.replace(hbm={"budget": plan.needed(Tier.HBM)},
                            dram={"budget": plan.needed(Tier.DRAM)},

@@ -10,7 +10,6 @@ from torch import nn
 import tiered
 from test_engine import assert_same
 from tiered.ops.tiled_linear import tile_shape
-from tiered.plan import build_plan
 from tiered.policy import Policy, Tier
 
 
@@ -91,11 +90,9 @@ def cpu_policy(**extra) -> Policy:
 
 def hbm_needed(policy: Policy) -> int:
     engine, _ = tiered.initialize(make_wide(), policy)
-    flats = engine.runtime.flats
-    plan = build_plan(policy, torch.device("cpu"), [f.shard_numel for f in flats],
-                      [f.padded_numel for f in flats], [f.spec.path for f in flats], 1)
+    needed = engine.runtime.manager.plan.needed(Tier.HBM)
     engine.close()
-    return plan.needed(Tier.HBM)
+    return needed
 
 
 def test_a_layer_larger_than_the_hbm_budget_trains_tiled_with_parity():

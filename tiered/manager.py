@@ -74,6 +74,8 @@ class TierManager:
         self.nvme = (NvmeTier(policy.nvme.path, policy.nvme.budget, rank, io)
                      if policy.uses_nvme else None)
         self.shards: dict[tuple[int, StateKind], Shard] = {}
+        self.plan: MemoryPlan | None = None
+        """What :meth:`allocate` allocated."""
         self._staging: dict[str, torch.Tensor] = {}
 
 
@@ -91,6 +93,7 @@ class TierManager:
         zeros because they were just preallocated.
         """
         plan.check(self.available())
+        self.plan = plan
         dram = {key: buf.nbytes for key, buf in plan.shards.items() if buf.tier is Tier.DRAM}
         dram.update({("staging", name): buf.nbytes for name, buf in plan.staging.items()})
         blocks = self.dram.reserve(dram)
