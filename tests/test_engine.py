@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import tiered
 from gpt import GPT, next_token_loss
@@ -134,6 +135,50 @@ def test_whole_forward_units_may_be_read_anywhere_in_the_forward():
         idx = data(1)[0]
         torch.testing.assert_close(engine(idx), reference(idx), rtol=1e-5, atol=1e-6)
     assert all(f.residency is Residency.RELEASED for f in engine.runtime.flats)
+    engine.close()
+
+
+class SharedEmbeddingBlock(nn.Module):
+    def __init__(self, emb: nn.Embedding):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.__dict__["emb"] = emb  # shared, not a child: it stays the model's unit
+
+    def forward(self, x, idx):
+        return x + torch.tanh(self.fc(x)) + 0.1 * self.emb(idx)
+
+
+class ReentrantCheckpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(512, 16)
+        self.blocks = nn.ModuleList(SharedEmbeddingBlock(self.emb) for _ in range(2))
+        self.head = nn.Linear(16, 512, bias=False)
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        for block in self.blocks:
+            h = checkpoint(block, h, idx, use_reentrant=True)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("accumulation_steps", [None, 1])
+def test_a_gradient_in_several_backward_passes_is_summed_or_refused(accumulation_steps):
+    """Reentrant checkpointing runs each block's backward as a separate pass, and the shared
+    embedding gets a gradient in each: summed, it trains like PyTorch; stepping on the first
+    one would be silently wrong, so it is refused by name."""
+    torch.manual_seed(0)
+    model = ReentrantCheckpointed()
+    reference = copy.deepcopy(model)
+    engine, optimizer = fp32_engine(model, optimizer={"accumulation_steps": accumulation_steps})
+    if accumulation_steps == 1:
+        idx = data(1)[0]
+        with pytest.raises(tiered.TieredError, match="unit emb received a second gradient"):
+            next_token_loss(engine(idx), idx).backward()
+        engine.close()
+        return
+    train_both(engine, optimizer, reference, reference_optimizer(reference), steps=3)
+    assert_same(engine.full_state_dict(), reference.state_dict())
     engine.close()
 
 

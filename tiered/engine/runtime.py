@@ -43,6 +43,8 @@ class UnitRuntime:
                                 and policy.compute_dtype is not ComputeDtype.FP16
                                 and not policy.optimizer.delayed_update.enabled)
         self.step_on_arrival = False
+        self._arrived: set[int] = set()
+        """Units whose gradient came in the backward that steps them on arrival."""
         self.grads = GradientPath(flats, manager, group, policy, worker, self.streams, timeline)
         self.readahead = (ReadAhead(manager, manager.staging_names("param_in"), timeline)
                           if manager.staging_names("param_in") else None)
@@ -86,6 +88,16 @@ class UnitRuntime:
 
     def reduce_grad(self, flat: FlatParam) -> None:
         """The unit's gradient is complete: send it to the grads tier, release the weights."""
+        if self.step_on_arrival:
+            if flat.spec.index in self._arrived:
+                raise TieredError(
+                    f"unit {flat.name} received a second gradient in the backward that steps "
+                    f"units as their gradients arrive (optimizer.accumulation_steps), after its "
+                    f"update had started: its weights were used again in a separate backward "
+                    f"pass, as reentrant activation checkpointing (use_reentrant=True) does "
+                    f"around a shared module. Use use_reentrant=False, or accumulation_steps: "
+                    f"null; this step's update of {flat.name} is incomplete")
+            self._arrived.add(flat.spec.index)
         self.grads.reduce(flat, self.step_on_arrival)
         self.gatherer.release(flat)
 
@@ -100,3 +112,4 @@ class UnitRuntime:
                 f"the gradients of backward {limit}; set accumulation_steps to the number of "
                 f"backward calls per step (or null)")
         self.step_on_arrival = self.arrival_allowed and self.backwards_since_step == limit
+        self._arrived.clear()
