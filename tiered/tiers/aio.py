@@ -55,6 +55,25 @@ class IoSettings:
     """Requests in flight per direction (threads of each pool)."""
 
 
+class Countdown:
+    """Calls ``on_zero()`` once ``count`` events have been counted, on the thread that counted
+    the last one (events finish on I/O threads in any order)."""
+
+    def __init__(self, count: int, on_zero: Callable[[], None]):
+        self._left = count
+        self._lock = threading.Lock()
+        self._on_zero = on_zero
+        if count == 0:
+            on_zero()
+
+    def count(self) -> None:
+        with self._lock:
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._on_zero()
+
+
 class Transfer:
     """The blocks of one read or write; :meth:`wait` raises the first failure."""
 
@@ -67,20 +86,9 @@ class Transfer:
     def on_done(self, callback: Callable[[BaseException | None], None]) -> None:
         """Call ``callback(first failure or None)`` once every block has finished (on the
         thread that finished the last one, or now if all have)."""
-        remaining = [len(self._blocks)]
-        lock = threading.Lock()
-
-        def block_done(_future) -> None:
-            with lock:
-                remaining[0] -= 1
-                last = remaining[0] == 0
-            if last:
-                callback(next((b.exception() for b in self._blocks if b.exception()), None))
-
-        if not self._blocks:
-            callback(None)
+        countdown = Countdown(len(self._blocks), lambda: callback(self._first_failure()))
         for block in self._blocks:
-            block.add_done_callback(block_done)
+            block.add_done_callback(lambda _block: countdown.count())
 
     def settle(self) -> None:
         """Wait until no block is in flight, without raising (for clean-up after a failure)."""
@@ -88,12 +96,13 @@ class Transfer:
             block.exception()
 
     def wait(self) -> None:
-        failure = None
-        for block in self._blocks:  # wait for every block, so no buffer is still in use
-            error = block.exception()
-            failure = failure or error
+        self.settle()  # every block, so no buffer is still in use when a failure is raised
+        failure = self._first_failure()
         if failure is not None:
             raise failure
+
+    def _first_failure(self) -> BaseException | None:
+        return next((b.exception() for b in self._blocks if b.exception()), None)
 
 
 class IoEngine:

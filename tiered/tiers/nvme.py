@@ -30,7 +30,7 @@ import torch
 
 from ..errors import NvmeError
 from ..sizes import align_up, format_size
-from .aio import IoEngine, IoSettings, Transfer, host_buffer
+from .aio import Countdown, IoEngine, IoSettings, Transfer, host_buffer
 from .dram import BLOCK_ALIGN
 from .usage import TierUsage
 
@@ -207,7 +207,7 @@ class NextVersion:
 
     def _settle(self) -> None:
         if self._group is not None:
-            self._group.ready(self)
+            self._group.ready()
         else:
             self._apply(self._failure)
 
@@ -229,19 +229,18 @@ class VersionGroup:
 
     def __init__(self, versions: list[NextVersion]):
         self.versions = versions
-        self._lock = threading.Lock()
-        self._ready = 0
+        self._countdown = Countdown(len(versions), self._switch)
         for version in versions:
             version._group = self
 
-    def ready(self, version: NextVersion) -> None:
-        with self._lock:
-            self._ready += 1
-            last = self._ready == len(self.versions)
-        if last:
-            failure = next((v._failure for v in self.versions if v._failure), None)
-            for member in self.versions:
-                member._apply(failure)
+    def ready(self) -> None:
+        """One of the versions has all its pieces written (or failed)."""
+        self._countdown.count()
+
+    def _switch(self) -> None:
+        failure = next((v._failure for v in self.versions if v._failure), None)
+        for member in self.versions:
+            member._apply(failure)
 
     def commit(self) -> None:
         for version in self.versions:
