@@ -48,6 +48,12 @@ def state_kinds(policy: Policy) -> list[StateKind]:
     return kinds
 
 
+def optimizer_device(policy: Policy, device: torch.device) -> torch.device:
+    """Where the optimizer steps: the compute ``device`` when its states are in HBM, else the
+    CPU."""
+    return device if policy.optimizer.tier is Tier.HBM else torch.device("cpu")
+
+
 def state_tier(policy: Policy, kind: StateKind) -> Tier:
     if kind in (StateKind.PARAM, StateKind.PARAM_NEXT):
         return policy.params.tier

@@ -20,7 +20,7 @@ from ..optim import TieredAdamW
 from ..optim.adamw import one_pass_for
 from ..optim.loss_scale import LossScaler
 from ..optim.workers import CpuWorker, optimizer_threads
-from ..plan import StateKind, build_plan, grad_dtypes, state_kinds
+from ..plan import StateKind, build_plan, grad_dtypes, optimizer_device, state_kinds
 from ..policy import ComputeDtype, Device, Policy, Tier, resolve
 from ..tiers import SlabSource
 from ..timeline import Timeline
@@ -217,8 +217,7 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
         plan.check(manager.available())  # before paying for a compile the budget forbids
         one_pass = one_pass_for(policy.compute_dtype.torch_dtype,
                                 grad_dtypes(policy, group.world_size),
-                                device if policy.optimizer.tier is Tier.HBM else torch.device("cpu"),
-                                worker)
+                                optimizer_device(policy, device), worker)
         manager.allocate(plan)
         materializer = Materializer(model, specs, device,
                                     context.param_init_fn if context is not None else None)

@@ -8,8 +8,8 @@ from functools import partial
 import torch
 
 from ..errors import TieredError
-
-from ..policy import Policy, Tier
+from ..plan import optimizer_device
+from ..policy import Policy
 from .adamw import AdamWHyper, OnePassAdamW
 from .loss_scale import LossScaler
 from .stepper import UnitStepper
@@ -73,7 +73,7 @@ class TieredAdamW(torch.optim.Optimizer):
         self.max_grad_norm = opt.max_grad_norm
         self.scaler = scaler
         self._delayed = opt.delayed_update
-        self.device = runtime.group.device if opt.tier is Tier.HBM else torch.device("cpu")
+        self.device = optimizer_device(policy, runtime.group.device)
         self._steps_called = 0
         self._pending: _Update | None = None
         self._arrived: list[int] = []
