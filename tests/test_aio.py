@@ -117,37 +117,30 @@ def test_many_concurrent_transfers_read_back_what_was_written(tmp_path, seed, bl
     engine = IoEngine(IoSettings(block_size, queue_depth))
     observer = Observer()
     expected = []
+
+    def start(verb: str, chosen: list) -> list:
+        """Start ``verb`` on every region: writes from its data, reads into its read-back."""
+        move, which = (engine.write, "data") if verb == "write" else (engine.read, "back")
+        transfers = []
+        for f, offset, logical in chosen:
+            block = blocks[(which, (f, offset, logical))]
+            transfers.append(move(fds[f], paths[f], offset, view(block)))
+            expected.extend(split(verb, paths[f], offset, block.numel(), block_size))
+        return transfers
+
     try:
         with inject_faults(observer):
             # Round 1: every write of the first half in flight at once.
-            transfers = []
-            for f, offset, logical in rounds[0]:
-                data = blocks[("data", (f, offset, logical))]
-                transfers.append(engine.write(fds[f], paths[f], offset, view(data)))
-                expected += split("write", paths[f], offset, data.numel(), block_size)
+            transfers = start("write", rounds[0])
             for t in transfers:
                 t.wait()
             assert all(t.done() for t in transfers)
             # Round 2: read all of round 1 back while the second half is written, the same
             # files by both pools at once.
-            transfers = []
-            for f, offset, logical in rounds[0]:
-                back = blocks[("back", (f, offset, logical))]
-                transfers.append(engine.read(fds[f], paths[f], offset, view(back)))
-                expected += split("read", paths[f], offset, back.numel(), block_size)
-            for f, offset, logical in rounds[1]:
-                data = blocks[("data", (f, offset, logical))]
-                transfers.append(engine.write(fds[f], paths[f], offset, view(data)))
-                expected += split("write", paths[f], offset, data.numel(), block_size)
-            for t in transfers:
+            for t in start("read", rounds[0]) + start("write", rounds[1]):
                 t.wait()
             # Round 3: the second half read back, many reads in flight.
-            transfers = []
-            for f, offset, logical in rounds[1]:
-                back = blocks[("back", (f, offset, logical))]
-                transfers.append(engine.read(fds[f], paths[f], offset, view(back)))
-                expected += split("read", paths[f], offset, back.numel(), block_size)
-            for t in transfers:
+            for t in start("read", rounds[1]):
                 t.wait()
     finally:
         engine.close()
