@@ -182,6 +182,56 @@ def test_a_gradient_in_several_backward_passes_is_summed_or_refused(accumulation
     engine.close()
 
 
+class CheckpointedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class BlocksFirstInBackward(nn.Module):
+    """The loss reads the last block's output directly, so the first unit backward uses is a
+    block whose forward reentrant checkpointing recomputes inside the backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(CheckpointedBlock() for _ in range(3))
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=True)
+        return h
+
+
+@pytest.mark.parametrize("accumulation_steps", [None, 1, 2])
+def test_a_backward_that_starts_in_a_recomputed_forward_is_one_iteration(accumulation_steps):
+    """Each block's backward is a nested backward pass; its end is not the iteration's end
+    (which used to count a second backward and release every unit mid-backward)."""
+    torch.manual_seed(0)
+    model = BlocksFirstInBackward()
+    reference = copy.deepcopy(model)
+    engine, optimizer = fp32_engine(model, optimizer={"accumulation_steps": accumulation_steps})
+    ref_optimizer = reference_optimizer(reference)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for _ in range(accumulation_steps or 2):
+            x = torch.randn(4, 8, generator=g)
+            engine(x).pow(2).sum().backward()
+            reference(x).pow(2).sum().backward()
+        optimizer.step(), ref_optimizer.step()
+        optimizer.zero_grad(), ref_optimizer.zero_grad()
+    assert_same(engine.full_state_dict(), reference.state_dict())
+    names = [f.name for f in engine.runtime.flats]
+    blocks = [f"blocks.{i}" for i in range(3)]
+    assert [names[i] for i in engine.runtime.prefetcher.trace] == \
+        ["<root>", *blocks, *reversed(blocks)]
+    engine.close()
+
+
 def test_units_by_class_name_and_unknown_class():
     engine, _ = fp32_engine(make_gpt(), units={"classes": ["Block", "LayerNorm"]})
     # The final LayerNorm becomes a unit of its own; block LayerNorms are inside Block units

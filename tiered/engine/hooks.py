@@ -11,6 +11,8 @@ forward:  unit pre-hook    -> a need (runtime.use): gather, or wait for the pref
 backward: saved-tensor unpack -> the first use of a saved view in this backward queues the
                               end-of-backward callback; the first per unit is a need: the unit
                               is gathered again, into the same storage the view uses
+          unit pre-hook    -> a forward recomputed by activation checkpointing: the same as
+                              the first unpack (callback, need), then as in forward
           post-accumulate  -> ``full.grad`` is complete: reduce-scatter, hand to the CPU worker,
                               release (see [Note: one gradient per unit] in flat.py)
           end callback     -> the iteration is over (its needs are the next trace); release
@@ -97,7 +99,15 @@ class UnitHooks:
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
         self._saved_hooks.append(hooks)
-        if not flat.spec.whole_forward or _in_backward_pass():
+        if _in_backward_pass():
+            # A forward recomputed inside backward (activation checkpointing). Reentrant
+            # checkpointing recomputes here, in the outer backward, then runs the block's
+            # backward as a nested one: the end callback must be queued now, on the outer
+            # backward, or the nested one's end would end the iteration mid-backward.
+            self._enter_backward()
+            self._use_in_backward(flat)
+            flat.bind_views()
+        elif not flat.spec.whole_forward:
             self.runtime.use(flat)
             flat.bind_views()
         self._started[flat.spec.index] = self.runtime.timeline.mark()
@@ -118,14 +128,19 @@ class UnitHooks:
         if isinstance(packed, tuple):
             flat, tensor = packed
             self._enter_backward()
-            if flat.spec.index in self._used_in_backward:
-                self.runtime.gather(flat)
-            else:
-                self._used_in_backward.add(flat.spec.index)
-                self.runtime.use(flat)
-                self._started[flat.spec.index] = self.runtime.timeline.mark()
+            self._use_in_backward(flat)
+            self._started.setdefault(flat.spec.index, self.runtime.timeline.mark())
             return tensor
         return packed
+
+    def _use_in_backward(self, flat: FlatParam) -> None:
+        """The unit's first use in this backward is a need; later ones only check it is
+        gathered (the weights a recomputed forward read are the ones its backward reads)."""
+        if flat.spec.index in self._used_in_backward:
+            self.runtime.gather(flat)
+        else:
+            self._used_in_backward.add(flat.spec.index)
+            self.runtime.use(flat)
 
     def _post_backward(self, flat: FlatParam, full: torch.Tensor) -> None:
         self._enter_backward()
