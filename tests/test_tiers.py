@@ -133,11 +133,11 @@ def test_hbm_default_budget_is_the_device_capacity():
 
 @pytest.mark.parametrize("ranks", [1, 4])
 def test_dram_default_budget_is_this_ranks_share_of_the_available_memory(ranks):
-    import psutil
+    from tiered.limits import available_memory
 
-    before = psutil.virtual_memory().available
+    before = available_memory()
     budget = DramTier(None, ranks=ranks).usage.budget
-    after = psutil.virtual_memory().available
+    after = available_memory()
     low, high = sorted((before, after))
     # Available memory moves a little between the reads; the share is 7/8 of it, per rank.
     assert low * 7 // 8 // ranks - (1 << 26) <= budget <= high * 7 // 8 // ranks + (1 << 26)

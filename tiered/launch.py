@@ -18,7 +18,7 @@ import sys
 
 from .engine.engine import LAUNCHED_ENV
 from .errors import TieredError
-from .optim.workers import usable_cores
+from .limits import usable_cores
 from .policy import POLICY_ENV, resolve
 from .tiers.nvme import check_nvme_path
 

@@ -11,6 +11,7 @@ It knows nothing of modules or autograd, so the per-node daemon can host it late
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -65,14 +66,22 @@ def _staging_out(kind: StateKind) -> str:
 
 class TierManager:
     def __init__(self, policy: Policy, device: torch.device, rank: int,
-                 dram_source: SlabSource | None = None, ranks: int = 1):
-        """``ranks``: the ranks on this node, which share its DRAM when no budget is set."""
+                 dram_source: SlabSource | None = None, ranks: int = 1,
+                 agree: Callable[[int], int] = int):
+        """``ranks``: the ranks on this node, which share its DRAM and its drive when no budget
+        is set. ``agree``: a collective that turns this rank's measured share into the one every
+        rank uses (the smallest any measured: ProcessGroup.smallest). Each rank then makes the
+        same plan, so all of them fit or all refuse, and none is left waiting in a collective
+        for a rank that refused; and no rank spills more than another, to be waited for."""
         self.policy = policy
         self.hbm = HbmTier(device, policy.hbm.budget)
         self.dram = DramTier(policy.dram.budget, dram_source, ranks)
         io = IoSettings(policy.nvme.block_size, policy.nvme.queue_depth)
-        self.nvme = (NvmeTier(policy.nvme.path, policy.nvme.budget, rank, io)
+        self.nvme = (NvmeTier(policy.nvme.path, policy.nvme.budget, rank, io, ranks)
                      if policy.uses_nvme else None)
+        for tier, budget in ((self.dram, policy.dram.budget), (self.nvme, policy.nvme.budget)):
+            if tier is not None and budget is None:
+                tier.usage.budget = agree(tier.usage.budget)
         self.shards: dict[tuple[int, StateKind], Shard] = {}
         self.plan: MemoryPlan | None = None
         """What :meth:`allocate` allocated."""

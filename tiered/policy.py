@@ -180,7 +180,8 @@ class NvmePolicy:
     path: str | None = field(default=None, metadata=_parse(lambda v: None if v is None else str(v)))
     """Folder on the drive; each run makes its own subfolder there and removes it at exit."""
     budget: int | None = field(default=None, metadata=_parse(_size_or_none))
-    """Bytes tiered may use there; null = the free space of that file system."""
+    """Bytes tiered may use there; null = this rank's share (ranks on the node) of the free
+    space of that file system, the smallest any rank measured."""
     block_size: int = field(default=4 << 20, metadata=_parse(parse_size))
     """Bytes per I/O request; large transfers are split into requests of this size."""
     queue_depth: int = field(default=8, metadata=_parse(_int))
@@ -203,7 +204,8 @@ class HbmPolicy:
 class DramPolicy:
     budget: int | None = field(default=None, metadata=_parse(_size_or_none))
     """Bytes of (pinned) host memory tiered may hold; null = this rank's share (ranks on the
-    node) of 7/8 of the memory available when the engine starts."""
+    node) of 7/8 of the memory available when the engine starts (the host's, capped by the
+    process's cgroup memory limit), the smallest any rank measured."""
     spill: Tier | None = field(default=None, metadata=_parse(
         lambda v: None if v is None else Tier(v)))
     """null, or nvme: states placed in DRAM that do not fit the budget move to NVMe, unit by

@@ -55,6 +55,14 @@ class ProcessGroup:
         if self.world_size > 1:
             dist.all_reduce(tensor, group=self.group)
 
+    def smallest(self, value: int) -> int:
+        """The least of ``value`` over the ranks (a collective: every rank must call it)."""
+        if self.world_size == 1:
+            return value
+        least = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(least, op=dist.ReduceOp.MIN, group=self.group)
+        return int(least.item())
+
     def barrier(self) -> None:
         self.all_reduce_sum(torch.zeros(1, device=self.device))
 

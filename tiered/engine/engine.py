@@ -204,7 +204,8 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
         raise TieredError("the model has no parameters to train")
     flats = [FlatParam(spec, group.rank, group.world_size, policy.compute_dtype.torch_dtype,
                        device) for spec in specs]
-    manager = TierManager(policy, device, group.rank, dram_source, group.world_size)
+    manager = TierManager(policy, device, group.rank, dram_source, group.world_size,
+                          group.smallest)
     worker = None
     try:
         # Units gathered through the whole forward are gathered as long as the root is.

@@ -8,31 +8,14 @@ comes from the cores this rank may use, so the pool never runs more threads than
 """
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from typing import Callable
 
-import psutil
 import torch
 
 from ..errors import TieredError
-
-
-def usable_cores() -> int:
-    """Cores this process may run on: its CPU affinity, capped by a cgroup v2 quota."""
-    try:
-        cores = len(psutil.Process().cpu_affinity())
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    try:
-        with open("/sys/fs/cgroup/cpu.max") as f:
-            quota, period = f.read().split()
-        if quota != "max":
-            cores = min(cores, max(1, int(quota) // int(period)))
-    except (OSError, ValueError):
-        pass
-    return max(1, cores)
+from ..limits import usable_cores
 
 
 def optimizer_threads(requested: int | None, drives_gpu: bool) -> int:

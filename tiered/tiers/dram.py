@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Hashable, Protocol
 
-import psutil
 import torch
 
+from ..limits import available_memory
 from ..sizes import align_up
 from .usage import TierUsage
 
@@ -59,11 +59,12 @@ class PinnedSlabSource:
 
 
 def default_budget(ranks: int) -> int:
-    """One of ``ranks`` equal shares (the ranks on this node) of the host memory available now,
-    less an eighth left to the processes themselves (their own tensors, CUDA's, the page cache):
-    what the tier can pin without the machine swapping or killing a process, and what
-    ``dram.spill`` keeps in DRAM."""
-    return psutil.virtual_memory().available * 7 // 8 // max(1, ranks)
+    """One of ``ranks`` equal shares (the ranks on this node) of the memory this process could
+    take now (limits.available_memory: the host's, capped by its cgroups'), less an eighth left
+    to the processes themselves (their own tensors, CUDA's, the page cache): what the tier can
+    pin without the machine swapping or killing a process, and what ``dram.spill`` keeps in
+    DRAM."""
+    return available_memory() * 7 // 8 // max(1, ranks)
 
 
 class DramTier:

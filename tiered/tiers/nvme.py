@@ -256,10 +256,14 @@ class VersionGroup:
 
 
 class NvmeTier:
-    def __init__(self, root: str, budget: int | None, rank: int, io: IoSettings):
+    def __init__(self, root: str, budget: int | None, rank: int, io: IoSettings,
+                 ranks: int = 1):
+        """``budget`` None: one of ``ranks`` equal shares (the ranks on this node, whose run
+        folders share ``root``) of the free space there."""
         check_nvme_path(root)
         self.root = root
-        self.usage = TierUsage("nvme", free_bytes(root) if budget is None else budget)
+        self.usage = TierUsage("nvme", free_bytes(root) // max(1, ranks) if budget is None
+                               else budget)
         name = f"tiered-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}-rank{rank}"
         self.run_dir = os.path.join(root, name)
         try:
