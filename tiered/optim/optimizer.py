@@ -12,6 +12,7 @@ from ..plan import optimizer_device
 from ..policy import Policy
 from .adamw import AdamWHyper, OnePassAdamW
 from .loss_scale import LossScaler
+from .norm import squared_norm
 from .stepper import UnitStepper
 
 
@@ -225,8 +226,7 @@ class TieredAdamW(torch.optim.Optimizer):
         device = self._runtime.group.device
         square_sum = torch.zeros((), dtype=torch.float64, device=device)
         for i in units:
-            norm = torch.linalg.vector_norm(self._grads.read(i), dtype=torch.float32)
-            square_sum += norm.to(device, torch.float64) ** 2
+            square_sum += squared_norm(self._grads.read(i)).to(device)
         self._norm_group.all_reduce_sum(square_sum)
         return math.sqrt(square_sum.item())
 
