@@ -5,6 +5,7 @@ fp32 compute on the CPU; each rank takes its part of every batch, gradients aver
 """
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -46,10 +47,12 @@ def batches():
     return [flat[i:i + MICRO] for i in range(0, len(flat), MICRO)]
 
 
-def train_engine(policy: str, rank: int, world: int, nvme: str, max_grad_norm: float | None):
+def train_engine(policy: str, rank: int, world: int, nvme: str, max_grad_norm: float | None,
+                 accumulation_steps: int | None = None):
     engine, optimizer = tiered.initialize(
         make_model(), os.path.join(REPO, "configs", f"{policy}.yaml"), compute_dtype="fp32",
-        device="cpu", nvme={"path": nvme}, optimizer=dict(OPTIM, max_grad_norm=max_grad_norm))
+        device="cpu", nvme={"path": nvme},
+        optimizer=dict(OPTIM, max_grad_norm=max_grad_norm, accumulation_steps=accumulation_steps))
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     norms = []
     for micro_batches in batches():
@@ -85,6 +88,8 @@ def assert_parity(state: dict, reference: dict) -> None:
 
 def _rank_main(rank: int, world: int, out_dir: str, nvme: str) -> None:
     results = {p: train_engine(p, rank, world, nvme, max_grad_norm=0.5) for p in POLICIES}
+    # Declared accumulation: each rank's norm shares are taken as the gradients arrive.
+    results["cpu, accumulation declared"] = train_engine("cpu", rank, world, nvme, 0.5, MICRO)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -105,12 +110,32 @@ def test_one_rank_with_clipping(policy, tmp_path):
     assert_parity(state, train_reference(max_grad_norm=0.5))
 
 
+@pytest.mark.parametrize("policy", ["cpu", "nvme"])
+def test_clipping_takes_each_norm_as_the_last_backward_delivers_it(policy, tmp_path,
+                                                                   monkeypatch):
+    """With accumulation_steps declared, the worker takes each unit's norm while backward still
+    runs: in the trace every step's norms come before its AdamW; the step is PyTorch's."""
+    trace = tmp_path / "trace.json"
+    monkeypatch.setenv("TIERED_TRACE", str(trace))
+    state, norms = train_engine(policy, 0, 1, str(tmp_path), max_grad_norm=0.5,
+                                accumulation_steps=MICRO)
+    assert max(norms) > 0.5
+    assert_parity(state, train_reference(max_grad_norm=0.5))
+    events = sorted((e for e in json.loads(trace.read_text())["traceEvents"]
+                     if e["name"].startswith(("grad norm", "adamw"))), key=lambda e: e["ts"])
+    units = len(make_model().blocks) + 1
+    kinds = [e["name"].split(" ")[0] for e in events]
+    runs = [kind for i, kind in enumerate(kinds) if i == 0 or kinds[i - 1] != kind]
+    assert kinds.count("grad") == units * STEPS
+    assert runs == ["grad", "adamw"] * STEPS
+
+
 def test_two_ranks_every_policy(tmp_path):
     run_ranks(2, _rank_main, str(tmp_path), str(tmp_path))
     reference = train_reference(max_grad_norm=0.5)
     for rank in range(2):
         results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
-        for policy in POLICIES:
+        for policy in results:
             state, norms = results[policy]
             assert max(norms) > 0.5
             assert_parity(state, reference)

@@ -80,15 +80,16 @@ class GradientPath:
         self._landing = manager.staging_names("grad")
         """Free pinned landing buffers (for gradients after a step's first)."""
         worker.on_failure(self._wake)
-        self.on_added = None
-        """Called on the worker with a unit whose gradient of the step's last backward is in,
-        when stepping on arrival (set by the optimizer)."""
+        self.on_last = None
+        """Called on the worker with a unit whose gradient of the step's last backward (as
+        ``accumulation_steps`` declares it) is in: complete until the step (set by the
+        optimizer)."""
 
     @property
     def usage(self):
         return self.manager.hbm.usage
 
-    def reduce(self, flat: FlatParam, step_now: bool) -> None:
+    def reduce(self, flat: FlatParam, last: bool) -> None:
         """Average the unit's full gradient over ranks into this rank's shard and send it to the
         grads tier; the caller then releases the gathered weights. See [Note: offload stream]."""
         index = flat.spec.index
@@ -117,7 +118,7 @@ class GradientPath:
             self.streams.keep_for_offload(grad)
             del grad
             task = self._arrived if first else self._add
-            self.worker.submit(partial(task, index, shard, ready, landing, transient, step_now))
+            self.worker.submit(partial(task, index, shard, ready, landing, transient, last))
         except BaseException:
             self.usage.release(transient)
             self._unreserve(index, first, landing)
@@ -164,17 +165,17 @@ class GradientPath:
             self._changed.notify_all()
 
     def _arrived(self, index: int, shard: torch.Tensor, ready, landing, transient: int,
-                 step_now: bool) -> None:
+                 last: bool) -> None:
         """Worker: a first gradient is in its buffer (pending, an fp32 sum, or compact)."""
         wait_for(ready, shard)
         self.dtype[index] = shard.dtype
         self.arrival_order.append(index)
         with self._changed:
             self._buffers[index] = BufferState.HELD
-        self._done(transient, index, step_now, landing)
+        self._done(transient, index, last, landing)
 
     def _add(self, index: int, shard: torch.Tensor, ready, landing: str | None, transient: int,
-             step_now: bool) -> None:
+             last: bool) -> None:
         """Worker: add a later gradient into the buffer in its dtype: the fp32 sum (widening a
         pending one first), or a compact buffer as it is (see [Note: gradient states])."""
         wait_for(ready, shard)
@@ -185,17 +186,17 @@ class GradientPath:
             self.manager.grad_buffer(index, self.buffer_dtype).add_(shard)
             self.dtype[index] = self.buffer_dtype
         del shard
-        self._done(transient, index, step_now, landing)
+        self._done(transient, index, last, landing)
 
-    def _done(self, transient: int, index: int, step_now: bool, landing: str | None) -> None:
+    def _done(self, transient: int, index: int, last: bool, landing: str | None) -> None:
         self.usage.release(transient)
         with self._changed:
             self._in_flight -= 1
             if landing is not None:
                 self._landing.append(landing)
             self._changed.notify_all()
-        if step_now:
-            self.on_added(index)
+        if last:
+            self.on_last(index)
 
     def read(self, index: int) -> torch.Tensor:
         """Worker: unit ``index``'s gradient as it is held (pending or compact in the compute

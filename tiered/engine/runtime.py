@@ -42,6 +42,10 @@ class UnitRuntime:
                                 and policy.optimizer.max_grad_norm is None
                                 and policy.compute_dtype is not ComputeDtype.FP16
                                 and not policy.optimizer.delayed_update.enabled)
+        self.last_backward = False
+        """Whether the backward running is the step's last (``accumulation_steps`` declares it):
+        each unit's gradient is complete once it arrives, so it can be stepped then, or its
+        norm taken while backward still runs."""
         self.step_on_arrival = False
         self._arrived: set[int] = set()
         """Units whose gradient came in the backward that steps them on arrival."""
@@ -98,7 +102,7 @@ class UnitRuntime:
                     f"around a shared module. Use use_reentrant=False, or accumulation_steps: "
                     f"null; this step's update of {flat.name} is incomplete")
             self._arrived.add(flat.spec.index)
-        self.grads.reduce(flat, self.step_on_arrival)
+        self.grads.reduce(flat, self.last_backward)
         self.gatherer.release(flat)
 
     def start_backward(self) -> None:
@@ -111,5 +115,6 @@ class UnitRuntime:
                 f"but optimizer.accumulation_steps is {limit}: units were already stepped with "
                 f"the gradients of backward {limit}; set accumulation_steps to the number of "
                 f"backward calls per step (or null)")
-        self.step_on_arrival = self.arrival_allowed and self.backwards_since_step == limit
+        self.last_backward = self.backwards_since_step == limit
+        self.step_on_arrival = self.arrival_allowed and self.last_backward
         self._arrived.clear()

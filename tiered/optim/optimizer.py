@@ -42,6 +42,11 @@ class TieredAdamW(torch.optim.Optimizer):
     (``clip_grad_norm_``'s rule), and under fp16 compute unscales the gradients, or skips the step
     and lowers the loss scale when any rank's gradients hold an inf or nan. Both factors are
     applied inside the AdamW kernel as one divisor, not as a separate pass over the gradients.
+    The norm comes first (exact, never a speculative step undone; see bench/RESULTS.md for why):
+    with ``optimizer.accumulation_steps`` each unit's share is taken as its gradient of the
+    step's last backward arrives, on the otherwise idle worker, so the step itself only adds
+    them up; units without one (undeclared accumulation, a unit skipped by the last backward)
+    are read at the step.
 
     The work runs on the CPU worker (see workers.py). With ``optimizer.accumulation_steps``, units
     stepped as their gradients arrive use the hyperparameters ``param_groups`` holds at that
@@ -79,7 +84,10 @@ class TieredAdamW(torch.optim.Optimizer):
         self._pending: _Update | None = None
         self._arrived: list[int] = []
         self._grads = runtime.grads
-        self._grads.on_added = self._step_on_arrival
+        self._grads.on_last = self._last_gradient_in
+        self._wants_norm = opt.max_grad_norm is not None or scaler is not None
+        self._squares: dict[int, torch.Tensor] = {}
+        """Worker: squared norms of complete gradients, taken as they arrived."""
         self._stepper = UnitStepper(self._manager, self._grads,
                                     [flat.name for flat in runtime.flats], self.device, one_pass,
                                     opt.sub_group_size, runtime.timeline)
@@ -94,6 +102,7 @@ class TieredAdamW(torch.optim.Optimizer):
         return self._steps_called
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._worker.submit(self._squares.clear)  # after any update that reads them
         self._grads.zero_grad(set_to_none)
 
     @torch.no_grad()
@@ -115,7 +124,7 @@ class TieredAdamW(torch.optim.Optimizer):
         self.synchronize()  # the previous update, and this step's gradients, are all in
         arrived, self._arrived = set(self._arrived), []
         self._runtime.backwards_since_step = 0
-        self._runtime.step_on_arrival = False
+        self._runtime.last_backward = self._runtime.step_on_arrival = False
         rest = [i for i in units if i not in arrived]
         if rest:
             update = _Update(rest, AdamWHyper.from_group(self.param_groups[0]), loss_scale,
@@ -187,12 +196,20 @@ class TieredAdamW(torch.optim.Optimizer):
             loss_scale=pending["loss_scale"], into_next=True, written=list(pending["written"]),
             norm=pending["norm"], overflowed=pending["overflowed"])
         self._arrived = []
+        self._squares.clear()
         self._runtime.backwards_since_step = 0
 
-    def _step_on_arrival(self, index: int) -> None:
-        """CPU worker: step one unit as soon as its gradient of the step's last backward is in."""
-        self._stepper.step([index], AdamWHyper.from_group(self.param_groups[0]), 1.0, False)
-        self._arrived.append(index)
+    def _last_gradient_in(self, index: int) -> None:
+        """CPU worker: unit ``index``'s gradient of the step's last backward is in. Step it now
+        where the policy allows (runtime.arrival_allowed), else take its norm now if the step
+        will need it."""
+        if self._runtime.arrival_allowed:
+            self._stepper.step([index], AdamWHyper.from_group(self.param_groups[0]), 1.0, False)
+            self._arrived.append(index)
+        elif self._wants_norm:
+            with self._runtime.timeline.span(f"grad norm {self._runtime.flats[index].name}",
+                                             "cpu"):
+                self._squares[index] = squared_norm(self._grads.read(index))
 
     def _run_update(self, update: _Update) -> None:
         """CPU worker: one optimizer step over ``update.units``, in the order they arrived."""
@@ -226,7 +243,10 @@ class TieredAdamW(torch.optim.Optimizer):
         device = self._runtime.group.device
         square_sum = torch.zeros((), dtype=torch.float64, device=device)
         for i in units:
-            square_sum += squared_norm(self._grads.read(i)).to(device)
+            square = self._squares.pop(i, None)
+            if square is None:
+                square = squared_norm(self._grads.read(i))
+            square_sum += square.to(device)
         self._norm_group.all_reduce_sum(square_sum)
         return math.sqrt(square_sum.item())
 
