@@ -1,11 +1,11 @@
 #!/bin/bash
 # The GPU-box checks, one stage per call so each fits the box's 10-minute command limit:
-#   bash bench/on_gpu_box.sh tests|offload|variants|tiled|io|nvme|large [OUT]
+#   bash bench/on_gpu_box.sh tests|offload|variants|tiled|io|nvme|large|clip [OUT]
 # Each stage prints its table last and keeps logs and timelines in OUT (default ./gpu-out).
 # Stage times on the H100 box (16 cores, 125 GiB, 64 GiB free disk), roughly: tests 2 min,
-# offload 8 min, variants 4 min, tiled 3 min, io 3 min, nvme 5 min, large 8 min.
+# offload 8 min, variants 4 min, tiled 3 min, io 3 min, nvme 5 min, large 8 min, clip 3 min.
 set -o pipefail
-stage=${1:?stage: tests, offload, variants, tiled, io, nvme or large}
+stage=${1:?stage: tests, offload, variants, tiled, io, nvme, large or clip}
 out=${2:-gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -42,6 +42,11 @@ large)  # issue 4: 10.1 B parameters in 104 GiB of DRAM plus the disk (compact g
         --nvme "$nvme" --steps 3 --out "$out/large.json" \
         --set '{"dram": {"budget": "104GiB", "spill": "nvme"}}' 2>&1 \
         | grep -v -e Warning -e _conversion | tee "$out/large.log" ;;
+clip)  # issue 3: clipping at batch 8; the norm is taken as gradients arrive (bench/RESULTS.md)
+    python bench/bench_offload.py --batches 8 --steps 5 --out "$out/clip.json" \
+        --modes tiered:cpu+arrive,tiered:cpu+dpu --set '{"optimizer": {"max_grad_norm": 1.0}}' \
+        2>&1 | grep -v -e Warning -e _conversion | tee "$out/clip.log" ;;
 *)
-    echo "unknown stage $stage: tests, offload, variants, tiled, io, nvme or large" >&2; exit 2 ;;
+    echo "unknown stage $stage: tests, offload, variants, tiled, io, nvme, large or clip" >&2
+    exit 2 ;;
 esac
