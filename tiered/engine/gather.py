@@ -20,8 +20,10 @@ from .streams import Streams, wait_for
 
 class Gatherer:
     def __init__(self, flats: list[FlatParam], manager: TierManager, group: ProcessGroup,
-                 streams: Streams, readahead: ReadAhead | None, timeline: Timeline):
+                 streams: Streams, readahead: ReadAhead | None, pending, timeline: Timeline):
         self.flats = flats
+        self.pending = pending
+        """runtime.PendingWeights: a shard an update is still writing is read once written."""
         self.timeline = timeline
         self.manager = manager
         self.group = group
@@ -51,6 +53,7 @@ class Gatherer:
             self.on_gather(index)
         landed = event = None
         try:
+            self.pending.wait(index)
             if self.manager.tier_of(index, StateKind.PARAM) is Tier.NVME:
                 landed = self.readahead.take(index)  # this rank's shard, read from NVMe
                 source = landed.tensor

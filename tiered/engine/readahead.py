@@ -25,8 +25,10 @@ class Landed:
 
 
 class ReadAhead:
-    def __init__(self, manager: TierManager, slots: list[str], timeline: Timeline):
+    def __init__(self, manager: TierManager, slots: list[str], pending, timeline: Timeline):
         self.manager = manager
+        self.pending = pending
+        """runtime.PendingWeights: a shard an update is still writing is read once written."""
         self.timeline = timeline
         self._free: queue.SimpleQueue = queue.SimpleQueue()
         for slot in slots:
@@ -82,5 +84,6 @@ class ReadAhead:
     def _read(self, index: int, slot: str, busy_until: torch.cuda.Event | None) -> Landed:
         if busy_until is not None:
             busy_until.synchronize()
+        self.pending.wait(index)
         with self.timeline.span(f"nvme read unit {index}", "nvme"):
             return Landed(slot, self.manager.read_param(index, slot))

@@ -7,6 +7,8 @@ prefetcher says so ([Note: trace] in prefetch.py); gradients leave on the offloa
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from ..errors import TieredError
@@ -22,6 +24,49 @@ from .gather import Gatherer
 from .gradients import GradientPath
 from .readahead import ReadAhead
 from .streams import Streams
+
+
+class PendingWeights:
+    """Units whose new weights an optimizer update is still writing.
+
+    An ordinary (not delayed) update on the CPU returns from ``optimizer.step()`` at once and
+    steps the units in the order the next forward needs them; every read of a unit's weights
+    shard (its gather, or its read from NVMe ahead of it) first waits here until that unit is
+    written. So the next forward starts while the update runs and still computes with every
+    unit's new weights, never its old ones. A failed worker wakes every waiter with its error.
+    """
+
+    def __init__(self, worker: CpuWorker, timeline: Timeline):
+        self._units: set[int] = set()
+        self._changed = threading.Condition()
+        self._worker = worker
+        self._timeline = timeline
+        worker.on_failure(self._wake)
+
+    def expect(self, units: list[int]) -> None:
+        """Training thread, before the update is queued: these units' weights are changing."""
+        with self._changed:
+            self._units.update(units)
+
+    def written(self, units: list[int]) -> None:
+        """Worker: these units' new weights are in their tier (or they will not change)."""
+        with self._changed:
+            self._units.difference_update(units)
+            self._changed.notify_all()
+
+    def wait(self, unit: int) -> None:
+        """Until ``unit``'s weights are its newest (any thread that reads them)."""
+        with self._changed:
+            if unit not in self._units:
+                return
+        with self._timeline.span(f"wait for update of unit {unit}", "cpu"):
+            with self._changed:
+                self._changed.wait_for(lambda: unit not in self._units or self._worker.failed)
+        self._worker.raise_if_failed()
+
+    def _wake(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
 
 
 class UnitRuntime:
@@ -50,9 +95,12 @@ class UnitRuntime:
         self._arrived: set[int] = set()
         """Units whose gradient came in the backward that steps them on arrival."""
         self.grads = GradientPath(flats, manager, group, policy, worker, self.streams, timeline)
-        self.readahead = (ReadAhead(manager, manager.staging_names("param_in"), timeline)
+        self.pending_weights = PendingWeights(worker, timeline)
+        self.readahead = (ReadAhead(manager, manager.staging_names("param_in"),
+                                    self.pending_weights, timeline)
                           if manager.staging_names("param_in") else None)
-        self.gatherer = Gatherer(flats, manager, group, self.streams, self.readahead, timeline)
+        self.gatherer = Gatherer(flats, manager, group, self.streams, self.readahead,
+                                 self.pending_weights, timeline)
         self.prefetcher = Prefetcher([f.gathered_bytes for f in flats], policy.prefetch,
                                      prefetch_limit(policy, [f.padded_numel for f in flats]))
 
@@ -86,6 +134,14 @@ class UnitRuntime:
             self.readahead.discard()
         self.gatherer.release_all()
         self.timeline.flush()
+
+    def forward_order(self, units: list[int]) -> list[int]:
+        """``units`` in the order the last iteration first needed them (the next forward's
+        order, when its control flow repeats); units it did not need come last."""
+        first: dict[int, int] = {}
+        for position, unit in enumerate(self.prefetcher.trace):
+            first.setdefault(unit, position)
+        return sorted(units, key=lambda unit: first.get(unit, len(first)))
 
     def owner_of(self, tensor: torch.Tensor) -> FlatParam | None:
         return self.gatherer.owner_of(tensor)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -27,6 +28,8 @@ class _Update:
     """Write the new weights into the delayed update's next buffer, not the current one."""
     written: list[int] = field(default_factory=list)
     norm: float | None = None
+    norm_known: threading.Event = field(default_factory=threading.Event)
+    """Set once the update has its norm (or will not take one, or failed)."""
     overflowed: bool = False
 
 
@@ -48,7 +51,12 @@ class TieredAdamW(torch.optim.Optimizer):
     them up; units without one (undeclared accumulation, a unit skipped by the last backward)
     are read at the step.
 
-    The work runs on the CPU worker (see workers.py). With ``optimizer.accumulation_steps``, units
+    The work runs on the CPU worker (see workers.py). An ordinary update on the CPU (not fp16,
+    whose next backward needs the loss scale this update decides) also returns from ``step()``
+    at once: it steps units in the order the next forward needs them, and that forward reads
+    each unit only once it is written (runtime.PendingWeights), so it overlaps the update and
+    computes exactly what it would after a blocking step. ``last_grad_norm`` waits for the
+    norm only. With ``optimizer.accumulation_steps``, units
     stepped as their gradients arrive use the hyperparameters ``param_groups`` holds at that
     moment, during the step's last backward (schedulers stepped after ``optimizer.step()`` set
     them in time). With ``optimizer.delayed_update`` the step
@@ -91,10 +99,23 @@ class TieredAdamW(torch.optim.Optimizer):
         self._stepper = UnitStepper(self._manager, self._grads,
                                     [flat.name for flat in runtime.flats], self.device, one_pass,
                                     opt.sub_group_size, runtime.timeline)
-        self.last_grad_norm: float | None = None
-        """The global gradient norm (unscaled) of the last finished update, when it had one."""
+        self._overlap_forward = self.device.type == "cpu" and scaler is None
+        """Ordinary updates return at once and overlap the next forward (see the class doc)."""
+        self._last_grad_norm: float | None = None
+        self._worker.on_failure(self._wake_norm_waiter)
         self.skipped_steps = 0
         """Updates skipped because fp16 gradients overflowed."""
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm (unscaled) of the last step's update, when it takes one;
+        under the delayed update, of the last finished update."""
+        update = self._pending
+        if update is not None and not update.into_next:
+            update.norm_known.wait()
+            self._worker.raise_if_failed()
+            return update.norm
+        return self._last_grad_norm
 
     @property
     def steps_taken(self) -> int:
@@ -127,11 +148,15 @@ class TieredAdamW(torch.optim.Optimizer):
         self._runtime.last_backward = self._runtime.step_on_arrival = False
         rest = [i for i in units if i not in arrived]
         if rest:
-            update = _Update(rest, AdamWHyper.from_group(self.param_groups[0]), loss_scale,
+            overlap = self._overlap_forward and not delayed
+            update = _Update(self._runtime.forward_order(rest) if overlap else rest,
+                             AdamWHyper.from_group(self.param_groups[0]), loss_scale,
                              into_next=delayed)
+            self._pending = update  # before the worker can fail on it (see _wake_norm_waiter)
+            if overlap:
+                self._runtime.pending_weights.expect(update.units)
             self._worker.submit(partial(self._run_update, update))
-            self._pending = update
-            if not delayed:
+            if not delayed and not overlap:
                 self.synchronize()
         return loss
 
@@ -152,7 +177,7 @@ class TieredAdamW(torch.optim.Optimizer):
             for i in update.written:
                 self._manager.swap_params(i)
         if update.norm is not None:
-            self.last_grad_norm = update.norm
+            self._last_grad_norm = update.norm
         if self.scaler is not None:
             self.scaler.update(found_inf=update.overflowed)
             self.skipped_steps += update.overflowed
@@ -160,14 +185,17 @@ class TieredAdamW(torch.optim.Optimizer):
     def checkpoint_state(self) -> dict:
         """The optimizer's state for a checkpoint, with the worker idle. A queued delayed update
         is finished but not made current: what it wrote and found is recorded instead, so a
-        resumed run swaps to it at its next step exactly as this one will."""
+        resumed run swaps to it at its next step exactly as this one will. An ordinary update
+        is finished and made current."""
+        if self._pending is not None and not self._pending.into_next:
+            self.synchronize()
         self._worker.drain()
         pending = self._pending
         group = self.param_groups[0]
         return {
             "steps_called": self._steps_called,
             "skipped_steps": self.skipped_steps,
-            "last_grad_norm": self.last_grad_norm,
+            "last_grad_norm": self._last_grad_norm,
             "hyper": {"lr": float(group["lr"]), "betas": list(group["betas"]),
                       "eps": group["eps"], "weight_decay": group["weight_decay"]},
             "unit_steps": [float(step) for step in self._stepper.steps],
@@ -182,7 +210,7 @@ class TieredAdamW(torch.optim.Optimizer):
         self._worker.drain()
         self._steps_called = state["steps_called"]
         self.skipped_steps = state["skipped_steps"]
-        self.last_grad_norm = state["last_grad_norm"]
+        self._last_grad_norm = state["last_grad_norm"]
         hyper = state["hyper"]
         self.param_groups[0].update(lr=hyper["lr"], betas=tuple(hyper["betas"]), eps=hyper["eps"],
                                     weight_decay=hyper["weight_decay"])
@@ -212,13 +240,32 @@ class TieredAdamW(torch.optim.Optimizer):
                 self._squares[index] = squared_norm(self._grads.read(index))
 
     def _run_update(self, update: _Update) -> None:
-        """CPU worker: one optimizer step over ``update.units``, in the order they arrived."""
+        """CPU worker: one optimizer step over ``update.units``: in their order when the next
+        forward waits for them, else in the order their gradients arrived (the next backward
+        waits for their buffers: see [Note: buffer hand-off] in gradients.py)."""
+        # Waiters are woken by what the update writes, or on a failure by the worker's error
+        # (callbacks registered with on_failure), never by a half-done update.
+        pending = self._runtime.pending_weights
         divisor = self._grad_divisor(update)
+        update.norm_known.set()
         if divisor is None:
             update.overflowed = True
-            return
-        self._stepper.step(self._grads.in_arrival_order(update.units), update.hyper, divisor,
-                           update.into_next, on_unit=update.written.append)
+        else:
+            order = (self._grads.in_arrival_order(update.units) if update.into_next
+                     else update.units)
+
+            def written(unit: int) -> None:
+                update.written.append(unit)
+                pending.written([unit])
+
+            self._stepper.step(order, update.hyper, divisor, update.into_next, on_unit=written)
+        pending.written(update.units)  # those an overflow skipped
+
+    def _wake_norm_waiter(self) -> None:
+        """Worker, on a failure: a ``last_grad_norm`` reader may wait for an update that will
+        not run now."""
+        if self._pending is not None:
+            self._pending.norm_known.set()
 
     def _grad_divisor(self, update: _Update) -> float | None:
         """What the accumulated gradients are divided by (loss scale over clip factor), or None

@@ -1,0 +1,89 @@
+"""An ordinary update overlaps the next forward: ``optimizer.step()`` returns at once, and the
+forward reads each unit only after the update has written it."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import tiered
+from gpt import next_token_loss
+from test_failures import run_with_deadline
+from test_parity import OPTIM, make_model, token_batches
+from tiered.optim.stepper import UnitStepper
+
+HOLD_SECONDS = 0.3
+
+
+class SlowKernel:
+    """Every unit's AdamW takes HOLD_SECONDS longer while ``slow`` is set."""
+
+    def __init__(self, monkeypatch):
+        self.slow = False
+        kernel = UnitStepper._kernel
+
+        def slowed(stepper, *args):
+            if self.slow:
+                time.sleep(HOLD_SECONDS)
+            return kernel(stepper, *args)
+
+        monkeypatch.setattr(UnitStepper, "_kernel", slowed)
+
+
+@pytest.mark.parametrize("policy", ["cpu", "nvme"])
+def test_the_next_forward_waits_for_each_units_new_weights(policy, tmp_path, monkeypatch):
+    kernel = SlowKernel(monkeypatch)
+    engine, optimizer = tiered.initialize(
+        make_model(), f"configs/{policy}.yaml", compute_dtype="fp32", device="cpu",
+        nvme={"path": str(tmp_path)}, optimizer=dict(OPTIM, max_grad_norm=1e9))
+    reference = make_model()
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), fused=True, **OPTIM)
+    names = [flat.name for flat in engine.runtime.flats]
+    written = []
+    record = engine.runtime.pending_weights.written
+
+    def recording(units):  # a spy: the gate itself still runs
+        written.extend(names[unit] for unit in units)
+        record(units)
+
+    engine.runtime.pending_weights.written = recording
+    batches = token_batches(3)
+    for step, idx in enumerate(batches[:2]):
+        next_token_loss(engine(idx), idx).backward()
+        next_token_loss(reference(idx), idx).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        written.clear()
+        kernel.slow = True
+        optimizer.step()
+        optimizer.zero_grad()
+        assert not written, "step() waited for the update"
+        started = time.perf_counter()
+        logits = run_with_deadline(lambda: engine(batches[step + 1]))
+        assert time.perf_counter() - started >= HOLD_SECONDS, "the forward did not wait"
+        kernel.slow = False
+        # Bit for bit what the synchronously stepped model computes (fused AdamW both sides).
+        assert torch.equal(logits, reference(batches[step + 1]))
+        assert optimizer.last_grad_norm == pytest.approx(ref_norm.item(), rel=1e-6)
+        # One unit at a time, in the order the forward needs them (the model's units, then
+        # each block in turn), each unit once more as the update ends.
+        assert written[:len(names)] == ["<root>", "blocks.0", "blocks.1"]
+    engine.close()
+
+
+def test_a_failed_overlapped_update_stops_the_forward_with_its_error(monkeypatch):
+    engine, optimizer = tiered.initialize(make_model(), "configs/cpu.yaml", compute_dtype="fp32",
+                                          device="cpu", optimizer=OPTIM)
+    idx = token_batches(1)[0]
+    next_token_loss(engine(idx), idx).backward()
+
+    def failing_kernel(self, *args):
+        raise OSError(5, "simulated failure in the update")
+
+    monkeypatch.setattr(UnitStepper, "_kernel", failing_kernel)
+    optimizer.step()  # returns: the failure happens on the worker
+    with pytest.raises(tiered.TieredError, match="simulated failure in the update"):
+        run_with_deadline(lambda: engine(idx))
+    engine.runtime.worker.close()
