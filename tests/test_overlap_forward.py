@@ -2,6 +2,7 @@
 forward reads each unit only after the update has written it."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -87,3 +88,73 @@ def test_a_failed_overlapped_update_stops_the_forward_with_its_error(monkeypatch
     with pytest.raises(tiered.TieredError, match="simulated failure in the update"):
         run_with_deadline(lambda: engine(idx))
     engine.runtime.worker.close()
+
+
+def test_close_after_a_failed_update_with_nvme_reads_waiting_cleans_up(tmp_path, monkeypatch):
+    """The forward read a unit ahead that the failing update had not written: that read ends
+    with the worker's error, and close() must still remove the hooks and the run folder."""
+    engine, optimizer = tiered.initialize(
+        make_model(), "configs/nvme.yaml", compute_dtype="fp32", device="cpu",
+        nvme={"path": str(tmp_path)}, optimizer=OPTIM, prefetch={"depth": 1})
+    idx = token_batches(1)[0]
+    next_token_loss(engine(idx), idx).backward()
+    last = [flat.name for flat in engine.runtime.flats].index("blocks.1")
+    kernel = UnitStepper._kernel
+
+    def failing_kernel(self, piece, *args):
+        if piece.unit == last:  # the forward is reading ahead of the unit it waits for by now
+            time.sleep(HOLD_SECONDS)
+            raise OSError(5, "simulated failure in the update")
+        return kernel(self, piece, *args)
+
+    monkeypatch.setattr(UnitStepper, "_kernel", failing_kernel)
+    optimizer.step()
+    with pytest.raises(tiered.TieredError, match="simulated failure"):
+        run_with_deadline(lambda: engine(idx))
+    engine.close()
+    assert os.listdir(tmp_path) == []
+    assert not engine.module._forward_pre_hooks, "the model kept the engine's hooks"
+
+
+def test_units_stepped_as_gradients_arrive_are_read_once_written(monkeypatch):
+    """With accumulation_steps, a unit is stepped during backward; a forward before step()
+    reads its new weights whole, however slow the worker."""
+    kernel = SlowKernel(monkeypatch)
+    engine, optimizer = tiered.initialize(
+        make_model(), "configs/cpu.yaml", compute_dtype="fp32", device="cpu",
+        optimizer=dict(OPTIM, accumulation_steps=1))
+    idx = token_batches(1)[0]
+    kernel.slow = True
+    next_token_loss(engine(idx), idx).backward()
+    with torch.no_grad():
+        before_step = run_with_deadline(lambda: engine(idx))
+    kernel.slow = False
+    optimizer.step()  # the units were stepped already: nothing is left to do
+    with torch.no_grad():
+        assert torch.equal(before_step, engine(idx))
+    engine.close()
+
+
+def test_consolidated_weights_right_after_step_are_the_new_ones(monkeypatch):
+    kernel = SlowKernel(monkeypatch)
+    engine, optimizer = tiered.initialize(make_model(), "configs/cpu.yaml",
+                                          compute_dtype="fp32", device="cpu", optimizer=OPTIM)
+    idx = token_batches(1)[0]
+    next_token_loss(engine(idx), idx).backward()
+    kernel.slow = True
+    optimizer.step()
+    early = {flat.name: full for flat, full in engine.consolidated_units()}
+    kernel.slow = False
+    optimizer.synchronize()
+    late = {flat.name: full for flat, full in engine.consolidated_units()}
+    assert [name for name in late if not torch.equal(early[name], late[name])] == []
+    engine.close()
+
+
+def test_the_clip_threshold_cannot_change_under_a_running_update():
+    engine, optimizer = tiered.initialize(make_model(), "configs/cpu.yaml", device="cpu",
+                                          optimizer=dict(OPTIM, max_grad_norm=1.0))
+    assert optimizer.max_grad_norm == 1.0
+    with pytest.raises(tiered.TieredError, match="set optimizer.max_grad_norm in the policy"):
+        optimizer.max_grad_norm = None
+    engine.close()

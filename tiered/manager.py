@@ -72,21 +72,22 @@ class TierManager:
         is set. ``agree``: a collective that turns this rank's measured share into the one every
         rank uses (the smallest any measured: ProcessGroup.smallest). Each rank then makes the
         same plan, so all of them fit or all refuse, and none is left waiting in a collective
-        for a rank that refused; and no rank spills more than another, to be waited for."""
+        for a rank that refused; and no rank spills more than another, to be waited for. (The
+        HBM default, the device's capacity, is agreed the same way, for devices that differ.)"""
         self.policy = policy
         self.hbm = HbmTier(device, policy.hbm.budget)
         self.dram = DramTier(policy.dram.budget, dram_source, ranks)
         io = IoSettings(policy.nvme.block_size, policy.nvme.queue_depth)
         self.nvme = (NvmeTier(policy.nvme.path, policy.nvme.budget, rank, io, ranks)
                      if policy.uses_nvme else None)
-        for tier, budget in ((self.dram, policy.dram.budget), (self.nvme, policy.nvme.budget)):
+        for tier, budget in ((self.hbm, policy.hbm.budget), (self.dram, policy.dram.budget),
+                             (self.nvme, policy.nvme.budget)):
             if tier is not None and budget is None:
                 tier.usage.budget = agree(tier.usage.budget)
         self.shards: dict[tuple[int, StateKind], Shard] = {}
         self.plan: MemoryPlan | None = None
         """What :meth:`allocate` allocated."""
         self._staging: dict[str, torch.Tensor] = {}
-
 
     def available(self) -> dict[Tier, int]:
         out = {Tier.HBM: self.hbm.usage.budget - self.hbm.usage.current,

@@ -30,13 +30,16 @@ class ProcessGroup:
             return cls(dist.get_rank(), dist.get_world_size(), device, dist.group.WORLD)
         return cls(0, 1, device)
 
-    def duplicate(self) -> "ProcessGroup":
-        """The same ranks over a communicator of their own, for collectives issued from another
-        thread (their order there cannot interleave with this group's)."""
+    def on_host(self) -> "ProcessGroup":
+        """The same ranks over a gloo communicator of their own, on CPU tensors: for the few
+        small collectives the CPU worker issues from its own thread. Their order there cannot
+        interleave with this group's, and, unlike a second NCCL communicator, they launch no
+        device kernels that could wait on the training thread's collectives in another
+        order on another rank."""
         if self.world_size == 1:
-            return self
-        return ProcessGroup(self.rank, self.world_size, self.device,
-                            dist.new_group(list(range(self.world_size))))
+            return ProcessGroup(self.rank, 1, torch.device("cpu"))
+        return ProcessGroup(self.rank, self.world_size, torch.device("cpu"),
+                            dist.new_group(list(range(self.world_size)), backend="gloo"))
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> None:
         """Fill ``full`` with every rank's ``shard``; ``shard`` may be this rank's slice of it."""

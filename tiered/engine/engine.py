@@ -106,7 +106,6 @@ class TieredEngine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Consolidated fp32 weights (and buffers) as CPU tensors under the keys of the original
         ``model.state_dict()``, on every rank; tied parameters share one tensor, as in torch."""
-        self.optimizer.synchronize()
         values: dict[str, torch.Tensor] = {
             name: tensor.detach().cpu() for name, tensor in self.module.state_dict().items()}
         for flat, full in self.consolidated_units():
@@ -119,7 +118,9 @@ class TieredEngine:
     def consolidated_units(self):
         """Each unit's fp32 master weights gathered from every rank, one unit at a time, as a
         CPU tensor on every rank (the device copy is counted against the HBM budget while it
-        exists). Every rank must iterate to the end: each unit is a collective."""
+        exists), after any pending update. Every rank must iterate to the end: each unit is a
+        collective."""
+        self.optimizer.synchronize()
         group, usage = self.runtime.group, self.manager.hbm.usage
         for flat in self.runtime.flats:
             nbytes = flat.padded_numel * 4
@@ -204,7 +205,7 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
         raise TieredError("the model has no parameters to train")
     flats = [FlatParam(spec, group.rank, group.world_size, policy.compute_dtype.torch_dtype,
                        device) for spec in specs]
-    manager = TierManager(policy, device, group.rank, dram_source, group.world_size,
+    manager = TierManager(policy, device, group.rank, dram_source, _ranks_on_this_node(group),
                           group.smallest)
     worker = None
     try:
@@ -232,7 +233,7 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
         runtime = UnitRuntime(flats, manager, group, policy, worker, timeline)
         scaler = (LossScaler(policy.loss_scale)
                   if policy.compute_dtype is ComputeDtype.FP16 else None)
-        optimizer = TieredAdamW(runtime, policy, scaler, group.duplicate(), one_pass)
+        optimizer = TieredAdamW(runtime, policy, scaler, group.on_host(), one_pass)
         engine = TieredEngine(model, policy, runtime, optimizer, scaler, state_dict_keys)
     except BaseException:
         if worker is not None:
@@ -284,6 +285,12 @@ def _compute_device(policy: Policy) -> torch.device:
                           else torch.cuda.current_device())
     torch.cuda.set_device(device)
     return device
+
+
+def _ranks_on_this_node(group: ProcessGroup) -> int:
+    """The ranks sharing this node's memory and drives: torchrun's LOCAL_WORLD_SIZE, else every
+    rank of the group (processes started another way on one node)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", group.world_size))
 
 
 def _init_distributed(device: torch.device) -> None:

@@ -14,16 +14,18 @@ from ..policy import Tier
 from ..timeline import Timeline
 from .collectives import ProcessGroup
 from .flat import FlatParam, Residency
+from .pending import PendingWeights
 from .readahead import ReadAhead
 from .streams import Streams, wait_for
 
 
 class Gatherer:
     def __init__(self, flats: list[FlatParam], manager: TierManager, group: ProcessGroup,
-                 streams: Streams, readahead: ReadAhead | None, pending, timeline: Timeline):
+                 streams: Streams, readahead: ReadAhead | None, pending: PendingWeights,
+                 timeline: Timeline):
         self.flats = flats
         self.pending = pending
-        """runtime.PendingWeights: a shard an update is still writing is read once written."""
+        """A shard an update is still writing is read once written."""
         self.timeline = timeline
         self.manager = manager
         self.group = group

@@ -15,6 +15,7 @@ import torch
 
 from ..manager import TierManager
 from ..timeline import Timeline
+from .pending import PendingWeights
 
 
 @dataclass(frozen=True)
@@ -25,10 +26,11 @@ class Landed:
 
 
 class ReadAhead:
-    def __init__(self, manager: TierManager, slots: list[str], pending, timeline: Timeline):
+    def __init__(self, manager: TierManager, slots: list[str], pending: PendingWeights,
+                 timeline: Timeline):
         self.manager = manager
         self.pending = pending
-        """runtime.PendingWeights: a shard an update is still writing is read once written."""
+        """A shard an update is still writing is read once written."""
         self.timeline = timeline
         self._free: queue.SimpleQueue = queue.SimpleQueue()
         for slot in slots:
@@ -72,9 +74,12 @@ class ReadAhead:
         self._free.put((landed.slot, busy_until))
 
     def discard(self) -> None:
-        """Drop reads that were started but will not be used."""
+        """Drop reads that were started but will not be used. A read that failed gave its
+        buffer back already, and its error (an I/O error, or the worker's while it waited for
+        an update) is not this caller's: nothing read it."""
         for future in self._reads.values():
-            self.give_back(future.result(), None)
+            if future.exception() is None:
+                self.give_back(future.result(), None)
         self._reads.clear()
 
     def close(self) -> None:
@@ -84,6 +89,10 @@ class ReadAhead:
     def _read(self, index: int, slot: str, busy_until: torch.cuda.Event | None) -> Landed:
         if busy_until is not None:
             busy_until.synchronize()
-        self.pending.wait(index)
-        with self.timeline.span(f"nvme read unit {index}", "nvme"):
-            return Landed(slot, self.manager.read_param(index, slot))
+        try:
+            self.pending.wait(index)
+            with self.timeline.span(f"nvme read unit {index}", "nvme"):
+                return Landed(slot, self.manager.read_param(index, slot))
+        except BaseException:
+            self._free.put((slot, None))  # nothing was copied out of it
+            raise

@@ -7,8 +7,6 @@ prefetcher says so ([Note: trace] in prefetch.py); gradients leave on the offloa
 """
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from ..errors import TieredError
@@ -22,51 +20,9 @@ from .collectives import ProcessGroup
 from .flat import FlatParam
 from .gather import Gatherer
 from .gradients import GradientPath
+from .pending import PendingWeights
 from .readahead import ReadAhead
 from .streams import Streams
-
-
-class PendingWeights:
-    """Units whose new weights an optimizer update is still writing.
-
-    An ordinary (not delayed) update on the CPU returns from ``optimizer.step()`` at once and
-    steps the units in the order the next forward needs them; every read of a unit's weights
-    shard (its gather, or its read from NVMe ahead of it) first waits here until that unit is
-    written. So the next forward starts while the update runs and still computes with every
-    unit's new weights, never its old ones. A failed worker wakes every waiter with its error.
-    """
-
-    def __init__(self, worker: CpuWorker, timeline: Timeline):
-        self._units: set[int] = set()
-        self._changed = threading.Condition()
-        self._worker = worker
-        self._timeline = timeline
-        worker.on_failure(self._wake)
-
-    def expect(self, units: list[int]) -> None:
-        """Training thread, before the update is queued: these units' weights are changing."""
-        with self._changed:
-            self._units.update(units)
-
-    def written(self, units: list[int]) -> None:
-        """Worker: these units' new weights are in their tier (or they will not change)."""
-        with self._changed:
-            self._units.difference_update(units)
-            self._changed.notify_all()
-
-    def wait(self, unit: int) -> None:
-        """Until ``unit``'s weights are its newest (any thread that reads them)."""
-        with self._changed:
-            if unit not in self._units:
-                return
-        with self._timeline.span(f"wait for update of unit {unit}", "cpu"):
-            with self._changed:
-                self._changed.wait_for(lambda: unit not in self._units or self._worker.failed)
-        self._worker.raise_if_failed()
-
-    def _wake(self) -> None:
-        with self._changed:
-            self._changed.notify_all()
 
 
 class UnitRuntime:
@@ -158,7 +114,14 @@ class UnitRuntime:
                     f"around a shared module. Use use_reentrant=False, or accumulation_steps: "
                     f"null; this step's update of {flat.name} is incomplete")
             self._arrived.add(flat.spec.index)
-        self.grads.reduce(flat, self.last_backward)
+            # The worker steps the unit once its gradient is in: until it has written the new
+            # weights, a read of them (a forward before optimizer.step()) waits.
+            self.pending_weights.expect([flat.spec.index])
+        try:
+            self.grads.reduce(flat, self.last_backward)
+        except BaseException:
+            self.pending_weights.written([flat.spec.index])  # it will not be stepped now
+            raise
         self.gatherer.release(flat)
 
     def start_backward(self) -> None:

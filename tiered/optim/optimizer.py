@@ -82,9 +82,9 @@ class TieredAdamW(torch.optim.Optimizer):
         self._manager = runtime.manager
         self._worker = runtime.worker
         self._norm_group = norm_group
-        """The data-parallel group again, as a separate communicator: the worker's all-reduce of
-        the gradient norm may run while the training thread all-gathers weights."""
-        self.max_grad_norm = opt.max_grad_norm
+        """The data-parallel group again, as a gloo communicator (ProcessGroup.on_host): the
+        worker's all-reduce of the gradient norm may run while the training thread gathers."""
+        self._max_grad_norm = opt.max_grad_norm
         self.scaler = scaler
         self._delayed = opt.delayed_update
         self.device = optimizer_device(policy, runtime.group.device)
@@ -105,6 +105,18 @@ class TieredAdamW(torch.optim.Optimizer):
         self._worker.on_failure(self._wake_norm_waiter)
         self.skipped_steps = 0
         """Updates skipped because fp16 gradients overflowed."""
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        """The policy's ``optimizer.max_grad_norm``, fixed for the run."""
+        return self._max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value) -> None:
+        raise TieredError(
+            f"optimizer.max_grad_norm cannot change during a run (asked: {value!r}): it decides "
+            f"whether units are stepped as their gradients arrive, and an update that is still "
+            f"running reads it; set optimizer.max_grad_norm in the policy")
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -233,6 +245,7 @@ class TieredAdamW(torch.optim.Optimizer):
         will need it."""
         if self._runtime.arrival_allowed:
             self._stepper.step([index], AdamWHyper.from_group(self.param_groups[0]), 1.0, False)
+            self._runtime.pending_weights.written([index])
             self._arrived.append(index)
         elif self._wants_norm:
             with self._runtime.timeline.span(f"grad norm {self._runtime.flats[index].name}",
@@ -270,7 +283,7 @@ class TieredAdamW(torch.optim.Optimizer):
     def _grad_divisor(self, update: _Update) -> float | None:
         """What the accumulated gradients are divided by (loss scale over clip factor), or None
         when fp16 gradients overflowed and the step must be skipped."""
-        if self.scaler is None and self.max_grad_norm is None:
+        if self.scaler is None and self._max_grad_norm is None:
             return 1.0
         norm = self._global_norm(update.units)
         if self.scaler is not None:
@@ -279,15 +292,15 @@ class TieredAdamW(torch.optim.Optimizer):
                 return None
             norm /= update.loss_scale
         update.norm = norm
-        if self.max_grad_norm is not None:
-            clip = self.max_grad_norm / (norm + 1e-6)
+        if self._max_grad_norm is not None:
+            clip = self._max_grad_norm / (norm + 1e-6)
             if clip < 1.0:
                 # An infinite norm clips to zero, as clip_grad_norm_ multiplies by 0 then.
                 return update.loss_scale / clip if clip > 0.0 else math.inf
         return update.loss_scale
 
     def _global_norm(self, units: list[int]) -> float:
-        device = self._runtime.group.device
+        device = self._norm_group.device
         square_sum = torch.zeros((), dtype=torch.float64, device=device)
         for i in units:
             square = self._squares.pop(i, None)
