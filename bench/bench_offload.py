@@ -3,8 +3,10 @@
     python bench/bench_offload.py [--layers 32 --dim 2560 --seq 1024 --batch 8]
         [--modes gpu,fsdp2_offload,tiered:cpu] [--steps 6]
 
-Each mode runs in its own process (so one mode's memory cannot help or hurt another) and
-prints a JSON line; the parent prints a table with every mode's ratio to each baseline:
+Each mode runs in its own process (so one mode's memory cannot help or hurt another), which
+measures every batch size in turn after one setup (on the GPU box a tiered setup takes over a
+minute: pinning, initialization, compiling) and prints a JSON line; the parent prints a table
+per batch size with every mode's ratio to each baseline:
 - ``gpu``: everything on the GPU, autocast bf16, fused AdamW (the speed of light for the model);
 - ``fsdp2_offload``: FSDP2 with ``CPUOffloadPolicy`` (params, grads, optimizer on the CPU) and
   bf16 compute, what a PyTorch user would pick instead of us;
@@ -99,7 +101,8 @@ def _run_tiered(args, variant):
         overrides.setdefault("units", {})["split_large"] = False
     if args.trace:
         name = variant.replace("+", "-")
-        overrides["trace"] = {"path": os.path.join(args.trace, f"trace_{name}_b{args.batch}.json")}
+        batches = "-".join(str(b) for b in args.batch_sizes)
+        overrides["trace"] = {"path": os.path.join(args.trace, f"trace_{name}_b{batches}.json")}
     path = os.path.join(REPO, "configs", f"{policy}.yaml")
     with tiered.init(path, **overrides):
         model = _model(args)
@@ -120,7 +123,8 @@ def _loss(logits, idx):
     return F.cross_entropy(logits.flatten(0, 1).float(), idx.flatten())
 
 
-def run_mode(args) -> dict:
+def run_mode(args) -> list[dict]:
+    """Set the mode up once, then measure each batch size: a result per batch size."""
     import torch
 
     torch.manual_seed(0)
@@ -134,9 +138,28 @@ def run_mode(args) -> dict:
     setup_s = time.perf_counter() - start
     n_params = (sum(f.numel for f in model.runtime.flats) if hasattr(model, "runtime")
                 else sum(p.numel() for p in model.parameters()))
+    results = [dict(mode=args.run, params_B=n_params / 1e9, layers=args.layers, dim=args.dim,
+                    batch=batch, seq=args.seq, setup_s=setup_s,
+                    **_measure(args, model, step, batch, n_params))
+               for batch in args.batch_sizes]
+    if hasattr(model, "memory_report"):
+        for result in results:
+            result["memory_report"] = model.memory_report()
+        model.close()
+    return results
+
+
+def _measure(args, model, step, batch: int, n_params: int) -> dict:
+    """``args.steps`` steps at ``batch``: the median step after the first two, and the peak of
+    device memory over these steps alone."""
+    import torch
+
     cuda = torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    idx = torch.randint(0, VOCAB, (args.batch, args.seq), device="cuda" if cuda else "cpu")
+    if cuda:  # a smaller batch measured before must not leave its blocks or its peak behind
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    idx = torch.randint(0, VOCAB, (batch, args.seq), device="cuda" if cuda else "cpu")
     nvme = getattr(getattr(model, "manager", None), "nvme", None)
     moved = [nvme.io.bytes_moved()] if nvme is not None else []
     times, losses = [], []
@@ -151,23 +174,18 @@ def run_mode(args) -> dict:
             moved.append(nvme.io.bytes_moved())
             io = ", NVMe read {:.1f} GB, written {:.1f} GB".format(
                 *(moved[-1][v] / 1e9 - moved[-2][v] / 1e9 for v in ("read", "write")))
-        print(f"{args.run} step {len(times)}: {times[-1]:.3f} s, loss {losses[-1]:.4f}{io}",
-              file=sys.stderr, flush=True)
+        print(f"{args.run} batch {batch} step {len(times)}: {times[-1]:.3f} s, "
+              f"loss {losses[-1]:.4f}{io}", file=sys.stderr, flush=True)
     warm = sorted(times[2:])
     step_s = warm[len(warm) // 2]
-    tokens = args.batch * args.seq
-    result = dict(mode=args.run, params_B=n_params / 1e9, layers=args.layers, dim=args.dim,
-                  batch=args.batch, seq=args.seq, step_s=step_s, tokens_per_s=tokens / step_s,
-                  tflops=6 * n_params * tokens / step_s / 1e12, setup_s=setup_s,
+    tokens = batch * args.seq
+    result = dict(step_s=step_s, tokens_per_s=tokens / step_s,
+                  tflops=6 * n_params * tokens / step_s / 1e12,
                   peak_hbm_GiB=torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
-                  times=times,
-                  losses=losses)
+                  times=times, losses=losses)
     if moved:  # the last step's NVMe traffic (a step moves the same bytes as the one before)
         result["nvme_GB_per_step"] = {v: (moved[-1][v] - moved[-2][v]) / 1e9
                                       for v in ("read", "write")}
-    if hasattr(model, "memory_report"):
-        result["memory_report"] = model.memory_report()
-        model.close()
     return result
 
 
@@ -212,25 +230,29 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 3:
         parser.error(f"--steps must be at least 3 (the first 2 are warm-up), got {args.steps}")
+    args.batch_sizes = [int(b) for b in args.batches.split(",")] if args.batches else [args.batch]
     if args.run:
         print(json.dumps(run_mode(args)), flush=True)
         return
 
     results = []
-    batches = [int(b) for b in args.batches.split(",")] if args.batches else [args.batch]
-    for batch in batches:
-        for mode in args.modes.split(","):
-            cmd = [sys.executable, __file__, "--run", mode, "--layers", str(args.layers),
-                   "--dim", str(args.dim), "--seq", str(args.seq), "--batch", str(batch),
-                   "--steps", str(args.steps)] + (["--nvme", args.nvme] if args.nvme else []) + (
-                   ["--trace", args.trace] if args.trace else []) + (
-                   ["--set", args.set] if args.set else [])
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
-            lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-            if proc.returncode or not lines:
-                results.append({"mode": mode, "batch": batch, "error": f"exit {proc.returncode}"})
-            else:
-                results.append(json.loads(lines[-1]))
+    batches = args.batch_sizes
+    for mode in args.modes.split(","):
+        cmd = [sys.executable, __file__, "--run", mode, "--layers", str(args.layers),
+               "--dim", str(args.dim), "--seq", str(args.seq),
+               "--batches", ",".join(map(str, batches)), "--steps", str(args.steps)] + (
+               ["--nvme", args.nvme] if args.nvme else []) + (
+               ["--trace", args.trace] if args.trace else []) + (
+               ["--set", args.set] if args.set else [])
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
+        if proc.returncode or not lines:
+            # A mode that fails (a baseline out of memory) fails at every batch size after
+            # the ones it printed nothing for.
+            results += [{"mode": mode, "batch": batch, "error": f"exit {proc.returncode}"}
+                        for batch in batches]
+        else:
+            results += json.loads(lines[-1])
     baselines = [m for m in ("gpu", "fsdp2_offload") if m in args.modes.split(",")]
     for batch in batches:
         print(f"\nbatch {batch}, seq {args.seq}, {args.layers} x {args.dim}")

@@ -3,7 +3,8 @@
 #   bash bench/on_gpu_box.sh tests|offload|variants|tiled|io|nvme|large|clip [OUT]
 # Each stage prints its table last and keeps logs and timelines in OUT (default ./gpu-out).
 # Stage times on the H100 box (16 cores, 125 GiB, 64 GiB free disk), roughly: tests 2 min,
-# offload 8 min, variants 4 min, tiled 3 min, io 3 min, nvme 5 min, large 8 min, clip 3 min.
+# offload 5 min, variants 4 min, tiled 3 min, io 3 min, nvme 5 min, large 8 min, clip 3 min
+# (estimates; offload was 8 min when each batch size had a process of its own).
 set -o pipefail
 stage=${1:?stage: tests, offload, variants, tiled, io, nvme, large or clip}
 out=${2:-gpu-out}
