@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 import tiered
@@ -41,3 +42,16 @@ def test_no_trace_without_a_path(tmp_path, monkeypatch):
     engine, optimizer = tiered.initialize(GPT(64, 32, 2, 2), "configs/cpu.yaml", device="cpu")
     assert not engine.runtime.timeline.enabled
     engine.close()
+
+
+@pytest.mark.parametrize("through_env", [True, False])
+def test_a_trace_folder_that_is_missing_is_refused_at_start(tmp_path, monkeypatch, through_env):
+    path = str(tmp_path / "missing" / "trace.json")
+    if through_env:
+        monkeypatch.setenv("TIERED_TRACE", path)
+    else:
+        monkeypatch.delenv("TIERED_TRACE", raising=False)
+    overrides = {} if through_env else {"trace": {"path": path}}
+    name = "TIERED_TRACE" if through_env else "trace.path"
+    with pytest.raises(tiered.PolicyError, match=f"{name} .*missing.* does not exist"):
+        tiered.initialize(GPT(64, 32, 2, 2), "configs/cpu.yaml", device="cpu", **overrides)

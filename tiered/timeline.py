@@ -17,6 +17,8 @@ import time
 
 import torch
 
+from .errors import PolicyError
+
 TRACE_ENV = "TIERED_TRACE"
 
 
@@ -43,6 +45,13 @@ class Timeline:
     def for_rank(cls, policy_path: str | None, device: torch.device, rank: int,
                  world_size: int) -> "Timeline":
         path = os.environ.get(TRACE_ENV) or policy_path
+        if path:
+            folder = os.path.dirname(os.path.abspath(path))
+            if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+                source = TRACE_ENV if os.environ.get(TRACE_ENV) else "trace.path"
+                raise PolicyError(f"{source} {path!r}: the folder {folder} does not exist or is "
+                                  f"not writable; the timeline is written there when the engine "
+                                  f"closes")
         if path and world_size > 1:
             root, ext = os.path.splitext(path)
             path = f"{root}.rank{rank}{ext or '.json'}"

@@ -195,6 +195,8 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
     device = _compute_device(policy)
     _init_distributed(device)
     group = ProcessGroup.current(device)
+    # First: a trace folder that is missing must not cost a whole run before it is noticed.
+    timeline = Timeline.for_rank(policy.trace.path, device, group.rank, group.world_size)
 
     state_dict_keys = list(model.state_dict().keys())
     if policy.tiling.max_unit_bytes is not None:
@@ -229,7 +231,6 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
             for name, buffer in module._buffers.items():
                 if buffer is not None:
                     module._buffers[name] = buffer.to(device)
-        timeline = Timeline.for_rank(policy.trace.path, device, group.rank, group.world_size)
         runtime = UnitRuntime(flats, manager, group, policy, worker, timeline)
         scaler = (LossScaler(policy.loss_scale)
                   if policy.compute_dtype is ComputeDtype.FP16 else None)
