@@ -27,7 +27,8 @@ def test_trace_has_compute_transfers_nvme_and_cpu_work(tmp_path, monkeypatch):
     kinds = {(e["cat"], e["name"].split(" ")[0]) for e in events}
     for expected in [("compute", "forward"), ("compute", "backward"), ("h2d", "gather"),
                      ("d2h", "reduce+offload"), ("nvme", "nvme"), ("cpu", "add"),
-                     ("cpu", "adamw"), ("cpu", "write")]:
+                     ("cpu", "adamw"), ("cpu", "write"), ("setup", "compile"),
+                     ("setup", "allocate"), ("setup", "build")]:
         assert expected in kinds, f"no {expected} span"
     # One forward and one backward span per unit per backward; spans have a start and a length.
     forwards = [e for e in events if e["name"] == "forward blocks.0"]

@@ -219,14 +219,18 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
         worker = CpuWorker(optimizer_threads(policy.cpu.optimizer_threads,
                                              drives_gpu=device.type == "cuda"))
         plan.check(manager.available())  # before paying for a compile the budget forbids
-        one_pass = one_pass_for(policy.compute_dtype.torch_dtype,
-                                grad_dtypes(policy, group.world_size),
-                                optimizer_device(policy, device), worker)
-        manager.allocate(plan)
+        # Setup spans: on the GPU box a setup took 75-103 s, and the timeline says where.
+        with timeline.span("compile one-pass AdamW", "setup"):
+            one_pass = one_pass_for(policy.compute_dtype.torch_dtype,
+                                    grad_dtypes(policy, group.world_size),
+                                    optimizer_device(policy, device), worker)
+        with timeline.span("allocate tiers (pin DRAM, create NVMe extents)", "setup"):
+            manager.allocate(plan)
         materializer = Materializer(model, specs, device,
                                     context.param_init_fn if context is not None else None)
         for flat in flats:
-            _partition(flat, materializer, manager, group)
+            with timeline.span(f"build unit {flat.name}", "setup"):
+                _partition(flat, materializer, manager, group)
         for module in model.modules():
             for name, buffer in module._buffers.items():
                 if buffer is not None:
