@@ -300,13 +300,15 @@ class TieredAdamW(torch.optim.Optimizer):
         return update.loss_scale
 
     def _global_norm(self, units: list[int]) -> float:
-        device = self._norm_group.device
-        square_sum = torch.zeros((), dtype=torch.float64, device=device)
+        # Summed where the gradients are (one copy to the host in the end, not one per unit),
+        # then over ranks on the host group.
+        square_sum = torch.zeros((), dtype=torch.float64, device=self._manager.grad_device())
         for i in units:
             square = self._squares.pop(i, None)
             if square is None:
                 square = squared_norm(self._grads.read(i))
-            square_sum += square.to(device)
+            square_sum += square
+        square_sum = square_sum.to(self._norm_group.device)
         self._norm_group.all_reduce_sum(square_sum)
         return math.sqrt(square_sum.item())
 
