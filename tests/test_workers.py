@@ -64,3 +64,18 @@ def test_tasks_run_in_order_and_a_failure_stops_the_rest():
     with pytest.raises(TieredError):
         worker.submit(lambda: None)
     worker.close()
+
+
+def test_the_worker_compiles_with_the_settings_of_the_thread_that_made_it():
+    """Where torch keeps compile settings per thread, the user's must reach the worker."""
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(max_autotune=True), dynamo_config.patch(cache_size_limit=17):
+        worker = CpuWorker(1)
+    seen = []
+    worker.submit(lambda: seen.append((inductor_config.max_autotune,
+                                       dynamo_config.cache_size_limit)))
+    worker.drain()
+    worker.close()
+    assert seen == [(True, 17)]

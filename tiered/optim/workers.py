@@ -36,6 +36,7 @@ class CpuWorker:
         self._error: BaseException | None = None
         self._failure_callbacks: list[Callable[[], None]] = []
         self._closed = False
+        self._compile_settings = _compile_settings()
         self._thread = threading.Thread(target=self._run, name="tiered-cpu-worker", daemon=True)
         self._thread.start()
 
@@ -75,6 +76,10 @@ class CpuWorker:
 
     def _run(self) -> None:
         torch.set_num_threads(self.threads)  # this thread's intra-op threads only
+        for config, settings in self._compile_settings:  # only what differs here
+            own = config.get_config_copy()
+            config.load_config({key: value for key, value in settings.items()
+                                if key not in own or own[key] != value})
         while (task := self._tasks.get()) is not None:
             try:
                 if self._error is None:  # after a failure the state is suspect: run nothing
@@ -87,3 +92,14 @@ class CpuWorker:
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()
+
+
+def _compile_settings() -> list[tuple[object, dict]]:
+    """dynamo's and inductor's settings as the calling thread has them. torch 2.13 keeps an
+    assignment to these configs per thread, so the worker, which compiles the one-pass AdamW,
+    would otherwise compile with torch's defaults, not the ones the user set (a cache folder,
+    compile threads, a recompile limit)."""
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+
+    return [(config, config.get_config_copy()) for config in (dynamo_config, inductor_config)]
