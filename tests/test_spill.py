@@ -133,3 +133,28 @@ def test_optimizer_state_several_times_dram_trains_with_parity(tmp_path):
     expected = sorted(nvme_shards + [s for s in set(nvme_shards) for _ in range(SPARE_EXTENTS)])
     assert sizes == expected
     engine.close()
+
+
+class _Shards:
+    """What StateStream reads of a manager: a staging block and one unit's master shard."""
+
+    def __init__(self, numel: int, staging_numel: int):
+        self.shards = {(0, StateKind.MASTER): type("Shard", (), {"numel": numel})}
+        self._block = torch.empty(staging_numel * 4, dtype=torch.uint8)
+
+    def staging_block(self, name: str) -> torch.Tensor:
+        return self._block
+
+
+@pytest.mark.parametrize("numel", [1000, 4096, (1 << 25) + 1, 87_000_000, 3 * (1 << 25)])
+def test_streamed_pieces_are_as_few_as_fit_and_nearly_equal(numel):
+    from tiered.optim.stream import StateStream
+
+    stream = StateStream(_Shards(numel, 1 << 26), sub_group_size=1 << 25)
+    pieces = stream.pieces(0)
+    sizes = [p.numel for p in pieces]
+    assert sum(sizes) == numel and max(sizes) <= 1 << 25
+    assert len(pieces) == -(-numel // (1 << 25))  # as few as the staging buffers allow
+    assert all(p.start % 1024 == 0 for p in pieces)  # 4 KiB of fp32: O_DIRECT offsets
+    assert [p.last for p in pieces] == [False] * (len(pieces) - 1) + [True]
+    assert max(sizes) - min(sizes) <= 1024 * len(pieces)  # no stray remainder of a few elements

@@ -45,9 +45,14 @@ class StateStream:
         self.piece_numel = min(sub_group_size, block.numel() // 4)
 
     def pieces(self, unit: int) -> list[Piece]:
+        """The unit's states in as few pieces as fit the staging buffers, of nearly equal size:
+        a remainder of a few elements would be a pipeline stage of its own (and a shape the
+        compiled kernel has not seen). Pieces start on 4 KiB of fp32, as O_DIRECT needs."""
         numel = self.manager.shards[(unit, OPTIMIZER_STATES[0])].numel
-        starts = range(0, numel, self.piece_numel)
-        return [Piece(unit, start, min(self.piece_numel, numel - start), start == starts[-1])
+        count = -(-numel // self.piece_numel)
+        size = min(self.piece_numel, align_up(-(-numel // count), BLOCK_ALIGN // 4))
+        starts = range(0, numel, size)
+        return [Piece(unit, start, min(size, numel - start), start == starts[-1])
                 for start in starts]
 
     def run(self, units: list[int], step_piece: StepPiece,
