@@ -71,11 +71,36 @@ def test_the_worker_compiles_with_the_settings_of_the_thread_that_made_it():
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
 
+    before = (inductor_config.max_autotune, dynamo_config.cache_size_limit)
     with inductor_config.patch(max_autotune=True), dynamo_config.patch(cache_size_limit=17):
         worker = CpuWorker(1)
+    # The patch ended with its context, here and (where settings are per process) everywhere.
+    assert (inductor_config.max_autotune, dynamo_config.cache_size_limit) == before
     seen = []
     worker.submit(lambda: seen.append((inductor_config.max_autotune,
                                        dynamo_config.cache_size_limit)))
     worker.drain()
     worker.close()
     assert seen == [(True, 17)]
+
+
+def test_a_compile_setting_that_cannot_be_copied_costs_a_warning_not_the_worker():
+    import threading
+
+    import torch._inductor.config as inductor_config
+
+    class CustomPass:  # holds a lock: deepcopy (and so torch's config copy) refuses it
+        def __init__(self):
+            self.lock = threading.Lock()
+
+        def __call__(self, graph):
+            return None
+
+    with inductor_config.patch(post_grad_custom_post_pass=CustomPass()):
+        with pytest.warns(UserWarning, match="default compile settings"):
+            worker = CpuWorker(1)
+    done = []
+    worker.submit(lambda: done.append(True))
+    worker.drain()
+    worker.close()
+    assert done == [True]

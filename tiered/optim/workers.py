@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import queue
 import threading
+import warnings
+from functools import partial
 from typing import Callable
 
 import torch
@@ -36,9 +38,15 @@ class CpuWorker:
         self._error: BaseException | None = None
         self._failure_callbacks: list[Callable[[], None]] = []
         self._closed = False
-        self._compile_settings = _compile_settings()
         self._thread = threading.Thread(target=self._run, name="tiered-cpu-worker", daemon=True)
         self._thread.start()
+        # The worker compiles the one-pass AdamW with the creating thread's compile settings
+        # (see _compile_settings), adopted as its first task and waited for: a creator's
+        # temporary patch is still in force then, and a failure surfaces here.
+        settings = _compile_settings()
+        if settings:
+            self.submit(partial(_adopt_compile_settings, settings))
+            self.drain()
 
     @property
     def failed(self) -> bool:
@@ -76,10 +84,6 @@ class CpuWorker:
 
     def _run(self) -> None:
         torch.set_num_threads(self.threads)  # this thread's intra-op threads only
-        for config, settings in self._compile_settings:  # only what differs here
-            own = config.get_config_copy()
-            config.load_config({key: value for key, value in settings.items()
-                                if key not in own or own[key] != value})
         while (task := self._tasks.get()) is not None:
             try:
                 if self._error is None:  # after a failure the state is suspect: run nothing
@@ -94,12 +98,34 @@ class CpuWorker:
                     self._idle.notify_all()
 
 
+PLAIN = (bool, int, float, str, type(None))
+
+
 def _compile_settings() -> list[tuple[object, dict]]:
-    """dynamo's and inductor's settings as the calling thread has them. torch 2.13 keeps an
-    assignment to these configs per thread, so the worker, which compiles the one-pass AdamW,
-    would otherwise compile with torch's defaults, not the ones the user set (a cache folder,
-    compile threads, a recompile limit)."""
+    """dynamo's and inductor's settings with plain values (flags, sizes, folders), as the
+    calling thread has them.
+
+    torch 2.13 keeps an assignment to these configs per thread, so a worker thread would
+    compile with torch's defaults, not the user's (a cache folder, compile threads, a recompile
+    limit); torch 2.11 keeps them per process, and then nothing differs. Settings holding
+    objects (custom compiler passes) matter to no kernel of ours and are left alone.
+    """
     import torch._dynamo.config as dynamo_config
     import torch._inductor.config as inductor_config
 
-    return [(config, config.get_config_copy()) for config in (dynamo_config, inductor_config)]
+    try:
+        return [(config, {key: value for key, value in config.get_config_copy().items()
+                          if isinstance(value, PLAIN)})
+                for config in (dynamo_config, inductor_config)]
+    except Exception as error:  # a setting that cannot be copied
+        warnings.warn(f"tiered: the CPU worker compiles with torch's default compile settings, "
+                      f"since this thread's could not be copied ({error})")
+        return []
+
+
+def _adopt_compile_settings(settings: list[tuple[object, dict]]) -> None:
+    """Worker: take the plain settings that differ here (none, where they are per process)."""
+    for config, values in settings:
+        own = config.get_config_copy()
+        config.load_config({key: value for key, value in values.items()
+                            if key not in own or own[key] != value})
