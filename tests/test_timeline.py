@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 
 import tiered
+from distributed import run_ranks
 from gpt import GPT, next_token_loss
 
 
@@ -56,3 +58,28 @@ def test_a_trace_folder_that_is_missing_is_refused_at_start(tmp_path, monkeypatc
     name = "TIERED_TRACE" if through_env else "trace.path"
     with pytest.raises(tiered.PolicyError, match=f"{name} .*missing.* does not exist"):
         tiered.initialize(GPT(64, 32, 2, 2), "configs/cpu.yaml", device="cpu", **overrides)
+
+
+def test_a_trace_path_that_is_a_folder_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("TIERED_TRACE", str(tmp_path))
+    with pytest.raises(tiered.PolicyError, match="is a folder; name the file"):
+        tiered.initialize(GPT(64, 32, 2, 2), "configs/cpu.yaml", device="cpu")
+
+
+def _refuse_on_one_rank(rank: int, world: int, out: str) -> None:
+    if rank == 1:
+        os.environ["TIERED_TRACE"] = os.path.join(out, "missing", "trace.json")
+    try:
+        tiered.initialize(GPT(64, 32, 2, 2), "configs/cpu.yaml", device="cpu")
+        message = "initialized"
+    except tiered.PolicyError as error:
+        message = str(error)
+    with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
+        f.write(message)
+
+
+def test_a_trace_folder_missing_on_one_rank_is_refused_on_every_rank(tmp_path):
+    """The other ranks must not go on into a collective the refusing rank never joins."""
+    run_ranks(2, _refuse_on_one_rank, str(tmp_path))
+    assert "another rank cannot write its timeline" in (tmp_path / "rank0.txt").read_text()
+    assert "does not exist" in (tmp_path / "rank1.txt").read_text()

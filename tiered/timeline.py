@@ -46,9 +46,12 @@ class Timeline:
                  world_size: int) -> "Timeline":
         path = os.environ.get(TRACE_ENV) or policy_path
         if path:
+            source = TRACE_ENV if os.environ.get(TRACE_ENV) else "trace.path"
             folder = os.path.dirname(os.path.abspath(path))
+            if os.path.isdir(path):
+                raise PolicyError(f"{source} {path!r} is a folder; name the file to write "
+                                  f"the timeline to, e.g. {os.path.join(path, 'trace.json')}")
             if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
-                source = TRACE_ENV if os.environ.get(TRACE_ENV) else "trace.path"
                 raise PolicyError(f"{source} {path!r}: the folder {folder} does not exist or is "
                                   f"not writable; the timeline is written there when the engine "
                                   f"closes")

@@ -195,8 +195,7 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
     device = _compute_device(policy)
     _init_distributed(device)
     group = ProcessGroup.current(device)
-    # First: a trace folder that is missing must not cost a whole run before it is noticed.
-    timeline = Timeline.for_rank(policy.trace.path, device, group.rank, group.world_size)
+    timeline = _timeline(policy, device, group)
 
     state_dict_keys = list(model.state_dict().keys())
     if policy.tiling.max_unit_bytes is not None:
@@ -244,6 +243,7 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
         if worker is not None:
             worker.close()
         manager.close()
+        timeline.close()  # its setup spans show how far initialize got
         raise
     _managed.add(model)
     if os.environ.get(LAUNCHED_ENV):
@@ -295,7 +295,22 @@ def _compute_device(policy: Policy) -> torch.device:
 def _ranks_on_this_node(group: ProcessGroup) -> int:
     """The ranks sharing this node's memory and drives: torchrun's LOCAL_WORLD_SIZE, else every
     rank of the group (processes started another way on one node)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", group.world_size))
+    return min(int(os.environ.get("LOCAL_WORLD_SIZE", group.world_size)), group.world_size)
+
+
+def _timeline(policy: Policy, device: torch.device, group: ProcessGroup) -> Timeline:
+    """This rank's timeline, checked first: a trace folder that is missing must not cost a
+    whole run before it is noticed. Every rank refuses if one does, so none waits in a
+    collective for it."""
+    try:
+        timeline, refused = Timeline.for_rank(policy.trace.path, device, group.rank,
+                                              group.world_size), None
+    except PolicyError as error:
+        timeline, refused = None, error
+    if not group.agree(refused is None):
+        raise refused or PolicyError("another rank cannot write its timeline (trace.path or "
+                                     "TIERED_TRACE): see that rank's error")
+    return timeline
 
 
 def _init_distributed(device: torch.device) -> None:
