@@ -123,8 +123,8 @@ def _loss(logits, idx):
     return F.cross_entropy(logits.flatten(0, 1).float(), idx.flatten())
 
 
-def run_mode(args) -> list[dict]:
-    """Set the mode up once, then measure each batch size: a result per batch size."""
+def run_mode(args) -> None:
+    """Set the mode up once, then measure each batch size, printing a JSON line for each."""
     import torch
 
     torch.manual_seed(0)
@@ -138,15 +138,17 @@ def run_mode(args) -> list[dict]:
     setup_s = time.perf_counter() - start
     n_params = (sum(f.numel for f in model.runtime.flats) if hasattr(model, "runtime")
                 else sum(p.numel() for p in model.parameters()))
-    results = [dict(mode=args.run, params_B=n_params / 1e9, layers=args.layers, dim=args.dim,
-                    batch=batch, seq=args.seq, setup_s=setup_s,
-                    **_measure(args, model, step, batch, n_params))
-               for batch in args.batch_sizes]
-    if hasattr(model, "memory_report"):
-        for result in results:
+    for batch in args.batch_sizes:
+        result = dict(mode=args.run, params_B=n_params / 1e9, layers=args.layers, dim=args.dim,
+                      batch=batch, seq=args.seq, setup_s=setup_s,
+                      **_measure(args, model, step, batch, n_params))
+        if hasattr(model, "memory_report"):
             result["memory_report"] = model.memory_report()
+        # One line per batch size as soon as it is measured: a larger batch that runs out of
+        # memory loses only its own row.
+        print(json.dumps(result), flush=True)
+    if hasattr(model, "close"):
         model.close()
-    return results
 
 
 def _measure(args, model, step, batch: int, n_params: int) -> dict:
@@ -232,7 +234,7 @@ def main() -> None:
         parser.error(f"--steps must be at least 3 (the first 2 are warm-up), got {args.steps}")
     args.batch_sizes = [int(b) for b in args.batches.split(",")] if args.batches else [args.batch]
     if args.run:
-        print(json.dumps(run_mode(args)), flush=True)
+        run_mode(args)
         return
 
     results = []
@@ -245,14 +247,13 @@ def main() -> None:
                ["--trace", args.trace] if args.trace else []) + (
                ["--set", args.set] if args.set else [])
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
-        if proc.returncode or not lines:
-            # A mode that fails (a baseline out of memory) fails at every batch size after
-            # the ones it printed nothing for.
-            results += [{"mode": mode, "batch": batch, "error": f"exit {proc.returncode}"}
-                        for batch in batches]
-        else:
-            results += json.loads(lines[-1])
+        measured = {r["batch"]: r for r in map(json.loads, (
+            line for line in proc.stdout.splitlines() if line.startswith("{")))}
+        # A mode that fails (a baseline out of memory) has rows for the batch sizes it measured
+        # before failing, and a failed row for each of the rest.
+        results += [measured.get(batch) or {"mode": mode, "batch": batch,
+                                            "error": f"exit {proc.returncode}"}
+                    for batch in batches]
     baselines = [m for m in ("gpu", "fsdp2_offload") if m in args.modes.split(",")]
     for batch in batches:
         print(f"\nbatch {batch}, seq {args.seq}, {args.layers} x {args.dim}")

@@ -1,6 +1,9 @@
 """Failures in the background must surface in the training thread, never as a hang or a leak."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -12,6 +15,8 @@ from gpt import next_token_loss
 from test_delayed_update import assert_matches, reference, train_engine
 from test_parity import make_model, token_batches
 from tiered.optim.stepper import UnitStepper
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_with_deadline(fn, seconds: float = 60.0):
@@ -108,3 +113,21 @@ def test_a_closed_engine_refuses_work_by_name():
     with pytest.raises(tiered.TieredError, match="closed"):
         engine(token_batches(1)[0])
     engine.close()  # twice is fine
+
+
+def test_a_script_that_ends_while_the_update_runs_exits_cleanly(tmp_path):
+    """No engine.close(): at exit the worker finishes its update (a worker thread stopped
+    inside the compiled kernel aborted the process), the timeline is written and the NVMe run
+    folder removed."""
+    trace = tmp_path / "trace.json"
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    for attempt in range(3):  # the abort it guards against came 2 times in 3
+        result = subprocess.run(
+            [sys.executable, os.path.join(REPO, "tests", "scripts", "exit_after_step.py"),
+             str(nvme)], cwd=REPO, capture_output=True, text=True, timeout=300,
+            env=dict(os.environ, TIERED_TRACE=str(trace)))
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert "traceEvents" in trace.read_text()
+        assert os.listdir(nvme) == []
+        trace.unlink()

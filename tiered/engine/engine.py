@@ -53,7 +53,7 @@ class TieredEngine:
         self._closed = False
         self._hooks = UnitHooks(module, runtime, policy.compute_dtype.torch_dtype,
                                 on_backward_start=self._check_backward)
-        self._finalizer = weakref.finalize(self, runtime.manager.close)
+        self._finalizer = weakref.finalize(self, _shut_down, runtime)
 
     @property
     def device(self) -> torch.device:
@@ -163,10 +163,6 @@ class TieredEngine:
             if not self.runtime.worker.failed:  # a failure was raised already; just clean up
                 self.optimizer.synchronize()
         finally:
-            self.runtime.worker.close()
-            if self.runtime.readahead is not None:
-                self.runtime.readahead.close()
-            self.runtime.timeline.close()
             self._hooks.remove()
             self._finalizer()
             self._closed = True
@@ -290,6 +286,21 @@ def _compute_device(policy: Policy) -> torch.device:
                           else torch.cuda.current_device())
     torch.cuda.set_device(device)
     return device
+
+
+def _shut_down(runtime: UnitRuntime) -> None:
+    """Free what the engine holds: at ``close()``, when the engine is collected, or at exit.
+
+    The worker finishes the tasks it was given first. A script may end right after
+    ``optimizer.step()``, which returns while the update runs, and a worker thread stopped by
+    the interpreter's exit inside the compiled kernel aborts the process ("terminate called
+    without an active exception", 2 exits in 3 here); the timeline is written then too.
+    """
+    runtime.worker.close()
+    if runtime.readahead is not None:
+        runtime.readahead.close()
+    runtime.timeline.close()
+    runtime.manager.close()
 
 
 def _ranks_on_this_node(group: ProcessGroup) -> int:
