@@ -155,6 +155,7 @@ def test_the_clip_threshold_cannot_change_under_a_running_update():
     engine, optimizer = tiered.initialize(make_model(), "configs/cpu.yaml", device="cpu",
                                           optimizer=dict(OPTIM, max_grad_norm=1.0))
     assert optimizer.max_grad_norm == 1.0
+    optimizer.max_grad_norm = 1.0  # the same value: nothing changes
     with pytest.raises(tiered.TieredError, match="set optimizer.max_grad_norm in the policy"):
         optimizer.max_grad_norm = None
     engine.close()

@@ -113,6 +113,8 @@ class TieredAdamW(torch.optim.Optimizer):
 
     @max_grad_norm.setter
     def max_grad_norm(self, value) -> None:
+        if value == self._max_grad_norm:
+            return
         raise TieredError(
             f"optimizer.max_grad_norm cannot change during a run (asked: {value!r}): it decides "
             f"whether units are stepped as their gradients arrive, and an update that is still "
@@ -245,6 +247,10 @@ class TieredAdamW(torch.optim.Optimizer):
         will need it."""
         if self._runtime.arrival_allowed:
             self._stepper.step([index], AdamWHyper.from_group(self.param_groups[0]), 1.0, False)
+            if self.device.type == "cuda":
+                # The step's kernels were queued on this thread's stream; a gather reads the
+                # weights on another, so they are written only once these have run.
+                torch.cuda.current_stream(self.device).synchronize()
             self._runtime.pending_weights.written([index])
             self._arrived.append(index)
         elif self._wants_norm:
