@@ -209,3 +209,11 @@ def test_failing_rank_stops_the_others_and_every_nvme_folder_is_removed(nvme):
     # torchrun SIGKILLs a rank that ignores SIGTERM after 30 s; rank 0 must have exited on it.
     assert elapsed < 30, elapsed
     assert os.listdir(nvme) == []
+
+
+def test_ranks_that_end_while_their_update_runs_exit_cleanly(nvme):
+    """Each rank's worker finishes its update, all-reduce of the norm included, before the
+    process group goes at exit; then the NVMe folders go."""
+    result = launch("--nproc-per-node", "2", SCRIPTS / "exit_after_step.py", nvme)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert os.listdir(nvme) == []

@@ -35,6 +35,8 @@ LAUNCHED_ENV = "TIERED_LAUNCHED"
 """Set by ``tiered-launch`` in each rank's environment."""
 
 _managed: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+_engines: "weakref.WeakSet[TieredEngine]" = weakref.WeakSet()
+"""Live engines, shut down at exit before the process group they use goes (_leave_group)."""
 """Models whose parameters an engine has taken over."""
 
 
@@ -54,6 +56,7 @@ class TieredEngine:
         self._hooks = UnitHooks(module, runtime, policy.compute_dtype.torch_dtype,
                                 on_backward_start=self._check_backward)
         self._finalizer = weakref.finalize(self, _shut_down, runtime)
+        _engines.add(self)
 
     @property
     def device(self) -> torch.device:
@@ -330,7 +333,16 @@ def _init_distributed(device: torch.device) -> None:
     if dist.is_initialized() or "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    atexit.register(lambda: dist.destroy_process_group() if dist.is_initialized() else None)
+    atexit.register(_leave_group)
+
+
+def _leave_group() -> None:
+    """At exit: every engine's worker first finishes its update, whose gradient norm may still
+    be an all-reduce over the group's ranks, then the group goes."""
+    for engine in list(_engines):
+        engine._finalizer()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _exit_cleanly_on_sigterm() -> None:
