@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -10,6 +11,10 @@ import torch
 import tiered
 from distributed import run_ranks
 from gpt import GPT, next_token_loss
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "bench"))
+from trace_summary import summarize  # noqa: E402
 
 
 def test_trace_has_compute_transfers_nvme_and_cpu_work(tmp_path, monkeypatch):
@@ -38,6 +43,11 @@ def test_trace_has_compute_transfers_nvme_and_cpu_work(tmp_path, monkeypatch):
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in events)
     tracks = {e["tid"] for e in events}
     assert {"compute stream", "gather stream", "offload stream", "tiered-cpu-worker"} <= tracks
+    # bench/trace_summary.py reads it: setup, then busy time per track and work per iteration.
+    summary = summarize(events, skip=2).splitlines()
+    assert summary[0].startswith("setup: compile one-pass AdamW") and "build units" in summary[0]
+    assert summary[1].startswith("4 iterations after the first 2:")
+    assert any(line.split()[:2] == ["tiered-cpu-worker", "adamw"] for line in summary[3:])
 
 
 def test_no_trace_without_a_path(tmp_path, monkeypatch):

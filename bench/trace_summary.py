@@ -1,0 +1,60 @@
+"""What a tiered timeline (TIERED_TRACE, or bench_offload.py --trace) says about a run: where
+setup went, and per training iteration how long each track was busy with each kind of work.
+
+    python bench/trace_summary.py trace.json [--skip 2]
+
+An iteration starts at each forward of the unit the run's first forward computes; the first
+``--skip`` iterations (warm-up, compiling) are left out. Busy time is the sum of the spans, so
+a track at 100% of the iteration is what limits the step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+
+def summarize(events: list[dict], skip: int) -> str:
+    setup = [e for e in events if e["cat"] == "setup"]
+    work = sorted((e for e in events if e["cat"] != "setup"), key=lambda e: e["ts"])
+    lines = []
+    if setup:
+        total = defaultdict(float)
+        for e in setup:  # "build unit blocks.3" and its like add up as "build units"
+            name = "build units" if e["name"].startswith("build unit ") else e["name"]
+            total[name] += e["dur"] / 1e6
+        lines.append("setup: " + ", ".join(f"{name} {s:.1f} s" for name, s in total.items()))
+    forwards = [e for e in work if e["name"].startswith("forward ")]
+    if not forwards:
+        return "\n".join(lines + ["no forward spans: nothing to summarize"])
+    starts = [e["ts"] for e in forwards if e["name"] == forwards[0]["name"]]
+    if len(starts) <= skip:
+        return "\n".join(lines + [f"only {len(starts)} iterations; nothing after --skip {skip}"])
+    begin = starts[skip]
+    end = max(e["ts"] + e["dur"] for e in work)
+    iterations = len(starts) - skip
+    per_iteration_ms = (end - begin) / 1e3 / iterations
+    busy = defaultdict(float)
+    for e in work:
+        if e["ts"] >= begin:
+            busy[(e["tid"], e["name"].split(" ")[0])] += e["dur"] / 1e3 / iterations
+    lines.append(f"{iterations} iterations after the first {skip}: {per_iteration_ms:.1f} ms each")
+    rows = [("track", "work", "ms/iteration", "% of iteration")]
+    rows += [(track, kind, f"{ms:.1f}", f"{100 * ms / per_iteration_ms:.0f}")
+             for (track, kind), ms in sorted(busy.items(), key=lambda item: -item[1])]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("trace")
+    parser.add_argument("--skip", type=int, default=2, help="warm-up iterations to leave out")
+    args = parser.parse_args()
+    with open(args.trace) as f:
+        print(summarize(json.load(f)["traceEvents"], args.skip))
+
+
+if __name__ == "__main__":
+    main()
