@@ -18,7 +18,10 @@ tests)
 offload)  # issue 3: batch 4 and 8, DPU off and on, beside the GPU-resident and FSDP2 baselines
     python bench/bench_offload.py --batches 4,8 --steps 5 --trace "$out" --out "$out/offload.json" \
         --modes gpu,fsdp2_offload,tiered:cpu,tiered:cpu+arrive,tiered:cpu+dpu 2>&1 \
-        | grep -v -e Warning -e _conversion | tee "$out/offload.log" ;;
+        | grep -v -e Warning -e _conversion | tee "$out/offload.log"
+    for trace in "$out"/trace_*.json; do  # what limits each step (bench/trace_summary.py)
+        echo "== $trace"; python bench/trace_summary.py "$trace"
+    done | tee "$out/traces.txt" ;;
 variants)  # issue 3: what sets peak HBM at batch 8 (units.split_large off, prefetch depth 1)
     python bench/bench_offload.py --batches 8 --steps 5 --out "$out/variants.json" \
         --modes tiered:cpu+dpu,tiered:cpu+dpu+nosplit,tiered:cpu+dpu+depth1 \
