@@ -250,7 +250,6 @@ class TierManager:
     def tier_of(self, unit: int, kind: StateKind) -> Tier:
         return self.shards[(unit, kind)].tier
 
-
     def memory_report(self) -> dict[str, dict[str, int | None]]:
         report = {"hbm": self.hbm.usage.report(), "dram": self.dram.usage.report()}
         report["nvme"] = (self.nvme.usage.report() if self.nvme is not None

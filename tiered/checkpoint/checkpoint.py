@@ -16,8 +16,9 @@ A save writes into ``.<tag>.tmp``: each rank streams its file from wherever its 
 rank 0 then writes the manifest, fsyncs it and the folder, renames the folder to ``<tag>`` and
 only then replaces ``latest`` (written aside, fsynced, renamed). A crash or a full disk at any
 point leaves the previous checkpoint and ``latest`` as they were (saving a tag again sets its
-previous folder aside until ``latest`` is written); a folder without a manifest is never loaded. A load checks the manifest against the engine and every file's size and sha256
-before it changes anything, and reads only JSON and raw tensor bytes (no pickle).
+previous folder aside until ``latest`` is written); a folder without a manifest is never
+loaded. A load checks the manifest against the engine and every file's size and sha256 before
+it changes anything, and reads only JSON and raw tensor bytes (no pickle).
 
 Compute-dtype weights are the master weights cast, so they are recomputed on load, except under
 a pending delayed update: then the weights the next forward uses are the previous step's, and

@@ -35,9 +35,9 @@ LAUNCHED_ENV = "TIERED_LAUNCHED"
 """Set by ``tiered-launch`` in each rank's environment."""
 
 _managed: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+"""Models whose parameters an engine has taken over."""
 _engines: "weakref.WeakSet[TieredEngine]" = weakref.WeakSet()
 """Live engines, shut down at exit before the process group they use goes (_leave_group)."""
-"""Models whose parameters an engine has taken over."""
 
 
 class TieredEngine:

@@ -157,4 +157,3 @@ def one_pass_for(compute_dtype: torch.dtype, grad_dtypes: set[torch.dtype],
         worker.submit(partial(one_pass.warm_up, grad_dtype, compute_dtype))
     worker.drain()
     return one_pass
-

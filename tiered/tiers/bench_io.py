@@ -1,6 +1,6 @@
 """``tiered bench-io``: what the NVMe tier's I/O engine moves on a file system, against the
-simplest alternative, and across queue depths and request sizes (to choose the defaults; each sweep point is the
-median of several interleaved runs).
+simplest alternative, and across queue depths and request sizes (to choose the defaults; each
+sweep point is the median of several interleaved runs).
 
 Every figure is sequential O_DIRECT traffic through one file of the given size in a folder of
 its own under the path, removed afterwards: the engine at the policy's settings, a plain loop of
