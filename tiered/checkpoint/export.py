@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from ..ops.tiled_linear import TiledLinear, tiled_layers
+from ..ops.tiled_linear import TiledLinear, merge_layer_tiles, tiled_layers
 from .format import CheckpointError, Entry, Writer
 
 INDEX = "model.safetensors.index.json"
@@ -24,8 +24,8 @@ INDEX = "model.safetensors.index.json"
 def save_pretrained(engine, directory: str, dtype: torch.dtype = torch.float32,
                     max_shard_bytes: int = 5 << 30) -> list[str]:
     """Write the weights under ``directory`` (``dtype``: fp32 master weights, or a compute
-    dtype cast from them); returns the files written (on rank 0; others return [])."""
-    engine.optimizer.synchronize()
+    dtype cast from them); returns the files written (on rank 0; others return []). The
+    weights are those after any pending update (engine.consolidated_units finishes it)."""
     group, model = engine.runtime.group, engine.module
     tiled = tiled_layers(model)
     buffers = {name: b for name, b in model.state_dict().items()}
@@ -49,9 +49,7 @@ def save_pretrained(engine, directory: str, dtype: torch.dtype = torch.float32,
         if group.rank != 0 or failure is not None:
             continue
         try:
-            for spec, tensor in zip(flat.spec.params, flat.unflatten(full)):
-                for name in spec.names:
-                    waiting[name] = tensor
+            waiting.update(flat.by_name(full))
             for name, tensor in _ready(waiting, tiled):
                 writers[files[name]].write(tensor.to(dtype))
         except Exception as error:  # keep gathering with the others, then report
@@ -108,14 +106,11 @@ def _ready(waiting: dict[str, torch.Tensor], tiled: dict[str, TiledLinear]):
     for name in [n for n in waiting if _tiled_layer(n, tiled) is None]:
         yield name, waiting.pop(name)
     for prefix, module in tiled.items():
-        names = [f"{prefix}tiles.{k}.weight" for k in range(len(module.tiles))]
-        if all(name in waiting for name in names):
-            bias_names = [f"{prefix}tiles.{k}.bias" for k in range(len(module.tiles))]
-            weight, bias = module.merge([waiting.pop(n) for n in names],
-                                        [waiting.pop(n, None) for n in bias_names])
-            yield f"{prefix}weight", weight
-            if bias is not None:
-                yield f"{prefix}bias", bias
+        if all(f"{prefix}tiles.{k}.weight" in waiting for k in range(len(module.tiles))):
+            merge_layer_tiles(module, waiting, prefix)
+            yield f"{prefix}weight", waiting.pop(f"{prefix}weight")
+            if module.has_bias:
+                yield f"{prefix}bias", waiting.pop(f"{prefix}bias")
 
 
 def _assign(plan: list[Entry], max_shard_bytes: int) -> dict[str, str]:

@@ -112,9 +112,7 @@ class TieredEngine:
         values: dict[str, torch.Tensor] = {
             name: tensor.detach().cpu() for name, tensor in self.module.state_dict().items()}
         for flat, full in self.consolidated_units():
-            for spec, tensor in zip(flat.spec.params, flat.unflatten(full)):
-                for name in spec.names:
-                    values[name] = tensor
+            values.update(flat.by_name(full))
         merge_tiles(self.module, values)
         return {key: values[key] for key in self._state_dict_keys}
 

@@ -104,7 +104,9 @@ class FlatParam:
             offset += numel
         out[offset:].zero_()
 
-    def unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Views of a flat tensor in the original parameters' shapes."""
-        pieces = flat[:self.numel].split(self.numels)
-        return [piece.view(p.shape) for piece, p in zip(pieces, self.spec.params)]
+    def by_name(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Views of a flat tensor in the original parameters' shapes, under their state-dict
+        names (a tied parameter's one view under each of its names)."""
+        views = [piece.view(spec.shape) for piece, spec in
+                 zip(flat[:self.numel].split(self.numels), self.spec.params)]
+        return {name: view for view, spec in zip(views, self.spec.params) for name in spec.names}

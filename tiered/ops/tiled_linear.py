@@ -65,7 +65,7 @@ class TiledLinear(nn.Module):
         self.tiles = nn.ModuleList(
             LinearTile(cols, rows, bias and j == 0, in_features, device=device, dtype=dtype)
             for rows in self.out_sizes for j, cols in enumerate(self.in_sizes))
-        self._register_state_dict_hook(_merge_tiles)
+        self._register_state_dict_hook(merge_layer_tiles)
         self._register_load_state_dict_pre_hook(_split_tiles, with_module=True)
 
     def tile(self, i: int, j: int) -> LinearTile:
@@ -116,9 +116,11 @@ class TiledLinear(nn.Module):
         return tiled
 
 
-def _merge_tiles(module: TiledLinear, state: dict, prefix: str, local_metadata=None) -> None:
-    """State-dict hook: ``weight`` and ``bias`` in nn.Linear's shapes, not the tiles. (A layer
-    whose tiles an engine has taken has none here: the engine's full_state_dict merges them.)"""
+def merge_layer_tiles(module: TiledLinear, state: dict, prefix: str,
+                      local_metadata=None) -> None:
+    """``state``'s entries of one layer's tiles become its ``weight`` and ``bias`` in
+    nn.Linear's shapes. Also the layer's state-dict hook (a layer whose tiles an engine has
+    taken has none there: the engine's full_state_dict and export merge them)."""
     names = [f"{prefix}tiles.{k}." for k in range(len(module.tiles))]
     if names[0] + "weight" not in state:
         return
@@ -163,7 +165,7 @@ def tiled_layers(model: nn.Module) -> dict[str, TiledLinear]:
 def merge_tiles(model: nn.Module, state: dict) -> None:
     """Turn tile entries of ``state`` (a model's full state dict) into nn.Linear's."""
     for prefix, module in tiled_layers(model).items():
-        _merge_tiles(module, state, prefix)
+        merge_layer_tiles(module, state, prefix)
 
 
 def tile_large_linears(model: nn.Module, max_bytes: int, itemsize: int) -> list[str]:
