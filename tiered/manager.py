@@ -19,7 +19,7 @@ from .errors import TieredError
 from .plan import MemoryPlan, StateKind
 from .policy import Policy, Tier
 from .tiers import DramTier, HbmTier, NvmeShard, NvmeTier, SlabSource
-from .sizes import align_up
+from .sizes import align_up, even_pieces
 from .tiers.aio import IoSettings
 from .tiers.dram import BLOCK_ALIGN
 
@@ -46,11 +46,10 @@ def _typed(block: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
 def _pieces(shard: "Shard", block: torch.Tensor):
     """(first element, elements, byte offset, bytes to move) of each piece of an NVMe shard
     that fits ``block``; byte counts round up to whole 4 KiB blocks (the extent has them)."""
-    per_piece = block.numel() // shard.dtype.itemsize
-    for start in range(0, shard.numel, per_piece):
-        numel = min(per_piece, shard.numel - start)
-        yield (start, numel, start * shard.dtype.itemsize,
-               align_up(numel * shard.dtype.itemsize, BLOCK_ALIGN))
+    itemsize = shard.dtype.itemsize
+    for start, numel in even_pieces(shard.numel, block.numel() // itemsize,
+                                    BLOCK_ALIGN // itemsize):
+        yield start, numel, start * itemsize, align_up(numel * itemsize, BLOCK_ALIGN)
 
 
 def _staging_in(kind: StateKind) -> str:

@@ -46,3 +46,12 @@ def format_size(nbytes: int) -> str:
 
 def align_up(n: int, alignment: int) -> int:
     return (n + alignment - 1) // alignment * alignment
+
+
+def even_pieces(total: int, most: int, align: int) -> list[tuple[int, int]]:
+    """(start, count) of as few pieces of ``total`` elements as hold at most ``most`` each, of
+    nearly equal size (no stray remainder of a few elements), every start a multiple of
+    ``align``, which ``most`` must be too (O_DIRECT offsets)."""
+    count = max(1, -(-total // most))
+    size = min(most, align_up(-(-total // count), align))
+    return [(start, min(size, total - start)) for start in range(0, total, size)]

@@ -20,7 +20,7 @@ import torch
 
 from ..manager import TierManager
 from ..plan import OPTIMIZER_STATES, STAGING_SETS
-from ..sizes import align_up
+from ..sizes import align_up, even_pieces
 from ..tiers.dram import BLOCK_ALIGN
 from ..tiers.nvme import VersionGroup
 
@@ -49,11 +49,9 @@ class StateStream:
         a remainder of a few elements would be a pipeline stage of its own (and a shape the
         compiled kernel has not seen). Pieces start on 4 KiB of fp32, as O_DIRECT needs."""
         numel = self.manager.shards[(unit, OPTIMIZER_STATES[0])].numel
-        count = -(-numel // self.piece_numel)
-        size = min(self.piece_numel, align_up(-(-numel // count), BLOCK_ALIGN // 4))
-        starts = range(0, numel, size)
-        return [Piece(unit, start, min(size, numel - start), start == starts[-1])
-                for start in starts]
+        pieces = even_pieces(numel, self.piece_numel, BLOCK_ALIGN // 4)
+        return [Piece(unit, start, count, k == len(pieces) - 1)
+                for k, (start, count) in enumerate(pieces)]
 
     def run(self, units: list[int], step_piece: StepPiece,
             unit_done: Callable[[int], None]) -> None:
