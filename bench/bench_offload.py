@@ -192,6 +192,8 @@ def _measure(args, model, step, batch: int, n_params: int) -> dict:
 
 
 def table(results: list[dict], baselines: list[str]) -> str:
+    from tiered.report import format_table  # here: the parent process imports no torch before
+
     io = any("nvme_GB_per_step" in r for r in results)
     head = ["mode", "step s", "tokens/s", "TFLOPS", "peak HBM GiB"] + [
         f"x vs {b}" for b in baselines] + (["NVMe GB/step read, written"] if io else [])
@@ -208,10 +210,7 @@ def table(results: list[dict], baselines: list[str]) -> str:
                      f"{r['tflops']:.1f}", f"{r['peak_hbm_GiB']:.1f}"] + ratios + (
                     ["{read:.1f}, {write:.1f}".format(**r["nvme_GB_per_step"])
                      if "nvme_GB_per_step" in r else "-"] if io else []))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return format_table(rows)
 
 
 def main() -> None:

@@ -13,6 +13,8 @@ import argparse
 import json
 from collections import defaultdict
 
+from tiered.report import format_table
+
 
 def summarize(events: list[dict], skip: int) -> str:
     setup = [e for e in events if e["cat"] == "setup"]
@@ -42,8 +44,7 @@ def summarize(events: list[dict], skip: int) -> str:
     rows = [("track", "work", "ms/iteration", "% of iteration")]
     rows += [(track, kind, f"{ms:.1f}", f"{100 * ms / per_iteration_ms:.0f}")
              for (track, kind), ms in sorted(busy.items(), key=lambda item: -item[1])]
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines.append(format_table(rows))
     return "\n".join(lines)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..report import format_table
 from ..sizes import align_up
 from .aio import IoEngine, IoSettings, host_buffer
 from .dram import BLOCK_ALIGN, PinnedSlabSource
@@ -130,9 +131,7 @@ def table(result: dict) -> str:
     rows = [("setting", "write GB/s", "read GB/s")]
     for point in [result["engine"], result["single_stream"], *result["sweep"]]:
         rows.append((point["label"], f"{point['write_gbps']:.2f}", f"{point['read_gbps']:.2f}"))
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = [format_table(rows)]
     best, single = result["engine_vs_best_sweep"], result["engine_vs_single_stream"]
     lines.append(f"policy settings / best of sweep: write {best['write']:.2f}, read "
                  f"{best['read']:.2f}; "
