@@ -36,8 +36,8 @@ STAGING_SETS = 3
 """Sub-group buffer sets of the NVMe optimizer stream: read ahead, stepped, written back."""
 
 GRAD_LANDING_SLOTS = 4
-"""Pinned buffers in which reduced gradient shards land from the GPU until the CPU worker adds
-them in: this many units' gradients may be in flight before backward waits for the worker."""
+"""Units' gradients that may hold device bytes on their way off the device at once, and the
+pinned buffers in which later gradients of a step land until the CPU worker adds them in."""
 
 
 def state_kinds(policy: Policy) -> list[StateKind]:
@@ -173,8 +173,9 @@ def hbm_working_set(policy: Policy, full_numels: list[int], unit_paths: list[str
     chain of nested units (the root, and each unit's enclosing units). In backward the next
     chain is gathered before the current one has been reduced and released, so two chains are
     held at once (the root counted once): with flat blocks, the root and the two largest blocks.
-    Up to GRAD_LANDING_SLOTS units' flat gradients wait for the CPU worker at once, each (with
-    several ranks) with its fp32 copy and reduced fp32 shard. On top of that, up to
+    Up to GRAD_LANDING_SLOTS units' flat gradients are on their way off the device at once,
+    each (with several ranks) with its fp32 copy and reduced fp32 shard (see [Note: gradients
+    in flight] in engine/gradients.py). On top of that, up to
     ``prefetch.hbm_bytes`` of units gathered ahead of need. Building a unit at start-up needs
     its fp32 flat copy and, for a model built under ``tiered.init``, the unit's parameters
     materialized on the device (fp32 at most).

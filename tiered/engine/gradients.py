@@ -27,11 +27,22 @@ worker makes a buffer HELD when the gradient arrives and FREE when an update has
 backward after it. Updates step units in the order their gradients arrived, so backward waits
 only when it catches up with the CPU. Every wait here also ends, with an error, if the worker
 fails: a task it skipped would otherwise never free what backward waits for.
+
+[Note: gradients in flight]
+Up to GRAD_LANDING_SLOTS gradients may hold device bytes (the unit's full gradient, and with
+several ranks its fp32 reduction) on their way to the grads tier: the working set plan.py budgets.
+Those bytes are free once the copy off the device has run (the allocator knows it through
+``record_stream``), so the training thread releases them when the copy's event has completed, and
+at the limit it waits for the oldest copy on the GPU, never for the CPU worker. The worker, whose
+queue may hold a whole update ahead of the gradient (the delayed update's, or units stepped on
+arrival), releases one only if it sees it first. Only a gradient the worker adds on the device
+itself (grads kept in HBM) stays counted until the worker has queued that addition.
 """
 from __future__ import annotations
 
 import enum
 import threading
+from collections import deque
 from functools import partial
 
 import torch
@@ -50,6 +61,21 @@ class BufferState(enum.Enum):
     FREE = "free"
     TAKEN = "taken"
     HELD = "held"
+
+
+class _InFlight:
+    """One gradient's device bytes on their way to the grads tier (see [Note: gradients in
+    flight]): released once, by whichever thread sees its copy complete first."""
+
+    __slots__ = ("event", "nbytes", "released")
+
+    def __init__(self, event, nbytes: int):
+        self.event = event
+        self.nbytes = nbytes
+        self.released = False
+
+    def copied(self) -> bool:
+        return self.event is None or self.event.query()
 
 
 class GradientPath:
@@ -75,7 +101,9 @@ class GradientPath:
         """Guards the three below; notified whenever one changes or the worker fails."""
         self._buffers = [BufferState.FREE] * len(flats)
         self._in_flight = 0
-        """Gradients on their way to the worker; backward waits at GRAD_LANDING_SLOTS."""
+        """Gradients holding device bytes; backward waits at GRAD_LANDING_SLOTS."""
+        self._copies: deque[_InFlight] = deque()
+        """Training thread: gradients the copy off the device frees, oldest first."""
         self._grads_on_host = manager.grad_device().type == "cpu"
         self._landing = manager.staging_names("grad")
         """Free pinned landing buffers (for gradients after a step's first)."""
@@ -117,13 +145,17 @@ class GradientPath:
                                       begin, self.timeline.mark())
             self.streams.keep_for_offload(grad)
             del grad
+            in_flight = _InFlight(ready, transient)
             task = self._arrived if first else self._add
-            self.worker.submit(partial(task, index, shard, ready, landing, transient, last))
+            self.worker.submit(partial(task, index, shard, ready, landing, in_flight, last))
         except BaseException:
             self.usage.release(transient)
             self._unreserve(index, first, landing)
             raise
         self.has_grad[index] = True
+        if first or landing is not None:  # what the worker reads is in the grads tier or DRAM
+            self._copies.append(in_flight)
+            self._retire_copies(wait=False)
 
     def _first_dtype(self, shard_dtype: torch.dtype) -> torch.dtype:
         """What a first gradient is kept as: the shard's own dtype in an fp32 buffer (pending or
@@ -142,8 +174,9 @@ class GradientPath:
         return shard, extra
 
     def _reserve(self, index: int, first: bool, needs_landing: bool) -> str | None:
-        """Training thread: wait for room on the way to the worker (and, for a first gradient,
+        """Training thread: wait for room on the way to the grads tier (and, for a first gradient,
         for the unit's buffer to be FREE); returns a landing buffer when one is needed."""
+        self._retire_copies(wait=True)
         with self._changed:
             self._changed.wait_for(lambda: self.worker.failed or (
                 self._in_flight < GRAD_LANDING_SLOTS
@@ -155,6 +188,28 @@ class GradientPath:
                 self._buffers[index] = BufferState.TAKEN
             return self._landing.pop() if needs_landing else None
 
+    def _retire_copies(self, wait: bool) -> None:
+        """Training thread: release the gradients whose copy off the device has run; with
+        ``wait``, while at the limit, wait on the GPU for the oldest copy (see [Note: gradients
+        in flight])."""
+        while self._copies:
+            oldest = self._copies[0]
+            if not oldest.released and not oldest.copied():
+                if not wait or self._in_flight < GRAD_LANDING_SLOTS:
+                    return
+                oldest.event.synchronize()
+            self._copies.popleft()
+            self._release(oldest)
+
+    def _release(self, in_flight: _InFlight) -> None:
+        with self._changed:
+            if in_flight.released:
+                return
+            in_flight.released = True
+            self._in_flight -= 1
+            self._changed.notify_all()
+        self.usage.release(in_flight.nbytes)
+
     def _unreserve(self, index: int, first: bool, landing: str | None) -> None:
         with self._changed:
             self._in_flight -= 1
@@ -164,18 +219,18 @@ class GradientPath:
                 self._landing.append(landing)
             self._changed.notify_all()
 
-    def _arrived(self, index: int, shard: torch.Tensor, ready, landing, transient: int,
-                 last: bool) -> None:
+    def _arrived(self, index: int, shard: torch.Tensor, ready, landing,
+                 in_flight: _InFlight, last: bool) -> None:
         """Worker: a first gradient is in its buffer (pending, an fp32 sum, or compact)."""
         wait_for(ready, shard)
         self.dtype[index] = shard.dtype
         self.arrival_order.append(index)
         with self._changed:
             self._buffers[index] = BufferState.HELD
-        self._done(transient, index, last, landing)
+        self._done(in_flight, index, last, landing)
 
-    def _add(self, index: int, shard: torch.Tensor, ready, landing: str | None, transient: int,
-             last: bool) -> None:
+    def _add(self, index: int, shard: torch.Tensor, ready, landing: str | None,
+             in_flight: _InFlight, last: bool) -> None:
         """Worker: add a later gradient into the buffer in its dtype: the fp32 sum (widening a
         pending one first), or a compact buffer as it is (see [Note: gradient states])."""
         wait_for(ready, shard)
@@ -186,15 +241,14 @@ class GradientPath:
             self.manager.grad_buffer(index, self.buffer_dtype).add_(shard)
             self.dtype[index] = self.buffer_dtype
         del shard
-        self._done(transient, index, last, landing)
+        self._done(in_flight, index, last, landing)
 
-    def _done(self, transient: int, index: int, last: bool, landing: str | None) -> None:
-        self.usage.release(transient)
-        with self._changed:
-            self._in_flight -= 1
-            if landing is not None:
+    def _done(self, in_flight: _InFlight, index: int, last: bool, landing: str | None) -> None:
+        self._release(in_flight)
+        if landing is not None:
+            with self._changed:
                 self._landing.append(landing)
-            self._changed.notify_all()
+                self._changed.notify_all()
         if last:
             self.on_last(index)
 

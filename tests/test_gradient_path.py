@@ -1,0 +1,44 @@
+"""Gradients leave the device without waiting for the CPU worker (see [Note: gradients in
+flight] in tiered/engine/gradients.py)."""
+from __future__ import annotations
+
+import copy
+import os
+import threading
+
+import pytest
+import torch
+
+import tiered
+from gpt import GPT, next_token_loss
+from test_failures import run_with_deadline
+from test_parity import OPTIM, REPO, SEQ, VOCAB, assert_parity, token_batches
+from tiered.plan import GRAD_LANDING_SLOTS
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_backward_does_not_wait_for_a_busy_worker(device):
+    # The worker's queue may hold a whole update ahead of the gradients (the delayed update's,
+    # or units stepped on arrival). Backward waits for a unit's buffer, and for the GPU to copy
+    # gradients out, but never for the worker to take them in.
+    torch.manual_seed(0)
+    model = GPT(VOCAB, 32, 6, 2, max_seq=SEQ, tied=True, qkv_bias=False)
+    reference = copy.deepcopy(model).to(device)
+    engine, optimizer = tiered.initialize(model, os.path.join(REPO, "configs", "cpu.yaml"),
+                                          compute_dtype="fp32", device=device, optimizer=OPTIM)
+    assert len(engine.runtime.flats) > GRAD_LANDING_SLOTS
+    idx = token_batches(1)[0].to(device)
+    worker_busy = threading.Event()
+    engine.runtime.worker.submit(worker_busy.wait)
+    try:
+        run_with_deadline(lambda: next_token_loss(engine(idx), idx).backward(), seconds=20)
+    finally:
+        worker_busy.set()
+    optimizer.step()
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), **OPTIM)
+    next_token_loss(reference(idx), idx).backward()
+    reference_optimizer.step()
+    assert_parity(engine.full_state_dict(), {name: value.cpu() for name, value
+                                             in reference.state_dict().items()})
+    assert engine.memory_report()["hbm"]["current"] == 0
+    engine.close()
