@@ -2,7 +2,9 @@
 forward reads each unit only after the update has written it."""
 from __future__ import annotations
 
+import copy
 import os
+import threading
 import time
 
 import pytest
@@ -11,7 +13,7 @@ import torch
 import tiered
 from gpt import next_token_loss
 from test_failures import run_with_deadline
-from test_parity import OPTIM, make_model, token_batches
+from test_parity import OPTIM, assert_parity, make_model, token_batches
 from tiered.optim.stepper import UnitStepper
 
 HOLD_SECONDS = 0.3
@@ -132,6 +134,37 @@ def test_units_stepped_as_gradients_arrive_are_read_once_written(monkeypatch):
     optimizer.step()  # the units were stepped already: nothing is left to do
     with torch.no_grad():
         assert torch.equal(before_step, engine(idx))
+    engine.close()
+
+
+def test_units_stepped_on_arrival_go_in_the_next_forwards_order(monkeypatch):
+    """Backward delivers the embeddings (the root unit) last; the next forward needs them first.
+    Of the gradients already in, the worker steps first what that forward needs first."""
+    model = make_model()
+    reference = copy.deepcopy(model)
+    engine, optimizer = tiered.initialize(
+        model, "configs/cpu.yaml", compute_dtype="fp32", device="cpu",
+        optimizer=dict(OPTIM, accumulation_steps=1))
+    stepped = []
+    step = UnitStepper.step
+    monkeypatch.setattr(UnitStepper, "step",
+                        lambda stepper, units, *args, **kw: (stepped.extend(units),
+                                                             step(stepper, units, *args, **kw)))
+    idx = token_batches(1)[0]
+    worker_busy = threading.Event()  # until every gradient is in
+    engine.runtime.worker.submit(worker_busy.wait)
+    try:
+        run_with_deadline(lambda: next_token_loss(engine(idx), idx).backward())
+    finally:
+        worker_busy.set()
+    optimizer.step()
+    forward = list(dict.fromkeys(engine.runtime.prefetcher.trace))
+    assert stepped == forward == [2, 0, 1]  # the root, block 0, block 1
+    assert engine.runtime.grads.arrival_order == [1, 0, 2]
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), **OPTIM)
+    next_token_loss(reference(idx), idx).backward()
+    reference_optimizer.step()
+    assert_parity(engine.full_state_dict(), reference.state_dict())
     engine.close()
 
 

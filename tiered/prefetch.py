@@ -37,6 +37,11 @@ class Prefetcher:
         and the timeline."""
 
     @property
+    def recorded(self) -> list[int]:
+        """The needs of the iteration running, so far, in order."""
+        return list(self._recording)
+
+    @property
     def ahead_bytes(self) -> int:
         return sum(self.ahead.values())
 

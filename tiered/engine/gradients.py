@@ -102,6 +102,9 @@ class GradientPath:
         self._buffers = [BufferState.FREE] * len(flats)
         self._in_flight = 0
         """Gradients holding device bytes; backward waits at GRAD_LANDING_SLOTS."""
+        self.last_queued = 0
+        """Gradients of the step's last backward submitted to the worker and not yet taken in
+        (guarded by _changed; the worker reads it to see whether more are coming)."""
         self._copies: deque[_InFlight] = deque()
         """Training thread: gradients the copy off the device frees, oldest first."""
         self._grads_on_host = manager.grad_device().type == "cpu"
@@ -147,7 +150,12 @@ class GradientPath:
             del grad
             in_flight = _InFlight(ready, transient)
             task = self._arrived if first else self._add
-            self.worker.submit(partial(task, index, shard, ready, landing, in_flight, last))
+            self._count_last(last, 1)  # before the worker can see the task
+            try:
+                self.worker.submit(partial(task, index, shard, ready, landing, in_flight, last))
+            except BaseException:
+                self._count_last(last, -1)
+                raise
         except BaseException:
             self.usage.release(transient)
             self._unreserve(index, first, landing)
@@ -243,12 +251,18 @@ class GradientPath:
         del shard
         self._done(in_flight, index, last, landing)
 
+    def _count_last(self, last: bool, change: int) -> None:
+        if last:
+            with self._changed:
+                self.last_queued += change
+
     def _done(self, in_flight: _InFlight, index: int, last: bool, landing: str | None) -> None:
         self._release(in_flight)
         if landing is not None:
             with self._changed:
                 self._landing.append(landing)
                 self._changed.notify_all()
+        self._count_last(last, -1)
         if last:
             self.on_last(index)
 

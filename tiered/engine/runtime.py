@@ -48,6 +48,9 @@ class UnitRuntime:
         each unit's gradient is complete once it arrives, so it can be stepped then, or its
         norm taken while backward still runs."""
         self.step_on_arrival = False
+        self.next_forward_rank: dict[int, int] = {}
+        """Unit -> its place in the next forward, fixed for a backward that steps on arrival
+        (read by the CPU worker, which steps first what that forward needs first)."""
         self._arrived: set[int] = set()
         """Units whose gradient came in the backward that steps them on arrival."""
         self.grads = GradientPath(flats, manager, group, policy, worker, self.streams, timeline)
@@ -137,3 +140,6 @@ class UnitRuntime:
         self.last_backward = self.backwards_since_step == limit
         self.step_on_arrival = self.arrival_allowed and self.last_backward
         self._arrived.clear()
+        if self.step_on_arrival:  # this iteration's forward, as the next one will run
+            order = list(dict.fromkeys(self.prefetcher.recorded))
+            self.next_forward_rank = {unit: place for place, unit in enumerate(order)}

@@ -91,6 +91,9 @@ class TieredAdamW(torch.optim.Optimizer):
         self._steps_called = 0
         self._pending: _Update | None = None
         self._arrived: list[int] = []
+        self._ready: list[int] = []
+        """Worker: units whose gradient of the last backward is in but which are not yet
+        stepped, in arrival order (see _last_gradient_in)."""
         self._grads = runtime.grads
         self._grads.on_last = self._last_gradient_in
         self._wants_norm = opt.max_grad_norm is not None or scaler is not None
@@ -237,22 +240,36 @@ class TieredAdamW(torch.optim.Optimizer):
             units=list(pending["written"]), hyper=AdamWHyper.from_group(self.param_groups[0]),
             loss_scale=pending["loss_scale"], into_next=True, written=list(pending["written"]),
             norm=pending["norm"], overflowed=pending["overflowed"])
-        self._arrived = []
+        self._arrived, self._ready = [], []
         self._squares.clear()
         self._runtime.backwards_since_step = 0
 
     def _last_gradient_in(self, index: int) -> None:
-        """CPU worker: unit ``index``'s gradient of the step's last backward is in. Step it now
-        where the policy allows (runtime.arrival_allowed), else take its norm now if the step
-        will need it."""
+        """CPU worker: unit ``index``'s gradient of the step's last backward is in. Step a unit
+        now where the policy allows (runtime.arrival_allowed), else take its norm now if the
+        step will need it.
+
+        Of the units whose gradient is in, the one the next forward needs first is stepped
+        first. Backward delivers the embedding last and the next forward needs it first:
+        stepped in arrival order, that forward would wait for the whole update, while this way
+        it follows the update unit by unit once backward is over. The worker lags backward (a
+        unit's step takes longer than its backward), so arrivals queue up behind a step: they
+        are taken in (quick) before the next unit is chosen, and the last one queued steps
+        whatever is left, so every unit is stepped before the worker goes idle."""
         if self._runtime.arrival_allowed:
-            self._stepper.step([index], AdamWHyper.from_group(self.param_groups[0]), 1.0, False)
-            if self.device.type == "cuda":
-                # The step's kernels were queued on this thread's stream; a gather reads the
-                # weights on another, so they are written only once these have run.
-                torch.cuda.current_stream(self.device).synchronize()
-            self._runtime.pending_weights.written([index])
-            self._arrived.append(index)
+            self._ready.append(index)
+            rank = self._runtime.next_forward_rank
+            while self._ready and not self._grads.last_queued:
+                unit = min(self._ready, key=lambda i: rank.get(i, len(rank)))  # ties: arrival
+                self._ready.remove(unit)
+                self._stepper.step([unit], AdamWHyper.from_group(self.param_groups[0]), 1.0,
+                                   False)
+                if self.device.type == "cuda":
+                    # The step's kernels were queued on this thread's stream; a gather reads
+                    # the weights on another, so they are written only once these have run.
+                    torch.cuda.current_stream(self.device).synchronize()
+                self._runtime.pending_weights.written([unit])
+                self._arrived.append(unit)
         elif self._wants_norm:
             with self._runtime.timeline.span(f"grad norm {self._runtime.flats[index].name}",
                                              "cpu"):
