@@ -168,8 +168,8 @@ def test_to_dict_is_the_schema_in_plain_types():
     assert d["compute_dtype"] == "fp16" and type(d["compute_dtype"]) is str
     assert d["params"] == {"tier": "nvme"}
     assert d["optimizer"]["betas"] == [0.8, 0.95]
-    assert d["nvme"] == {"path": "/mnt/nvme0", "budget": 2 * 2**30, "block_size": 4 << 20,
-                         "queue_depth": 8}
+    assert d["nvme"] == {"path": "/mnt/nvme0", "budget": 2 * 2**30, "block_size": 1 << 20,
+                         "queue_depth": 16}
     assert d["hbm"]["budget"] == 70 * 2**30
     assert d["units"]["classes"] == ["Block", "Embedding"]
     assert set(d) == {"compute_dtype", "device", "params", "grads", "optimizer", "nvme", "hbm",

@@ -182,9 +182,11 @@ class NvmePolicy:
     budget: int | None = field(default=None, metadata=_parse(_size_or_none))
     """Bytes tiered may use there; null = this rank's share (ranks on the node) of the free
     space of that file system, the smallest any rank measured."""
-    block_size: int = field(default=4 << 20, metadata=_parse(parse_size))
-    """Bytes per I/O request; large transfers are split into requests of this size."""
-    queue_depth: int = field(default=8, metadata=_parse(_int))
+    block_size: int = field(default=1 << 20, metadata=_parse(parse_size))
+    """Bytes per I/O request; large transfers are split into requests of this size. The
+    defaults are the best point of ``tiered bench-io``'s sweep on the GPU box's disk (see
+    bench/RESULTS.md)."""
+    queue_depth: int = field(default=16, metadata=_parse(_int))
     """Requests in flight per direction (reads and writes each have their own threads)."""
 
     def __post_init__(self):
