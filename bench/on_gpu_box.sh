@@ -2,9 +2,11 @@
 # The GPU-box checks, one stage per call so each fits the box's 10-minute command limit:
 #   bash bench/on_gpu_box.sh tests|offload|variants|tiled|io|nvme|large|clip [OUT]
 # Each stage prints its table last and keeps logs and timelines in OUT (default ./gpu-out).
-# Stage times on the H100 box (16 cores, 125 GiB, 64 GiB free disk), roughly: tests 2 min,
-# offload 5 min, variants 4 min, tiled 3 min, io 3 min, nvme 5 min, large 8 min, clip 3 min
-# (estimates; offload was 8 min when each batch size had a process of its own).
+# Stage times measured on the H100 box (16 cores, 125 GiB, 64 GiB free disk): tests 1.8 min,
+# offload 8.4 min, nvme 3.6 min, large 6.1 min; tests+tiled+io together 5.8 min. Estimated:
+# variants 5 min, clip 4 min. Every tiered process spends about 100 s in setup there, 57-72 s of
+# it compiling the one-pass AdamW: inductor's on-disk cache did not spare the later processes
+# (on the development machine, torch 2.13, a second process compiles in 2.4 s).
 set -o pipefail
 stage=${1:?stage: tests, offload, variants, tiled, io, nvme, large or clip}
 out=${2:-gpu-out}
