@@ -11,13 +11,16 @@ per batch size with every mode's ratio to each baseline:
 - ``fsdp2_offload``: FSDP2 with ``CPUOffloadPolicy`` (params, grads, optimizer on the CPU) and
   bf16 compute, what a PyTorch user would pick instead of us;
 - ``tiered:<policy>``: tiered with ``configs/<policy>.yaml`` (``--nvme`` for NVMe policies).
-The step time is the median of the steps after the first two (warm-up).
+The step time is the median of the steps after the first ``--warmup`` (default 2). With the
+delayed update (``+dpu``, 2 ordinary warm-up steps) the first delayed step still finishes the
+ordinary update before it, so steady state starts at step 4: use ``--warmup 3``.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -152,8 +155,8 @@ def run_mode(args) -> None:
 
 
 def _measure(args, model, step, batch: int, n_params: int) -> dict:
-    """``args.steps`` steps at ``batch``: the median step after the first two, and the peak of
-    device memory over these steps alone."""
+    """``args.steps`` steps at ``batch``: the median step after the first ``args.warmup``, and
+    the peak of device memory over these steps alone."""
     import torch
 
     cuda = torch.cuda.is_available()
@@ -178,8 +181,7 @@ def _measure(args, model, step, batch: int, n_params: int) -> dict:
                 *(moved[-1][v] / 1e9 - moved[-2][v] / 1e9 for v in ("read", "write")))
         print(f"{args.run} batch {batch} step {len(times)}: {times[-1]:.3f} s, "
               f"loss {losses[-1]:.4f}{io}", file=sys.stderr, flush=True)
-    warm = sorted(times[2:])
-    step_s = warm[len(warm) // 2]
+    step_s = statistics.median(times[args.warmup:])
     tokens = batch * args.seq
     result = dict(step_s=step_s, tokens_per_s=tokens / step_s,
                   tflops=6 * n_params * tokens / step_s / 1e12,
@@ -221,7 +223,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--batches", default=None, help="several batch sizes, e.g. 4,8")
     parser.add_argument("--trace", default=None, help="folder for tiered's timelines")
-    parser.add_argument("--steps", type=int, default=6, help="at least 3 (2 are warm-up)")
+    parser.add_argument("--steps", type=int, default=6, help="more than --warmup")
+    parser.add_argument("--warmup", type=int, default=2, help="steps left out of the median")
     parser.add_argument("--modes", default="gpu,fsdp2_offload,tiered:cpu")
     parser.add_argument("--nvme", default=None, help="folder for NVMe policies")
     parser.add_argument("--set", default=None, help="policy keys for every tiered mode, as "
@@ -229,8 +232,8 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write all results as JSON here")
     parser.add_argument("--run", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.steps < 3:
-        parser.error(f"--steps must be at least 3 (the first 2 are warm-up), got {args.steps}")
+    if args.steps <= args.warmup:
+        parser.error(f"--steps ({args.steps}) must be more than --warmup ({args.warmup})")
     args.batch_sizes = [int(b) for b in args.batches.split(",")] if args.batches else [args.batch]
     if args.run:
         run_mode(args)
@@ -241,7 +244,8 @@ def main() -> None:
     for mode in args.modes.split(","):
         cmd = [sys.executable, __file__, "--run", mode, "--layers", str(args.layers),
                "--dim", str(args.dim), "--seq", str(args.seq),
-               "--batches", ",".join(map(str, batches)), "--steps", str(args.steps)] + (
+               "--batches", ",".join(map(str, batches)), "--steps", str(args.steps),
+               "--warmup", str(args.warmup)] + (
                ["--nvme", args.nvme] if args.nvme else []) + (
                ["--trace", args.trace] if args.trace else []) + (
                ["--set", args.set] if args.set else [])

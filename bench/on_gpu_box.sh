@@ -18,14 +18,15 @@ tests)
     python -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_adamw.py 2>&1 \
         | tee "$out/tests.log" ;;
 offload)  # issue 3: batch 4 and 8, DPU off and on, beside the GPU-resident and FSDP2 baselines
-    python bench/bench_offload.py --batches 4,8 --steps 5 --trace "$out" --out "$out/offload.json" \
+    python bench/bench_offload.py --batches 4,8 --steps 7 --warmup 3 --trace "$out" \
+        --out "$out/offload.json" \
         --modes gpu,fsdp2_offload,tiered:cpu,tiered:cpu+arrive,tiered:cpu+dpu 2>&1 \
         | grep -v -e Warning -e _conversion | tee "$out/offload.log"
     for trace in "$out"/trace_*.json; do  # what limits each step (bench/trace_summary.py)
         echo "== $trace"; python bench/trace_summary.py "$trace"
     done | tee "$out/traces.txt" ;;
 variants)  # issue 3: what sets peak HBM at batch 8 (units.split_large off, prefetch depth 1)
-    python bench/bench_offload.py --batches 8 --steps 5 --out "$out/variants.json" \
+    python bench/bench_offload.py --batches 8 --steps 7 --warmup 3 --out "$out/variants.json" \
         --modes tiered:cpu+dpu,tiered:cpu+dpu+nosplit,tiered:cpu+dpu+depth1 \
         2>&1 | grep -v -e Warning -e _conversion | tee "$out/variants.log" ;;
 tiled)  # issue 5: throughput against nn.Linear, and a layer larger than a 2 GiB budget
@@ -49,7 +50,7 @@ large)  # issue 4: 10.1 B parameters in 104 GiB of DRAM plus the disk (compact g
         --set '{"dram": {"budget": "104GiB", "spill": "nvme"}}' 2>&1 \
         | grep -v -e Warning -e _conversion | tee "$out/large.log" ;;
 clip)  # issue 3: clipping at batch 8; the norm is taken as gradients arrive (bench/RESULTS.md)
-    python bench/bench_offload.py --batches 8 --steps 5 --out "$out/clip.json" \
+    python bench/bench_offload.py --batches 8 --steps 7 --warmup 3 --out "$out/clip.json" \
         --modes tiered:cpu+arrive,tiered:cpu+dpu --set '{"optimizer": {"max_grad_norm": 1.0}}' \
         2>&1 | grep -v -e Warning -e _conversion | tee "$out/clip.log" ;;
 *)
