@@ -13,7 +13,14 @@ import tiered
 from gpt import GPT, next_token_loss
 from test_failures import run_with_deadline
 from test_parity import OPTIM, REPO, SEQ, VOCAB, assert_parity, token_batches
+from tiered.errors import BudgetError
 from tiered.plan import GRAD_LANDING_SLOTS
+
+
+def make_gpt() -> GPT:
+    """More units than gradients may be in flight at once."""
+    torch.manual_seed(0)
+    return GPT(VOCAB, 32, 6, 2, max_seq=SEQ, tied=True, qkv_bias=False)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -21,8 +28,7 @@ def test_backward_does_not_wait_for_a_busy_worker(device):
     # The worker's queue may hold a whole update ahead of the gradients (the delayed update's,
     # or units stepped on arrival). Backward waits for a unit's buffer, and for the GPU to copy
     # gradients out, but never for the worker to take them in.
-    torch.manual_seed(0)
-    model = GPT(VOCAB, 32, 6, 2, max_seq=SEQ, tied=True, qkv_bias=False)
+    model = make_gpt()
     reference = copy.deepcopy(model).to(device)
     engine, optimizer = tiered.initialize(model, os.path.join(REPO, "configs", "cpu.yaml"),
                                           compute_dtype="fp32", device=device, optimizer=OPTIM)
@@ -41,4 +47,30 @@ def test_backward_does_not_wait_for_a_busy_worker(device):
     assert_parity(engine.full_state_dict(), {name: value.cpu() for name, value
                                              in reference.state_dict().items()})
     assert engine.memory_report()["hbm"]["current"] == 0
+    engine.close()
+
+
+def test_a_gradient_refused_by_the_budget_leaves_the_count_as_it_was():
+    # Fault injection: the plan leaves room for every gradient, so only a fault can refuse one;
+    # the bytes it never got must not be given back (the next release would fail its check).
+    engine, _ = tiered.initialize(make_gpt(), os.path.join(REPO, "configs", "cpu.yaml"),
+                                  compute_dtype="fp32", device="cpu", optimizer=OPTIM)
+    usage = engine.runtime.grads.usage
+    acquire = usage.acquire
+
+    def refuse_gradients(nbytes: int, what: str) -> None:
+        if what.startswith("gradient of unit"):
+            raise BudgetError(f"injected: {what}", {})
+        acquire(nbytes, what)
+
+    idx = token_batches(1)[0]
+    object.__setattr__(usage, "acquire", refuse_gradients)
+    with pytest.raises(BudgetError, match="injected"):
+        next_token_loss(engine(idx), idx).backward()
+    object.__setattr__(usage, "acquire", acquire)
+    engine.runtime.end_iteration()  # what a training loop's next forward finds
+    assert usage.current == 0
+    with torch.no_grad():
+        engine(idx)
+    assert usage.current == 0
     engine.close()

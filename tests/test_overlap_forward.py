@@ -158,12 +158,42 @@ def test_units_stepped_on_arrival_go_in_the_next_forwards_order(monkeypatch):
     finally:
         worker_busy.set()
     optimizer.step()
+    optimizer.synchronize()
     forward = list(dict.fromkeys(engine.runtime.prefetcher.trace))
     assert stepped == forward == [2, 0, 1]  # the root, block 0, block 1
     assert engine.runtime.grads.arrival_order == [1, 0, 2]
     reference_optimizer = torch.optim.AdamW(reference.parameters(), **OPTIM)
     next_token_loss(reference(idx), idx).backward()
     reference_optimizer.step()
+    assert_parity(engine.full_state_dict(), reference.state_dict())
+    engine.close()
+
+
+def test_step_does_not_wait_for_units_stepped_on_arrival(monkeypatch):
+    """``step()`` returns while the worker still steps units on arrival; the next forward
+    reads each unit once written, and a learning rate set after ``step()`` (as a scheduler
+    does) is the next step's, not that of the units still being stepped."""
+    kernel = SlowKernel(monkeypatch)
+    model = make_model()
+    reference = copy.deepcopy(model)
+    engine, optimizer = tiered.initialize(
+        model, "configs/cpu.yaml", compute_dtype="fp32", device="cpu",
+        optimizer=dict(OPTIM, accumulation_steps=1))
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), **OPTIM)
+    learning_rates = [OPTIM["lr"], OPTIM["lr"] / 4]
+    for idx, lr in zip(token_batches(2), learning_rates):
+        for group in (optimizer.param_groups[0], reference_optimizer.param_groups[0]):
+            group["lr"] = lr
+        kernel.slow = True
+        next_token_loss(engine(idx), idx).backward()
+        started = time.perf_counter()
+        optimizer.step()
+        assert time.perf_counter() - started < HOLD_SECONDS, "step() waited for the worker"
+        optimizer.zero_grad()
+        next_token_loss(reference(idx), idx).backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    kernel.slow = False
     assert_parity(engine.full_state_dict(), reference.state_dict())
     engine.close()
 

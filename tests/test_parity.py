@@ -93,10 +93,13 @@ def _rank_main(rank: int, world: int, out_dir: str, nvme: str) -> None:
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
+@pytest.mark.parametrize("accumulation_steps", [None, MICRO])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_one_rank_without_clipping_is_bit_for_bit(policy, tmp_path):
+def test_one_rank_without_clipping_is_bit_for_bit(policy, accumulation_steps, tmp_path):
     # Same kernels on the same values: the fused AdamW step of torch, on identical gradients.
-    state, _ = train_engine(policy, 0, 1, str(tmp_path), max_grad_norm=None)
+    # With accumulation_steps, units are stepped as the last backward delivers their gradient.
+    state, _ = train_engine(policy, 0, 1, str(tmp_path), max_grad_norm=None,
+                            accumulation_steps=accumulation_steps)
     reference = train_reference(max_grad_norm=None, fused=True)
     assert list(state) == list(reference)
     for name in reference:

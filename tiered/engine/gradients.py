@@ -25,29 +25,38 @@ worker has it; an update will read it). Backward waits for FREE before a first g
 worker makes a buffer HELD when the gradient arrives and FREE when an update has read it or
 ``zero_grad`` drops it. ``zero_grad`` never frees a TAKEN buffer: that gradient belongs to a
 backward after it. Updates step units in the order their gradients arrived, so backward waits
-only when it catches up with the CPU. Every wait here also ends, with an error, if the worker
-fails: a task it skipped would otherwise never free what backward waits for.
+only when it catches up with the CPU. (Units stepped as their gradients arrive, without the
+delayed update, are stepped in the next forward's order instead: see LastBackward.) Every wait
+here also ends, with an error, if the worker fails: a task it skipped would otherwise never free
+what backward waits for.
 
 [Note: gradients in flight]
 Up to GRAD_LANDING_SLOTS gradients may hold device bytes (the unit's full gradient, and with
 several ranks its fp32 reduction) on their way to the grads tier: the working set plan.py budgets.
 Those bytes are free once the copy off the device has run (the allocator knows it through
-``record_stream``), so the training thread releases them when the copy's event has completed, and
-at the limit it waits for the oldest copy on the GPU, never for the CPU worker. The worker, whose
-queue may hold a whole update ahead of the gradient (the delayed update's, or units stepped on
-arrival), releases one only if it sees it first. Only a gradient the worker adds on the device
-itself (grads kept in HBM) stays counted until the worker has queued that addition.
+``record_stream``), so the thread running backward releases them when the copy's event has
+completed (checked at each gradient), and at the limit it waits for the oldest copy on the GPU,
+not for the CPU worker, whose queue may hold a whole update ahead of the gradient (the delayed
+update's, or units stepped on arrival). The worker releases one if it takes it in first: a host
+shard once it has waited for the copy, a device shard once its own stream is ordered after the
+copy (the bytes are then freed as that stream reaches them, so the count may run one gradient
+ahead of the allocator). Two kinds of gradient do wait for the worker: one it adds on the device
+itself (grads kept in HBM), and a later gradient of a step, which needs a landing buffer that
+only the worker gives back once it has added the gradient in; so the second backward of a step
+with accumulation does wait behind a delayed update still running.
 """
 from __future__ import annotations
 
 import enum
 import threading
 from collections import deque
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 from ..manager import TierManager
+from ..optim.adamw import AdamWHyper
 from ..optim.workers import CpuWorker
 from ..plan import GRAD_LANDING_SLOTS, StateKind, reduce_dtype, state_dtype
 from ..policy import Policy
@@ -78,6 +87,21 @@ class _InFlight:
         return self.event is None or self.event.query()
 
 
+@dataclass(frozen=True)
+class LastBackward:
+    """The step's last backward, as ``optimizer.accumulation_steps`` declares it: each unit's
+    gradient is complete once it arrives. Made by the thread running backward when it starts,
+    and handed with each of its gradients to the CPU worker, so whatever the worker reads of it
+    is this backward's even when the worker runs behind."""
+
+    step_units: bool
+    """Step each unit as its gradient arrives (else only take its norm, if wanted)."""
+    forward_rank: dict[int, int]
+    """Unit -> its place in the next forward, which steps first what that forward needs first."""
+    hyper: AdamWHyper | None
+    """The hyperparameters those steps use: ``param_groups`` as this backward started."""
+
+
 class GradientPath:
     def __init__(self, flats: list[FlatParam], manager: TierManager, group: ProcessGroup,
                  policy: Policy, worker: CpuWorker, streams: Streams, timeline: Timeline):
@@ -102,25 +126,25 @@ class GradientPath:
         self._buffers = [BufferState.FREE] * len(flats)
         self._in_flight = 0
         """Gradients holding device bytes; backward waits at GRAD_LANDING_SLOTS."""
-        self.last_queued = 0
+        self.last_backward_queued = 0
         """Gradients of the step's last backward submitted to the worker and not yet taken in
-        (guarded by _changed; the worker reads it to see whether more are coming)."""
+        (changed under _changed; the worker reads it, a plain int, to see whether more come)."""
         self._copies: deque[_InFlight] = deque()
-        """Training thread: gradients the copy off the device frees, oldest first."""
+        """The thread running backward's: gradients the copy off the device frees, oldest
+        first."""
         self._grads_on_host = manager.grad_device().type == "cpu"
         self._landing = manager.staging_names("grad")
         """Free pinned landing buffers (for gradients after a step's first)."""
         worker.on_failure(self._wake)
         self.on_last = None
-        """Called on the worker with a unit whose gradient of the step's last backward (as
-        ``accumulation_steps`` declares it) is in: complete until the step (set by the
-        optimizer)."""
+        """Called on the worker with a unit whose gradient of the step's last backward is in,
+        and that backward's LastBackward: complete until the step (set by the optimizer)."""
 
     @property
     def usage(self):
         return self.manager.hbm.usage
 
-    def reduce(self, flat: FlatParam, last: bool) -> None:
+    def reduce(self, flat: FlatParam, last: LastBackward | None) -> None:
         """Average the unit's full gradient over ranks into this rank's shard and send it to the
         grads tier; the caller then releases the gathered weights. See [Note: offload stream]."""
         index = flat.spec.index
@@ -131,8 +155,9 @@ class GradientPath:
         try:
             grad = flat.full.grad
             flat.full.grad = None
-            transient = grad.numel() * grad.element_size()
-            self.usage.acquire(transient, f"gradient of unit {flat.name}")
+            nbytes = grad.numel() * grad.element_size()
+            self.usage.acquire(nbytes, f"gradient of unit {flat.name}")
+            transient = nbytes  # only once counted: a refusal leaves nothing to give back
             with self.streams.on_offload():
                 begin = self.timeline.mark()
                 shard, extra = self._reduce(flat, grad)
@@ -178,12 +203,17 @@ class GradientPath:
         shard = torch.empty(flat.shard_numel, dtype=self.reduce_dtype, device=grad.device)
         extra = (full32.numel() * 4 if full32 is not grad else 0) + shard.numel() * 4
         self.usage.acquire(extra, f"fp32 gradient reduction of unit {flat.name}")
-        self.group.reduce_scatter_mean(shard, full32)
+        try:
+            self.group.reduce_scatter_mean(shard, full32)
+        except BaseException:
+            self.usage.release(extra)
+            raise
         return shard, extra
 
     def _reserve(self, index: int, first: bool, needs_landing: bool) -> str | None:
-        """Training thread: wait for room on the way to the grads tier (and, for a first gradient,
-        for the unit's buffer to be FREE); returns a landing buffer when one is needed."""
+        """The thread running backward: wait for room on the way to the grads tier (and, for a
+        first gradient, for the unit's buffer to be FREE); returns a landing buffer when one is
+        needed."""
         self._retire_copies(wait=True)
         with self._changed:
             self._changed.wait_for(lambda: self.worker.failed or (
@@ -197,7 +227,8 @@ class GradientPath:
             return self._landing.pop() if needs_landing else None
 
     def _retire_copies(self, wait: bool) -> None:
-        """Training thread: release the gradients whose copy off the device has run; with
+        """The thread running backward: release the gradients whose copy off the device has
+        run; with
         ``wait``, while at the limit, wait on the GPU for the oldest copy (see [Note: gradients
         in flight])."""
         while self._copies:
@@ -228,7 +259,7 @@ class GradientPath:
             self._changed.notify_all()
 
     def _arrived(self, index: int, shard: torch.Tensor, ready, landing,
-                 in_flight: _InFlight, last: bool) -> None:
+                 in_flight: _InFlight, last: LastBackward | None) -> None:
         """Worker: a first gradient is in its buffer (pending, an fp32 sum, or compact)."""
         wait_for(ready, shard)
         self.dtype[index] = shard.dtype
@@ -238,7 +269,7 @@ class GradientPath:
         self._done(in_flight, index, last, landing)
 
     def _add(self, index: int, shard: torch.Tensor, ready, landing: str | None,
-             in_flight: _InFlight, last: bool) -> None:
+             in_flight: _InFlight, last: LastBackward | None) -> None:
         """Worker: add a later gradient into the buffer in its dtype: the fp32 sum (widening a
         pending one first), or a compact buffer as it is (see [Note: gradient states])."""
         wait_for(ready, shard)
@@ -251,20 +282,21 @@ class GradientPath:
         del shard
         self._done(in_flight, index, last, landing)
 
-    def _count_last(self, last: bool, change: int) -> None:
-        if last:
+    def _count_last(self, last: LastBackward | None, change: int) -> None:
+        if last is not None:
             with self._changed:
-                self.last_queued += change
+                self.last_backward_queued += change
 
-    def _done(self, in_flight: _InFlight, index: int, last: bool, landing: str | None) -> None:
+    def _done(self, in_flight: _InFlight, index: int, last: LastBackward | None,
+              landing: str | None) -> None:
         self._release(in_flight)
         if landing is not None:
             with self._changed:
                 self._landing.append(landing)
                 self._changed.notify_all()
         self._count_last(last, -1)
-        if last:
-            self.on_last(index)
+        if last is not None:
+            self.on_last(index, last)
 
     def read(self, index: int) -> torch.Tensor:
         """Worker: unit ``index``'s gradient as it is held (pending or compact in the compute

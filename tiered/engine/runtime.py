@@ -7,10 +7,13 @@ prefetcher says so ([Note: trace] in prefetch.py); gradients leave on the offloa
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..errors import TieredError
 from ..manager import TierManager
+from ..optim.adamw import AdamWHyper
 from ..optim.workers import CpuWorker
 from ..plan import StateKind, prefetch_limit
 from ..policy import ComputeDtype, Policy, Tier
@@ -19,7 +22,7 @@ from ..timeline import Timeline
 from .collectives import ProcessGroup
 from .flat import FlatParam
 from .gather import Gatherer
-from .gradients import GradientPath
+from .gradients import GradientPath, LastBackward
 from .pending import PendingWeights
 from .readahead import ReadAhead
 from .streams import Streams
@@ -43,16 +46,15 @@ class UnitRuntime:
                                 and policy.optimizer.max_grad_norm is None
                                 and policy.compute_dtype is not ComputeDtype.FP16
                                 and not policy.optimizer.delayed_update.enabled)
-        self.last_backward = False
-        """Whether the backward running is the step's last (``accumulation_steps`` declares it):
-        each unit's gradient is complete once it arrives, so it can be stepped then, or its
-        norm taken while backward still runs."""
-        self.step_on_arrival = False
-        self.next_forward_rank: dict[int, int] = {}
-        """Unit -> its place in the next forward, fixed for a backward that steps on arrival
-        (read by the CPU worker, which steps first what that forward needs first)."""
-        self._arrived: set[int] = set()
-        """Units whose gradient came in the backward that steps them on arrival."""
+        self.last_backward: LastBackward | None = None
+        """Set while the backward running is the step's last (``accumulation_steps`` declares
+        it): each unit's gradient is complete once it arrives, so it can be stepped then, or
+        its norm taken while backward still runs."""
+        self.current_hyper: Callable[[], AdamWHyper] | None = None
+        """The optimizer's hyperparameters as they are now (set by the optimizer)."""
+        self.stepped_on_arrival: set[int] = set()
+        """Units whose gradient came in the backward that steps them on arrival: the worker
+        steps each (the view of the thread running backward, complete once backward returns)."""
         self.grads = GradientPath(flats, manager, group, policy, worker, self.streams, timeline)
         self.pending_weights = PendingWeights(worker, timeline)
         self.readahead = (ReadAhead(manager, manager.staging_names("param_in"),
@@ -107,8 +109,9 @@ class UnitRuntime:
 
     def reduce_grad(self, flat: FlatParam) -> None:
         """The unit's gradient is complete: send it to the grads tier, release the weights."""
-        if self.step_on_arrival:
-            if flat.spec.index in self._arrived:
+        step_on_arrival = self.last_backward is not None and self.last_backward.step_units
+        if step_on_arrival:
+            if flat.spec.index in self.stepped_on_arrival:
                 raise TieredError(
                     f"unit {flat.name} received a second gradient in the backward that steps "
                     f"units as their gradients arrive (optimizer.accumulation_steps), after its "
@@ -116,14 +119,17 @@ class UnitRuntime:
                     f"pass, as reentrant activation checkpointing (use_reentrant=True) does "
                     f"around a shared module. Use use_reentrant=False, or accumulation_steps: "
                     f"null; this step's update of {flat.name} is incomplete")
-            self._arrived.add(flat.spec.index)
+            self.stepped_on_arrival.add(flat.spec.index)
             # The worker steps the unit once its gradient is in: until it has written the new
-            # weights, a read of them (a forward before optimizer.step()) waits.
+            # weights, a read of them (the next forward, before or after optimizer.step())
+            # waits.
             self.pending_weights.expect([flat.spec.index])
         try:
             self.grads.reduce(flat, self.last_backward)
         except BaseException:
-            self.pending_weights.written([flat.spec.index])  # it will not be stepped now
+            if step_on_arrival:  # it will not be stepped now
+                self.stepped_on_arrival.discard(flat.spec.index)
+                self.pending_weights.written([flat.spec.index])
             raise
         self.gatherer.release(flat)
 
@@ -137,9 +143,19 @@ class UnitRuntime:
                 f"but optimizer.accumulation_steps is {limit}: units were already stepped with "
                 f"the gradients of backward {limit}; set accumulation_steps to the number of "
                 f"backward calls per step (or null)")
-        self.last_backward = self.backwards_since_step == limit
-        self.step_on_arrival = self.arrival_allowed and self.last_backward
-        self._arrived.clear()
-        if self.step_on_arrival:  # this iteration's forward, as the next one will run
-            order = list(dict.fromkeys(self.prefetcher.recorded))
-            self.next_forward_rank = {unit: place for place, unit in enumerate(order)}
+        self.stepped_on_arrival.clear()
+        self.last_backward = None
+        if self.backwards_since_step == limit:
+            # The next forward runs as this iteration's did (or as the last complete one, when
+            # a forward without grad closed this one).
+            order = (list(dict.fromkeys(self.prefetcher.recorded))
+                     or self.forward_order(list(range(len(self.flats)))))
+            self.last_backward = LastBackward(
+                step_units=self.arrival_allowed,
+                forward_rank={unit: place for place, unit in enumerate(order)},
+                hyper=self.current_hyper() if self.arrival_allowed else None)
+
+    def step_taken(self) -> None:
+        """``optimizer.step()``: the next backward counts towards the next step."""
+        self.backwards_since_step = 0
+        self.last_backward = None

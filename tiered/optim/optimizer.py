@@ -9,6 +9,7 @@ from functools import partial
 import torch
 
 from ..errors import TieredError
+from ..engine.gradients import LastBackward
 from ..plan import optimizer_device
 from ..policy import Policy
 from .adamw import AdamWHyper, OnePassAdamW
@@ -56,10 +57,10 @@ class TieredAdamW(torch.optim.Optimizer):
     at once: it steps units in the order the next forward needs them, and that forward reads
     each unit only once it is written (runtime.PendingWeights), so it overlaps the update and
     computes exactly what it would after a blocking step. ``last_grad_norm`` waits for the
-    norm only. With ``optimizer.accumulation_steps``, units
-    stepped as their gradients arrive use the hyperparameters ``param_groups`` holds at that
-    moment, during the step's last backward (schedulers stepped after ``optimizer.step()`` set
-    them in time). With ``optimizer.delayed_update`` the step
+    norm only. With ``optimizer.accumulation_steps``, units stepped as their gradients arrive
+    use the hyperparameters ``param_groups`` holds when the step's last backward starts
+    (schedulers stepped after ``optimizer.step()`` set them in time), and ``step()`` returns
+    without waiting for those steps. With ``optimizer.delayed_update`` the step
     after warm-up returns at once and its update overlaps the next forward and backward;
     :meth:`synchronize` (also run by ``engine.full_state_dict()``, ``engine.eval()`` and
     ``engine.close()``) finishes it. ``last_grad_norm`` and ``skipped_steps`` describe the
@@ -90,12 +91,12 @@ class TieredAdamW(torch.optim.Optimizer):
         self.device = optimizer_device(policy, runtime.group.device)
         self._steps_called = 0
         self._pending: _Update | None = None
-        self._arrived: list[int] = []
         self._ready: list[int] = []
         """Worker: units whose gradient of the last backward is in but which are not yet
         stepped, in arrival order (see _last_gradient_in)."""
         self._grads = runtime.grads
         self._grads.on_last = self._last_gradient_in
+        runtime.current_hyper = lambda: AdamWHyper.from_group(self.param_groups[0])
         self._wants_norm = opt.max_grad_norm is not None or scaler is not None
         self._squares: dict[int, torch.Tensor] = {}
         """Worker: squared norms of complete gradients, taken as they arrived."""
@@ -159,10 +160,15 @@ class TieredAdamW(torch.optim.Optimizer):
         units = [i for i, has in enumerate(self._grads.has_grad) if has]
         self._steps_called += 1
         delayed = self._delayed.enabled and self._steps_called > self._delayed.warmup_steps
-        self.synchronize()  # the previous update, and this step's gradients, are all in
-        arrived, self._arrived = set(self._arrived), []
-        self._runtime.backwards_since_step = 0
-        self._runtime.last_backward = self._runtime.step_on_arrival = False
+        arrived = set(self._runtime.stepped_on_arrival)
+        if arrived and self._overlap_forward:
+            # The worker is still stepping these (their readers wait in PendingWeights), and
+            # ran the previous update before them; where units step on arrival (no clipping,
+            # fp16 or delayed update) an update leaves nothing to settle, so nothing waits here.
+            self._pending = None
+        else:
+            self.synchronize()  # the previous update, and this step's gradients, are all in
+        self._runtime.step_taken()
         rest = [i for i in units if i not in arrived]
         if rest:
             overlap = self._overlap_forward and not delayed
@@ -240,36 +246,35 @@ class TieredAdamW(torch.optim.Optimizer):
             units=list(pending["written"]), hyper=AdamWHyper.from_group(self.param_groups[0]),
             loss_scale=pending["loss_scale"], into_next=True, written=list(pending["written"]),
             norm=pending["norm"], overflowed=pending["overflowed"])
-        self._arrived, self._ready = [], []
+        self._ready = []
         self._squares.clear()
-        self._runtime.backwards_since_step = 0
+        self._runtime.step_taken()
 
-    def _last_gradient_in(self, index: int) -> None:
+    def _last_gradient_in(self, index: int, last: LastBackward) -> None:
         """CPU worker: unit ``index``'s gradient of the step's last backward is in. Step a unit
-        now where the policy allows (runtime.arrival_allowed), else take its norm now if the
-        step will need it.
+        now where the policy allows (``last.step_units``), else take its norm now if the step
+        will need it.
 
         Of the units whose gradient is in, the one the next forward needs first is stepped
         first. Backward delivers the embedding last and the next forward needs it first:
         stepped in arrival order, that forward would wait for the whole update, while this way
-        it follows the update unit by unit once backward is over. The worker lags backward (a
-        unit's step takes longer than its backward), so arrivals queue up behind a step: they
-        are taken in (quick) before the next unit is chosen, and the last one queued steps
-        whatever is left, so every unit is stepped before the worker goes idle."""
-        if self._runtime.arrival_allowed:
+        it follows the update unit by unit once backward is over (``step()`` does not wait for
+        these steps). The worker lags backward (a unit's step takes longer than its backward),
+        so arrivals queue up behind a step: they are taken in (quick) before the next unit is
+        chosen, and the last one queued steps whatever is left, so every unit is stepped before
+        the worker goes idle."""
+        if last.step_units:
             self._ready.append(index)
-            rank = self._runtime.next_forward_rank
-            while self._ready and not self._grads.last_queued:
+            while self._ready and not self._grads.last_backward_queued:
+                rank = last.forward_rank
                 unit = min(self._ready, key=lambda i: rank.get(i, len(rank)))  # ties: arrival
                 self._ready.remove(unit)
-                self._stepper.step([unit], AdamWHyper.from_group(self.param_groups[0]), 1.0,
-                                   False)
+                self._stepper.step([unit], last.hyper, 1.0, False)
                 if self.device.type == "cuda":
                     # The step's kernels were queued on this thread's stream; a gather reads
                     # the weights on another, so they are written only once these have run.
                     torch.cuda.current_stream(self.device).synchronize()
                 self._runtime.pending_weights.written([unit])
-                self._arrived.append(unit)
         elif self._wants_norm:
             with self._runtime.timeline.span(f"grad norm {self._runtime.flats[index].name}",
                                              "cpu"):
