@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from torch import nn
 
 import tiered
 from gpt import next_token_loss
@@ -196,6 +197,93 @@ def test_step_does_not_wait_for_units_stepped_on_arrival(monkeypatch):
     kernel.slow = False
     assert_parity(engine.full_state_dict(), reference.state_dict())
     engine.close()
+
+
+class Stack(nn.Module):
+    """Linear blocks, of which a forward runs the first ``depth``: the next forward may skip
+    units the last backward delivered (and so not wait for their steps)."""
+
+    def __init__(self, blocks: int = 6):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor, depth: int) -> torch.Tensor:
+        for block in self.blocks[:depth]:
+            x = torch.tanh(block(x))
+        return x.square().mean()
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_units_stepped_on_arrival_and_skipped_by_the_next_forward(monkeypatch, set_to_none):
+    """A unit still being stepped on arrival when the next step begins: the next backward's
+    gradients, zero_grad() and that step's own update of the unit (zero_grad(False) keeps zero
+    gradients) all come after, and each step keeps its own learning rate."""
+    kernel = SlowKernel(monkeypatch)
+    model = Stack()
+    reference = copy.deepcopy(model)
+    engine, optimizer = tiered.initialize(
+        model, "configs/cpu.yaml", compute_dtype="fp32", device="cpu",
+        optimizer=dict(OPTIM, accumulation_steps=1))
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), **OPTIM)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    kernel.slow = True
+    for lr, depth in zip([1e-2, 5e-2, 2e-2], [6, 1, 6]):
+        for group in (optimizer.param_groups[0], reference_optimizer.param_groups[0]):
+            group["lr"] = lr
+        run_with_deadline(lambda: engine(x, depth).backward())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=set_to_none)
+        reference(x, depth).backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad(set_to_none=set_to_none)
+    kernel.slow = False
+    assert_parity(engine.full_state_dict(), reference.state_dict())
+    engine.close()
+
+
+def test_a_step_without_backward_after_units_stepped_on_arrival():
+    # zero_grad(set_to_none=False) keeps zeros as gradients: PyTorch steps them again.
+    model = Stack()
+    reference = copy.deepcopy(model)
+    engine, optimizer = tiered.initialize(
+        model, "configs/cpu.yaml", compute_dtype="fp32", device="cpu",
+        optimizer=dict(OPTIM, accumulation_steps=1))
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), **OPTIM)
+    x = torch.randn(4, 8)
+    for module, opt in ((engine, optimizer), (reference, reference_optimizer)):
+        module(x, 6).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        opt.step()
+    assert_parity(engine.full_state_dict(), reference.state_dict())
+    engine.close()
+
+
+def test_a_failure_after_step_returned_is_raised_by_close(monkeypatch):
+    """step() returns while units are stepped on arrival; if one fails after the last call
+    that could report it, close() raises it (after freeing everything) instead of ending as
+    if training went well."""
+    engine, optimizer = tiered.initialize(
+        Stack(), "configs/cpu.yaml", compute_dtype="fp32", device="cpu",
+        optimizer=dict(OPTIM, accumulation_steps=1))
+    x = torch.randn(4, 8)
+    release = threading.Event()
+
+    def failing(stepper, *args):
+        release.wait()
+        raise OSError(5, "injected failure in the update")
+
+    monkeypatch.setattr(UnitStepper, "_kernel", failing)
+    engine(x, 6).backward()
+    optimizer.step()  # returns: the worker waits in the first unit's step
+    release.set()
+    deadline = time.monotonic() + 20
+    while not engine.runtime.worker.failed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(tiered.TieredError, match="injected failure"):
+        engine.close()
+    assert engine.runtime.manager.shards == {}
 
 
 def test_consolidated_weights_right_after_step_are_the_new_ones(monkeypatch):

@@ -161,7 +161,9 @@ class TieredEngine:
         if self._closed:
             return
         try:
-            if not self.runtime.worker.failed:  # a failure was raised already; just clean up
+            # An update still running may fail; one that failed after the last call that could
+            # say so (step() returns while it runs) is raised here, after cleaning up.
+            if not self.runtime.worker.failure_reported:
                 self.optimizer.synchronize()
         finally:
             self._hooks.remove()
@@ -298,6 +300,10 @@ def _shut_down(runtime: UnitRuntime) -> None:
     without an active exception", 2 exits in 3 here); the timeline is written then too.
     """
     runtime.worker.close()
+    if runtime.worker.failed and not runtime.worker.failure_reported:
+        # At exit nothing can raise it any more; say it rather than end as if all went well.
+        print(f"tiered: the CPU worker failed in the last update and it was not applied: "
+              f"{runtime.worker.error}", file=sys.stderr)
     if runtime.readahead is not None:
         runtime.readahead.close()
     runtime.timeline.close()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from typing import Iterable
 
 from ..optim.workers import CpuWorker
@@ -21,7 +22,10 @@ class PendingWeights:
     """
 
     def __init__(self, worker: CpuWorker, timeline: Timeline):
-        self._units: set[int] = set()
+        self._writes: Counter[int] = Counter()
+        """Unit -> writes of its weights still to come. Two may be queued: a unit still being
+        stepped on arrival when the next step queues another update of it (the forward between
+        did not read it, so nothing waited for the first); a reader waits for both."""
         self._changed = threading.Condition()
         self._worker = worker
         self._timeline = timeline
@@ -29,25 +33,26 @@ class PendingWeights:
 
     def expect(self, units: Iterable[int]) -> None:
         """Training thread, before the work that writes them is queued: these units' weights
-        are changing."""
+        are changing (once more each)."""
         with self._changed:
-            self._units.update(units)
+            self._writes.update(units)
 
     def written(self, units: Iterable[int]) -> None:
-        """Worker: these units' new weights are in their tier (or they will not change)."""
+        """Worker: one expected write of each of these units is done (or will not happen)."""
         with self._changed:
-            self._units.difference_update(units)
+            self._writes.subtract(units)
+            self._writes = +self._writes  # drop the units with no write to come
             self._changed.notify_all()
 
     def wait(self, unit: int) -> None:
         """Until ``unit``'s weights are its newest (any thread that reads them)."""
         with self._changed:
-            if unit not in self._units:
+            if unit not in self._writes:
                 return
         with self._timeline.span(f"wait for update of unit {unit}", "cpu"):
             with self._changed:
-                self._changed.wait_for(lambda: unit not in self._units or self._worker.failed)
-                if unit not in self._units:
+                self._changed.wait_for(lambda: unit not in self._writes or self._worker.failed)
+                if unit not in self._writes:
                     return
         self._worker.raise_if_failed()
 

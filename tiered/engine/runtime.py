@@ -159,3 +159,4 @@ class UnitRuntime:
         """``optimizer.step()``: the next backward counts towards the next step."""
         self.backwards_since_step = 0
         self.last_backward = None
+        self.stepped_on_arrival.clear()

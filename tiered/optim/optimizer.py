@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -27,6 +28,8 @@ class _Update:
     loss_scale: float
     into_next: bool
     """Write the new weights into the delayed update's next buffer, not the current one."""
+    announced: bool = False
+    """Readers wait for each unit's new weights (PendingWeights.expect was called for each)."""
     written: list[int] = field(default_factory=list)
     norm: float | None = None
     norm_known: threading.Event = field(default_factory=threading.Event)
@@ -161,6 +164,13 @@ class TieredAdamW(torch.optim.Optimizer):
         self._steps_called += 1
         delayed = self._delayed.enabled and self._steps_called > self._delayed.warmup_steps
         arrived = set(self._runtime.stepped_on_arrival)
+        last = self._runtime.last_backward
+        if arrived:
+            self._check_hyper_unchanged(last)
+            # An arrival stops stepping once a later backward's gradients queue up behind it
+            # (see _last_gradient_in); what it left is stepped here, with this step's
+            # hyperparameters, before any zero_grad() or later gradient in the worker's queue.
+            self._worker.submit(partial(self._step_ready, last, until_more_arrive=False))
         if arrived and self._overlap_forward:
             # The worker is still stepping these (their readers wait in PendingWeights), and
             # ran the previous update before them; where units step on arrival (no clipping,
@@ -174,9 +184,9 @@ class TieredAdamW(torch.optim.Optimizer):
             overlap = self._overlap_forward and not delayed
             update = _Update(self._runtime.forward_order(rest) if overlap else rest,
                              AdamWHyper.from_group(self.param_groups[0]), loss_scale,
-                             into_next=delayed)
+                             into_next=delayed, announced=overlap)
             self._pending = update  # before the worker can fail on it (see _wake_norm_waiter)
-            if overlap:
+            if update.announced:
                 self._runtime.pending_weights.expect(update.units)
             self._worker.submit(partial(self._run_update, update))
             if not delayed and not overlap:
@@ -265,20 +275,33 @@ class TieredAdamW(torch.optim.Optimizer):
         the worker goes idle."""
         if last.step_units:
             self._ready.append(index)
-            while self._ready and not self._grads.last_backward_queued:
-                rank = last.forward_rank
-                unit = min(self._ready, key=lambda i: rank.get(i, len(rank)))  # ties: arrival
-                self._ready.remove(unit)
-                self._stepper.step([unit], last.hyper, 1.0, False)
-                if self.device.type == "cuda":
-                    # The step's kernels were queued on this thread's stream; a gather reads
-                    # the weights on another, so they are written only once these have run.
-                    torch.cuda.current_stream(self.device).synchronize()
-                self._runtime.pending_weights.written([unit])
+            self._step_ready(last, until_more_arrive=True)
         elif self._wants_norm:
             with self._runtime.timeline.span(f"grad norm {self._runtime.flats[index].name}",
                                              "cpu"):
                 self._squares[index] = squared_norm(self._grads.read(index))
+
+    def _step_ready(self, last: LastBackward, until_more_arrive: bool) -> None:
+        """CPU worker: step the units whose gradient of ``last`` is in, the next forward's first
+        first; with ``until_more_arrive``, only while no more gradients are queued."""
+        while self._ready and not (until_more_arrive and self._grads.last_backward_queued):
+            rank = last.forward_rank
+            unit = min(self._ready, key=lambda i: rank.get(i, len(rank)))  # ties: arrival
+            self._ready.remove(unit)
+            self._stepper.step([unit], last.hyper, 1.0, False)
+            if self.device.type == "cuda":
+                # The step's kernels were queued on this thread's stream; a gather reads the
+                # weights on another, so they are written only once these have run.
+                torch.cuda.current_stream(self.device).synchronize()
+            self._runtime.pending_weights.written([unit])
+
+    def _check_hyper_unchanged(self, last: LastBackward) -> None:
+        if AdamWHyper.from_group(self.param_groups[0]) != last.hyper:
+            warnings.warn(
+                "tiered: param_groups changed after the step's last backward started; the units "
+                "stepped as their gradients arrived (optimizer.accumulation_steps) used the "
+                "values from its start. Set hyperparameters before the last backward (step a "
+                "scheduler after optimizer.step(), as PyTorch expects)", stacklevel=3)
 
     def _run_update(self, update: _Update) -> None:
         """CPU worker: one optimizer step over ``update.units``: in their order when the next
@@ -297,10 +320,13 @@ class TieredAdamW(torch.optim.Optimizer):
 
             def written(unit: int) -> None:
                 update.written.append(unit)
-                pending.written([unit])
+                if update.announced:
+                    pending.written([unit])
 
             self._stepper.step(order, update.hyper, divisor, update.into_next, on_unit=written)
-        pending.written(update.units)  # those an overflow skipped
+        if update.announced:  # those an overflow skipped
+            done = set(update.written)
+            pending.written([unit for unit in update.units if unit not in done])
 
     def _wake_norm_waiter(self) -> None:
         """Worker, on a failure: a ``last_grad_norm`` reader may wait for an update that will

@@ -36,6 +36,8 @@ class CpuWorker:
         self._idle = threading.Condition()
         self._pending = 0
         self._error: BaseException | None = None
+        self.failure_reported = False
+        """Whether a task's failure was raised to a caller (see raise_if_failed)."""
         self._failure_callbacks: list[Callable[[], None]] = []
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="tiered-cpu-worker", daemon=True)
@@ -51,6 +53,11 @@ class CpuWorker:
     @property
     def failed(self) -> bool:
         return self._error is not None
+
+    @property
+    def error(self) -> BaseException | None:
+        """The failure of the task that failed, if one did."""
+        return self._error
 
     def on_failure(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (on the worker) when a task fails: whoever waits for work the
@@ -80,6 +87,7 @@ class CpuWorker:
     def raise_if_failed(self) -> None:
         """Raise the failure of a task (on the calling thread), if one failed."""
         if self._error is not None:
+            self.failure_reported = True
             raise TieredError(f"the CPU worker failed: {self._error}") from self._error
 
     def _run(self) -> None:
