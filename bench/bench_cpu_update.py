@@ -128,7 +128,11 @@ def main() -> None:
     start = time.perf_counter()
     worker.submit(lambda: kernel.warm_up(torch.bfloat16, torch.bfloat16))
     worker.drain()
-    print(f"compile s: {time.perf_counter() - start:.1f}; worker threads: {worker.threads}")
+    from torch._dynamo.utils import counters  # whether inductor's caches served the compile
+
+    cache = {key: value for key, value in counters["inductor"].items() if "cache" in key}
+    print(f"compile s: {time.perf_counter() - start:.1f}; worker threads: {worker.threads}; "
+          f"inductor cache counters: {cache}")
 
     rows = [["memory", "beside", "ms per unit", "G params/s", "GB/s", "copy GB/s"]]
     for label, source in [("4 KiB pages", PinnedSlabSource()), ("huge pages", HugePageSource())]:
