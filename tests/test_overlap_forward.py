@@ -170,19 +170,20 @@ def test_units_stepped_on_arrival_go_in_the_next_forwards_order(monkeypatch):
     engine.close()
 
 
-def test_step_does_not_wait_for_units_stepped_on_arrival(monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_step_does_not_wait_for_units_stepped_on_arrival(monkeypatch, device):
     """``step()`` returns while the worker still steps units on arrival; the next forward
     reads each unit once written, and a learning rate set after ``step()`` (as a scheduler
     does) is the next step's, not that of the units still being stepped."""
     kernel = SlowKernel(monkeypatch)
     model = make_model()
-    reference = copy.deepcopy(model)
+    reference = copy.deepcopy(model).to(device)
     engine, optimizer = tiered.initialize(
-        model, "configs/cpu.yaml", compute_dtype="fp32", device="cpu",
+        model, "configs/cpu.yaml", compute_dtype="fp32", device=device,
         optimizer=dict(OPTIM, accumulation_steps=1))
     reference_optimizer = torch.optim.AdamW(reference.parameters(), **OPTIM)
     learning_rates = [OPTIM["lr"], OPTIM["lr"] / 4]
-    for idx, lr in zip(token_batches(2), learning_rates):
+    for idx, lr in zip((idx.to(device) for idx in token_batches(2)), learning_rates):
         for group in (optimizer.param_groups[0], reference_optimizer.param_groups[0]):
             group["lr"] = lr
         kernel.slow = True
@@ -195,8 +196,12 @@ def test_step_does_not_wait_for_units_stepped_on_arrival(monkeypatch):
         reference_optimizer.step()
         reference_optimizer.zero_grad()
     kernel.slow = False
-    assert_parity(engine.full_state_dict(), reference.state_dict())
+    assert_parity(engine.full_state_dict(), on_cpu(reference.state_dict()))
     engine.close()
+
+
+def on_cpu(state: dict) -> dict:
+    return {name: value.cpu() for name, value in state.items()}
 
 
 class Stack(nn.Module):
@@ -214,19 +219,21 @@ class Stack(nn.Module):
         return x.square().mean()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("set_to_none", [True, False])
-def test_units_stepped_on_arrival_and_skipped_by_the_next_forward(monkeypatch, set_to_none):
+def test_units_stepped_on_arrival_and_skipped_by_the_next_forward(monkeypatch, set_to_none,
+                                                                  device):
     """A unit still being stepped on arrival when the next step begins: the next backward's
     gradients, zero_grad() and that step's own update of the unit (zero_grad(False) keeps zero
     gradients) all come after, and each step keeps its own learning rate."""
     kernel = SlowKernel(monkeypatch)
     model = Stack()
-    reference = copy.deepcopy(model)
+    reference = copy.deepcopy(model).to(device)
     engine, optimizer = tiered.initialize(
-        model, "configs/cpu.yaml", compute_dtype="fp32", device="cpu",
+        model, "configs/cpu.yaml", compute_dtype="fp32", device=device,
         optimizer=dict(OPTIM, accumulation_steps=1))
     reference_optimizer = torch.optim.AdamW(reference.parameters(), **OPTIM)
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).to(device)
     kernel.slow = True
     for lr, depth in zip([1e-2, 5e-2, 2e-2], [6, 1, 6]):
         for group in (optimizer.param_groups[0], reference_optimizer.param_groups[0]):
@@ -238,7 +245,7 @@ def test_units_stepped_on_arrival_and_skipped_by_the_next_forward(monkeypatch, s
         reference_optimizer.step()
         reference_optimizer.zero_grad(set_to_none=set_to_none)
     kernel.slow = False
-    assert_parity(engine.full_state_dict(), reference.state_dict())
+    assert_parity(engine.full_state_dict(), on_cpu(reference.state_dict()))
     engine.close()
 
 
