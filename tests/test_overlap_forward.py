@@ -1,5 +1,6 @@
-"""An ordinary update overlaps the next forward: ``optimizer.step()`` returns at once, and the
-forward reads each unit only after the update has written it."""
+"""An ordinary update, and units stepped as their gradients arrive, overlap the next forward:
+``optimizer.step()`` returns at once, and the forward reads each unit only after the update has
+written it."""
 from __future__ import annotations
 
 import copy
@@ -33,6 +34,35 @@ class SlowKernel:
             return kernel(stepper, *args)
 
         monkeypatch.setattr(UnitStepper, "_kernel", slowed)
+
+
+def on_arrival_beside_torch(model: nn.Module, device: str = "cpu"):
+    """An engine that steps units as their gradients arrive, and a copy of ``model`` trained by
+    plain PyTorch: ``(engine, optimizer, reference, reference_optimizer)``."""
+    reference = copy.deepcopy(model).to(device)
+    engine, optimizer = tiered.initialize(
+        model, "configs/cpu.yaml", compute_dtype="fp32", device=device,
+        optimizer=dict(OPTIM, accumulation_steps=1))
+    return engine, optimizer, reference, torch.optim.AdamW(reference.parameters(), **OPTIM)
+
+
+def on_cpu(state: dict) -> dict:
+    return {name: value.cpu() for name, value in state.items()}
+
+
+class Stack(nn.Module):
+    """Linear blocks, of which a forward runs the first ``depth``: the next forward may skip
+    units the last backward delivered (and so not wait for their steps)."""
+
+    def __init__(self, blocks: int = 6):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor, depth: int) -> torch.Tensor:
+        for block in self.blocks[:depth]:
+            x = torch.tanh(block(x))
+        return x.square().mean()
 
 
 @pytest.mark.parametrize("policy", ["cpu", "nvme"])
@@ -141,11 +171,7 @@ def test_units_stepped_as_gradients_arrive_are_read_once_written(monkeypatch):
 def test_units_stepped_on_arrival_go_in_the_next_forwards_order(monkeypatch):
     """Backward delivers the embeddings (the root unit) last; the next forward needs them first.
     Of the gradients already in, the worker steps first what that forward needs first."""
-    model = make_model()
-    reference = copy.deepcopy(model)
-    engine, optimizer = tiered.initialize(
-        model, "configs/cpu.yaml", compute_dtype="fp32", device="cpu",
-        optimizer=dict(OPTIM, accumulation_steps=1))
+    engine, optimizer, reference, reference_optimizer = on_arrival_beside_torch(make_model())
     stepped = []
     step = UnitStepper.step
     monkeypatch.setattr(UnitStepper, "step",
@@ -163,7 +189,6 @@ def test_units_stepped_on_arrival_go_in_the_next_forwards_order(monkeypatch):
     forward = list(dict.fromkeys(engine.runtime.prefetcher.trace))
     assert stepped == forward == [2, 0, 1]  # the root, block 0, block 1
     assert engine.runtime.grads.arrival_order == [1, 0, 2]
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), **OPTIM)
     next_token_loss(reference(idx), idx).backward()
     reference_optimizer.step()
     assert_parity(engine.full_state_dict(), reference.state_dict())
@@ -176,12 +201,8 @@ def test_step_does_not_wait_for_units_stepped_on_arrival(monkeypatch, device):
     reads each unit once written, and a learning rate set after ``step()`` (as a scheduler
     does) is the next step's, not that of the units still being stepped."""
     kernel = SlowKernel(monkeypatch)
-    model = make_model()
-    reference = copy.deepcopy(model).to(device)
-    engine, optimizer = tiered.initialize(
-        model, "configs/cpu.yaml", compute_dtype="fp32", device=device,
-        optimizer=dict(OPTIM, accumulation_steps=1))
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), **OPTIM)
+    engine, optimizer, reference, reference_optimizer = on_arrival_beside_torch(make_model(),
+                                                                                device)
     learning_rates = [OPTIM["lr"], OPTIM["lr"] / 4]
     for idx, lr in zip((idx.to(device) for idx in token_batches(2)), learning_rates):
         for group in (optimizer.param_groups[0], reference_optimizer.param_groups[0]):
@@ -200,25 +221,6 @@ def test_step_does_not_wait_for_units_stepped_on_arrival(monkeypatch, device):
     engine.close()
 
 
-def on_cpu(state: dict) -> dict:
-    return {name: value.cpu() for name, value in state.items()}
-
-
-class Stack(nn.Module):
-    """Linear blocks, of which a forward runs the first ``depth``: the next forward may skip
-    units the last backward delivered (and so not wait for their steps)."""
-
-    def __init__(self, blocks: int = 6):
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(blocks))
-
-    def forward(self, x: torch.Tensor, depth: int) -> torch.Tensor:
-        for block in self.blocks[:depth]:
-            x = torch.tanh(block(x))
-        return x.square().mean()
-
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_units_stepped_on_arrival_and_skipped_by_the_next_forward(monkeypatch, set_to_none,
@@ -227,12 +229,7 @@ def test_units_stepped_on_arrival_and_skipped_by_the_next_forward(monkeypatch, s
     gradients, zero_grad() and that step's own update of the unit (zero_grad(False) keeps zero
     gradients) all come after, and each step keeps its own learning rate."""
     kernel = SlowKernel(monkeypatch)
-    model = Stack()
-    reference = copy.deepcopy(model).to(device)
-    engine, optimizer = tiered.initialize(
-        model, "configs/cpu.yaml", compute_dtype="fp32", device=device,
-        optimizer=dict(OPTIM, accumulation_steps=1))
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), **OPTIM)
+    engine, optimizer, reference, reference_optimizer = on_arrival_beside_torch(Stack(), device)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)).to(device)
     kernel.slow = True
     for lr, depth in zip([1e-2, 5e-2, 2e-2], [6, 1, 6]):
@@ -251,12 +248,7 @@ def test_units_stepped_on_arrival_and_skipped_by_the_next_forward(monkeypatch, s
 
 def test_a_step_without_backward_after_units_stepped_on_arrival():
     # zero_grad(set_to_none=False) keeps zeros as gradients: PyTorch steps them again.
-    model = Stack()
-    reference = copy.deepcopy(model)
-    engine, optimizer = tiered.initialize(
-        model, "configs/cpu.yaml", compute_dtype="fp32", device="cpu",
-        optimizer=dict(OPTIM, accumulation_steps=1))
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), **OPTIM)
+    engine, optimizer, reference, reference_optimizer = on_arrival_beside_torch(Stack())
     x = torch.randn(4, 8)
     for module, opt in ((engine, optimizer), (reference, reference_optimizer)):
         module(x, 6).backward()
