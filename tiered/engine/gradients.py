@@ -228,9 +228,8 @@ class GradientPath:
 
     def _retire_copies(self, wait: bool) -> None:
         """The thread running backward: release the gradients whose copy off the device has
-        run; with
-        ``wait``, while at the limit, wait on the GPU for the oldest copy (see [Note: gradients
-        in flight])."""
+        run; with ``wait``, while at the limit, wait on the GPU for the oldest copy (see [Note:
+        gradients in flight])."""
         while self._copies:
             oldest = self._copies[0]
             if not oldest.released and not oldest.copied():

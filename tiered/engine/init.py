@@ -115,20 +115,19 @@ class Materializer:
         """The meta parameters that get storage with ``specs``: theirs, and every other one of
         the modules holding them (a module's init may touch all of its parameters)."""
         chosen = {id(_current(spec)): _current(spec) for spec in specs}
-        for module in {id(m): m for spec in specs for m, _ in spec.holders}.values():
+        for module in _holders(specs):
             for param in module._parameters.values():
                 if param is not None and param.is_meta:
                     chosen.setdefault(id(param), param)
         return chosen
 
     def _materialize(self, specs: list[ParamSpec]) -> None:
-        modules = {id(m): m for p in specs for m, _ in p.holders}
         # All of the unit's parameters get storage before any init runs, so a module's init may
         # touch a child's parameter of the same unit (MultiheadAttention does).
         for param in self._to_materialize(specs).values():
             self._give_storage(param)
         with torch.no_grad():
-            for module in sorted(modules.values(), key=lambda m: self.post_order[id(m)]):
+            for module in sorted(_holders(specs), key=lambda m: self.post_order[id(m)]):
                 # Keyed by spec: specs live as long as this object, so their ids stay unique
                 # (a freed parameter's id is soon reused by the next unit's).
                 own = [id(self.spec_of[id(p)]) for p in module._parameters.values()
@@ -163,3 +162,8 @@ def _post_order(model: nn.Module) -> list[nn.Module]:
 
     visit(model)
     return order
+
+
+def _holders(specs: list[ParamSpec]) -> list[nn.Module]:
+    """The modules holding ``specs``' parameters, each once."""
+    return list({id(module): module for spec in specs for module, _ in spec.holders}.values())

@@ -40,8 +40,11 @@ class PendingWeights:
     def written(self, units: Iterable[int]) -> None:
         """Worker: one expected write of each of these units is done (or will not happen)."""
         with self._changed:
-            self._writes.subtract(units)
-            self._writes = +self._writes  # drop the units with no write to come
+            for unit in units:
+                if self._writes[unit] > 1:
+                    self._writes[unit] -= 1
+                else:
+                    self._writes.pop(unit, None)  # no write to come
             self._changed.notify_all()
 
     def wait(self, unit: int) -> None:

@@ -99,10 +99,8 @@ class UnitRuntime:
     def forward_order(self, units: list[int]) -> list[int]:
         """``units`` in the order the last iteration first needed them (the next forward's
         order, when its control flow repeats); units it did not need come last."""
-        first: dict[int, int] = {}
-        for position, unit in enumerate(self.prefetcher.trace):
-            first.setdefault(unit, position)
-        return sorted(units, key=lambda unit: first.get(unit, len(first)))
+        rank = _first_needs(self.prefetcher.trace)
+        return sorted(units, key=lambda unit: rank.get(unit, len(rank)))
 
     def owner_of(self, tensor: torch.Tensor) -> FlatParam | None:
         return self.gatherer.owner_of(tensor)
@@ -148,11 +146,9 @@ class UnitRuntime:
         if self.backwards_since_step == limit:
             # The next forward runs as this iteration's did (or as the last complete one, when
             # a forward without grad closed this one).
-            order = (list(dict.fromkeys(self.prefetcher.recorded))
-                     or self.forward_order(list(range(len(self.flats)))))
             self.last_backward = LastBackward(
                 step_units=self.arrival_allowed,
-                forward_rank={unit: place for place, unit in enumerate(order)},
+                forward_rank=_first_needs(self.prefetcher.recorded or self.prefetcher.trace),
                 hyper=self.current_hyper() if self.arrival_allowed else None)
 
     def step_taken(self) -> None:
@@ -160,3 +156,11 @@ class UnitRuntime:
         self.backwards_since_step = 0
         self.last_backward = None
         self.stepped_on_arrival.clear()
+
+
+def _first_needs(needs: list[int]) -> dict[int, int]:
+    """Unit -> its place among the units of ``needs`` (an iteration's needs), by first need."""
+    rank: dict[int, int] = {}
+    for unit in needs:
+        rank.setdefault(unit, len(rank))
+    return rank

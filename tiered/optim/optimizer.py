@@ -284,8 +284,8 @@ class TieredAdamW(torch.optim.Optimizer):
     def _step_ready(self, last: LastBackward, until_more_arrive: bool) -> None:
         """CPU worker: step the units whose gradient of ``last`` is in, the next forward's first
         first; with ``until_more_arrive``, only while no more gradients are queued."""
+        rank = last.forward_rank
         while self._ready and not (until_more_arrive and self._grads.last_backward_queued):
-            rank = last.forward_rank
             unit = min(self._ready, key=lambda i: rank.get(i, len(rank)))  # ties: arrival
             self._ready.remove(unit)
             self._stepper.step([unit], last.hyper, 1.0, False)
