@@ -85,8 +85,9 @@ def _plain_step(model, autocast: bool):
 def _run_tiered(args, variant):
     """``variant`` is a policy name with optional ``+dpu`` (the delayed update after 2 warm-up
     steps), ``+arrive`` (accumulation_steps 1: units stepped as their gradients arrive),
-    ``+depth1`` (prefetch one need ahead instead of two) and ``+nosplit`` (units.split_large
-    off: embedding and head stay in the root unit); ``--set`` adds keys for every mode."""
+    ``+depth1`` (prefetch one need ahead instead of two), ``+nosplit`` (units.split_large
+    off: embedding and head stay in the root unit), ``+thp`` (DRAM slabs on transparent huge
+    pages) and ``+threadsN`` (N CPU optimizer threads); ``--set`` adds keys for every mode."""
     import tiered
 
     policy, *extras = variant.split("+")
@@ -102,6 +103,11 @@ def _run_tiered(args, variant):
         overrides.setdefault("prefetch", {})["depth"] = 1
     if "nosplit" in extras:
         overrides.setdefault("units", {})["split_large"] = False
+    if "thp" in extras:
+        overrides.setdefault("dram", {})["huge_pages"] = True
+    for extra in extras:
+        if extra.startswith("threads"):
+            overrides.setdefault("cpu", {})["optimizer_threads"] = int(extra[len("threads"):])
     if args.trace:
         name = variant.replace("+", "-")
         batches = "-".join(str(b) for b in args.batch_sizes)
@@ -130,6 +136,8 @@ def run_mode(args) -> None:
     """Set the mode up once, then measure each batch size, printing a JSON line for each."""
     import torch
 
+    from tiered.tiers.dram import huge_page_bytes
+
     torch.manual_seed(0)
     start = time.perf_counter()
     if args.run == "gpu":
@@ -147,6 +155,8 @@ def run_mode(args) -> None:
                       **_measure(args, model, step, batch, n_params))
         if hasattr(model, "memory_report"):
             result["memory_report"] = model.memory_report()
+            # What dram.huge_pages (+thp) got from the kernel, not just what it asked for.
+            result["huge_pages_GiB"] = (huge_page_bytes() or 0) / 2**30
         # One line per batch size as soon as it is measured: a larger batch that runs out of
         # memory loses only its own row.
         print(json.dumps(result), flush=True)

@@ -1,15 +1,15 @@
 #!/bin/bash
 # The GPU-box checks, one stage per call so each fits the box's 10-minute command limit:
-#   bash bench/on_gpu_box.sh tests|offload|variants|tiled|io|nvme|large|clip|cpu [OUT]
+#   bash bench/on_gpu_box.sh tests|offload|variants|hbm|tiled|io|nvme|large|clip|cpu [OUT]
 # Each stage prints its table last and keeps logs and timelines in OUT (default ./gpu-out).
 # Stage times measured on the H100 box (16 cores, 125 GiB, 64 GiB free disk): tests 1.8 min,
 # offload 8.4 min, nvme 3.6 min, large 6.1 min; tests+tiled+io together 5.8 min. Estimated:
-# variants 5 min, clip 4 min, cpu 4 min. Every tiered process spends about 100 s in setup
-# there, 57-72 s of it compiling the one-pass AdamW: inductor's on-disk cache did not spare the
-# later processes (on the development machine, torch 2.13, a second process compiles in 2.4 s;
-# the cpu stage checks it on the box).
+# variants 5 min, hbm 5 min, clip 4 min, cpu 4 min. Every tiered process spends about 100 s
+# in setup there, 57-72 s of it compiling the one-pass AdamW: inductor's on-disk cache did not
+# spare the later processes (on the development machine, torch 2.13, a second process
+# compiles in 2.4 s; the cpu stage checks it on the box).
 set -o pipefail
-stage=${1:?stage: tests, offload, variants, tiled, io, nvme, large, clip or cpu}
+stage=${1:?stage: tests, offload, variants, hbm, tiled, io, nvme, large, clip or cpu}
 out=${2:-gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -27,10 +27,14 @@ offload)  # issue 3: batch 4 and 8, DPU off and on, beside the GPU-resident and 
     for trace in "$out"/trace_*.json; do  # what limits each step (bench/trace_summary.py)
         echo "== $trace"; python bench/trace_summary.py "$trace"
     done | tee "$out/traces.txt" ;;
-variants)  # issue 3: what sets peak HBM at batch 8 (units.split_large off, prefetch depth 1)
+variants)  # issue 3: the CPU update on huge pages, end to end (run the cpu stage first)
     python bench/bench_offload.py --batches 8 --steps 7 --warmup 3 --out "$out/variants.json" \
-        --modes tiered:cpu+dpu,tiered:cpu+dpu+nosplit,tiered:cpu+dpu+depth1 \
+        --modes tiered:cpu+dpu,tiered:cpu+dpu+thp,tiered:cpu+arrive+thp \
         2>&1 | grep -v -e Warning -e _conversion | tee "$out/variants.log" ;;
+hbm)  # issue 3: what sets peak HBM at batch 8 (units.split_large off, prefetch depth 1)
+    python bench/bench_offload.py --batches 8 --steps 7 --warmup 3 --out "$out/hbm.json" \
+        --modes tiered:cpu+dpu,tiered:cpu+dpu+nosplit,tiered:cpu+dpu+depth1 \
+        2>&1 | grep -v -e Warning -e _conversion | tee "$out/hbm.log" ;;
 tiled)  # issue 5: throughput against nn.Linear, and a layer larger than a 2 GiB budget
     for splits in 1x4 2x2; do
         python bench/bench_tiled.py throughput --splits $splits 2>&1 | grep '^{'
@@ -60,6 +64,7 @@ clip)  # issue 3: clipping at batch 8; the norm is taken as gradients arrive (be
         --modes tiered:cpu+arrive,tiered:cpu+dpu --set '{"optimizer": {"max_grad_norm": 1.0}}' \
         2>&1 | grep -v -e Warning -e _conversion | tee "$out/clip.log" ;;
 *)
-    echo "unknown stage $stage: tests, offload, variants, tiled, io, nvme, large, clip or cpu" >&2
+    echo "unknown stage $stage: tests, offload, variants, hbm, tiled, io, nvme, large, clip," \
+        "cpu" >&2
     exit 2 ;;
 esac

@@ -54,6 +54,7 @@ def test_builtin_defaults_are_the_documented_values():
     assert (p.optimizer.lr, p.optimizer.betas, p.optimizer.eps) == (1e-4, (0.9, 0.999), 1e-8)
     assert p.optimizer.weight_decay == 0.0 and p.optimizer.max_grad_norm is None
     assert p.nvme.path is None and p.hbm.budget is None and p.dram.budget is None
+    assert not p.dram.huge_pages
     assert not p.uses_nvme
 
 
@@ -95,7 +96,7 @@ optimizer: {tier: nvme, lr: 1e-3, betas: [0.8, 0.95], eps: 1.0e-6, weight_decay:
             max_grad_norm: 1}
 nvme: {path: /mnt/nvme, budget: 1.5GB}
 hbm: {budget: 70GiB}
-dram: {budget: 4096}
+dram: {budget: 4096, huge_pages: true}
 loss_scale: {initial_scale: 1024, growth_interval: 100}
 units: {classes: [Block]}
 """)
@@ -108,7 +109,7 @@ units: {classes: [Block]}
     assert p.nvme.path == "/mnt/nvme"
     assert p.nvme.budget == 1_500_000_000
     assert p.hbm.budget == 70 * 2**30
-    assert p.dram.budget == 4096
+    assert p.dram.budget == 4096 and p.dram.huge_pages is True
     assert p.loss_scale.initial_scale == 1024.0 and p.loss_scale.growth_interval == 100
     assert p.units.classes == ("Block",)
 
@@ -385,6 +386,7 @@ def test_optimizer_range_checks(optimizer, fragment):
     ("optimizer: {max_grad_norm: .inf}", "optimizer.max_grad_norm"),
     ("loss_scale: {growth_interval: null}", "loss_scale.growth_interval"),
     ("loss_scale: {growth_interval: 2.5}", "loss_scale.growth_interval"),
+    ("dram: {huge_pages: 1}", "dram.huge_pages"),
 ])
 def test_non_numbers_are_policy_errors_naming_the_key(yaml_text, key, tmp_path):
     message = policy_error(yaml_text=yaml_text + "\n", tmp_path=tmp_path)

@@ -35,9 +35,24 @@ NVME_KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
 
 # -- helpers ------------------------------------------------------------------------------------
 
-def dram_blocks(sizes: dict) -> tuple[DramTier, dict]:
-    tier = DramTier(budget=None, source=PinnedSlabSource(pin=False))
+def dram_blocks(sizes: dict, huge_pages: bool = False) -> tuple[DramTier, dict]:
+    tier = DramTier(budget=None, source=PinnedSlabSource(pin=False, huge_pages=huge_pages))
     return tier, tier.reserve(sizes)
+
+
+def vm_flags(address: int) -> set[str]:
+    """The kernel's flags for the mapping holding ``address`` (/proc/self/smaps VmFlags):
+    ``hg`` = advised to use huge pages, ``sh`` = shared."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split(maxsplit=1)[0]
+            if re.fullmatch(r"[0-9a-f]+-[0-9a-f]+", head):
+                start, end = (int(bound, 16) for bound in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 def fd_flags(fd: int) -> int:
@@ -206,6 +221,52 @@ def test_dram_packs_many_blocks_into_several_slabs(monkeypatch):
     assert tier.usage.current == expected + align_up(10_000, BLOCK)
     everything = {**requests, **more}
     check_blocks(tier, everything, {**blocks, **blocks2})
+
+
+THP = pytest.mark.skipif(not os.path.exists(dram_module.THP_MODE),
+                         reason="a kernel without transparent huge pages")
+
+
+@THP
+def test_dram_huge_page_slabs_are_advised_private_and_counted_exactly(monkeypatch):
+    # Private: a shared anonymous mapping is shmem, which ignores the advice by default
+    # (shmem_enabled), and the slabs would silently stay on 4 KiB pages.
+    monkeypatch.setattr(dram_module, "SLAB_BYTES", 4 << 20)
+    requests = {"a": 3 << 20, "b": 5000, "c": 1, "big": (6 << 20) + 3}
+    tier, blocks = dram_blocks(requests, huge_pages=True)
+    check_blocks(tier, requests, blocks)
+    assert sum(s.numel() for s in tier._slabs) == tier.usage.current == sum(
+        align_up(n, BLOCK) for n in requests.values())
+    for slab in tier._slabs:
+        assert slab.data_ptr() % dram_module.HUGE_PAGE == 0
+        flags = vm_flags(slab.data_ptr())
+        assert "hg" in flags and "sh" not in flags, flags
+    tier.close()
+    assert tier.usage.current == 0
+
+
+def test_dram_huge_pages_warns_where_they_are_off(monkeypatch, tmp_path):
+    modes = tmp_path / "enabled"
+    modes.write_text("always madvise [never]\n")
+    monkeypatch.setattr(dram_module, "THP_MODE", str(modes))
+    with pytest.warns(UserWarning, match=r"dram.huge_pages.*\[never\]"):
+        PinnedSlabSource(pin=False, huge_pages=True)
+    modes.write_text("always [madvise] never\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        PinnedSlabSource(pin=False, huge_pages=True)
+
+
+@THP
+def test_engine_dram_on_huge_pages():
+    engine, _ = tiered.initialize(GPT(63, 64, 2, 2), os.path.join(REPO, "configs", "cpu.yaml"),
+                                  device="cpu", dram={"huge_pages": True})
+    try:
+        assert engine.manager.dram._slabs
+        for slab in engine.manager.dram._slabs:
+            assert "hg" in vm_flags(slab.data_ptr())
+    finally:
+        engine.close()
 
 
 def test_dram_over_budget_names_needed_and_available_and_holds_nothing():

@@ -18,7 +18,7 @@ import torch
 from .errors import TieredError
 from .plan import MemoryPlan, StateKind
 from .policy import Policy, Tier
-from .tiers import DramTier, HbmTier, NvmeShard, NvmeTier, SlabSource
+from .tiers import DramTier, HbmTier, NvmeShard, NvmeTier, PinnedSlabSource, SlabSource
 from .sizes import align_up, even_pieces
 from .tiers.aio import IoSettings
 from .tiers.dram import BLOCK_ALIGN
@@ -75,7 +75,8 @@ class TierManager:
         HBM default, the device's capacity, is agreed the same way, for devices that differ.)"""
         self.policy = policy
         self.hbm = HbmTier(device, policy.hbm.budget)
-        self.dram = DramTier(policy.dram.budget, dram_source, ranks)
+        source = dram_source or PinnedSlabSource(huge_pages=policy.dram.huge_pages)
+        self.dram = DramTier(policy.dram.budget, source, ranks)
         io = IoSettings(policy.nvme.block_size, policy.nvme.queue_depth)
         self.nvme = (NvmeTier(policy.nvme.path, policy.nvme.budget, rank, io, ranks)
                      if policy.uses_nvme else None)

@@ -212,6 +212,10 @@ class DramPolicy:
         lambda v: None if v is None else Tier(v)))
     """null, or nvme: states placed in DRAM that do not fit the budget move to NVMe, unit by
     unit (optimizer states first, then weights), so only what does not fit uses the drive."""
+    huge_pages: bool = field(default=False, metadata=_parse(_bool))
+    """Ask the kernel to back the slabs with 2 MiB transparent huge pages (``madvise``): the
+    CPU update streams five arrays at once, and with 4 KiB pages each stream needs a new TLB
+    entry every 1-2 K elements, a page walk that costs most under a hypervisor."""
 
     def __post_init__(self):
         if self.spill not in (None, Tier.NVME):

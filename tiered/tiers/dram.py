@@ -8,6 +8,8 @@ carves them out of shared memory registered with CUDA, instead of :class:`Pinned
 """
 from __future__ import annotations
 
+import mmap
+import warnings
 from typing import Hashable, Protocol
 
 import torch
@@ -18,6 +20,8 @@ from .usage import TierUsage
 
 BLOCK_ALIGN = 4096
 """Every block starts and ends on this boundary, so any block can be an O_DIRECT buffer."""
+HUGE_PAGE = 2 << 20
+"""A transparent huge page on x86-64 and (with 4 KiB base pages) arm64."""
 SLAB_BYTES = 1 << 30
 """Blocks are packed into slabs of about this size (a larger block gets a slab of its own)."""
 
@@ -37,15 +41,20 @@ class PinnedSlabSource:
     and keeps freed blocks cached, so a slab of 1 GiB + 4 KiB would hold 2 GiB until the process
     exits. Registering memory allocated here pins exactly the bytes the plan counts and gives
     them back at :meth:`release`.
+
+    With ``huge_pages`` a slab is an anonymous mapping advised to use transparent huge pages
+    before anything touches it (the kernel decides the page size at the first fault), aligned
+    to a huge page; its tensor keeps the mapping alive, so the memory goes with the last view.
     """
 
-    def __init__(self, pin: bool | None = None):
+    def __init__(self, pin: bool | None = None, huge_pages: bool = False):
         self.pin = torch.cuda.is_available() if pin is None else pin
+        self.huge_pages = huge_pages
+        if huge_pages:
+            _warn_if_no_huge_pages()
 
     def __call__(self, nbytes: int) -> torch.Tensor:
-        raw = torch.empty(nbytes + BLOCK_ALIGN, dtype=torch.uint8)
-        skew = (-raw.data_ptr()) % BLOCK_ALIGN
-        slab = raw[skew:skew + nbytes]
+        slab = self._huge(nbytes) if self.huge_pages else self._plain(nbytes)
         if self.pin:
             status = torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), nbytes, 0)
             if int(status) != 0:
@@ -53,9 +62,57 @@ class PinnedSlabSource:
                                   f"(CUDA error {int(status)}); lower dram.budget")
         return slab
 
+    @staticmethod
+    def _plain(nbytes: int) -> torch.Tensor:
+        raw = torch.empty(nbytes + BLOCK_ALIGN, dtype=torch.uint8)
+        skew = (-raw.data_ptr()) % BLOCK_ALIGN
+        return raw[skew:skew + nbytes]
+
+    @staticmethod
+    def _huge(nbytes: int) -> torch.Tensor:
+        # Private: a shared anonymous mapping is shmem, whose huge pages are a separate
+        # setting (shmem_enabled) that is off by default.
+        mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel built without them (EINVAL): warned of at construction
+            pass
+        raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds a reference to the mapping
+        skew = (-raw.data_ptr()) % HUGE_PAGE
+        return raw[skew:skew + nbytes]
+
     def release(self, slab: torch.Tensor) -> None:
         if self.pin:
             torch.cuda.cudart().cudaHostUnregister(slab.data_ptr())
+
+
+THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def huge_page_bytes() -> int | None:
+    """Bytes of this process's anonymous memory the kernel backs with transparent huge pages
+    (what ``huge_pages`` actually got); None where Linux does not say."""
+    try:
+        with open("/proc/self/smaps_rollup") as rollup:
+            for line in rollup:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _warn_if_no_huge_pages() -> None:
+    """madvise succeeds wherever the kernel knows the advice, even with huge pages turned off;
+    say so rather than let a policy's huge_pages silently mean nothing."""
+    try:
+        with open(THP_MODE) as modes:
+            mode = modes.read()
+    except OSError:
+        mode = ""
+    if "[always]" not in mode and "[madvise]" not in mode:
+        warnings.warn(f"tiered: dram.huge_pages is set, but transparent huge pages are off here "
+                      f"({THP_MODE}: {mode.strip() or 'missing'}); the slabs use ordinary pages")
 
 
 def default_budget(ranks: int) -> int:
