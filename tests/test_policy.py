@@ -393,6 +393,29 @@ def test_non_numbers_are_policy_errors_naming_the_key(yaml_text, key, tmp_path):
     assert str(tmp_path / "policy.yaml") in message and key in message
 
 
+@pytest.mark.parametrize("groups, fragment", [
+    (3, "optimizer.param_groups must be a list of mappings"),
+    (["*.bias"], "optimizer.param_groups[0] must be a mapping"),
+    ([{"match": "*.bias", "wd": 0}], "unknown key 'optimizer.param_groups[0].wd'"),
+    ([{"lr": 1e-3}], "optimizer.param_groups[0]: match is required"),
+    ([{"match": []}], "optimizer.param_groups[0].match: expected a non-empty list"),
+    ([{"match": "*"}, {"match": "*", "weight_decay": -1}],
+     "optimizer.param_groups[1]: weight_decay must be >= 0"),
+])
+def test_param_groups_errors_name_the_group_and_key(groups, fragment):
+    assert fragment in policy_error({"optimizer": {"param_groups": groups}})
+
+
+def test_param_groups_parse_round_trip_and_default_to_the_optimizer():
+    policy = Policy.from_dict({"optimizer": {"param_groups": [
+        {"match": "*.bias", "weight_decay": 0}, {"match": ["pos", "*ln*"], "lr": "1e-3"}]}})
+    first, second = policy.optimizer.param_groups
+    assert first.match == ("*.bias",) and first.weight_decay == 0.0 and first.lr is None
+    assert second.match == ("pos", "*ln*") and second.lr == 1e-3 and second.betas is None
+    assert Policy.from_dict(policy.to_dict()) == policy
+    assert Policy.from_dict({"optimizer": {"param_groups": None}}).optimizer.param_groups == ()
+
+
 def test_units_classes_must_be_a_list_of_names():
     message = policy_error({"units": {"classes": "Block"}})
     assert "units.classes" in message and "list of module class names" in message

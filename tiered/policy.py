@@ -96,6 +96,11 @@ def _parse(fn):
     return {"parse": fn}
 
 
+def _optional(parse):
+    """Field metadata: null, or what ``parse`` makes of the value."""
+    return _parse(lambda v: None if v is None else parse(v))
+
+
 @dataclass(frozen=True)
 class ParamsPolicy:
     tier: Tier = Tier.DRAM
@@ -131,6 +136,47 @@ class DelayedUpdatePolicy:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
 
 
+def _check_adamw(lr: float | None, betas: tuple[float, float] | None, eps: float | None,
+                 weight_decay: float | None) -> None:
+    """AdamW's ranges, for the optimizer's values and a param group's (None: not given)."""
+    if lr is not None and lr < 0:
+        raise ValueError(f"lr must be >= 0, got {lr}")
+    if betas is not None and not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas must each be in [0, 1), got {list(betas)}")
+    if eps is not None and eps <= 0:
+        raise ValueError(f"eps must be > 0, got {eps}")
+    if weight_decay is not None and weight_decay < 0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+
+
+def _patterns(value: object) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if (not isinstance(value, (list, tuple)) or not value
+            or not all(isinstance(v, str) and v for v in value)):
+        raise ValueError(f"expected a non-empty list of parameter name patterns, got {value!r}")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class ParamGroupPolicy:
+    """Parameters stepped with their own AdamW hyperparameters, as a ``torch.optim`` param group:
+    those with a name (as in ``model.named_parameters()``; a tied one by any of its names)
+    matching one of ``match``'s shell-style patterns (``fnmatch``: ``*.bias``, ``*norm*``), and
+    not matched by an earlier group. A value left null is the optimizer's."""
+
+    match: tuple[str, ...] = field(default=(), metadata=_parse(_patterns))
+    lr: float | None = field(default=None, metadata=_optional(_float))
+    betas: tuple[float, float] | None = field(default=None, metadata=_optional(_betas))
+    eps: float | None = field(default=None, metadata=_optional(_float))
+    weight_decay: float | None = field(default=None, metadata=_optional(_float))
+
+    def __post_init__(self):
+        if not self.match:
+            raise ValueError("match is required: the parameter name patterns of this group")
+        _check_adamw(self.lr, self.betas, self.eps, self.weight_decay)
+
+
 @dataclass(frozen=True)
 class OptimizerPolicy:
     """AdamW with the semantics of ``torch.optim.AdamW``."""
@@ -141,11 +187,9 @@ class OptimizerPolicy:
     betas: tuple[float, float] = field(default=(0.9, 0.999), metadata=_parse(_betas))
     eps: float = field(default=1e-8, metadata=_parse(_float))
     weight_decay: float = field(default=0.0, metadata=_parse(_float))
-    max_grad_norm: float | None = field(
-        default=None, metadata=_parse(lambda v: None if v is None else _float(v)))
+    max_grad_norm: float | None = field(default=None, metadata=_optional(_float))
     """Clip the global gradient norm to this before each step (``clip_grad_norm_`` semantics)."""
-    accumulation_steps: int | None = field(
-        default=None, metadata=_parse(lambda v: None if v is None else _int(v)))
+    accumulation_steps: int | None = field(default=None, metadata=_optional(_int))
     """Backward calls per ``optimizer.step()``. When set (and neither clipping nor fp16 needs the
     global norm first), each unit is stepped as soon as its gradient of the last backward lands,
     overlapping the rest of that backward, with the learning rate set at that moment; null waits
@@ -155,6 +199,10 @@ class OptimizerPolicy:
     sub_group_size: int = field(default=1 << 25, metadata=_parse(_int))
     """Elements per sub-group when optimizer states stream from NVMe: three sets of pinned
     buffers of this many elements per state (read ahead, stepped, written back)."""
+    param_groups: tuple[ParamGroupPolicy, ...] = field(default=(),
+                                                       metadata={"items": ParamGroupPolicy})
+    """Groups of parameters with their own hyperparameters (``optimizer.param_groups[1:]``);
+    the rest are ``param_groups[0]``, with the values above."""
 
     def __post_init__(self):
         if self.sub_group_size < 1024 or self.sub_group_size % 1024:
@@ -163,21 +211,14 @@ class OptimizerPolicy:
         if self.accumulation_steps is not None and self.accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be >= 1 or null, "
                              f"got {self.accumulation_steps}")
-        if self.lr < 0:
-            raise ValueError(f"lr must be >= 0, got {self.lr}")
-        if not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ValueError(f"betas must each be in [0, 1), got {list(self.betas)}")
-        if self.eps <= 0:
-            raise ValueError(f"eps must be > 0, got {self.eps}")
-        if self.weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        _check_adamw(self.lr, self.betas, self.eps, self.weight_decay)
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(f"max_grad_norm must be > 0 or null, got {self.max_grad_norm}")
 
 
 @dataclass(frozen=True)
 class NvmePolicy:
-    path: str | None = field(default=None, metadata=_parse(lambda v: None if v is None else str(v)))
+    path: str | None = field(default=None, metadata=_optional(str))
     """Folder on the drive; each run makes its own subfolder there and removes it at exit."""
     budget: int | None = field(default=None, metadata=_parse(_size_or_none))
     """Bytes tiered may use there; null = this rank's share (ranks on the node) of the free
@@ -208,8 +249,7 @@ class DramPolicy:
     """Bytes of (pinned) host memory tiered may hold; null = this rank's share (ranks on the
     node) of 7/8 of the memory available when the engine starts (the host's, capped by the
     process's cgroup memory limit), the smallest any rank measured."""
-    spill: Tier | None = field(default=None, metadata=_parse(
-        lambda v: None if v is None else Tier(v)))
+    spill: Tier | None = field(default=None, metadata=_optional(Tier))
     """null, or nvme: states placed in DRAM that do not fit the budget move to NVMe, unit by
     unit (optimizer states first, then weights), so only what does not fit uses the drive."""
     huge_pages: bool = field(default=False, metadata=_parse(_bool))
@@ -242,8 +282,7 @@ class LossScalePolicy:
 
 @dataclass(frozen=True)
 class CpuPolicy:
-    optimizer_threads: int | None = field(
-        default=None, metadata=_parse(lambda v: None if v is None else _int(v)))
+    optimizer_threads: int | None = field(default=None, metadata=_optional(_int))
     """Threads of the CPU optimizer worker; null = the cores this rank may use (affinity and
     cgroup quota), less one for the training thread when it drives a GPU."""
 
@@ -281,7 +320,7 @@ class TilingPolicy:
 
 @dataclass(frozen=True)
 class TracePolicy:
-    path: str | None = field(default=None, metadata=_parse(lambda v: None if v is None else str(v)))
+    path: str | None = field(default=None, metadata=_optional(str))
     """Write a Chrome-trace timeline here (the environment's TIERED_TRACE wins)."""
 
 
@@ -445,6 +484,13 @@ def _convert(f: dataclasses.Field, value: Any, key_path: str, source: str):
     default = f.default if f.default is not dataclasses.MISSING else None
     if dataclasses.is_dataclass(default):
         return _build(type(default), value, key_path, source)
+    if "items" in f.metadata:  # a list of sections; null is an empty one
+        if value is None:
+            return ()
+        if not isinstance(value, (list, tuple)):
+            raise PolicyError(f"{source}: {key_path} must be a list of mappings, got {value!r}")
+        return tuple(_build(f.metadata["items"], item, f"{key_path}[{i}]", source)
+                     for i, item in enumerate(value))
     try:
         if isinstance(default, enum.Enum):
             return type(default)(value)

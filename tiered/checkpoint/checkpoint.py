@@ -193,6 +193,7 @@ def load(engine, directory: str, tag: str | None) -> str:
         folder = _complete_folder(directory, tag)
         manifest = _read_manifest(folder)
         _check_units(manifest, engine)
+        _check_param_groups(manifest, engine)
         same_layout = manifest["world_size"] == group.world_size
         needed = [rank_file(group.rank)] if same_layout else list(manifest["files"])
         readers = _open_verified(folder, manifest, needed)
@@ -251,6 +252,19 @@ def _check_units(manifest: dict, engine) -> None:
                        enumerate(zip(saved, ours)) if s != o),
                       f"{len(saved)} units saved, {len(ours)} in the engine")
         raise CheckpointError(f"the checkpoint is of another model: {differ} (path, elements)")
+
+
+def _check_param_groups(manifest: dict, engine) -> None:
+    """Each param group's hyperparameters are restored (a scheduler's learning rate among them),
+    so the groups must be the same in number, as ``torch.optim.Optimizer.load_state_dict``
+    requires."""
+    saved = 1 + len(manifest["optimizer"].get("group_hypers", []))  # format 1 had group 0 only
+    ours = engine.optimizer.group_count
+    if saved != ours:
+        raise CheckpointError(
+            f"the checkpoint has {saved} optimizer param group(s), this engine {ours} (group 0 "
+            f"and optimizer.param_groups of the policy); resume with the policy it was saved "
+            f"with")
 
 
 def _open_verified(folder: str, manifest: dict, names: list[str]) -> dict[str, Reader]:

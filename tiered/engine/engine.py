@@ -18,6 +18,7 @@ from ..manager import TierManager
 from ..ops.tiled_linear import merge_tiles, tile_large_linears
 from ..optim import TieredAdamW
 from ..optim.adamw import one_pass_for
+from ..optim.groups import shard_ranges
 from ..optim.loss_scale import LossScaler
 from ..optim.workers import CpuWorker, optimizer_threads
 from ..plan import StateKind, build_plan, grad_dtypes, optimizer_device, state_kinds
@@ -205,6 +206,7 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
         raise TieredError("the model has no parameters to train")
     flats = [FlatParam(spec, group.rank, group.world_size, policy.compute_dtype.torch_dtype,
                        device) for spec in specs]
+    ranges = shard_ranges(flats, policy.optimizer.param_groups)  # a group matching nothing fails
     manager = TierManager(policy, device, group.rank, dram_source, _ranks_on_this_node(group),
                           group.smallest)
     worker = None
@@ -236,7 +238,7 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
         runtime = UnitRuntime(flats, manager, group, policy, worker, timeline)
         scaler = (LossScaler(policy.loss_scale)
                   if policy.compute_dtype is ComputeDtype.FP16 else None)
-        optimizer = TieredAdamW(runtime, policy, scaler, group.on_host(), one_pass)
+        optimizer = TieredAdamW(runtime, policy, scaler, group.on_host(), ranges, one_pass)
         engine = TieredEngine(model, policy, runtime, optimizer, scaler, state_dict_keys)
     except BaseException:
         if worker is not None:

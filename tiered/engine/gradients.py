@@ -98,8 +98,9 @@ class LastBackward:
     """Step each unit as its gradient arrives (else only take its norm, if wanted)."""
     forward_rank: dict[int, int]
     """Unit -> its place in the next forward, which steps first what that forward needs first."""
-    hyper: AdamWHyper | None
-    """The hyperparameters those steps use: ``param_groups`` as this backward started."""
+    hypers: tuple[AdamWHyper, ...] | None
+    """The hyperparameters those steps use, per param group: ``param_groups`` as this backward
+    started."""
 
 
 class GradientPath:

@@ -50,8 +50,9 @@ class UnitRuntime:
         """Set while the backward running is the step's last (``accumulation_steps`` declares
         it): each unit's gradient is complete once it arrives, so it can be stepped then, or
         its norm taken while backward still runs."""
-        self.current_hyper: Callable[[], AdamWHyper] | None = None
-        """The optimizer's hyperparameters as they are now (set by the optimizer)."""
+        self.current_hypers: Callable[[], tuple[AdamWHyper, ...]] | None = None
+        """The optimizer's hyperparameters as they are now, per param group (set by the
+        optimizer)."""
         self.stepped_on_arrival: set[int] = set()
         """Units whose gradient came in the backward that steps them on arrival: the worker
         steps each (the view of the thread running backward, complete once backward returns)."""
@@ -149,7 +150,7 @@ class UnitRuntime:
             self.last_backward = LastBackward(
                 step_units=self.arrival_allowed,
                 forward_rank=_first_needs(self.prefetcher.recorded or self.prefetcher.trace),
-                hyper=self.current_hyper() if self.arrival_allowed else None)
+                hypers=self.current_hypers() if self.arrival_allowed else None)
 
     def step_taken(self) -> None:
         """``optimizer.step()``: the next backward counts towards the next step."""

@@ -14,6 +14,7 @@ from ..engine.gradients import LastBackward
 from ..plan import optimizer_device
 from ..policy import Policy
 from .adamw import AdamWHyper, OnePassAdamW
+from .groups import GroupRange
 from .loss_scale import LossScaler
 from .norm import squared_norm
 from .stepper import UnitStepper
@@ -24,7 +25,8 @@ class _Update:
     """One optimizer step's work for the CPU worker, and what it found."""
 
     units: list[int]
-    hyper: AdamWHyper
+    hypers: tuple[AdamWHyper, ...]
+    """Per param group."""
     loss_scale: float
     into_next: bool
     """Write the new weights into the delayed update's next buffer, not the current one."""
@@ -41,9 +43,11 @@ class TieredAdamW(torch.optim.Optimizer):
     """AdamW with ``torch.optim.AdamW``'s semantics, stepped where the optimizer states live.
 
     ``param_groups[0]["params"]`` are the units' flat parameters (one per unit, as FSDP's flat
-    parameters). Its ``lr``, ``betas``, ``eps`` and ``weight_decay`` are read when a step is
-    taken, so assigning ``param_groups[0]["lr"]`` or using a torch LR scheduler works as in
-    PyTorch.
+    parameters). Each of the policy's ``optimizer.param_groups`` is one more group, whose
+    ``match`` says which parameters it steps, inside those flat parameters (its ``params`` is
+    empty); the rest are group 0's. Each group's ``lr``, ``betas``, ``eps`` and
+    ``weight_decay`` are read when a step is taken, so assigning ``param_groups[g]["lr"]`` or
+    using a torch LR scheduler works as in PyTorch.
 
     A step clips by the global gradient norm when the policy sets ``max_grad_norm``
     (``clip_grad_norm_``'s rule), and under fp16 compute unscales the gradients, or skips the step
@@ -76,12 +80,19 @@ class TieredAdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, runtime, policy: Policy, scaler: LossScaler | None, norm_group,
-                 one_pass: OnePassAdamW | None = None):
-        """``one_pass`` steps mixed precision on the CPU (see :func:`one_pass_for`); without it
+                 ranges: list[tuple[GroupRange, ...]], one_pass: OnePassAdamW | None = None):
+        """``ranges``: per unit, its shard's runs of one param group (groups.shard_ranges).
+        ``one_pass`` steps mixed precision on the CPU (see :func:`one_pass_for`); without it
         every unit takes torch's fused kernel."""
         opt = policy.optimizer
         defaults = dict(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
         super().__init__([flat.full for flat in runtime.flats], defaults)
+        for group in opt.param_groups:
+            given = {key: getattr(group, key) for key in defaults
+                     if getattr(group, key) is not None}
+            self.add_param_group({"params": [], "match": list(group.match), **given})
+        self.group_count = len(self.param_groups)
+        """Param groups the shards are stepped with: group 0 and the policy's."""
         self._runtime = runtime
         self._manager = runtime.manager
         self._worker = runtime.worker
@@ -99,13 +110,13 @@ class TieredAdamW(torch.optim.Optimizer):
         stepped, in arrival order (see _last_gradient_in)."""
         self._grads = runtime.grads
         self._grads.on_last = self._last_gradient_in
-        runtime.current_hyper = lambda: AdamWHyper.from_group(self.param_groups[0])
+        runtime.current_hypers = self._hypers
         self._wants_norm = opt.max_grad_norm is not None or scaler is not None
         self._squares: dict[int, torch.Tensor] = {}
         """Worker: squared norms of complete gradients, taken as they arrived."""
         self._stepper = UnitStepper(self._manager, self._grads,
-                                    [flat.name for flat in runtime.flats], self.device, one_pass,
-                                    opt.sub_group_size, runtime.timeline)
+                                    [flat.name for flat in runtime.flats], ranges, self.device,
+                                    one_pass, opt.sub_group_size, runtime.timeline)
         self._overlap_forward = self.device.type == "cpu" and scaler is None
         """Ordinary updates return at once and overlap the next forward (see the class doc)."""
         self._last_grad_norm: float | None = None
@@ -155,9 +166,11 @@ class TieredAdamW(torch.optim.Optimizer):
                 loss = closure()
         if not self._manager.shards:
             raise TieredError("the engine of this optimizer is closed")
-        if len(self.param_groups) != 1:
-            raise TieredError(f"TieredAdamW steps one param group (all units); it has "
-                              f"{len(self.param_groups)}")
+        if len(self.param_groups) != self.group_count:
+            raise TieredError(
+                f"TieredAdamW steps group 0 and the policy's optimizer.param_groups, "
+                f"{self.group_count} in all; it has {len(self.param_groups)}: add groups in the "
+                f"policy, not with add_param_group")
         # The loss scale this step's backwards used: finishing the previous update may change it.
         loss_scale = self.scaler.scale if self.scaler is not None else 1.0
         units = [i for i, has in enumerate(self._grads.has_grad) if has]
@@ -183,8 +196,7 @@ class TieredAdamW(torch.optim.Optimizer):
         if rest:
             overlap = self._overlap_forward and not delayed
             update = _Update(self._runtime.forward_order(rest) if overlap else rest,
-                             AdamWHyper.from_group(self.param_groups[0]), loss_scale,
-                             into_next=delayed, announced=overlap)
+                             self._hypers(), loss_scale, into_next=delayed, announced=overlap)
             self._pending = update  # before the worker can fail on it (see _wake_norm_waiter)
             if update.announced:
                 self._runtime.pending_weights.expect(update.units)
@@ -224,13 +236,14 @@ class TieredAdamW(torch.optim.Optimizer):
             self.synchronize()
         self._worker.drain()
         pending = self._pending
-        group = self.param_groups[0]
+        hypers = [{"lr": float(group["lr"]), "betas": list(group["betas"]), "eps": group["eps"],
+                   "weight_decay": group["weight_decay"]} for group in self.param_groups]
         return {
             "steps_called": self._steps_called,
             "skipped_steps": self.skipped_steps,
             "last_grad_norm": self._last_grad_norm,
-            "hyper": {"lr": float(group["lr"]), "betas": list(group["betas"]),
-                      "eps": group["eps"], "weight_decay": group["weight_decay"]},
+            "hyper": hypers[0],
+            "group_hypers": hypers[1:],
             "unit_steps": [float(step) for step in self._stepper.steps],
             "loss_scale": self.scaler.state() if self.scaler is not None else None,
             "pending": None if pending is None else {
@@ -244,16 +257,17 @@ class TieredAdamW(torch.optim.Optimizer):
         self._steps_called = state["steps_called"]
         self.skipped_steps = state["skipped_steps"]
         self._last_grad_norm = state["last_grad_norm"]
-        hyper = state["hyper"]
-        self.param_groups[0].update(lr=hyper["lr"], betas=tuple(hyper["betas"]), eps=hyper["eps"],
-                                    weight_decay=hyper["weight_decay"])
+        saved = [state["hyper"], *state.get("group_hypers", [])]  # format 1 had group 0 only
+        for group, hyper in zip(self.param_groups, saved):
+            group.update(lr=hyper["lr"], betas=tuple(hyper["betas"]), eps=hyper["eps"],
+                         weight_decay=hyper["weight_decay"])
         for step, value in zip(self._stepper.steps, state["unit_steps"]):
             step.fill_(value)
         if self.scaler is not None and state["loss_scale"] is not None:
             self.scaler.load_state(state["loss_scale"])
         pending = state["pending"]
         self._pending = None if pending is None else _Update(
-            units=list(pending["written"]), hyper=AdamWHyper.from_group(self.param_groups[0]),
+            units=list(pending["written"]), hypers=self._hypers(),
             loss_scale=pending["loss_scale"], into_next=True, written=list(pending["written"]),
             norm=pending["norm"], overflowed=pending["overflowed"])
         self._ready = []
@@ -288,15 +302,19 @@ class TieredAdamW(torch.optim.Optimizer):
         while self._ready and not (until_more_arrive and self._grads.last_backward_queued):
             unit = min(self._ready, key=lambda i: rank.get(i, len(rank)))  # ties: arrival
             self._ready.remove(unit)
-            self._stepper.step([unit], last.hyper, 1.0, False)
+            self._stepper.step([unit], last.hypers, 1.0, False)
             if self.device.type == "cuda":
                 # The step's kernels were queued on this thread's stream; a gather reads the
                 # weights on another, so they are written only once these have run.
                 torch.cuda.current_stream(self.device).synchronize()
             self._runtime.pending_weights.written([unit])
 
+    def _hypers(self) -> tuple[AdamWHyper, ...]:
+        """Each param group's hyperparameters as they are now."""
+        return tuple(AdamWHyper.from_group(group) for group in self.param_groups)
+
     def _check_hyper_unchanged(self, last: LastBackward) -> None:
-        if AdamWHyper.from_group(self.param_groups[0]) != last.hyper:
+        if self._hypers() != last.hypers:
             warnings.warn(
                 "tiered: param_groups changed after the step's last backward started; the units "
                 "stepped as their gradients arrived (optimizer.accumulation_steps) used the "
@@ -323,7 +341,7 @@ class TieredAdamW(torch.optim.Optimizer):
                 if update.announced:
                     pending.written([unit])
 
-            self._stepper.step(order, update.hyper, divisor, update.into_next, on_unit=written)
+            self._stepper.step(order, update.hypers, divisor, update.into_next, on_unit=written)
         if update.announced:  # those an overflow skipped
             done = set(update.written)
             pending.written([unit for unit in update.units if unit not in done])

@@ -3,8 +3,8 @@ weights written to the weights' tier, its gradient buffer handed back.
 
 States in HBM or DRAM are stepped in place; a run of units whose states are on NVMe streams
 through DRAM (stream.py). Either way the kernel sees one piece at a time (a whole resident shard
-is one piece), reading that piece's gradient and writing that piece's new weights; a unit's step
-count advances once, before its first piece.
+is one piece), reading that piece's gradient and writing that piece's new weights, once per run
+of one param group in it (groups.py); a unit's step count advances once, before its first piece.
 """
 from __future__ import annotations
 
@@ -16,15 +16,19 @@ from ..manager import TierManager
 from ..plan import OPTIMIZER_STATES, StateKind
 from ..timeline import Timeline
 from .adamw import AdamWHyper, OnePassAdamW, adamw_step
+from .groups import GroupRange
 from .stream import Piece, StateStream
 
 
 class UnitStepper:
-    def __init__(self, manager: TierManager, grads, names: list[str], device: torch.device,
+    def __init__(self, manager: TierManager, grads, names: list[str],
+                 ranges: list[tuple[GroupRange, ...]], device: torch.device,
                  one_pass: OnePassAdamW | None, sub_group_size: int, timeline: Timeline):
         self.manager = manager
         self.grads = grads
         self.names = names
+        self.ranges = ranges
+        """Per unit: its shard's runs of one param group (groups.shard_ranges)."""
         self.device = device
         self.one_pass = one_pass
         """Mixed precision on the CPU (see adamw.OnePassAdamW); else torch's fused kernel."""
@@ -35,9 +39,10 @@ class UnitStepper:
                               for i in range(len(names)))
         self.stream = StateStream(manager, sub_group_size) if has_nvme_states else None
 
-    def step(self, units: list[int], hyper: AdamWHyper, divisor: float, into_next: bool,
-             on_unit: Callable[[int], None] = lambda unit: None) -> None:
-        """Step ``units`` in this order; ``on_unit(unit)`` after each one's weights are written."""
+    def step(self, units: list[int], hypers: tuple[AdamWHyper, ...], divisor: float,
+             into_next: bool, on_unit: Callable[[int], None] = lambda unit: None) -> None:
+        """Step ``units`` in this order, each run of param group g with ``hypers[g]``;
+        ``on_unit(unit)`` after each one's weights are written."""
         kind = StateKind.PARAM_NEXT if into_next else StateKind.PARAM
         divisor_tensor = (None if divisor == 1.0 or self.one_pass is not None else
                           torch.tensor(divisor, dtype=torch.float32, device=self.device))
@@ -46,7 +51,7 @@ class UnitStepper:
             if piece.start == 0:
                 self.steps[piece.unit] += 1
             with self.timeline.span(f"adamw {self.names[piece.unit]}", "cpu"):
-                self._kernel(piece, master, exp_avg, exp_avg_sq, hyper, divisor,
+                self._kernel(piece, master, exp_avg, exp_avg_sq, hypers, divisor,
                              divisor_tensor, kind)
 
         def unit_done(unit: int) -> None:
@@ -72,17 +77,27 @@ class UnitStepper:
                     self.manager.store(unit, state, value)  # in place: nothing moves
                 unit_done(unit)
 
-    def _kernel(self, piece: Piece, master, exp_avg, exp_avg_sq, hyper: AdamWHyper,
-                divisor: float, divisor_tensor, kind: StateKind) -> None:
-        span = slice(piece.start, piece.start + piece.numel)
-        grad = self.grads.read(piece.unit)[span]
-        weights = self._weights(piece.unit, kind)[span]
+    def _kernel(self, piece: Piece, master, exp_avg, exp_avg_sq,
+                hypers: tuple[AdamWHyper, ...], divisor: float, divisor_tensor,
+                kind: StateKind) -> None:
+        grads = self.grads.read(piece.unit)
+        weights = self._weights(piece.unit, kind)
         step = self.steps[piece.unit]
-        if self.one_pass is not None:
-            self.one_pass.step(master, grad, exp_avg, exp_avg_sq, weights, step, hyper, divisor)
-        else:
-            adamw_step(master, grad.float(), exp_avg, exp_avg_sq, step, hyper, divisor_tensor)
-            weights.copy_(master)
+        end = piece.start + piece.numel
+        for part in self.ranges[piece.unit]:
+            start, stop = max(part.start, piece.start), min(part.stop, end)
+            if start >= stop:
+                continue
+            hyper = hypers[part.group]
+            here = slice(start - piece.start, stop - piece.start)  # the piece's own buffers
+            grad, new = grads[start:stop], weights[start:stop]
+            if self.one_pass is not None:
+                self.one_pass.step(master[here], grad, exp_avg[here], exp_avg_sq[here], new,
+                                   step, hyper, divisor)
+            else:
+                adamw_step(master[here], grad.float(), exp_avg[here], exp_avg_sq[here], step,
+                           hyper, divisor_tensor)
+                new.copy_(master[here])
 
     def _weights(self, unit: int, kind: StateKind) -> torch.Tensor:
         """Where this unit's new weights are written (then stored to their tier)."""
