@@ -17,6 +17,9 @@ own: filling the buffer does not bump the version autograd checks on saved tenso
 Views come from a single ``split`` of ``full``, so autograd sums every view's gradient (zeros for
 views that were not used, and for the padding) into ``full.grad`` in one node, and the
 post-accumulate-grad hook on ``full`` fires once per backward with the whole unit's gradient.
+A frozen parameter's view is detached: autograd computes no gradient for it (a frozen linear
+layer's backward computes its input's gradient only), and its part of ``full.grad`` is zeros.
+A unit with only frozen parameters never gets a gradient; see [Note: frozen units] in hooks.py.
 """
 from __future__ import annotations
 
@@ -39,6 +42,8 @@ class FlatParam:
         self.rank = rank
         self.world_size = world_size
         self.numels = [p.numel for p in spec.params]
+        self.trainable = any(p.trainable for p in spec.params)
+        """Whether any of its parameters requires grad (else its backward gives no gradient)."""
         self.numel = sum(self.numels)
         self.padded_numel = -(-self.numel // world_size) * world_size
         self.shard_numel = self.padded_numel // world_size
@@ -92,7 +97,7 @@ class FlatParam:
         pad = self.padded_numel - self.numel
         pieces = self.full.split(self.numels + [pad] if pad else self.numels)
         for param, piece in zip(self.spec.params, pieces):
-            view = piece.view(param.shape)
+            view = piece.view(param.shape) if param.trainable else piece.detach().view(param.shape)
             for module, attr in param.holders:
                 module.__dict__[attr] = view
 

@@ -132,6 +132,10 @@ class UnitRuntime:
             raise
         self.gatherer.release(flat)
 
+    def backward_done(self, flat: FlatParam) -> None:
+        """A unit without a gradient (only frozen parameters) is through its backward."""
+        self.gatherer.release(flat)
+
     def start_backward(self) -> None:
         """Count a backward towards the next step; the last one before it steps on arrival."""
         limit = self.accumulation_steps

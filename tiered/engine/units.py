@@ -35,6 +35,9 @@ class ParamSpec:
     holders: tuple[tuple[nn.Module, str], ...]
     """Every (module, attribute) that refers to it; all are rebound when the unit is gathered."""
     shape: torch.Size
+    trainable: bool = True
+    """``requires_grad``: a frozen parameter is bound as a detached view (autograd computes
+    no gradient for it) and is never stepped."""
 
     @property
     def numel(self) -> int:
@@ -125,16 +128,12 @@ def find_units(model: nn.Module, classes: tuple[str, ...] | None,
     owned: dict[str, list[ParamSpec]] = {path: [] for path in candidates}
     for key, places in holders.items():
         param = tensors[key]
-        if not param.requires_grad:
-            name = ".".join(filter(None, places[0]))
-            raise PolicyError(f"parameter {name} has requires_grad=False; frozen parameters are "
-                              f"not supported yet (every parameter must be trainable)")
         owner = next(u for u in candidates if all(_is_ancestor(u, p) for p, _ in places))
         names = tuple(f"{p}.{a}" if p else a for p, a in places)
         owned[owner].append(ParamSpec(
             names=names,
             holders=tuple((modules[p], a) for p, a in places),
-            shape=param.shape))
+            shape=param.shape, trainable=param.requires_grad))
 
     order = {path: i for i, path in enumerate(modules)}
     specs = [path for path in sorted(candidates, key=order.__getitem__) if path] + [""]

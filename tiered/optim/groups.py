@@ -16,9 +16,14 @@ from ..errors import PolicyError
 from ..policy import ParamGroupPolicy
 
 
+FROZEN = -1
+"""The group of frozen parameters (``requires_grad=False``): never stepped."""
+
+
 @dataclass(frozen=True)
 class GroupRange:
-    """Elements ``[start, stop)`` of a shard, stepped with ``param_groups[group]``."""
+    """Elements ``[start, stop)`` of a shard, stepped with ``param_groups[group]`` (not at all
+    when ``group`` is FROZEN)."""
 
     start: int
     stop: int
@@ -35,9 +40,9 @@ def group_of(names: tuple[str, ...], groups: tuple[ParamGroupPolicy, ...]) -> in
 
 
 def shard_ranges(flats, groups: tuple[ParamGroupPolicy, ...]) -> list[tuple[GroupRange, ...]]:
-    """Per unit, this rank's shard cut into runs of one param group, in shard coordinates and
-    covering all of it (the padding goes with the last parameter's group: its values and
-    gradients are zeros, which AdamW leaves at zero).
+    """Per unit, this rank's shard cut into runs of one param group (or FROZEN), in shard
+    coordinates and covering all of it (the padding goes with the last parameter's group: its
+    values and gradients are zeros, which AdamW leaves at zero).
 
     Raises a PolicyError naming a group that matches no parameter: a misspelt pattern would
     otherwise leave its parameters stepped with the wrong values, silently."""
@@ -49,7 +54,8 @@ def shard_ranges(flats, groups: tuple[ParamGroupPolicy, ...]) -> list[tuple[Grou
         offset = 0
         for index, param in enumerate(flat.spec.params):
             group = group_of(param.names, groups)
-            matched.add(group)
+            matched.add(group)  # a group of frozen parameters only is still a right pattern
+            group = group if param.trainable else FROZEN
             last = index == len(flat.spec.params) - 1
             stop = flat.padded_numel if last else offset + param.numel
             start, stop = max(offset, shard_start), min(stop, shard_stop)

@@ -74,7 +74,7 @@ class TieredAdamW(torch.optim.Optimizer):
     updates finished so far.
 
     A unit that received no gradient since ``zero_grad()`` is not stepped, as parameters with
-    ``grad=None`` are not in PyTorch. Within a unit that did, a parameter the forward never used
+    ``grad=None`` are not in PyTorch; nor is a frozen parameter (``requires_grad=False``). Within a unit that did, a parameter the forward never used
     has a zero gradient and is stepped (weight decay and momentum act on it), where PyTorch would
     leave it alone; put such parameters in a unit of their own (``units.classes``) if it matters.
     """

@@ -16,7 +16,7 @@ from ..manager import TierManager
 from ..plan import OPTIMIZER_STATES, StateKind
 from ..timeline import Timeline
 from .adamw import AdamWHyper, OnePassAdamW, adamw_step
-from .groups import GroupRange
+from .groups import FROZEN, GroupRange
 from .stream import Piece, StateStream
 
 
@@ -88,9 +88,14 @@ class UnitStepper:
             start, stop = max(part.start, piece.start), min(part.stop, end)
             if start >= stop:
                 continue
-            hyper = hypers[part.group]
             here = slice(start - piece.start, stop - piece.start)  # the piece's own buffers
             grad, new = grads[start:stop], weights[start:stop]
+            if part.group == FROZEN:
+                # Not stepped, but the weights are written whole: where they go through a
+                # staging buffer, it holds another unit's values here.
+                new.copy_(master[here])
+                continue
+            hyper = hypers[part.group]
             if self.one_pass is not None:
                 self.one_pass.step(master[here], grad, exp_avg[here], exp_avg_sq[here], new,
                                    step, hyper, divisor)
