@@ -12,7 +12,7 @@ import torch
 
 import tiered
 from gpt import next_token_loss
-from test_parity import MICRO, OPTIM, REPO, assert_parity, batches, make_model
+from test_parity import MICRO, OPTIM, REPO, assert_parity, batches, make_model, train_torch
 from tiered.engine.flat import Residency
 
 FROZEN = ("emb.weight", "head.weight", "blocks.0.", "blocks.1.fc.bias", "blocks.1.ln1.weight")
@@ -48,16 +48,8 @@ def train(engine, optimizer, steps=None) -> dict:
 
 def train_reference(max_grad_norm=None) -> dict:
     model = frozen_model()
-    optimizer = torch.optim.AdamW(model.parameters(), fused=True, **OPTIM)
-    for micro_batches in batches():
-        for idx in micro_batches:
-            (next_token_loss(model(idx), idx) / MICRO).backward()
-        assert model.blocks[0].fc.weight.grad is None  # PyTorch computes none for it either
-        if max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad()
-    return model.state_dict()
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True, **OPTIM)  # skips grad=None
+    return train_torch(model, optimizer, max_grad_norm)
 
 
 @pytest.mark.parametrize("accumulation_steps", [None, MICRO])

@@ -12,7 +12,8 @@ import torch
 import tiered
 from distributed import run_ranks
 from gpt import next_token_loss
-from test_parity import MICRO, OPTIM, REPO, assert_parity, batches, make_model
+from test_parity import (MICRO, OPTIM, REPO, assert_parity, batches, make_model,
+                         train_torch)
 
 GROUPS = [
     {"match": ["*.bias", "*ln*"], "lr": 3e-2, "betas": [0.8, 0.9], "weight_decay": 0.0},
@@ -60,16 +61,7 @@ def train_reference(max_grad_norm=None, device="cpu") -> dict:
     for group in optimizer.param_groups:  # a list of betas would fail torch's fused kernel
         group["betas"] = tuple(group["betas"])
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, SCHEDULES)
-    for micro_batches in batches():
-        for idx in micro_batches:
-            idx = idx.to(device)
-            (next_token_loss(model(idx), idx) / MICRO).backward()
-        if max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad()
-        scheduler.step()
-    return model.state_dict()
+    return train_torch(model, optimizer, max_grad_norm, scheduler, device)
 
 
 @pytest.mark.parametrize("accumulation_steps", [None, MICRO])

@@ -68,14 +68,24 @@ def train_engine(policy: str, rank: int, world: int, nvme: str, max_grad_norm: f
 
 def train_reference(max_grad_norm: float | None, fused: bool = False):
     model = make_model()
-    optimizer = torch.optim.AdamW(model.parameters(), fused=fused, **OPTIM)
+    return train_torch(model, torch.optim.AdamW(model.parameters(), fused=fused, **OPTIM),
+                       max_grad_norm)
+
+
+def train_torch(model, optimizer, max_grad_norm: float | None = None, scheduler=None,
+                device: str = "cpu") -> dict:
+    """The PyTorch side of the parity tests: MICRO micro-batches a step, clipping, then the
+    optimizer, then the scheduler (if any), as the engine's side runs them."""
     for micro_batches in batches():
         for idx in micro_batches:
+            idx = idx.to(device)
             (next_token_loss(model(idx), idx) / MICRO).backward()
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         optimizer.step()
         optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
     return model.state_dict()
 
 
