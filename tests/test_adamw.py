@@ -122,18 +122,23 @@ def test_one_pass_lets_other_threads_run_while_it_steps():
 
 @pytest.mark.parametrize("accumulation_steps", [None, 1])
 def test_initialize_compiles_every_variant_the_steps_need(accumulation_steps):
-    """A compile takes about a minute on a cold GPU box: every variant of the kernel the steps
-    use must be compiled in initialize(), none in a step. Two backwards per step and
-    zero_grad(set_to_none=False) make fp32 gradient sums, the first backward of a step a bf16
-    gradient; units are views at many offsets of a few slabs."""
+    """A compile takes about a minute on a cold GPU box (and replays the training thread's
+    random numbers): every variant of the kernel the steps use must be compiled in
+    initialize(), none in a step. Two backwards per step and zero_grad(set_to_none=False) make
+    fp32 gradient sums, the first backward of a step a bf16 gradient; units are views at many
+    offsets of a few slabs; a one-element parameter in a param group of its own is stepped as
+    a one-element run."""
     import tiered
     from gpt import GPT, next_token_loss
 
     torch._dynamo.reset()
     torch.manual_seed(0)
+    model = GPT(64, 16, 6, 2)
+    model.register_parameter("gate", torch.nn.Parameter(torch.ones(1)))
     engine, optimizer = tiered.initialize(
-        GPT(64, 16, 6, 2), "configs/cpu.yaml", device="cpu", compute_dtype="bf16",
-        optimizer={"accumulation_steps": accumulation_steps})
+        model, "configs/cpu.yaml", device="cpu", compute_dtype="bf16",
+        optimizer={"accumulation_steps": accumulation_steps,
+                   "param_groups": [{"match": "gate", "weight_decay": 0.0}]})
     kernel = optimizer._stepper.one_pass
     idx = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     backwards = 1 if accumulation_steps == 1 else 2

@@ -98,27 +98,32 @@ class OnePassAdamW:
         self._failed = False
 
     def warm_up(self, grad_dtype: torch.dtype, weights_dtype: torch.dtype) -> None:
-        """Compile now, so the first real step does not pay for it.
+        """Compile now, so that no step compiles: a compile on the worker costs seconds (a
+        minute on a cold GPU box), and dynamo saves and restores the process's RNG state
+        around it, which would replay random numbers the training thread drew meanwhile.
 
         On shard-sized inputs: inductor decides from the sizes it first sees whether the loop
         runs on the thread pool, and code compiled on 64 elements stayed serial for every later
-        size (6x slower on the reference box's 15 threads).
+        size (6x slower on the reference box's 15 threads). Then on one element, a variant of
+        its own (dynamo specializes size 1): a parameter of one element in a param group of
+        its own, or a shard or piece boundary one element into a run, steps one element.
         """
         import torch._inductor.config as inductor_config
 
-        numel = WARM_UP_NUMEL
         # Trust the vector instruction sets the CPU lists. Otherwise inductor checks each one
         # by building a test library and loading it in a child process, which in torch 2.11
         # (not 2.13) imports torch: seconds per child with a CUDA build, in every process.
         # This skips 3 of the 6 children a cold compile starts on the development machine
         # (the checks of extensions such as AVX512-BF16 still run); the cold compile there
-        # fell from 10 s to 5.5 s. A compiler unable to build them fails the compile, and
-        # step() falls back.
+        # fell from 10 s to 5.5 s. Inductor caches the answers for the process, so later
+        # compiles trust them too (as torch's own internal builds always do). A compiler
+        # unable to build them fails the compile, and step() falls back.
         with inductor_config.patch({"cpp.vec_isa_ok": True}):
-            self.step(torch.zeros(numel), torch.zeros(numel, dtype=grad_dtype),
-                      torch.zeros(numel), torch.zeros(numel),
-                      torch.empty(numel, dtype=weights_dtype), torch.ones(()),
-                      AdamWHyper(0.0, 0.9, 0.999, 1e-8, 0.0), 1.0)
+            for numel in (WARM_UP_NUMEL, 1):
+                self.step(torch.zeros(numel), torch.zeros(numel, dtype=grad_dtype),
+                          torch.zeros(numel), torch.zeros(numel),
+                          torch.empty(numel, dtype=weights_dtype), torch.ones(()),
+                          AdamWHyper(0.0, 0.9, 0.999, 1e-8, 0.0), 1.0)
 
     def step(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
              exp_avg_sq: torch.Tensor, weights: torch.Tensor, step: torch.Tensor,
