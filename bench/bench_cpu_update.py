@@ -118,7 +118,8 @@ def main() -> None:
     for label, huge_pages in [("4 KiB pages", False), ("huge pages", True)]:
         source = PinnedSlabSource(huge_pages=huge_pages)
         units = [unit_states(source, numel) for _ in range(args.units)]
-        granted = f"{(huge_page_bytes() or 0) / 2**30:.1f}"  # what the kernel really gave
+        # What the kernel really gave: the process's, but these units are nearly all of it.
+        granted = f"{(huge_page_bytes() or 0) / 2**30:.1f}"
         for beside in ["nothing"] + (["h2d copy", "d2h copy"] if cuda else []):
             copy_gbps = ""
             if beside == "nothing":

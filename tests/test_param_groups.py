@@ -31,7 +31,8 @@ def engine_with_groups(policy: str, nvme: str, groups=GROUPS, device="cpu", **op
 
 
 def train(engine, optimizer, rank: int = 0, world: int = 1, steps=None) -> dict:
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, SCHEDULES)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
+                                                  SCHEDULES[:len(optimizer.param_groups)])
     rows = slice(rank * 8 // world, (rank + 1) * 8 // world)
     for micro_batches in batches()[:steps]:
         for idx in micro_batches:
@@ -43,7 +44,7 @@ def train(engine, optimizer, rank: int = 0, world: int = 1, steps=None) -> dict:
     return engine.full_state_dict()
 
 
-def torch_groups(model, max_grad_norm=None):
+def torch_groups(model):
     """The same groups for torch.optim.AdamW, by the same first-match rule, in the same order."""
     members = [[] for _ in range(1 + len(GROUPS))]
     for name, param in model.named_parameters():
@@ -176,12 +177,15 @@ def test_resume_restores_every_groups_hyperparameters(tmp_path):
     assert [group["lr"] for group in optimizer.param_groups] == saved_lrs
     engine.close()
 
-    fewer, _ = engine_with_groups("cpu", str(tmp_path), groups=GROUPS[:1])
-    try:
-        with pytest.raises(tiered.CheckpointError, match="3 optimizer param group.*this engine 2"):
-            fewer.load_checkpoint(ckpt)
-    finally:
-        fewer.close()
+    for other in (GROUPS[:1], GROUPS[::-1]):  # fewer groups, or the same ones reordered
+        engine, optimizer = engine_with_groups("cpu", str(tmp_path), groups=other)
+        try:
+            with pytest.raises(tiered.CheckpointError, match="param_groups it was saved with"):
+                engine.load_checkpoint(ckpt)
+            fresh = [OPTIM["lr"]] + [group.get("lr", OPTIM["lr"]) for group in other]
+            assert [group["lr"] for group in optimizer.param_groups] == fresh  # none loaded
+        finally:
+            engine.close()
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
@@ -210,3 +214,30 @@ def test_shard_ranges_cover_each_shard_with_each_elements_group(world):
             assert position == flat.shard_numel
             assert torch.equal(got, expected[start:stop]), (flat.name, rank)
             assert all(a.group != b.group for a, b in zip(ranges, ranges[1:]))  # merged
+
+
+def test_a_checkpoint_of_format_1_still_loads(tmp_path):
+    # Format 1 (before param groups): no group_hypers, no param_groups in the saved policy.
+    import json
+
+    ckpt = str(tmp_path / "ckpt")
+    engine, optimizer = engine_with_groups("cpu", str(tmp_path), groups=None)
+    train(engine, optimizer, steps=2)
+    engine.save_checkpoint(ckpt, "old")
+    expected = engine.full_state_dict()
+    engine.close()
+    path = os.path.join(ckpt, "old", "manifest.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    assert manifest["format"] == 2
+    manifest["format"] = 1
+    del manifest["optimizer"]["group_hypers"], manifest["policy"]["optimizer"]["param_groups"]
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+    engine, optimizer = engine_with_groups("cpu", str(tmp_path), groups=None)
+    try:
+        engine.load_checkpoint(ckpt)
+        state = engine.full_state_dict()
+        assert all(torch.equal(state[name], expected[name]) for name in expected)
+    finally:
+        engine.close()

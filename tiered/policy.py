@@ -161,9 +161,10 @@ def _patterns(value: object) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class ParamGroupPolicy:
     """Parameters stepped with their own AdamW hyperparameters, as a ``torch.optim`` param group:
-    those with a name (as in ``model.named_parameters()``; a tied one by any of its names)
-    matching one of ``match``'s shell-style patterns (``fnmatch``: ``*.bias``, ``*norm*``), and
-    not matched by an earlier group. A value left null is the optimizer's."""
+    those with a name (as in ``model.named_parameters()``, and a tied one by any of its names;
+    a linear layer split by ``tiling`` has ``<layer>.tiles.<i>.weight``) matching one of
+    ``match``'s shell-style patterns (``fnmatch``: ``*.bias``, ``*norm*``), and not matched by
+    an earlier group. A value left null is the optimizer's."""
 
     match: tuple[str, ...] = field(default=(), metadata=_parse(_patterns))
     lr: float | None = field(default=None, metadata=_optional(_float))
@@ -174,6 +175,7 @@ class ParamGroupPolicy:
     def __post_init__(self):
         if not self.match:
             raise ValueError("match is required: the parameter name patterns of this group")
+        object.__setattr__(self, "match", _patterns(self.match))  # hashable, built in code too
         _check_adamw(self.lr, self.betas, self.eps, self.weight_decay)
 
 
@@ -255,7 +257,8 @@ class DramPolicy:
     huge_pages: bool = field(default=False, metadata=_parse(_bool))
     """Ask the kernel to back the slabs with 2 MiB transparent huge pages (``madvise``): the
     CPU update streams five arrays at once, and with 4 KiB pages each stream needs a new TLB
-    entry every 1-2 K elements, a page walk that costs most under a hypervisor."""
+    entry every 1-2 K elements, a page walk that costs most under a hypervisor. (A
+    ``dram_source`` given to ``initialize`` makes the slabs itself and decides on its own.)"""
 
     def __post_init__(self):
         if self.spill not in (None, Tier.NVME):

@@ -38,7 +38,9 @@ from .. import __version__
 from ..plan import OPTIMIZER_STATES, StateKind, state_kinds
 from .format import CheckpointError, Entry, Reader, Writer, file_digest
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2 added ``optimizer.group_hypers``: the hyperparameters of each param group after group 0."""
+READABLE_FORMATS = (1, 2)
 MANIFEST = "manifest.json"
 LATEST = "latest"
 
@@ -238,9 +240,9 @@ def _read_manifest(folder: str) -> dict:
         raise CheckpointError(f"{folder} is not a complete checkpoint (no {MANIFEST})") from None
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: cannot be read: {e}") from None
-    if manifest.get("format") != FORMAT_VERSION:
+    if manifest.get("format") not in READABLE_FORMATS:
         raise CheckpointError(f"{path}: format {manifest.get('format')!r}; this tiered reads "
-                              f"format {FORMAT_VERSION}")
+                              f"formats {', '.join(map(str, READABLE_FORMATS))}")
     return manifest
 
 
@@ -255,16 +257,17 @@ def _check_units(manifest: dict, engine) -> None:
 
 
 def _check_param_groups(manifest: dict, engine) -> None:
-    """Each param group's hyperparameters are restored (a scheduler's learning rate among them),
-    so the groups must be the same in number, as ``torch.optim.Optimizer.load_state_dict``
-    requires."""
-    saved = 1 + len(manifest["optimizer"].get("group_hypers", []))  # format 1 had group 0 only
-    ours = engine.optimizer.group_count
+    """Each param group's hyperparameters (a scheduler's learning rate among them) are restored
+    to the group in the same place, so the groups must be the same: the policy's
+    ``optimizer.param_groups`` with the same patterns in the same order."""
+    saved = [group["match"] for group in
+             manifest["policy"]["optimizer"].get("param_groups", [])]  # none before format 2
+    ours = [list(group.match) for group in engine.policy.optimizer.param_groups]
     if saved != ours:
         raise CheckpointError(
-            f"the checkpoint has {saved} optimizer param group(s), this engine {ours} (group 0 "
-            f"and optimizer.param_groups of the policy); resume with the policy it was saved "
-            f"with")
+            f"the checkpoint's optimizer.param_groups match {saved}, this engine's {ours}: "
+            f"each group's hyperparameters are restored to the group in the same place; "
+            f"resume with the param_groups it was saved with")
 
 
 def _open_verified(folder: str, manifest: dict, names: list[str]) -> dict[str, Reader]:

@@ -45,7 +45,8 @@ class TieredAdamW(torch.optim.Optimizer):
     ``param_groups[0]["params"]`` are the units' flat parameters (one per unit, as FSDP's flat
     parameters). Each of the policy's ``optimizer.param_groups`` is one more group, whose
     ``match`` says which parameters it steps, inside those flat parameters (its ``params`` is
-    empty); the rest are group 0's. Each group's ``lr``, ``betas``, ``eps`` and
+    empty); the rest are group 0's. Which parameters a group holds is fixed at ``initialize``
+    (editing ``match`` later changes nothing). Each group's ``lr``, ``betas``, ``eps`` and
     ``weight_decay`` are read when a step is taken, so assigning ``param_groups[g]["lr"]`` or
     using a torch LR scheduler works as in PyTorch.
 
@@ -181,8 +182,9 @@ class TieredAdamW(torch.optim.Optimizer):
         if arrived:
             self._check_hyper_unchanged(last)
             # An arrival stops stepping once a later backward's gradients queue up behind it
-            # (see _last_gradient_in); what it left is stepped here, with this step's
-            # hyperparameters, before any zero_grad() or later gradient in the worker's queue.
+            # (see _last_gradient_in); what it left is stepped here, with the hyperparameters
+            # of the last backward's start (last.hypers), before any zero_grad() or later
+            # gradient in the worker's queue.
             self._worker.submit(partial(self._step_ready, last, until_more_arrive=False))
         if arrived and self._overlap_forward:
             # The worker is still stepping these (their readers wait in PendingWeights), and
