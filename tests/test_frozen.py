@@ -30,26 +30,27 @@ def is_frozen(name: str) -> bool:
     return name.startswith(FROZEN)
 
 
-def engine_for(policy: str, nvme: str, compute_dtype="fp32", **optimizer):
+def engine_for(policy: str, nvme: str, compute_dtype="fp32", device="cpu", **optimizer):
     return tiered.initialize(
         frozen_model(), os.path.join(REPO, "configs", f"{policy}.yaml"),
-        compute_dtype=compute_dtype, device="cpu", nvme={"path": nvme},
+        compute_dtype=compute_dtype, device=device, nvme={"path": nvme},
         optimizer=dict(OPTIM, sub_group_size=1024, **optimizer))
 
 
 def train(engine, optimizer, steps=None) -> dict:
     for micro_batches in batches()[:steps]:
         for idx in micro_batches:
+            idx = idx.to(engine.device)
             (next_token_loss(engine(idx), idx) / MICRO).backward()
         optimizer.step()
         optimizer.zero_grad()
     return engine.full_state_dict()
 
 
-def train_reference(max_grad_norm=None) -> dict:
-    model = frozen_model()
+def train_reference(max_grad_norm=None, device="cpu") -> dict:
+    model = frozen_model().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), fused=True, **OPTIM)  # skips grad=None
-    return train_torch(model, optimizer, max_grad_norm)
+    return train_torch(model, optimizer, max_grad_norm, device=device)
 
 
 @pytest.mark.parametrize("accumulation_steps", [None, MICRO])
@@ -71,6 +72,19 @@ def test_the_gradient_norm_leaves_frozen_parameters_out(policy, tmp_path):
     state = train(engine, optimizer)
     engine.close()
     assert_parity(state, train_reference(max_grad_norm=0.5))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["cpu", "gpu"])
+def test_frozen_parameters_on_cuda(policy, tmp_path):
+    engine, optimizer = engine_for(policy, str(tmp_path), device="cuda")
+    state = {name: value.cpu() for name, value in train(engine, optimizer).items()}
+    engine.close()
+    reference = {name: value.cpu() for name, value in train_reference(device="cuda").items()}
+    assert_parity(state, reference)
+    initial = frozen_model().state_dict()
+    for name in initial:
+        assert torch.equal(state[name], initial[name]) == is_frozen(name), name
 
 
 def test_a_unit_with_nothing_to_train_is_released_after_its_backward(tmp_path):
