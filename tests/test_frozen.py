@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import tiered
-from gpt import next_token_loss
-from test_parity import MICRO, OPTIM, REPO, assert_parity, batches, make_model, train_torch
+from distributed import run_ranks
+from test_parity import (MICRO, OPTIM, REPO, assert_parity, assert_parity_on_host, batches,
+                         make_model, run_engine, train_torch)
 from tiered.engine.flat import Residency
 
 FROZEN = ("emb.weight", "head.weight", "blocks.0.", "blocks.1.fc.bias", "blocks.1.ln1.weight")
@@ -37,14 +38,8 @@ def engine_for(policy: str, nvme: str, compute_dtype="fp32", device="cpu", **opt
         optimizer=dict(OPTIM, sub_group_size=1024, **optimizer))
 
 
-def train(engine, optimizer, steps=None) -> dict:
-    for micro_batches in batches()[:steps]:
-        for idx in micro_batches:
-            idx = idx.to(engine.device)
-            (next_token_loss(engine(idx), idx) / MICRO).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return engine.full_state_dict()
+def train(engine, optimizer, steps: slice = slice(None), rank: int = 0, world: int = 1) -> dict:
+    return run_engine(engine, optimizer, steps=steps, rank=rank, world=world)
 
 
 def train_reference(max_grad_norm=None, device="cpu") -> dict:
@@ -78,20 +73,17 @@ def test_the_gradient_norm_leaves_frozen_parameters_out(policy, tmp_path):
 @pytest.mark.parametrize("policy", ["cpu", "gpu"])
 def test_frozen_parameters_on_cuda(policy, tmp_path):
     engine, optimizer = engine_for(policy, str(tmp_path), device="cuda")
-    state = {name: value.cpu() for name, value in train(engine, optimizer).items()}
+    state = train(engine, optimizer)
     engine.close()
-    reference = {name: value.cpu() for name, value in train_reference(device="cuda").items()}
-    assert_parity(state, reference)
+    assert_parity_on_host(state, train_reference(device="cuda"))
     initial = frozen_model().state_dict()
     for name in initial:
-        assert torch.equal(state[name], initial[name]) == is_frozen(name), name
+        assert torch.equal(state[name].cpu(), initial[name]) == is_frozen(name), name
 
 
-def test_a_unit_with_nothing_to_train_is_released_after_its_backward(tmp_path):
-    # Block 0 is gathered again in backward (the position table's gradient crosses it). With
-    # no gradient hook of its own it used to stay gathered until the backward's end; it must
-    # be gone before the root's gradient, the last of the backward, arrives.
-    engine, optimizer = engine_for("cpu", str(tmp_path))
+def train_watching_gradients(engine, optimizer) -> tuple[dict, dict[str, list[str]]]:
+    """Train; also return, for the last step, the units gathered as each unit's gradient
+    arrived."""
     runtime = engine.runtime
     gathered_at = {}
     reduce = runtime.reduce_grad
@@ -103,12 +95,111 @@ def test_a_unit_with_nothing_to_train_is_released_after_its_backward(tmp_path):
 
     runtime.reduce_grad = reduce_and_look
     try:
-        train(engine, optimizer, steps=1)
+        return train(engine, optimizer), gathered_at
+    finally:
+        runtime.reduce_grad = reduce
+
+
+def _two_ranks(rank: int, world: int, folder: str) -> None:
+    states = {}
+    for policy in ("cpu", "nvme"):
+        engine, optimizer = engine_for(policy, folder, max_grad_norm=0.5)
+        states[policy] = train(engine, optimizer, rank=rank, world=world)
+        engine.close()
+    torch.save(states, os.path.join(folder, f"rank{rank}.pt"))
+
+
+def test_frozen_parameters_with_two_ranks(tmp_path):
+    run_ranks(2, _two_ranks, str(tmp_path))
+    reference = train_reference(max_grad_norm=0.5)
+    initial = frozen_model().state_dict()
+    for rank in range(2):
+        for state in torch.load(tmp_path / f"rank{rank}.pt", weights_only=True).values():
+            assert_parity(state, reference)
+            assert all(torch.equal(state[name], initial[name]) for name in initial
+                       if is_frozen(name))
+
+
+def test_a_unit_with_nothing_to_train_is_released_after_its_backward(tmp_path):
+    # Block 0 is gathered again in backward (the position table's gradient crosses it). With
+    # no gradient hook of its own it used to stay gathered until the backward's end; it must
+    # be gone before the root's gradient, the last of the backward, arrives.
+    engine, optimizer = engine_for("cpu", str(tmp_path))
+    try:
+        _, gathered_at = train_watching_gradients(engine, optimizer)
     finally:
         engine.close()
     assert "blocks.0" not in gathered_at  # no gradient of its own
     assert list(gathered_at)[-1] == "<root>"
     assert "blocks.0" not in gathered_at["<root>"]
+
+
+class CheckpointedGPT(type(make_model())):
+    """The GPT with each block under activation checkpointing."""
+
+    use_reentrant = False
+
+    def forward(self, idx):
+        x = self.emb(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.use_reentrant)
+        return self.head(self.ln(x))
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_frozen_units_under_activation_checkpointing(use_reentrant, tmp_path, monkeypatch):
+    # Reentrant checkpointing runs the forward without grad and recomputes it inside
+    # backward: the frozen block must still be released after its backward there.
+    monkeypatch.setattr(CheckpointedGPT, "use_reentrant", use_reentrant)
+    model = frozen_model()
+    model.__class__ = CheckpointedGPT
+    engine, optimizer = tiered.initialize(model, os.path.join(REPO, "configs", "cpu.yaml"),
+                                          compute_dtype="fp32", device="cpu", optimizer=OPTIM)
+    try:
+        state, gathered_at = train_watching_gradients(engine, optimizer)
+    finally:
+        engine.close()
+    assert "blocks.0" not in gathered_at["<root>"]
+    reference = train_reference()  # without checkpointing: the same arithmetic
+    for name in reference:
+        assert torch.equal(state[name], reference[name]), name
+
+
+class InPlaceBlock(torch.nn.Module):
+    """Scales its input in place before its layer: legal in PyTorch on a non-leaf input."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        x.mul_(2)
+        return self.layer(x)
+
+
+def test_a_frozen_unit_may_change_its_input_in_place():
+    def model():
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 8), InPlaceBlock(), InPlaceBlock())
+        net[1].requires_grad_(False)
+        return net
+
+    x = torch.randn(4, 8)
+    reference = model()
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), fused=True, **OPTIM)
+    engine, optimizer = tiered.initialize(model(), os.path.join(REPO, "configs", "cpu.yaml"),
+                                          compute_dtype="fp32", device="cpu", optimizer=OPTIM)
+    try:
+        for net, opt in ((reference, reference_optimizer), (engine, optimizer)):
+            for _ in range(2):
+                net(x).square().sum().backward()
+                opt.step()
+                opt.zero_grad()
+        state = engine.full_state_dict()
+    finally:
+        engine.close()
+    for name, value in reference.state_dict().items():
+        assert torch.equal(state[name], value), name
 
 
 @pytest.mark.parametrize("delayed", [False, True])
@@ -125,7 +216,7 @@ def test_bf16_frozen_weights_stay_what_they_were(policy, delayed, tmp_path):
         lambda module, args, out: seen.__setitem__("blocks.0.fc.weight", module.weight.clone()))
     model.blocks[1].fc.register_forward_hook(
         lambda module, args, out: seen.__setitem__("blocks.1.fc.bias", module.bias.clone()))
-    train(engine, optimizer, steps=4)
+    train(engine, optimizer, steps=slice(4))
     engine(batches()[0][0])  # a forward after the last update
     state = engine.full_state_dict()
     engine.close()
@@ -134,3 +225,53 @@ def test_bf16_frozen_weights_stay_what_they_were(policy, delayed, tmp_path):
         assert torch.equal(weights, initial[name].bfloat16()), name
     for name in initial:
         assert torch.equal(state[name], initial[name]) == is_frozen(name), name
+
+
+def test_resume_may_unfreeze_a_unit_that_never_stepped(tmp_path):
+    # Block 0, frozen for two steps, trains from the third as PyTorch trains it once
+    # requires_grad is set again: its moments start at step 1, the others' go on.
+    ckpt = str(tmp_path / "ckpt")
+    engine, optimizer = engine_for("cpu", str(tmp_path))
+    train(engine, optimizer, steps=slice(2))
+    engine.save_checkpoint(ckpt, "two")
+    engine.close()
+
+    model = frozen_model()
+    model.blocks[0].requires_grad_(True)
+    engine, optimizer = tiered.initialize(model, os.path.join(REPO, "configs", "cpu.yaml"),
+                                          compute_dtype="fp32", device="cpu", optimizer=OPTIM)
+    try:
+        engine.load_checkpoint(ckpt)
+        state = train(engine, optimizer, steps=slice(2, None))
+    finally:
+        engine.close()
+
+    reference = frozen_model()
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), fused=True, **OPTIM)
+    train_torch(reference, reference_optimizer, steps=slice(2))
+    reference.blocks[0].requires_grad_(True)
+    expected = train_torch(reference, reference_optimizer, steps=slice(2, None))
+    for name in expected:
+        assert torch.equal(state[name], expected[name]), name
+
+
+def test_resume_refuses_to_unfreeze_part_of_a_unit_that_stepped(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    engine, optimizer = engine_for("cpu", str(tmp_path))
+    train(engine, optimizer, steps=slice(2))
+    engine.save_checkpoint(ckpt, "two")
+    before = engine.full_state_dict()
+    engine.close()
+
+    model = frozen_model()
+    model.blocks[1].fc.bias.requires_grad_(True)  # block 1 has stepped twice
+    engine, optimizer = tiered.initialize(model, os.path.join(REPO, "configs", "cpu.yaml"),
+                                          compute_dtype="fp32", device="cpu", optimizer=OPTIM)
+    try:
+        with pytest.raises(tiered.CheckpointError, match=r"blocks\.1\.fc\.bias of unit "
+                                                         r"blocks\.1 were frozen"):
+            engine.load_checkpoint(ckpt)
+        untouched = engine.full_state_dict()  # nothing was loaded
+        assert not torch.equal(untouched["blocks.1.fc.weight"], before["blocks.1.fc.weight"])
+    finally:
+        engine.close()

@@ -12,8 +12,8 @@ import torch
 import tiered
 from distributed import run_ranks
 from gpt import next_token_loss
-from test_parity import (MICRO, OPTIM, REPO, assert_parity, batches, make_model,
-                         train_torch)
+from test_parity import (MICRO, OPTIM, REPO, assert_parity, assert_parity_on_host, batches,
+                         make_model, run_engine, train_torch)
 
 GROUPS = [
     {"match": ["*.bias", "*ln*"], "lr": 3e-2, "betas": [0.8, 0.9], "weight_decay": 0.0},
@@ -33,15 +33,7 @@ def engine_with_groups(policy: str, nvme: str, groups=GROUPS, device="cpu", **op
 def train(engine, optimizer, rank: int = 0, world: int = 1, steps=None) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
                                                   SCHEDULES[:len(optimizer.param_groups)])
-    rows = slice(rank * 8 // world, (rank + 1) * 8 // world)
-    for micro_batches in batches()[:steps]:
-        for idx in micro_batches:
-            idx = idx.to(engine.device)
-            (next_token_loss(engine(idx[rows]), idx[rows]) / MICRO).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        scheduler.step()
-    return engine.full_state_dict()
+    return run_engine(engine, optimizer, scheduler, slice(steps), rank, world)
 
 
 def torch_groups(model):
@@ -89,10 +81,9 @@ def test_groups_on_cuda(policy, tmp_path):
     # The optimizer on the host (cpu) or the device (gpu); the reference steps on the device,
     # with CUDA's fused kernel, so the two agree to rounding.
     engine, optimizer = engine_with_groups(policy, str(tmp_path), device="cuda")
-    state = {name: value.cpu() for name, value in train(engine, optimizer).items()}
+    state = train(engine, optimizer)
     engine.close()
-    reference = {name: value.cpu() for name, value in train_reference(device="cuda").items()}
-    assert_parity(state, reference)
+    assert_parity_on_host(state, train_reference(device="cuda"))
 
 
 def _two_ranks(rank: int, world: int, folder: str) -> None:

@@ -66,6 +66,21 @@ def train_engine(policy: str, rank: int, world: int, nvme: str, max_grad_norm: f
     return state, norms
 
 
+def run_engine(engine, optimizer, scheduler=None, steps: slice = slice(None), rank: int = 0,
+               world: int = 1) -> dict:
+    """The engine's side of train_torch: this rank's rows of each batch (DDP's split)."""
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    for micro_batches in batches()[steps]:
+        for idx in micro_batches:
+            idx = idx[rows].to(engine.device)
+            (next_token_loss(engine(idx), idx) / MICRO).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+    return engine.full_state_dict()
+
+
 def train_reference(max_grad_norm: float | None, fused: bool = False):
     model = make_model()
     return train_torch(model, torch.optim.AdamW(model.parameters(), fused=fused, **OPTIM),
@@ -73,10 +88,11 @@ def train_reference(max_grad_norm: float | None, fused: bool = False):
 
 
 def train_torch(model, optimizer, max_grad_norm: float | None = None, scheduler=None,
-                device: str = "cpu") -> dict:
+                device: str = "cpu", steps: slice = slice(None)) -> dict:
     """The PyTorch side of the parity tests: MICRO micro-batches a step, clipping, then the
-    optimizer, then the scheduler (if any), as the engine's side runs them."""
-    for micro_batches in batches():
+    optimizer, then the scheduler (if any), as the engine's side runs them; ``steps`` picks
+    which of the steps' batches."""
+    for micro_batches in batches()[steps]:
         for idx in micro_batches:
             idx = idx.to(device)
             (next_token_loss(model(idx), idx) / MICRO).backward()
@@ -94,6 +110,12 @@ def assert_parity(state: dict, reference: dict) -> None:
     for name in reference:
         torch.testing.assert_close(state[name], reference[name], rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"{name}: {m}")
+
+
+def assert_parity_on_host(state: dict, reference: dict) -> None:
+    """assert_parity, wherever the two states are."""
+    assert_parity({name: value.cpu() for name, value in state.items()},
+                  {name: value.cpu() for name, value in reference.items()})
 
 
 def _rank_main(rank: int, world: int, out_dir: str, nvme: str) -> None:

@@ -39,7 +39,8 @@ from ..plan import OPTIMIZER_STATES, StateKind, state_kinds
 from .format import CheckpointError, Entry, Reader, Writer, file_digest
 
 FORMAT_VERSION = 2
-"""2 added ``optimizer.group_hypers``: the hyperparameters of each param group after group 0."""
+"""2 added ``optimizer.group_hypers`` (the hyperparameters of each param group after group 0)
+and ``frozen`` (the names of the frozen parameters)."""
 READABLE_FORMATS = (1, 2)
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -85,6 +86,8 @@ def save(engine, directory: str, tag: str | None) -> str:
             "world_size": group.world_size, "policy": engine.policy.to_dict(),
             "units": [{"path": f.spec.path, "numel": f.numel, "padded_numel": f.padded_numel,
                        "shard_numel": f.shard_numel} for f in runtime.flats],
+            "frozen": [p.names[0] for f in runtime.flats for p in f.spec.params
+                       if not p.trainable],
             "optimizer": state,
             "files": {rank_file(r): {"size": sizes[r], "sha256": digests[r]}
                       for r in range(group.world_size)},
@@ -196,6 +199,7 @@ def load(engine, directory: str, tag: str | None) -> str:
         manifest = _read_manifest(folder)
         _check_units(manifest, engine)
         _check_param_groups(manifest, engine)
+        _check_unfrozen(manifest, engine)
         same_layout = manifest["world_size"] == group.world_size
         needed = [rank_file(group.rank)] if same_layout else list(manifest["files"])
         readers = _open_verified(folder, manifest, needed)
@@ -268,6 +272,25 @@ def _check_param_groups(manifest: dict, engine) -> None:
             f"the checkpoint's optimizer.param_groups match {saved}, this engine's {ours}: "
             f"each group's hyperparameters are restored to the group in the same place; "
             f"resume with the param_groups it was saved with")
+
+
+def _check_unfrozen(manifest: dict, engine) -> None:
+    """AdamW counts steps per unit here, per parameter in PyTorch. A parameter frozen when the
+    checkpoint was saved and trainable now would start its moments at its unit's count, where
+    PyTorch starts at 1; that is exact only in a unit that has taken no step (all of it was
+    frozen). Freezing more on resume is exact: the others go on counting as in PyTorch."""
+    saved = set(manifest.get("frozen", []))  # none before format 2
+    steps = manifest["optimizer"]["unit_steps"]
+    for flat in engine.runtime.flats:
+        unfrozen = [p.names[0] for p in flat.spec.params if p.trainable and p.names[0] in saved]
+        if unfrozen and steps[flat.spec.index] > 0:
+            raise CheckpointError(
+                f"{', '.join(unfrozen[:3])}{' ...' if len(unfrozen) > 3 else ''} of unit "
+                f"{flat.name} were frozen when the checkpoint was saved and are trainable now, "
+                f"but the unit has taken {int(steps[flat.spec.index])} steps: tiered counts "
+                f"AdamW steps per unit, so their moments would start at its count where "
+                f"PyTorch starts at 1. Unfreeze only units with no step taken (all frozen "
+                f"until now), or freeze as when saved")
 
 
 def _open_verified(folder: str, manifest: dict, names: list[str]) -> dict[str, Reader]:

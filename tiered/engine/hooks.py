@@ -17,15 +17,18 @@ backward: saved-tensor unpack -> the first use of a saved view in this backward 
                               release (see [Note: one gradient per unit] in flat.py)
           end callback     -> the iteration is over (its needs are the next trace); release
                               whatever is still gathered
+
 [Note: frozen units]
 A unit whose parameters are all frozen has no gradient, so no post-accumulate hook says when
 its backward is over; yet a gradient flowing through it to trainable parameters below gathers
-it again in backward (its input's gradient needs its weights). Its forward pre-hook passes the
-module's positional tensor inputs that require grad through an identity (``_AfterBackward``)
-whose backward runs once the gradients of those inputs are complete, i.e. once the unit's own
-backward is done: the unit is released then. Without such an input no gradient reaches it and
-it is not gathered in backward. A unit whose inputs come by keyword, or whose weights are
-read outside its module's call, is released at the end callback instead.
+it again in backward (its input's gradient needs its weights). Its forward pre-hook (also when
+activation checkpointing recomputes the forward inside backward) hooks the module's positional
+tensor inputs that require grad (``register_multi_grad_hook``): once their gradients are all
+computed, the unit's own backward is done, and the unit is released. Without such an input no
+gradient crosses the unit's own computation (its weights are not needed in backward). A unit
+whose inputs come by keyword or inside containers, or whose weights are read outside its
+module's call, is released at the end callback instead; one called twice in a forward is
+released after the later call's backward and gathered again for the earlier one's.
 
 Gathering on unpack, rather than from hooks on a unit's outputs, covers every path by which a
 gradient can reach a unit's weights (outputs hidden in dataclasses, auxiliary losses, activation
@@ -121,14 +124,11 @@ class UnitHooks:
             self.runtime.use(flat)
             flat.bind_views()
         self._started[flat.spec.index] = self.runtime.timeline.mark()
-        if flat.trainable or _in_backward_pass() or not torch.is_grad_enabled():
-            return None
-        wanted = [isinstance(a, torch.Tensor) and a.requires_grad for a in args]
-        if not any(wanted):
-            return None
-        passed = iter(_AfterBackward.apply(partial(self._frozen_backward_done, flat),
-                                           *(a for a, w in zip(args, wanted) if w)))
-        return tuple(next(passed) if w else a for a, w in zip(args, wanted))
+        if not flat.trainable and torch.is_grad_enabled():
+            inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+            if inputs:  # see [Note: frozen units]
+                torch.autograd.graph.register_multi_grad_hook(
+                    inputs, partial(self._frozen_backward_done, flat))
 
     def _post_forward(self, flat: FlatParam, module, args, output) -> None:
         self._saved_hooks.pop().__exit__(None, None, None)
@@ -165,7 +165,7 @@ class UnitHooks:
         self._span(flat, "backward")
         self.runtime.reduce_grad(flat)
 
-    def _frozen_backward_done(self, flat: FlatParam) -> None:
+    def _frozen_backward_done(self, flat: FlatParam, grads) -> None:
         """A unit without trainable parameters is through its backward: release it (see
         [Note: frozen units])."""
         self._span(flat, "backward")
@@ -188,21 +188,6 @@ class UnitHooks:
         self.runtime.end_iteration()
         self._used_in_backward.clear()
         self._in_backward = False
-
-
-class _AfterBackward(torch.autograd.Function):
-    """The identity on tensors, calling ``callback`` in backward once their gradients are all
-    computed (see [Note: frozen units])."""
-
-    @staticmethod
-    def forward(ctx, callback, *tensors):
-        ctx.callback = callback
-        return tuple(tensor.view_as(tensor) for tensor in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.callback()
-        return (None, *grads)
 
 
 def _cast_floating(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -16,8 +16,9 @@ from ..errors import PolicyError
 from ..policy import ParamGroupPolicy
 
 
-FROZEN = -1
-"""The group of frozen parameters (``requires_grad=False``): never stepped."""
+FROZEN = None
+"""The group of frozen parameters (``requires_grad=False``): never stepped. Not a number, so
+that code forgetting it fails instead of indexing the last group's values."""
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class GroupRange:
 
     start: int
     stop: int
-    group: int
+    group: int | None
 
 
 def group_of(names: tuple[str, ...], groups: tuple[ParamGroupPolicy, ...]) -> int:
@@ -49,7 +50,7 @@ def shard_ranges(flats, groups: tuple[ParamGroupPolicy, ...]) -> list[tuple[Grou
     matched = set()
     out = []
     for flat in flats:
-        runs: list[tuple[int, int, int]] = []  # (start, stop, group) in the padded flat
+        runs: list[tuple[int, int, int | None]] = []  # (start, stop, group) in the padded flat
         shard_start, shard_stop = flat.shard_range
         offset = 0
         for index, param in enumerate(flat.spec.params):

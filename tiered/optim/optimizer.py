@@ -75,9 +75,10 @@ class TieredAdamW(torch.optim.Optimizer):
     updates finished so far.
 
     A unit that received no gradient since ``zero_grad()`` is not stepped, as parameters with
-    ``grad=None`` are not in PyTorch; nor is a frozen parameter (``requires_grad=False``). Within a unit that did, a parameter the forward never used
-    has a zero gradient and is stepped (weight decay and momentum act on it), where PyTorch would
-    leave it alone; put such parameters in a unit of their own (``units.classes``) if it matters.
+    ``grad=None`` are not in PyTorch; nor is a frozen parameter (``requires_grad=False`` when
+    ``initialize`` ran). Within a unit that did, a parameter the forward never used has a zero
+    gradient and is stepped (weight decay and momentum act on it), where PyTorch would leave it
+    alone; put such parameters in a unit of their own (``units.classes``) if it matters.
     """
 
     def __init__(self, runtime, policy: Policy, scaler: LossScaler | None, norm_group,

@@ -90,7 +90,7 @@ class UnitStepper:
                 continue
             here = slice(start - piece.start, stop - piece.start)  # the piece's own buffers
             grad, new = grads[start:stop], weights[start:stop]
-            if part.group == FROZEN:
+            if part.group is FROZEN:
                 # Not stepped, but the weights are written whole: where they go through a
                 # staging buffer, it holds another unit's values here.
                 new.copy_(master[here])
