@@ -56,9 +56,12 @@ large)  # issue 4: 10.1 B parameters in 104 GiB of DRAM plus the disk (compact g
         --set '{"dram": {"budget": "104GiB", "spill": "nvme"}}' 2>&1 \
         | grep -v -e Warning -e _conversion | tee "$out/large.log" ;;
 cpu)  # issue 3: the CPU update alone, beside DMA, on huge pages; run twice: is the compile cached?
+    { lscpu | grep -E 'Model name|Socket|Core|Thread|NUMA|L3'
+      grep -H . /sys/kernel/mm/transparent_hugepage/{enabled,defrag,shmem_enabled}; } \
+        | tee "$out/cpu.log"  # the memory system the update runs on
     for run in 1 2; do
         python bench/bench_cpu_update.py 2>&1 | grep -v -e Warning -e _conversion
-    done | tee "$out/cpu.log" ;;
+    done | tee -a "$out/cpu.log" ;;
 clip)  # issue 3: clipping at batch 8; the norm is taken as gradients arrive (bench/RESULTS.md)
     python bench/bench_offload.py --batches 8 --steps 7 --warmup 3 --out "$out/clip.json" \
         --modes tiered:cpu+arrive,tiered:cpu+dpu --set '{"optimizer": {"max_grad_norm": 1.0}}' \
