@@ -6,8 +6,9 @@ The delayed update's step on the GPU box is as long as the CPU's AdamW pass (ben
 and its per-unit time rose from about 16 ms to 20+ ms while a host-to-device copy ran. This
 measures the one-pass kernel (tiered.optim.adamw, on a CPU worker with the engine's thread count)
 over ``--units`` shards of ``--unit-params`` parameters, bf16 gradients and weights:
-- on ordinary memory (4 KiB pages, as the DRAM tier allocates it) and on memory advised to use
-  transparent huge pages (2 MiB), each pinned as the tier pins it when CUDA is present;
+- on ordinary memory (as the DRAM tier allocates it by default: 4 KiB pages unless THP is
+  "always") and on memory advised to use transparent huge pages (2 MiB), each pinned as the
+  tier pins it when CUDA is present;
 - alone, and while another thread copies pinned memory to the GPU (as gathers do) or back (as
   gradients leave), at whatever rate the link gives.
 It prints the kernel's compile time first: run twice, the second shows whether inductor's disk
@@ -115,7 +116,7 @@ def main() -> None:
 
     rows = [["memory", "huge pages GiB", "beside", "ms per unit", "G params/s", "GB/s",
              "copy GB/s"]]
-    for label, huge_pages in [("4 KiB pages", False), ("huge pages", True)]:
+    for label, huge_pages in [("default pages", False), ("huge pages", True)]:
         source = PinnedSlabSource(huge_pages=huge_pages)
         units = [unit_states(source, numel) for _ in range(args.units)]
         # What the kernel really gave: the process's, but these units are nearly all of it.

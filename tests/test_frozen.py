@@ -12,6 +12,7 @@ import torch
 
 import tiered
 from distributed import run_ranks
+from gpt import GPT
 from test_parity import (MICRO, OPTIM, REPO, assert_parity, assert_parity_on_host, batches,
                          make_model, run_engine, train_torch)
 from tiered.engine.flat import Residency
@@ -134,7 +135,7 @@ def test_a_unit_with_nothing_to_train_is_released_after_its_backward(tmp_path):
     assert "blocks.0" not in gathered_at["<root>"]
 
 
-class CheckpointedGPT(type(make_model())):
+class CheckpointedGPT(GPT):
     """The GPT with each block under activation checkpointing."""
 
     use_reentrant = False
@@ -273,5 +274,44 @@ def test_resume_refuses_to_unfreeze_part_of_a_unit_that_stepped(tmp_path):
             engine.load_checkpoint(ckpt)
         untouched = engine.full_state_dict()  # nothing was loaded
         assert not torch.equal(untouched["blocks.1.fc.weight"], before["blocks.1.fc.weight"])
+    finally:
+        engine.close()
+
+
+def test_param_groups_with_frozen_parameters(tmp_path):
+    # A group of frozen parameters only is a right pattern, not one that "matches nothing";
+    # a group holding frozen and trainable ones steps only the trainable ones.
+    from test_param_groups import torch_groups
+
+    groups = [{"match": ["emb.weight"], "lr": 1.0}, {"match": ["blocks.1.*"], "lr": 3e-2}]
+    engine, optimizer = engine_for("cpu", str(tmp_path), param_groups=groups)
+    state = train(engine, optimizer)
+    engine.close()
+    model = frozen_model()
+    reference = torch.optim.AdamW(torch_groups(model, groups), fused=True, **OPTIM)
+    expected = train_torch(model, reference)
+    for name in expected:
+        assert torch.equal(state[name], expected[name]), name
+
+
+def test_a_kept_input_collects_no_hooks_across_steps():
+    # A frozen unit's input that is a leaf the caller keeps (a learned prompt): its hook of
+    # each forward goes at the backward's end, so each backward releases the unit once.
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    net[0].requires_grad_(False)
+    prompt = torch.randn(4, 8, requires_grad=True)
+    engine, optimizer = tiered.initialize(net, os.path.join(REPO, "configs", "cpu.yaml"),
+                                          compute_dtype="fp32", device="cpu", optimizer=OPTIM)
+    releases = []
+    done = engine.runtime.backward_done
+    engine.runtime.backward_done = lambda flat: (releases.append(flat.name), done(flat))
+    try:
+        for step in range(3):
+            releases.clear()
+            engine(prompt).square().sum().backward()
+            assert releases == ["0"], (step, releases)
+            optimizer.step()
+            optimizer.zero_grad()
     finally:
         engine.close()

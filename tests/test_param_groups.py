@@ -36,16 +36,16 @@ def train(engine, optimizer, rank: int = 0, world: int = 1, steps=None) -> dict:
     return run_engine(engine, optimizer, scheduler, slice(steps), rank, world)
 
 
-def torch_groups(model):
+def torch_groups(model, groups=GROUPS):
     """The same groups for torch.optim.AdamW, by the same first-match rule, in the same order."""
-    members = [[] for _ in range(1 + len(GROUPS))]
+    members = [[] for _ in range(1 + len(groups))]
     for name, param in model.named_parameters():
-        index = next((i for i, group in enumerate(GROUPS, start=1)
+        index = next((i for i, group in enumerate(groups, start=1)
                       if any(fnmatchcase(name, p) for p in group["match"])), 0)
         members[index].append(param)
     return [{"params": members[0]}] + [
         {"params": params, **{k: v for k, v in group.items() if k != "match"}}
-        for params, group in zip(members[1:], GROUPS)]
+        for params, group in zip(members[1:], groups)]
 
 
 def train_reference(max_grad_norm=None, device="cpu") -> dict:
@@ -126,14 +126,14 @@ def test_bf16_groups_step_each_run_with_its_own_values(policy, tmp_path):
     plain = run(None, str(tmp_path / "plain"))
     # A group with the optimizer's own values changes nothing, to the bit.
     same = run([{"match": ["*.bias", "*ln*"], **OPTIM}], str(tmp_path / "same"))
-    frozen = run([{"match": ["*.bias", "*ln*"], "lr": 0.0}], str(tmp_path / "frozen"))
+    zero_lr = run([{"match": ["*.bias", "*ln*"], "lr": 0.0}], str(tmp_path / "zero_lr"))
     for name in initial:
         assert torch.equal(same[name], plain[name]), name
         grouped = fnmatchcase(name, "*.bias") or fnmatchcase(name, "*ln*")
         if grouped:  # lr 0: AdamW leaves them as they were
-            assert torch.equal(frozen[name], initial[name]), name
+            assert torch.equal(zero_lr[name], initial[name]), name
         else:
-            assert not torch.equal(frozen[name], initial[name]), name
+            assert not torch.equal(zero_lr[name], initial[name]), name
 
 
 def test_a_group_that_matches_nothing_is_refused_before_anything_is_allocated(tmp_path):
@@ -223,6 +223,7 @@ def test_a_checkpoint_of_format_1_still_loads(tmp_path):
     assert manifest["format"] == 2
     manifest["format"] = 1
     del manifest["optimizer"]["group_hypers"], manifest["policy"]["optimizer"]["param_groups"]
+    del manifest["frozen"]
     with open(path, "w") as f:
         json.dump(manifest, f)
     engine, optimizer = engine_with_groups("cpu", str(tmp_path), groups=None)
@@ -230,5 +231,18 @@ def test_a_checkpoint_of_format_1_still_loads(tmp_path):
         engine.load_checkpoint(ckpt)
         state = engine.full_state_dict()
         assert all(torch.equal(state[name], expected[name]) for name in expected)
+    finally:
+        engine.close()
+
+
+def test_a_group_changed_after_the_last_backward_started_is_warned_of(tmp_path):
+    # Units stepped as their gradients arrive use the values from the last backward's start.
+    engine, optimizer = engine_with_groups("cpu", str(tmp_path), accumulation_steps=1)
+    try:
+        idx = batches()[0][0]
+        engine.backward(next_token_loss(engine(idx), idx))
+        optimizer.param_groups[2]["lr"] *= 2  # group 0 and 1 unchanged
+        with pytest.warns(UserWarning, match="param_groups changed after the step's last"):
+            optimizer.step()
     finally:
         engine.close()

@@ -1,5 +1,6 @@
 """Checkpoints: every tier's state saved per rank in parallel, atomically, and loaded back into
-any world size and any policy.
+any world size and any policy with the same param groups (see :func:`load` for what else a
+load checks).
 
 Layout of ``<dir>``::
 
@@ -187,9 +188,10 @@ def _fsync_dir(path: str) -> None:
 
 def load(engine, directory: str, tag: str | None) -> str:
     """Load the checkpoint ``tag`` (default: ``latest``) of ``directory`` into ``engine``, which
-    may have another world size or policy than the one that saved it; returns the tag. Every
-    rank must call it: each checks what it will read first, and if any rank cannot use the
-    checkpoint, every rank raises before anything is changed."""
+    may have another world size or policy than the one that saved it, but the same model, the
+    same ``optimizer.param_groups`` and no parameter unfrozen in a unit that has stepped;
+    returns the tag. Every rank must call it: each checks what it will read first, and if any
+    rank cannot use the checkpoint, every rank raises before anything is changed."""
     group = engine.runtime.group
     engine.runtime.worker.drain()  # a delayed update may still be writing the shards
     failure, readers = None, {}

@@ -42,7 +42,7 @@ class FlatParam:
         self.rank = rank
         self.world_size = world_size
         self.numels = [p.numel for p in spec.params]
-        self.trainable = any(p.trainable for p in spec.params)
+        self.has_trainable = any(p.trainable for p in spec.params)
         """Whether any of its parameters requires grad (else its backward gives no gradient)."""
         self.numel = sum(self.numels)
         self.padded_numel = -(-self.numel // world_size) * world_size

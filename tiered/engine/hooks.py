@@ -65,6 +65,9 @@ class UnitHooks:
         self._started: dict[int, object] = {}
         """Timeline marks of the units computing now (forward, or backward since first use)."""
         self._saved_hooks: list[torch.autograd.graph.saved_tensors_hooks] = []
+        self._input_hooks: list = []
+        """Handles of the frozen units' input hooks since the last backward ended: removed
+        then, or a leaf input the caller keeps across iterations would collect one a step."""
         self._whole_forward = [flat for flat in runtime.flats if flat.spec.whole_forward]
         self._handles = [
             model.register_forward_pre_hook(self._start_forward, with_kwargs=True),
@@ -124,11 +127,11 @@ class UnitHooks:
             self.runtime.use(flat)
             flat.bind_views()
         self._started[flat.spec.index] = self.runtime.timeline.mark()
-        if not flat.trainable and torch.is_grad_enabled():
+        if not flat.has_trainable and torch.is_grad_enabled():
             inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
             if inputs:  # see [Note: frozen units]
-                torch.autograd.graph.register_multi_grad_hook(
-                    inputs, partial(self._frozen_backward_done, flat))
+                self._input_hooks.append(torch.autograd.graph.register_multi_grad_hook(
+                    inputs, partial(self._frozen_backward_done, flat)))
 
     def _post_forward(self, flat: FlatParam, module, args, output) -> None:
         self._saved_hooks.pop().__exit__(None, None, None)
@@ -188,6 +191,9 @@ class UnitHooks:
         self.runtime.end_iteration()
         self._used_in_backward.clear()
         self._in_backward = False
+        for handle in self._input_hooks:
+            handle.remove()
+        self._input_hooks.clear()
 
 
 def _cast_floating(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

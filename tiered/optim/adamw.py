@@ -115,9 +115,11 @@ class OnePassAdamW:
         # (not 2.13) imports torch: seconds per child with a CUDA build, in every process.
         # This skips 3 of the 6 children a cold compile starts on the development machine
         # (the checks of extensions such as AVX512-BF16 still run); the cold compile there
-        # fell from 10 s to 5.5 s. Inductor caches the answers for the process, so later
-        # compiles trust them too (as torch's own internal builds always do). A compiler
-        # unable to build them fails the compile, and step() falls back.
+        # fell from 10 s to 5.5 s. Inductor caches some answers for the process (the
+        # AVX512 family's), so later compiles may trust them too, as torch's own internal
+        # builds always do. A compiler unable to build an instruction set the CPU lists fails
+        # this compile, and step() falls back to fused AdamW for the run, where inductor would
+        # have chosen a lesser instruction set.
         with inductor_config.patch({"cpp.vec_isa_ok": True}):
             for numel in (WARM_UP_NUMEL, 1):
                 self.step(torch.zeros(numel), torch.zeros(numel, dtype=grad_dtype),
