@@ -158,3 +158,25 @@ def test_tied_layers_are_not_tiled():
     engine, _ = tiered.initialize(model, cpu_policy(tiling={"max_unit_bytes": 4096}))
     assert type(model.head) is nn.Linear
     engine.close()
+
+
+@pytest.mark.parametrize("refusal", ["budget", "param group"])
+def test_a_refused_model_is_handed_back_untiled(refusal):
+    # initialize() tiles the wide layer first; when it then refuses the model, the model must
+    # come back as it was, and train under a policy that fits.
+    model = make_wide()
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    tiling = {"max_unit_bytes": 256 * 1024 * 4 // 32}
+    refused = (cpu_policy(tiling=tiling, hbm={"budget": 4096}) if refusal == "budget" else
+               cpu_policy(tiling=tiling).replace(optimizer={"param_groups": [{"match": "x"}]}))
+    with pytest.raises((tiered.BudgetError, tiered.PolicyError)):
+        tiered.initialize(model, refused)
+    assert type(model.wide) is nn.Linear
+    after = model.state_dict()
+    assert list(after) == list(before)
+    assert all(torch.equal(after[name], before[name]) for name in before)
+    engine, optimizer = tiered.initialize(model, cpu_policy(tiling=tiling))
+    assert isinstance(model.wide, tiered.TiledLinear)
+    engine(torch.randn(2, 32)).sum().backward()
+    optimizer.step()
+    engine.close()

@@ -15,7 +15,7 @@ from torch import nn
 from ..checkpoint import checkpoint, export
 from ..errors import PolicyError, TieredError
 from ..manager import TierManager
-from ..ops.tiled_linear import merge_tiles, tile_large_linears
+from ..ops.tiled_linear import merge_tiles, tile_large_linears, untile
 from ..optim import TieredAdamW
 from ..optim.adamw import one_pass_for
 from ..optim.groups import shard_ranges
@@ -198,19 +198,19 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
     timeline = _timeline(policy, device, group)
 
     state_dict_keys = list(model.state_dict().keys())
-    if policy.tiling.max_unit_bytes is not None:
-        tile_large_linears(model, policy.tiling.max_unit_bytes,
-                           policy.compute_dtype.torch_dtype.itemsize)
-    specs = find_units(model, policy.units.classes, policy.units.split_large)
-    if not specs:
-        raise TieredError("the model has no parameters to train")
-    flats = [FlatParam(spec, group.rank, group.world_size, policy.compute_dtype.torch_dtype,
-                       device) for spec in specs]
-    ranges = shard_ranges(flats, policy.optimizer.param_groups)  # a group matching nothing fails
-    manager = TierManager(policy, device, group.rank, dram_source, _ranks_on_this_node(group),
-                          group.smallest)
-    worker = None
+    tiled = (tile_large_linears(model, policy.tiling.max_unit_bytes,
+                                policy.compute_dtype.torch_dtype.itemsize)
+             if policy.tiling.max_unit_bytes is not None else [])
+    manager = worker = None
     try:
+        specs = find_units(model, policy.units.classes, policy.units.split_large)
+        if not specs:
+            raise TieredError("the model has no parameters to train")
+        flats = [FlatParam(spec, group.rank, group.world_size,
+                           policy.compute_dtype.torch_dtype, device) for spec in specs]
+        ranges = shard_ranges(flats, policy.optimizer.param_groups)  # one matching nothing fails
+        manager = TierManager(policy, device, group.rank, dram_source,
+                              _ranks_on_this_node(group), group.smallest)
         # Units gathered through the whole forward are gathered as long as the root is.
         paths = ["" if f.spec.whole_forward else f.spec.path for f in flats]
         plan = build_plan(policy, device, [f.shard_numel for f in flats],
@@ -243,8 +243,10 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
     except BaseException:
         if worker is not None:
             worker.close()
-        manager.close()
+        if manager is not None:
+            manager.close()
         timeline.close()  # its setup spans show how far initialize got
+        untile(tiled)  # a refused model goes back as it came (the tiles only viewed its layers)
         raise
     _managed.add(model)
     if os.environ.get(LAUNCHED_ENV):

@@ -168,10 +168,15 @@ def merge_tiles(model: nn.Module, state: dict) -> None:
         merge_layer_tiles(module, state, prefix)
 
 
-def tile_large_linears(model: nn.Module, max_bytes: int, itemsize: int) -> list[str]:
+Replaced = list[tuple[nn.Module, str, nn.Linear]]
+"""What tile_large_linears replaced: (parent module, attribute, the original layer)."""
+
+
+def tile_large_linears(model: nn.Module, max_bytes: int, itemsize: int) -> Replaced:
     """Replace each ``nn.Linear`` whose weight is over ``max_bytes`` (at ``itemsize`` bytes an
-    element) by a ``TiledLinear``; returns the replaced modules' paths. A layer whose weight is
-    shared with another module (tied embeddings) is left whole: tiles cannot share it."""
+    element) by a ``TiledLinear`` whose tiles view its weight; returns what it replaced, for
+    :func:`untile`. A layer whose weight is shared with another module (tied embeddings) is left
+    whole: tiles cannot share it."""
     held = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         held[id(param)] = held.get(id(param), 0) + 1
@@ -183,5 +188,11 @@ def tile_large_linears(model: nn.Module, max_bytes: int, itemsize: int) -> list[
                 in_splits, out_splits = tile_shape(child.out_features, child.in_features,
                                                    itemsize, max_bytes)
                 setattr(module, name, TiledLinear.from_linear(child, in_splits, out_splits))
-                replaced.append(f"{path}.{name}" if path else name)
+                replaced.append((module, name, child))
     return replaced
+
+
+def untile(replaced: Replaced) -> None:
+    """Put the original layers back (they kept their weights: the tiles only viewed them)."""
+    for module, name, linear in replaced:
+        setattr(module, name, linear)
