@@ -5,12 +5,14 @@ setup went, and per training iteration how long each track was busy with each ki
 
 An iteration starts at each forward of the unit the run's first forward computes; the first
 ``--skip`` iterations (warm-up, compiling) are left out. Busy time is the sum of the spans, so
-a track at 100% of the iteration is what limits the step.
+a track at 100% of the iteration is what limits the step. Last comes the CPU update's rate, from
+its AdamW spans (each says how many parameters it stepped).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from collections import defaultdict
 
 from tiered.report import format_table
@@ -45,6 +47,14 @@ def summarize(events: list[dict], skip: int) -> str:
     rows += [(track, kind, f"{ms:.1f}", f"{100 * ms / per_iteration_ms:.0f}")
              for (track, kind), ms in sorted(busy.items(), key=lambda item: -item[1])]
     lines.append(format_table(rows))
+    steps = [e for e in work if e["ts"] >= begin and e["name"].startswith("adamw ")
+             and "params" in e.get("args", {})]
+    if steps:  # the CPU update's own rate: what a step that waits for it is made of
+        ms = sorted(e["dur"] / 1e3 for e in steps)
+        rate = sum(e["args"]["params"] for e in steps) / sum(ms) / 1e6
+        lines.append(f"adamw: {len(steps) / iterations:.0f} pieces per iteration, "
+                     f"{ms[len(ms) // 10]:.1f} / {statistics.median(ms):.1f} / "
+                     f"{ms[len(ms) * 9 // 10]:.1f} ms (p10 / median / p90), {rate:.2f} G params/s")
     return "\n".join(lines)
 
 

@@ -48,6 +48,11 @@ def test_trace_has_compute_transfers_nvme_and_cpu_work(tmp_path, monkeypatch):
     assert summary[0].startswith("setup: compile one-pass AdamW") and "build units" in summary[0]
     assert summary[1].startswith("4 iterations after the first 2:")
     assert any(line.split()[:2] == ["tiered-cpu-worker", "adamw"] for line in summary[3:])
+    # Every AdamW span says what it stepped: each step covers every unit's shard, in pieces.
+    shards = sum(flat.shard_numel for flat in engine.runtime.flats)
+    stepped = sum(e["args"]["params"] for e in events if e["name"].startswith("adamw "))
+    assert stepped == 3 * shards
+    assert summary[-1].startswith("adamw: ") and summary[-1].endswith("G params/s")
 
 
 def test_no_trace_without_a_path(tmp_path, monkeypatch):

@@ -61,8 +61,8 @@ class Timeline:
         return cls(path, device)
 
     @contextlib.contextmanager
-    def span(self, name: str, category: str):
-        """Time the body on this thread's track."""
+    def span(self, name: str, category: str, args: dict | None = None):
+        """Time the body on this thread's track; ``args`` (plain values) go with the span."""
         if not self.enabled:
             yield
             return
@@ -71,7 +71,7 @@ class Timeline:
             yield
         finally:
             self._add(name, category, threading.current_thread().name, start - self._t0,
-                      time.perf_counter_ns() - start)
+                      time.perf_counter_ns() - start, args)
 
     def mark(self):
         """A point in time: a timing event on the current stream when tracing a GPU, else the
@@ -122,7 +122,11 @@ class Timeline:
             json.dump({"traceEvents": self._events, "displayTimeUnit": "ms"}, f)
         self.enabled = False
 
-    def _add(self, name: str, category: str, track: str, offset_ns: int, length_ns: int) -> None:
+    def _add(self, name: str, category: str, track: str, offset_ns: int, length_ns: int,
+             args: dict | None = None) -> None:
+        event = {"name": name, "cat": category, "ph": "X", "pid": os.getpid(), "tid": track,
+                 "ts": offset_ns / 1e3, "dur": length_ns / 1e3}
+        if args:
+            event["args"] = args
         with self._lock:
-            self._events.append({"name": name, "cat": category, "ph": "X", "pid": os.getpid(),
-                                 "tid": track, "ts": offset_ns / 1e3, "dur": length_ns / 1e3})
+            self._events.append(event)

@@ -50,7 +50,8 @@ class UnitStepper:
         def step_piece(piece: Piece, master, exp_avg, exp_avg_sq) -> None:
             if piece.start == 0:
                 self.steps[piece.unit] += 1
-            with self.timeline.span(f"adamw {self.names[piece.unit]}", "cpu"):
+            with self.timeline.span(f"adamw {self.names[piece.unit]}", "cpu",
+                                    {"params": piece.numel}):
                 self._kernel(piece, master, exp_avg, exp_avg_sq, hypers, divisor,
                              divisor_tensor, kind)
 
