@@ -225,14 +225,19 @@ class TierManager:
                               f"accumulation_steps: 1 allows) and cannot hold a {dtype} gradient")
         return grad.view(torch.uint8)[:grad.numel() * dtype.itemsize].view(dtype)
 
+    def param_in_place(self, unit: int, kind: StateKind, cpu_only: bool) -> bool:
+        """Whether new weights of ``kind`` are written into the resident shard itself (when
+        ``cpu_only``, only one in DRAM), not through the "param_out" staging buffer."""
+        resident = self.shards[(unit, kind)].resident
+        return resident is not None and (resident.device.type == "cpu" or not cpu_only)
+
     def param_target(self, unit: int, kind: StateKind, cpu_only: bool) -> torch.Tensor:
         """Where new weights of ``kind`` may be written in place: the resident shard itself
-        (when ``cpu_only``, only if it is in DRAM), or the "param_out" staging buffer for
-        weights bound for NVMe, or for HBM from the CPU (then :meth:`store` moves them)."""
+        (see :meth:`param_in_place`), or the "param_out" staging buffer for weights bound for
+        NVMe, or for HBM from the CPU (then :meth:`store` moves them)."""
         shard = self.shards[(unit, kind)]
-        resident = shard.resident
-        if resident is not None and (resident.device.type == "cpu" or not cpu_only):
-            return resident
+        if self.param_in_place(unit, kind, cpu_only):
+            return shard.resident
         return _typed(self._staging["param_out"], shard.numel, shard.dtype)
 
     def grad_device(self) -> torch.device:

@@ -272,7 +272,9 @@ def _partition(flat: FlatParam, materializer: Materializer, manager: TierManager
     group.broadcast(full)
     shard = flat.own_shard(full)
     manager.store(index, StateKind.MASTER, shard)
-    manager.store(index, StateKind.PARAM, shard)
+    for kind in (StateKind.PARAM, StateKind.PARAM_NEXT):  # both of the delayed update's
+        if (index, kind) in manager.shards:
+            manager.store(index, kind, shard)
     del full, shard
     for param in flat.spec.params:
         for module, attr in param.holders:

@@ -83,6 +83,9 @@ class UnitStepper:
                 kind: StateKind) -> None:
         grads = self.grads.read(piece.unit)
         weights = self._weights(piece.unit, kind)
+        # Frozen runs are never stepped, and weights written in place keep them; a staging
+        # buffer holds another unit's values there, so they are filled from the masters.
+        fill_frozen = not self.manager.param_in_place(piece.unit, kind, self._cpu_only)
         step = self.steps[piece.unit]
         end = piece.start + piece.numel
         for part in self.ranges[piece.unit]:
@@ -92,9 +95,8 @@ class UnitStepper:
             here = slice(start - piece.start, stop - piece.start)  # the piece's own buffers
             grad, new = grads[start:stop], weights[start:stop]
             if part.group is FROZEN:
-                # Not stepped, but the weights are written whole: where they go through a
-                # staging buffer, it holds another unit's values here.
-                new.copy_(master[here])
+                if fill_frozen:
+                    new.copy_(master[here])
                 continue
             hyper = hypers[part.group]
             if self.one_pass is not None:
@@ -107,4 +109,9 @@ class UnitStepper:
 
     def _weights(self, unit: int, kind: StateKind) -> torch.Tensor:
         """Where this unit's new weights are written (then stored to their tier)."""
-        return self.manager.param_target(unit, kind, cpu_only=self.one_pass is not None)
+        return self.manager.param_target(unit, kind, self._cpu_only)
+
+    @property
+    def _cpu_only(self) -> bool:
+        """The one-pass kernel writes the new weights on the CPU only."""
+        return self.one_pass is not None
