@@ -64,9 +64,8 @@ class PinnedSlabSource:
 
     @staticmethod
     def _plain(nbytes: int) -> torch.Tensor:
-        raw = torch.empty(nbytes + BLOCK_ALIGN, dtype=torch.uint8)
-        skew = (-raw.data_ptr()) % BLOCK_ALIGN
-        return raw[skew:skew + nbytes]
+        return _aligned(torch.empty(nbytes + BLOCK_ALIGN, dtype=torch.uint8), nbytes,
+                        BLOCK_ALIGN)
 
     @staticmethod
     def _huge(nbytes: int) -> torch.Tensor:
@@ -77,13 +76,19 @@ class PinnedSlabSource:
             mapping.madvise(mmap.MADV_HUGEPAGE)
         except OSError:  # a kernel built without them (EINVAL): warned of at construction
             pass
-        raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds a reference to the mapping
-        skew = (-raw.data_ptr()) % HUGE_PAGE
-        return raw[skew:skew + nbytes]
+        # frombuffer's tensor holds a reference to the mapping.
+        return _aligned(torch.frombuffer(mapping, dtype=torch.uint8), nbytes, HUGE_PAGE)
 
     def release(self, slab: torch.Tensor) -> None:
         if self.pin:
             torch.cuda.cudart().cudaHostUnregister(slab.data_ptr())
+
+
+def _aligned(raw: torch.Tensor, nbytes: int, alignment: int) -> torch.Tensor:
+    """The first ``nbytes`` of ``raw`` (which has ``alignment`` bytes to spare) that start on a
+    multiple of ``alignment``."""
+    skew = (-raw.data_ptr()) % alignment
+    return raw[skew:skew + nbytes]
 
 
 THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
