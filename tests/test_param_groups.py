@@ -220,7 +220,7 @@ def test_a_checkpoint_of_format_1_still_loads(tmp_path):
     path = os.path.join(ckpt, "old", "manifest.json")
     with open(path) as f:
         manifest = json.load(f)
-    assert manifest["format"] == 2
+    assert manifest["format"] == 3
     manifest["format"] = 1
     del manifest["optimizer"]["group_hypers"], manifest["policy"]["optimizer"]["param_groups"]
     del manifest["frozen"]

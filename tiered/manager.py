@@ -152,8 +152,15 @@ class TierManager:
             shard.file.start_read(block, offset, nbytes).wait()
             yield start, _typed(block, numel, shard.dtype)
 
+    def has(self, unit: int, kind: StateKind) -> bool:
+        """Whether the unit has this state (a frozen unit has its weights only: see
+        plan.unit_state_kinds)."""
+        return (unit, kind) in self.shards
+
     def nvme_file(self, unit: int, kind: StateKind) -> NvmeShard | None:
-        return self.shards[(unit, kind)].file
+        """The state's extent, or None when it is resident (or the unit has no such state)."""
+        shard = self.shards.get((unit, kind))
+        return shard.file if shard is not None else None
 
     def staging_block(self, name: str) -> torch.Tensor:
         return self._staging[name]
@@ -241,8 +248,7 @@ class TierManager:
         return _typed(self._staging["param_out"], shard.numel, shard.dtype)
 
     def grad_device(self) -> torch.device:
-        return next(s.resident.device for (_, kind), s in self.shards.items()
-                    if kind is StateKind.GRAD)
+        return self.hbm.device if self.policy.grads.tier is Tier.HBM else torch.device("cpu")
 
     def swap_params(self, unit: int) -> None:
         """The delayed update's next weights of ``unit`` become its current ones (and the old

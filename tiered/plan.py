@@ -48,6 +48,23 @@ def state_kinds(policy: Policy) -> list[StateKind]:
     return kinds
 
 
+def unit_state_kinds(policy: Policy, trainable: bool,
+                     param_dtypes: list[torch.dtype]) -> list[StateKind]:
+    """The states one unit's shard has. A unit whose parameters are all frozen gets no gradient
+    and is never stepped, so it keeps its weights alone: no gradient, moments or delayed-update
+    buffer, and fp32 master weights only where the compute dtype rounds its parameters (fp32
+    parameters computed in bf16), so that ``full_state_dict``, exports and checkpoints still
+    give them back exactly. A bf16 model fine-tuned in bf16 keeps 2 bytes per frozen parameter
+    where a trained one needs 16 to 20."""
+    kinds = state_kinds(policy)
+    if trainable:
+        return kinds
+    compute = policy.compute_dtype.torch_dtype
+    exact = compute is torch.float32 or all(dtype is compute for dtype in param_dtypes)
+    keep = {StateKind.PARAM} if exact else {StateKind.PARAM, StateKind.MASTER}
+    return [kind for kind in kinds if kind in keep]
+
+
 def optimizer_device(policy: Policy, device: torch.device) -> torch.device:
     """Where the optimizer steps: the compute ``device`` when its states are in HBM, else the
     CPU."""
@@ -258,13 +275,17 @@ def _plan(policy: Policy, device: torch.device, placement: Placement, full_numel
 
 def build_plan(policy: Policy, device: torch.device, shard_numels: list[int],
                full_numels: list[int], unit_paths: list[str], world_size: int,
-               dram_available: int | None = None) -> MemoryPlan:
-    """The plan of ``policy``; with ``dram.spill: nvme``, states placed in DRAM move to NVMe
+               dram_available: int | None = None,
+               unit_kinds: list[list[StateKind]] | None = None) -> MemoryPlan:
+    """The plan of ``policy``; ``unit_kinds``: the states of each unit (unit_state_kinds), by
+    default all of the policy's. With ``dram.spill: nvme``, states placed in DRAM move to NVMe
     until what stays fits ``dram_available``: the optimizer states of the largest units first
     (read and written once per step), then their weights (read twice per step), never the
     gradients. Staging buffers for what moved are counted as it moves."""
+    if unit_kinds is None:
+        unit_kinds = [state_kinds(policy)] * len(shard_numels)
     tiers = {(unit, kind): state_tier(policy, kind)
-             for unit in range(len(shard_numels)) for kind in state_kinds(policy)}
+             for unit, kinds in enumerate(unit_kinds) for kind in kinds}
     placement = Placement(tiers, shard_numels)
     plan = _plan(policy, device, placement, full_numels, unit_paths, world_size)
     if policy.dram.spill is not Tier.NVME or dram_available is None:
@@ -275,7 +296,8 @@ def build_plan(policy: Policy, device: torch.device, shard_numels: list[int],
         for unit in by_size:
             if plan.needed(Tier.DRAM) <= dram_available:
                 return plan
-            if kinds and all(placement.tiers[(unit, k)] is Tier.DRAM for k in kinds):
-                placement = placement.moved(unit, kinds, Tier.NVME)
+            present = tuple(k for k in kinds if (unit, k) in placement.tiers)
+            if present and all(placement.tiers[(unit, k)] is Tier.DRAM for k in present):
+                placement = placement.moved(unit, present, Tier.NVME)
                 plan = _plan(policy, device, placement, full_numels, unit_paths, world_size)
     return plan

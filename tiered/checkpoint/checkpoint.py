@@ -8,7 +8,8 @@ Layout of ``<dir>``::
                                    sha256
     <tag>/rank00000.safetensors    one per rank: for each unit, its shard of the fp32 master
                                    weights and both Adam moments (and, with a delayed update
-                                   pending, its current compute-dtype weights); its RNG states
+                                   pending, its current compute-dtype weights; a frozen unit's
+                                   weights alone where it keeps no masters); its RNG states
     latest                         the newest complete tag
 
 [Note: atomic checkpoints]
@@ -39,10 +40,12 @@ from .. import __version__
 from ..plan import OPTIMIZER_STATES, StateKind, state_kinds
 from .format import CheckpointError, Entry, Reader, Writer, file_digest
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """2 added ``optimizer.group_hypers`` (the hyperparameters of each param group after group 0)
-and ``frozen`` (the names of the frozen parameters)."""
-READABLE_FORMATS = (1, 2)
+and ``frozen`` (the names of the frozen parameters). 3: a unit of frozen parameters only has
+no moments, and where it keeps no fp32 masters its compute-dtype weights are saved instead
+(plan.unit_state_kinds)."""
+READABLE_FORMATS = (1, 2, 3)
 MANIFEST = "manifest.json"
 LATEST = "latest"
 
@@ -114,9 +117,12 @@ def _write_rank(engine, path: str, pending: set[int]) -> tuple[int, str]:
     for flat in flats:
         unit = flat.spec.index
         for kind in OPTIMIZER_STATES:
-            entries.append(Entry(f"unit{unit}.{kind.value}", torch.float32, (flat.shard_numel,)))
-            sources.append((unit, kind))
-        if unit in pending:
+            if manager.has(unit, kind):
+                entries.append(Entry(f"unit{unit}.{kind.value}", torch.float32,
+                                     (flat.shard_numel,)))
+                sources.append((unit, kind))
+        # The weights too where they differ from the masters, or are all a frozen unit has.
+        if unit in pending or not manager.has(unit, StateKind.MASTER):
             entries.append(Entry(f"unit{unit}.param", compute, (flat.shard_numel,)))
             sources.append((unit, StateKind.PARAM))
     rng = _rng_states(engine.device)
@@ -338,13 +344,34 @@ def _plan_reads(engine, manifest: dict, readers: dict[str, Reader],
     pending = manifest["optimizer"]["pending"]
     swap = (set(pending["written"]) if pending and same_layout
             and engine.policy.optimizer.delayed_update.enabled else set())
+    manager = engine.manager
+    saved_names = next(iter(readers.values())).entries  # every rank saved the same names
     reads = {}
     for flat, saved in zip(engine.runtime.flats, manifest["units"]):
         unit = flat.spec.index
-        kinds = list(OPTIMIZER_STATES) + ([StateKind.PARAM] if unit in swap else [])
-        for kind in kinds:
-            reads[(unit, kind)] = _read_plan(readers, saved, f"unit{unit}.{kind.value}",
-                                             *flat.shard_range, any_float=kind is StateKind.PARAM)
+
+        def read(kind: StateKind) -> Read:
+            name = f"unit{unit}.{kind.value}"
+            return _read_plan(readers, saved, name, *flat.shard_range,
+                              any_float=kind is StateKind.PARAM)
+
+        # A frozen unit was saved without moments, and with its weights where it kept no
+        # masters; trainable now, it has taken no step (_check_unfrozen): its moments are zeros.
+        for kind in OPTIMIZER_STATES:
+            if not manager.has(unit, kind):
+                continue
+            if f"unit{unit}.{kind.value}" in saved_names:
+                reads[(unit, kind)] = read(kind)
+            elif kind is StateKind.MASTER:
+                reads[(unit, kind)] = read(StateKind.PARAM)
+            else:
+                reads[(unit, kind)] = Read(f"unit{unit}.{kind.value}", torch.float32,
+                                           flat.shard_numel, ())
+        if unit in swap and manager.has(unit, StateKind.PARAM_NEXT):
+            reads[(unit, StateKind.PARAM)] = read(StateKind.PARAM)
+        elif not manager.has(unit, StateKind.MASTER):  # weights alone: from the masters if saved
+            master = f"unit{unit}.{StateKind.MASTER.value}" in saved_names
+            reads[(unit, StateKind.PARAM)] = read(StateKind.MASTER if master else StateKind.PARAM)
     if same_layout:
         reader = readers[rank_file(engine.runtime.group.rank)]
         for name in ("rng.cpu", "rng.cuda"):
@@ -390,16 +417,21 @@ def _load_states(engine, manifest: dict, reads: dict[tuple[int, StateKind], Read
         unit = flat.spec.index
         masters = None
         for kind in OPTIMIZER_STATES:
-            values = reads[(unit, kind)].fetch()
-            manager.store(unit, kind, values)
-            masters = values if kind is StateKind.MASTER else masters
-        if (unit, StateKind.PARAM) in reads:  # a delayed update pending: keep its two weights
-            manager.store(unit, StateKind.PARAM, reads[(unit, StateKind.PARAM)].fetch())
+            if (unit, kind) in reads:
+                values = reads[(unit, kind)].fetch()
+                manager.store(unit, kind, values)
+                masters = values if kind is StateKind.MASTER else masters
+        weights_read = reads.get((unit, StateKind.PARAM))
+        if weights_read is not None and masters is not None:
+            # A delayed update pending: keep its two weights.
+            manager.store(unit, StateKind.PARAM, weights_read.fetch())
             manager.store(unit, StateKind.PARAM_NEXT, masters)
             swapping.add(unit)
         else:
+            values = masters if masters is not None else weights_read.fetch()
             for kind in weights:
-                manager.store(unit, kind, masters)
+                if manager.has(unit, kind):
+                    manager.store(unit, kind, values)
     pending = state["pending"]
     if pending is not None and set(pending["written"]) != swapping:
         # The weights were rebuilt from the master weights: nothing is left to swap to, but the

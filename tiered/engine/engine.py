@@ -21,7 +21,8 @@ from ..optim.adamw import one_pass_for
 from ..optim.groups import shard_ranges
 from ..optim.loss_scale import LossScaler
 from ..optim.workers import CpuWorker, optimizer_threads
-from ..plan import StateKind, build_plan, grad_dtypes, optimizer_device, state_kinds
+from ..plan import (StateKind, build_plan, grad_dtypes, optimizer_device, state_kinds,
+                    unit_state_kinds)
 from ..policy import ComputeDtype, Device, Policy, Tier, resolve
 from ..tiers import SlabSource
 from ..timeline import Timeline
@@ -104,7 +105,9 @@ class TieredEngine:
     def placement(self) -> dict[str, dict[str, str]]:
         """For every unit (by module path, "<root>" for the root): the tier of each state."""
         return {flat.name: {kind.value: self.manager.tier_of(flat.spec.index, kind).value
-                            for kind in state_kinds(self.policy)} for flat in self.runtime.flats}
+                            for kind in state_kinds(self.policy)
+                            if self.manager.has(flat.spec.index, kind)}
+                for flat in self.runtime.flats}
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -118,8 +121,8 @@ class TieredEngine:
         return {key: values[key] for key in self._state_dict_keys}
 
     def consolidated_units(self):
-        """Each unit's fp32 master weights gathered from every rank, one unit at a time, as a
-        CPU tensor on every rank (the device copy is counted against the HBM budget while it
+        """Each unit's fp32 master weights (a frozen unit's weights, where it keeps no masters)
+        gathered from every rank, one unit at a time, as a CPU tensor on every rank (the device copy is counted against the HBM budget while it
         exists), after any pending update. Every rank must iterate to the end: each unit is a
         collective."""
         self.optimizer.synchronize()
@@ -130,7 +133,10 @@ class TieredEngine:
             try:
                 full = torch.empty(flat.padded_numel, dtype=torch.float32, device=group.device)
                 mine = flat.own_shard(full)
-                self.manager.copy_out(flat.spec.index, StateKind.MASTER, mine)
+                index = flat.spec.index
+                kind = StateKind.MASTER if self.manager.has(index, StateKind.MASTER) \
+                    else StateKind.PARAM
+                self.manager.copy_out(index, kind, mine)
                 group.all_gather(full, mine)
                 host = full.cpu()
                 del full, mine
@@ -213,9 +219,11 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
                               _ranks_on_this_node(group), group.smallest)
         # Units gathered through the whole forward are gathered as long as the root is.
         paths = ["" if f.spec.whole_forward else f.spec.path for f in flats]
+        kinds = [unit_state_kinds(policy, f.has_trainable, [p.dtype for p in f.spec.params])
+                 for f in flats]
         plan = build_plan(policy, device, [f.shard_numel for f in flats],
-                          [f.padded_numel for f in flats], paths,
-                          group.world_size, dram_available=manager.available()[Tier.DRAM])
+                          [f.padded_numel for f in flats], paths, group.world_size,
+                          dram_available=manager.available()[Tier.DRAM], unit_kinds=kinds)
         worker = CpuWorker(optimizer_threads(policy.cpu.optimizer_threads,
                                              drives_gpu=device.type == "cuda"))
         plan.check(manager.available())  # before paying for a compile the budget forbids
@@ -271,9 +279,9 @@ def _partition(flat: FlatParam, materializer: Materializer, manager: TierManager
     flat.flatten(materializer.values(flat.spec), full)
     group.broadcast(full)
     shard = flat.own_shard(full)
-    manager.store(index, StateKind.MASTER, shard)
-    for kind in (StateKind.PARAM, StateKind.PARAM_NEXT):  # both of the delayed update's
-        if (index, kind) in manager.shards:
+    # PARAM_NEXT too: the delayed update's two weights both start as the model's.
+    for kind in (StateKind.MASTER, StateKind.PARAM, StateKind.PARAM_NEXT):
+        if manager.has(index, kind):
             manager.store(index, kind, shard)
     del full, shard
     for param in flat.spec.params:

@@ -319,13 +319,15 @@ class GradientPath:
         they become zeros in the buffer's dtype, counted as gradients, as in PyTorch. Done by the
         worker, after whatever update may still read them."""
         self.worker.submit(partial(self._zero, set_to_none))
-        self.has_grad = [not set_to_none] * len(self.flats)
+        # A frozen unit has no gradient buffer (plan.unit_state_kinds) and is never stepped.
+        self.has_grad = [not set_to_none and flat.has_trainable for flat in self.flats]
 
     def _zero(self, set_to_none: bool) -> None:
         self.arrival_order = []
         with self._changed:
             # A TAKEN buffer is a backward's after this zero_grad: leave it alone.
-            units = [i for i, state in enumerate(self._buffers) if state is not BufferState.TAKEN]
+            units = [i for i, state in enumerate(self._buffers)
+                     if state is not BufferState.TAKEN and self.flats[i].has_trainable]
         for index in units:
             if set_to_none:
                 self.dtype[index] = None

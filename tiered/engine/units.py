@@ -35,6 +35,8 @@ class ParamSpec:
     holders: tuple[tuple[nn.Module, str], ...]
     """Every (module, attribute) that refers to it; all are rebound when the unit is gathered."""
     shape: torch.Size
+    dtype: torch.dtype
+    """The dtype the model gave it: whether the compute dtype holds its values exactly."""
     trainable: bool = True
     """``requires_grad``: a frozen parameter is bound as a detached view (autograd computes
     no gradient for it) and is never stepped."""
@@ -133,7 +135,7 @@ def find_units(model: nn.Module, classes: tuple[str, ...] | None,
         owned[owner].append(ParamSpec(
             names=names,
             holders=tuple((modules[p], a) for p, a in places),
-            shape=param.shape, trainable=param.requires_grad))
+            shape=param.shape, dtype=param.dtype, trainable=param.requires_grad))
 
     order = {path: i for i, path in enumerate(modules)}
     specs = [path for path in sorted(candidates, key=order.__getitem__) if path] + [""]

@@ -1,0 +1,171 @@
+"""A unit of frozen parameters only keeps its weights alone: no gradient, no Adam moments, no
+delayed-update buffer, and fp32 master weights only where the compute dtype would round its
+parameters. The model is test_frozen's: block 0 is such a unit, the root and block 1 are partly
+frozen (they keep every state)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import tiered
+from gpt import next_token_loss
+from test_frozen import frozen_model, is_frozen, train, train_reference
+from test_parity import OPTIM, REPO, batches
+from tiered.plan import StateKind, build_plan, state_kinds, unit_state_kinds
+from tiered.policy import Policy, Tier
+from tiered.sizes import align_up
+from tiered.tiers.dram import BLOCK_ALIGN
+
+def engine_of(model, compute_dtype: str, policy: str = "cpu", nvme: str | None = None,
+              **optimizer):
+    return tiered.initialize(model, os.path.join(REPO, "configs", f"{policy}.yaml"),
+                             compute_dtype=compute_dtype, device="cpu",
+                             nvme={"path": nvme}, optimizer=dict(OPTIM, **optimizer))
+
+
+def dram_bytes(flat, kinds: list[StateKind], compute: torch.dtype) -> int:
+    """What a unit's states take in DRAM: each a whole number of 4 KiB blocks."""
+    sizes = {StateKind.PARAM: compute.itemsize, StateKind.PARAM_NEXT: compute.itemsize,
+             StateKind.GRAD: 4, StateKind.MASTER: 4, StateKind.EXP_AVG: 4,
+             StateKind.EXP_AVG_SQ: 4}
+    return sum(align_up(flat.shard_numel * sizes[kind], BLOCK_ALIGN) for kind in kinds)
+
+
+@pytest.mark.parametrize("model_dtype, compute_dtype, kept", [
+    (torch.float32, "fp32", ["param"]),
+    (torch.bfloat16, "bf16", ["param"]),
+    (torch.float32, "bf16", ["param", "master"]),  # bf16 would round the fp32 weights
+])
+@pytest.mark.parametrize("delayed", [False, True])
+def test_a_frozen_unit_keeps_its_weights_alone(model_dtype, compute_dtype, kept, delayed):
+    engine, _ = engine_of(frozen_model().to(model_dtype), compute_dtype,
+                          delayed_update={"enabled": delayed, "warmup_steps": 1})
+    try:
+        placement = engine.placement()
+        every = [kind.value for kind in state_kinds(engine.policy)]
+        assert list(placement["blocks.0"]) == kept
+        assert list(placement["blocks.1"]) == every  # partly frozen: all of them
+        assert list(placement["<root>"]) == every
+        compute = engine.policy.compute_dtype.torch_dtype
+        expected = sum(dram_bytes(flat, [StateKind(k) for k in placement[flat.name]], compute)
+                       for flat in engine.runtime.flats)
+        assert engine.memory_report()["dram"]["current"] == expected
+        frozen = engine.runtime.flats[0]
+        saved = dram_bytes(frozen, state_kinds(engine.policy), compute) - dram_bytes(
+            frozen, [StateKind(k) for k in kept], compute)
+        assert saved >= frozen.shard_numel * (12 if "master" in kept else 16)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("policy", ["cpu", "nvme"])
+def test_bf16_training_with_frozen_units_keeps_their_weights_exactly(policy, tmp_path):
+    # Without masters the bf16 weights are the frozen unit's values; with fp32 parameters the
+    # masters keep what bf16 would round. full_state_dict gives both back exactly.
+    for model_dtype in (torch.bfloat16, torch.float32):
+        initial = {name: value.float() for name, value in
+                   frozen_model().to(model_dtype).state_dict().items()}
+        engine, optimizer = engine_of(frozen_model().to(model_dtype), "bf16", policy,
+                                      str(tmp_path))
+        state = train(engine, optimizer)
+        engine.close()
+        for name in initial:
+            assert torch.equal(state[name], initial[name]) == is_frozen(name), (model_dtype, name)
+
+
+def test_zero_grad_to_zeros_leaves_frozen_units_out(tmp_path):
+    # zero_grad(set_to_none=False) makes zeros of the gradients there are; a frozen unit has
+    # none (and no buffer), as a frozen parameter's grad stays None in PyTorch.
+    engine, optimizer = engine_of(frozen_model(), "fp32")
+    try:
+        for micro_batches in batches():
+            for idx in micro_batches:
+                (next_token_loss(engine(idx), idx) / len(micro_batches)).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+        state = engine.full_state_dict()
+    finally:
+        engine.close()
+    for name, value in train_reference().items():
+        assert torch.equal(state[name], value), name
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_resume_with_weights_only_units_is_exact(delayed, tmp_path):
+    # A bf16 model trained in bf16: block 0 is saved as its bf16 weights (no masters, no
+    # moments). Two steps, save, two more, against a resumed run of the same two.
+    ckpt = str(tmp_path / "ckpt")
+    dpu = {"enabled": delayed, "warmup_steps": 1}
+
+    def fresh():
+        return engine_of(frozen_model().bfloat16(), "bf16", delayed_update=dpu)
+
+    engine, optimizer = fresh()
+    train(engine, optimizer, steps=slice(2))
+    engine.save_checkpoint(ckpt, "two")
+    expected = train(engine, optimizer, steps=slice(2, 4))
+    engine.close()
+    engine, optimizer = fresh()
+    try:
+        engine.load_checkpoint(ckpt)
+        resumed = train(engine, optimizer, steps=slice(2, 4))
+    finally:
+        engine.close()
+    for name in expected:
+        assert torch.equal(resumed[name], expected[name]), name
+
+
+def test_resume_may_unfreeze_a_unit_saved_as_weights_alone(tmp_path):
+    # Its masters start from the saved bf16 weights (exact: the model is bf16) and its
+    # moments at zero, as a parameter that was never stepped; then it trains.
+    ckpt = str(tmp_path / "ckpt")
+    engine, optimizer = engine_of(frozen_model().bfloat16(), "bf16")
+    train(engine, optimizer, steps=slice(2))
+    engine.save_checkpoint(ckpt, "two")
+    saved = engine.full_state_dict()
+    engine.close()
+
+    model = frozen_model().bfloat16()
+    model.blocks[0].requires_grad_(True)
+    engine, optimizer = engine_of(model, "bf16")
+    try:
+        assert "exp_avg" in engine.placement()["blocks.0"]
+        engine.load_checkpoint(ckpt)
+        loaded = engine.full_state_dict()
+        assert all(torch.equal(loaded[name], saved[name]) for name in saved)
+        block = engine.runtime.flats[0].spec.index
+        assert not engine.manager.load(block, StateKind.EXP_AVG).any()
+        state = train(engine, optimizer, steps=slice(2, None))
+    finally:
+        engine.close()
+    assert not torch.equal(state["blocks.0.fc.weight"], saved["blocks.0.fc.weight"])
+
+
+def test_a_dram_budget_spills_a_frozen_units_weights_with_the_others(tmp_path):
+    # The spill order holds with units of weights alone: every optimizer state moves before
+    # any weights do, and a frozen unit has only weights to move.
+    policy = Policy.from_dict(dict(device="cpu", compute_dtype="fp32",
+                                   nvme={"path": str(tmp_path)}, dram={"spill": "nvme"},
+                                   optimizer={"sub_group_size": 1024}))
+    engine, _ = engine_of(frozen_model(), "fp32")
+    flats = engine.runtime.flats
+    kinds = [unit_state_kinds(policy, f.has_trainable, [p.dtype for p in f.spec.params])
+             for f in flats]
+    args = ([f.shard_numel for f in flats], [f.padded_numel for f in flats],
+            [f.spec.path for f in flats], 1)
+    engine.close()
+    whole = build_plan(policy, torch.device("cpu"), *args, unit_kinds=kinds)
+    assert [kind for (unit, kind) in whole.shards if unit == 0] == [StateKind.PARAM]
+    optimizer_states = (StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
+    weights_moved = 0
+    for available in range(whole.needed(Tier.DRAM), -1, -BLOCK_ALIGN):
+        plan = build_plan(policy, torch.device("cpu"), *args, unit_kinds=kinds,
+                          dram_available=available)
+        on_nvme = {key for key, buffer in plan.shards.items() if buffer.tier is Tier.NVME}
+        if any(kind is StateKind.PARAM for _, kind in on_nvme):
+            weights_moved += 1
+            assert all(key in on_nvme for key in plan.shards if key[1] in optimizer_states)
+        assert not any(kind is StateKind.GRAD for _, kind in on_nvme)
+    assert weights_moved and (0, StateKind.PARAM) in on_nvme  # at 0 bytes, all that can move
