@@ -336,6 +336,10 @@ class UnitsPolicy:
     the largest unit (an untied token embedding, an output head). Such a unit is gathered for the
     whole forward, as the root is, but its gradient leaves when its own backward is done instead
     of waiting in the root's buffer through the whole backward (see units.py)."""
+    split_frozen: bool = field(default=True, metadata=_parse(_bool))
+    """Make two units of a unit whose parameters are partly frozen: its frozen parameters, which
+    keep their weights alone, and its trainable ones, gathered and released together. LoRA
+    adapters in a frozen block then cost optimizer state for themselves only (see units.py)."""
 
 
 @dataclass(frozen=True)

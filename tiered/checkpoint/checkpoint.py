@@ -1,6 +1,6 @@
 """Checkpoints: every tier's state saved per rank in parallel, atomically, and loaded back into
-any world size and any policy with the same param groups (see :func:`load` for what else a
-load checks).
+any world size, any policy with the same param groups and any cut of the model into units (see
+:func:`load` for what else a load checks).
 
 Layout of ``<dir>``::
 
@@ -32,19 +32,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
 
 import torch
 
 from .. import __version__
 from ..plan import OPTIMIZER_STATES, StateKind, state_kinds
+from . import layout
 from .format import CheckpointError, Entry, Reader, Writer, file_digest
 
 FORMAT_VERSION = 3
 """2 added ``optimizer.group_hypers`` (the hyperparameters of each param group after group 0)
 and ``frozen`` (the names of the frozen parameters). 3: a unit of frozen parameters only has
 no moments, and where it keeps no fp32 masters its compute-dtype weights are saved instead
-(plan.unit_state_kinds)."""
+(plan.unit_state_kinds); each unit lists its parameters, so a load maps them by name into
+units cut otherwise (layout.py)."""
 READABLE_FORMATS = (1, 2, 3)
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -89,7 +90,9 @@ def save(engine, directory: str, tag: str | None) -> str:
             "format": FORMAT_VERSION, "tiered": __version__, "torch": torch.__version__,
             "world_size": group.world_size, "policy": engine.policy.to_dict(),
             "units": [{"path": f.spec.path, "numel": f.numel, "padded_numel": f.padded_numel,
-                       "shard_numel": f.shard_numel} for f in runtime.flats],
+                       "shard_numel": f.shard_numel,
+                       "params": [[p.names[0], p.numel] for p in f.spec.params]}
+                      for f in runtime.flats],
             "frozen": [p.names[0] for f in runtime.flats for p in f.spec.params
                        if not p.trainable],
             "optimizer": state,
@@ -194,8 +197,9 @@ def _fsync_dir(path: str) -> None:
 
 def load(engine, directory: str, tag: str | None) -> str:
     """Load the checkpoint ``tag`` (default: ``latest``) of ``directory`` into ``engine``, which
-    may have another world size or policy than the one that saved it, but the same model, the
-    same ``optimizer.param_groups`` and no parameter unfrozen in a unit that has stepped;
+    may have another world size, policy or cut into units than the one that saved it, but the
+    same model, the same ``optimizer.param_groups``, one AdamW step count per unit and no
+    parameter unfrozen in a unit that has stepped (layout.unit_steps);
     returns the tag. Every rank must call it: each checks what it will read first, and if any
     rank cannot use the checkpoint, every rank raises before anything is changed."""
     group = engine.runtime.group
@@ -205,19 +209,24 @@ def load(engine, directory: str, tag: str | None) -> str:
         tag = tag or _latest(directory)
         folder = _complete_folder(directory, tag)
         manifest = _read_manifest(folder)
-        _check_units(manifest, engine)
+        runs = layout.segments(engine.runtime.flats, manifest["units"])
         _check_param_groups(manifest, engine)
-        _check_unfrozen(manifest, engine)
-        same_layout = manifest["world_size"] == group.world_size
-        needed = [rank_file(group.rank)] if same_layout else list(manifest["files"])
+        steps = layout.unit_steps(engine.runtime.flats, runs, manifest["units"],
+                                  manifest["optimizer"]["unit_steps"],
+                                  set(manifest.get("frozen", [])))  # none before format 2
+        same_world = manifest["world_size"] == group.world_size
+        same_shards = same_world and all(r == [layout.Segment(0, f.numel, i, 0)] for i, (r, f)
+                                         in enumerate(zip(runs, engine.runtime.flats)))
+        needed = [rank_file(group.rank)] if same_shards else list(manifest["files"])
         readers = _open_verified(folder, manifest, needed)
-        reads = _plan_reads(engine, manifest, readers, same_layout)
+        reads = _plan_reads(engine, manifest, readers, runs, same_shards)
+        _check_rng(readers[rank_file(group.rank)] if same_world else None)
     except CheckpointError as error:
         failure = error
     try:
         _all_or_raise(group, failure, "another rank cannot use the checkpoint; nothing loaded")
-        _load_states(engine, manifest, reads,
-                     readers[rank_file(group.rank)] if same_layout else None)
+        _load_states(engine, manifest, reads, steps,
+                     readers[rank_file(group.rank)] if same_world else None)
     finally:
         for reader in readers.values():
             reader.close()
@@ -258,16 +267,6 @@ def _read_manifest(folder: str) -> dict:
     return manifest
 
 
-def _check_units(manifest: dict, engine) -> None:
-    saved = [(u["path"], u["numel"]) for u in manifest["units"]]
-    ours = [(f.spec.path, f.numel) for f in engine.runtime.flats]
-    if saved != ours:
-        differ = next((f"unit {i}: saved {s}, engine {o}" for i, (s, o) in
-                       enumerate(zip(saved, ours)) if s != o),
-                      f"{len(saved)} units saved, {len(ours)} in the engine")
-        raise CheckpointError(f"the checkpoint is of another model: {differ} (path, elements)")
-
-
 def _check_param_groups(manifest: dict, engine) -> None:
     """Each param group's hyperparameters (a scheduler's learning rate among them) are restored
     to the group in the same place, so the groups must be the same: the policy's
@@ -280,25 +279,6 @@ def _check_param_groups(manifest: dict, engine) -> None:
             f"the checkpoint's optimizer.param_groups match {saved}, this engine's {ours}: "
             f"each group's hyperparameters are restored to the group in the same place; "
             f"resume with the param_groups it was saved with")
-
-
-def _check_unfrozen(manifest: dict, engine) -> None:
-    """AdamW counts steps per unit here, per parameter in PyTorch. A parameter frozen when the
-    checkpoint was saved and trainable now would start its moments at its unit's count, where
-    PyTorch starts at 1; that is exact only in a unit that has taken no step (all of it was
-    frozen). Freezing more on resume is exact: the others go on counting as in PyTorch."""
-    saved = set(manifest.get("frozen", []))  # none before format 2
-    steps = manifest["optimizer"]["unit_steps"]
-    for flat in engine.runtime.flats:
-        unfrozen = [p.names[0] for p in flat.spec.params if p.trainable and p.names[0] in saved]
-        if unfrozen and steps[flat.spec.index] > 0:
-            raise CheckpointError(
-                f"{', '.join(unfrozen[:3])}{' ...' if len(unfrozen) > 3 else ''} of unit "
-                f"{flat.name} were frozen when the checkpoint was saved and are trainable now, "
-                f"but the unit has taken {int(steps[flat.spec.index])} steps: tiered counts "
-                f"AdamW steps per unit, so their moments would start at its count where "
-                f"PyTorch starts at 1. Unfreeze only units with no step taken (all frozen "
-                f"until now), or freeze as when saved")
 
 
 def _open_verified(folder: str, manifest: dict, names: list[str]) -> dict[str, Reader]:
@@ -319,95 +299,41 @@ def _open_verified(folder: str, manifest: dict, names: list[str]) -> dict[str, R
     return readers
 
 
-@dataclass(frozen=True)
-class Read:
-    """Where the elements of one state of one unit's new shard come from."""
-
-    name: str
-    dtype: torch.dtype
-    numel: int
-    pieces: tuple[tuple[Reader, int, int, int], ...]
-    """(file, first element of the shard, elements, first element in the file's tensor); the
-    elements no piece covers (the padding) are zeros."""
-
-    def fetch(self) -> torch.Tensor:
-        out = torch.zeros(self.numel, dtype=self.dtype)
-        for reader, at, count, start in self.pieces:
-            reader.read(self.name, out[at:at + count], start=start)
-        return out
-
-
 def _plan_reads(engine, manifest: dict, readers: dict[str, Reader],
-                same_layout: bool) -> dict[tuple[int, StateKind], Read]:
+                runs: list[list[layout.Segment]],
+                same_shards: bool) -> dict[tuple[int, StateKind], layout.Read]:
     """What to read for every state this rank loads, every entry checked first (names, dtypes,
     shapes), so that a bad checkpoint is refused before anything is stored."""
+    manager, units = engine.manager, manifest["units"]
     pending = manifest["optimizer"]["pending"]
-    swap = (set(pending["written"]) if pending and same_layout
+    # A pending delayed update's two weights are kept only where each shard is the one saved.
+    swap = (set(pending["written"]) if pending and same_shards
             and engine.policy.optimizer.delayed_update.enabled else set())
-    manager = engine.manager
-    saved_names = next(iter(readers.values())).entries  # every rank saved the same names
     reads = {}
-    for flat, saved in zip(engine.runtime.flats, manifest["units"]):
+    for flat, unit_runs in zip(engine.runtime.flats, runs):
         unit = flat.spec.index
-
-        def read(kind: StateKind) -> Read:
-            name = f"unit{unit}.{kind.value}"
-            return _read_plan(readers, saved, name, *flat.shard_range,
-                              any_float=kind is StateKind.PARAM)
-
-        # A frozen unit was saved without moments, and with its weights where it kept no
-        # masters; trainable now, it has taken no step (_check_unfrozen): its moments are zeros.
-        for kind in OPTIMIZER_STATES:
-            if not manager.has(unit, kind):
-                continue
-            if f"unit{unit}.{kind.value}" in saved_names:
-                reads[(unit, kind)] = read(kind)
-            elif kind is StateKind.MASTER:
-                reads[(unit, kind)] = read(StateKind.PARAM)
-            else:
-                reads[(unit, kind)] = Read(f"unit{unit}.{kind.value}", torch.float32,
-                                           flat.shard_numel, ())
-        if unit in swap and manager.has(unit, StateKind.PARAM_NEXT):
-            reads[(unit, StateKind.PARAM)] = read(StateKind.PARAM)
-        elif not manager.has(unit, StateKind.MASTER):  # weights alone: from the masters if saved
-            master = f"unit{unit}.{StateKind.MASTER.value}" in saved_names
-            reads[(unit, StateKind.PARAM)] = read(StateKind.MASTER if master else StateKind.PARAM)
-    if same_layout:
-        reader = readers[rank_file(engine.runtime.group.rank)]
-        for name in ("rng.cpu", "rng.cuda"):
-            if name in reader.entries and reader.entry(name).dtype is not torch.uint8:
-                raise CheckpointError(f"{reader.path}: {name!r} is not a byte tensor")
+        weights_alone = not manager.has(unit, StateKind.MASTER)
+        kinds = [kind for kind in OPTIMIZER_STATES if manager.has(unit, kind)]
+        if weights_alone or (unit in swap and manager.has(unit, StateKind.PARAM_NEXT)):
+            kinds.append(StateKind.PARAM)
+        for kind in kinds:
+            dtype = manager.shards[(unit, kind)].dtype
+            reads[(unit, kind)] = layout.plan_read(readers, rank_file, units, unit_runs, kind,
+                                                   weights_alone, flat.shard_range, dtype)
     return reads
 
 
-def _read_plan(readers: dict[str, Reader], saved: dict, name: str, start: int, end: int,
-               any_float: bool) -> Read:
-    """Elements ``[start, end)`` of a unit's padded flat state: rank k saved elements
-    ``[k*S, (k+1)*S)`` of the same flat; past the unit's real elements there is only padding.
-    Weights may have been saved in another compute dtype (they are cast when stored)."""
-    shard = saved["shard_numel"]
-    stop = min(end, saved["numel"])
-    pieces, dtype, position = [], torch.float32, start
-    while position < stop:
-        rank = position // shard
-        reader = readers[rank_file(rank)]
-        entry = reader.entry(name)
-        wrong_dtype = (not entry.dtype.is_floating_point if any_float
-                       else entry.dtype is not torch.float32)
-        if entry.shape != (shard,) or wrong_dtype:
-            raise CheckpointError(f"{reader.path}: {name!r} is {entry.dtype} {entry.shape}, "
-                                  f"expected {'a float' if any_float else 'float32'} ({shard},)")
-        dtype = entry.dtype
-        count = min(stop, (rank + 1) * shard) - position
-        pieces.append((reader, position - start, count, position - rank * shard))
-        position += count
-    return Read(name, dtype, end - start, tuple(pieces))
+def _check_rng(own_file: Reader | None) -> None:
+    for name in ("rng.cpu", "rng.cuda"):
+        if own_file is not None and name in own_file.entries \
+                and own_file.entry(name).dtype is not torch.uint8:
+            raise CheckpointError(f"{own_file.path}: {name!r} is not a byte tensor")
 
 
-def _load_states(engine, manifest: dict, reads: dict[tuple[int, StateKind], Read],
-                 own_file: Reader | None) -> None:
-    """Store what ``reads`` says, then the optimizer's state, then (``own_file``: the same
-    layout) this rank's RNG states."""
+def _load_states(engine, manifest: dict, reads: dict[tuple[int, StateKind], layout.Read],
+                 steps: list[float], own_file: Reader | None) -> None:
+    """Store what ``reads`` says, then the optimizer's state with each unit's ``steps``, then
+    (``own_file``: the same world size) this rank's RNG states."""
     manager = engine.manager
     state = manifest["optimizer"]
     weights = [k for k in (StateKind.PARAM, StateKind.PARAM_NEXT)
@@ -438,7 +364,7 @@ def _load_states(engine, manifest: dict, reads: dict[tuple[int, StateKind], Read
         # update's outcome (its norm, an fp16 overflow) still counts at the next step.
         pending = dict(pending, written=sorted(swapping))
     engine.runtime.grads.zero_grad(set_to_none=True)
-    engine.optimizer.restore_state(dict(state, pending=pending))
+    engine.optimizer.restore_state(dict(state, pending=pending, unit_steps=steps))
     if own_file is not None:
         torch.set_rng_state(_read_whole(own_file, "rng.cpu"))
         if engine.device.type == "cuda" and "rng.cuda" in own_file.entries:

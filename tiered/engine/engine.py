@@ -209,7 +209,8 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
              if policy.tiling.max_unit_bytes is not None else [])
     manager = worker = None
     try:
-        specs = find_units(model, policy.units.classes, policy.units.split_large)
+        specs = find_units(model, policy.units.classes, policy.units.split_large,
+                           policy.units.split_frozen)
         if not specs:
             raise TieredError("the model has no parameters to train")
         flats = [FlatParam(spec, group.rank, group.world_size,

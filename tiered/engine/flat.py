@@ -60,7 +60,8 @@ class FlatParam:
 
     @property
     def name(self) -> str:
-        return self.spec.path or "<root>"
+        name = self.spec.path or "<root>"
+        return f"{name} (frozen)" if self.spec.frozen_part else name
 
     @property
     def gathered_bytes(self) -> int:

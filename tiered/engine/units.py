@@ -13,6 +13,14 @@ reads its weights (an embedding's does not).
 Each parameter belongs to exactly one unit: the innermost unit containing the module that holds
 it. A parameter held by several modules (tied input and output embeddings) belongs to the deepest
 unit that contains all of its holders, so it stays gathered while any of them runs.
+
+``units.split_frozen`` (on by default) makes two units of one whose parameters are partly frozen
+(``requires_grad=False``): the frozen ones, then the trainable ones, both of the same module, so
+gathered and released with it. A unit of frozen parameters only keeps its weights alone
+(plan.unit_state_kinds), so a frozen transformer block with LoRA adapters costs 2 bytes per
+frozen parameter, and AdamW state for the adapters only. Each half is released after its own
+backward: the trainable one when its gradient is complete, the frozen one when its module's
+inputs have their gradients (see [Note: frozen units] in hooks.py).
 """
 from __future__ import annotations
 
@@ -57,6 +65,9 @@ class UnitSpec:
     """Gathered for the whole model forward, as the root's own parameters are: the model may
     read its weights anywhere in its forward (a head computed as ``F.linear(h, emb.weight)``),
     not only inside the unit's module. In backward it is a unit like any other."""
+    frozen_part: bool = False
+    """The frozen half of a partly frozen module's parameters (``units.split_frozen``); the
+    trainable half is the next unit, of the same module."""
 
 
 def _is_ancestor(path: str, of: str) -> bool:
@@ -99,7 +110,7 @@ def _as_large_as_a_unit(model: nn.Module, units: list[str]) -> list[str]:
 
 
 def find_units(model: nn.Module, classes: tuple[str, ...] | None,
-               split_large: bool = False) -> list[UnitSpec]:
+               split_large: bool = False, split_frozen: bool = False) -> list[UnitSpec]:
     """Units in forward-registration order, the root last; units without parameters are dropped."""
     if classes is None:
         unit_paths = _repeated_blocks(model)
@@ -141,7 +152,12 @@ def find_units(model: nn.Module, classes: tuple[str, ...] | None,
     specs = [path for path in sorted(candidates, key=order.__getitem__) if path] + [""]
     units = []
     for path in specs:
-        if owned[path]:
-            units.append(UnitSpec(len(units), path, modules[path], tuple(owned[path]),
-                                  whole_forward=path in split))
+        params = owned[path]
+        frozen = [p for p in params if not p.trainable]
+        parts = ([(frozen, True), ([p for p in params if p.trainable], False)]
+                 if split_frozen and 0 < len(frozen) < len(params) else [(params, False)])
+        for part, frozen_part in parts:
+            if part:
+                units.append(UnitSpec(len(units), path, modules[path], tuple(part),
+                                      whole_forward=path in split, frozen_part=frozen_part))
     return units

@@ -1,0 +1,229 @@
+"""LoRA-style fine-tuning: every weight of the model frozen, small trainable adapters inside each
+block's linear layers. ``units.split_frozen`` makes two units of each block (its frozen weights,
+kept as weights alone, and its adapters, with full AdamW state), so the frozen weights cost their
+own bytes and nothing more; training is PyTorch's bit for bit, and a checkpoint taken with one
+set of frozen parameters resumes with another, mapped by parameter name."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import tiered
+from test_frozen import frozen_model, train
+from test_parity import OPTIM, REPO, make_model, train_torch
+from tiered.sizes import align_up
+from tiered.tiers.dram import BLOCK_ALIGN
+
+RANK = 4
+
+
+class LoRALinear(nn.Module):
+    """``base(x) + x A^T B^T``: the base layer frozen, the adapters ``A`` (rank x in) and ``B``
+    (out x rank) trained. Both start random here (not B = 0, as usual), so that both get a
+    gradient from the first step."""
+
+    def __init__(self, base: nn.Linear):
+        super().__init__()
+        self.base = base
+        self.lora_a = nn.Parameter(torch.randn(RANK, base.in_features) * 0.1)
+        self.lora_b = nn.Parameter(torch.randn(base.out_features, RANK) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + x @ self.lora_a.t() @ self.lora_b.t()
+
+
+def lora_model() -> nn.Module:
+    model = make_model()
+    torch.manual_seed(1)
+    for block in model.blocks:
+        for name in ("qkv", "proj", "fc", "out"):
+            setattr(block, name, LoRALinear(getattr(block, name)))
+    for name, param in model.named_parameters():
+        param.requires_grad_("lora_" in name)
+    return model
+
+
+def engine_for(policy: str, nvme: str, **overrides):
+    return tiered.initialize(lora_model(), os.path.join(REPO, "configs", f"{policy}.yaml"),
+                             compute_dtype="fp32", device="cpu", nvme={"path": nvme},
+                             optimizer=dict(OPTIM, sub_group_size=1024), **overrides)
+
+
+@pytest.mark.parametrize("policy", ["cpu", "nvme", "gpu"])
+def test_lora_trains_bit_for_bit_as_torch(policy, tmp_path):
+    engine, optimizer = engine_for(policy, str(tmp_path))
+    names = [flat.name for flat in engine.runtime.flats]
+    state = train(engine, optimizer)
+    engine.close()
+    assert names == ["blocks.0 (frozen)", "blocks.0", "blocks.1 (frozen)", "blocks.1", "<root>"]
+    model = lora_model()
+    expected = train_torch(model, torch.optim.AdamW(model.parameters(), fused=True, **OPTIM))
+    initial = lora_model().state_dict()
+    for name in expected:
+        assert torch.equal(state[name], expected[name]), name
+        assert torch.equal(state[name], initial[name]) == ("lora_" not in name), name
+
+
+def state_bytes(numel: int, kinds: list[str]) -> int:
+    """DRAM bytes of a shard's states in fp32 training: 4 KiB blocks of 4-byte elements."""
+    return len(kinds) * align_up(numel * 4, BLOCK_ALIGN)
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_frozen_weights_cost_their_own_bytes_only(split, tmp_path):
+    engine, _ = engine_for("cpu", str(tmp_path), units={"split_frozen": split})
+    try:
+        placement = engine.placement()
+        every = list(placement["blocks.0"])
+        expected = 0
+        for flat in engine.runtime.flats:
+            trained = sum(p.numel for p in flat.spec.params if p.trainable)
+            kinds = list(placement[flat.name])
+            assert kinds == (every if trained else ["param"]), flat.name
+            assert trained in (0, flat.numel) or not split, flat.name  # never mixed when split
+            expected += state_bytes(flat.shard_numel, kinds)
+        assert engine.memory_report()["dram"]["current"] == expected
+        adapters = sum(p.numel() for n, p in lora_model().named_parameters() if "lora_" in n)
+        if split:  # all of AdamW's state is the adapters'
+            assert sum(f.numel for f in engine.runtime.flats if f.has_trainable) == adapters
+    finally:
+        engine.close()
+
+
+def test_a_resume_may_freeze_more_across_split_units(tmp_path):
+    # blocks.1.fc.weight trains two steps, then is frozen: it moves from block 1's trainable
+    # unit to its frozen one (weights alone), the others keep their masters, moments and step
+    # counts, and the run goes on as PyTorch's, where a frozen parameter is no longer stepped.
+    ckpt = str(tmp_path / "ckpt")
+    engine, optimizer = tiered.initialize(
+        frozen_model(), os.path.join(REPO, "configs", "cpu.yaml"), compute_dtype="fp32",
+        device="cpu", optimizer=OPTIM)
+    train(engine, optimizer, steps=slice(2))
+    engine.save_checkpoint(ckpt, "two")
+    engine.close()
+
+    model = frozen_model()
+    model.blocks[1].fc.weight.requires_grad_(False)
+    engine, optimizer = tiered.initialize(model, os.path.join(REPO, "configs", "cpu.yaml"),
+                                          compute_dtype="fp32", device="cpu", optimizer=OPTIM)
+    try:
+        frozen_half = next(f for f in engine.runtime.flats if f.name == "blocks.1 (frozen)")
+        assert "blocks.1.fc.weight" in [p.names[0] for p in frozen_half.spec.params]
+        engine.load_checkpoint(ckpt)
+        state = train(engine, optimizer, steps=slice(2, None))
+    finally:
+        engine.close()
+
+    reference = frozen_model()
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), fused=True, **OPTIM)
+    train_torch(reference, reference_optimizer, steps=slice(2))
+    reference.blocks[1].fc.weight.requires_grad_(False)
+    expected = train_torch(reference, reference_optimizer, steps=slice(2, None))
+    for name in expected:
+        assert torch.equal(state[name], expected[name]), name
+
+
+def test_a_checkpoint_loads_into_unsplit_units_and_back(tmp_path):
+    # The same parameters cut into other units (units.split_frozen off, then on again) load
+    # by name: full_state_dict is unchanged and the masters and moments follow each
+    # parameter, so two more steps are the same whichever cut took them.
+    ckpt = str(tmp_path / "ckpt")
+
+    def engine_with(split: bool):
+        return engine_for("cpu", str(tmp_path), units={"split_frozen": split})
+
+    engine, optimizer = engine_with(True)
+    train(engine, optimizer, steps=slice(2))
+    engine.save_checkpoint(ckpt, "split")
+    saved = engine.full_state_dict()
+    expected = train(engine, optimizer, steps=slice(2, 4))
+    engine.close()
+    engine, optimizer = engine_with(False)
+    try:
+        engine.load_checkpoint(ckpt, "split")
+        assert all(torch.equal(value, saved[name])
+                   for name, value in engine.full_state_dict().items())
+        engine.save_checkpoint(ckpt, "whole")
+    finally:
+        engine.close()
+    engine, optimizer = engine_with(True)
+    try:
+        engine.load_checkpoint(ckpt, "whole")
+        resumed = train(engine, optimizer, steps=slice(2, 4))
+    finally:
+        engine.close()
+    for name in expected:
+        assert torch.equal(resumed[name], expected[name]), name
+
+
+def test_a_cut_that_joins_different_step_counts_is_refused(tmp_path):
+    # Block 0's adapters are frozen for two steps, then train: its units count 2 steps where
+    # block 1's count 4. One unit for the whole model (units.classes: [GPT], the root) would
+    # join them, which one count per unit cannot represent; nor can unfreezing block 0's
+    # adapters into a unit whose others stepped.
+    ckpt = str(tmp_path / "ckpt")
+    cpu = os.path.join(REPO, "configs", "cpu.yaml")
+
+    def build(frozen_block: bool, **overrides):
+        model = lora_model()
+        if frozen_block:
+            model.blocks[0].requires_grad_(False)
+        return tiered.initialize(model, cpu, compute_dtype="fp32", device="cpu",
+                                 optimizer=OPTIM, **overrides)
+
+    engine, optimizer = build(frozen_block=True)
+    train(engine, optimizer, steps=slice(2))
+    engine.save_checkpoint(ckpt, "frozen")
+    engine.close()
+    engine, optimizer = build(frozen_block=False)  # block 0's units took no step: allowed
+    engine.load_checkpoint(ckpt, "frozen")
+    train(engine, optimizer, steps=slice(2, 4))
+    engine.save_checkpoint(ckpt, "trained")
+    engine.close()
+
+    for tag, frozen_block, refusal in (("trained", False, "different numbers of AdamW steps"),
+                                       ("frozen", False, "were frozen when the checkpoint")):
+        engine, optimizer = build(frozen_block, units={"classes": ["GPT"]})
+        try:
+            before = engine.full_state_dict()
+            with pytest.raises(tiered.CheckpointError, match=refusal):
+                engine.load_checkpoint(ckpt, tag)
+            after = engine.full_state_dict()
+            assert all(torch.equal(after[name], value) for name, value in before.items())
+        finally:
+            engine.close()
+
+
+def test_a_format_2_checkpoint_of_a_partly_frozen_model_loads_into_its_own_units(tmp_path):
+    # Before format 3 the manifest did not list each unit's parameters: such a checkpoint
+    # loads only into the units it was saved from, and the refusal says how to get them.
+    import json
+
+    ckpt = str(tmp_path / "ckpt")
+    engine, optimizer = engine_for("cpu", str(tmp_path), units={"split_frozen": False})
+    train(engine, optimizer, steps=slice(2))
+    engine.save_checkpoint(ckpt, "old")
+    saved = engine.full_state_dict()
+    engine.close()
+    path = os.path.join(ckpt, "old", "manifest.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    manifest["format"] = 2
+    for unit in manifest["units"]:
+        del unit["params"]
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+    engine, _ = engine_for("cpu", str(tmp_path))
+    with pytest.raises(tiered.CheckpointError, match="set units.split_frozen: false"):
+        engine.load_checkpoint(ckpt)
+    engine.close()
+    engine, _ = engine_for("cpu", str(tmp_path), units={"split_frozen": False})
+    try:
+        engine.load_checkpoint(ckpt)
+        loaded = engine.full_state_dict()
+    finally:
+        engine.close()
+    assert all(torch.equal(loaded[name], value) for name, value in saved.items())
