@@ -13,7 +13,7 @@ from torch import nn
 
 import tiered
 from test_frozen import frozen_model, train
-from test_parity import OPTIM, REPO, make_model, train_torch
+from test_parity import OPTIM, REPO, assert_parity_on_host, make_model, train_torch
 from tiered.sizes import align_up
 from tiered.tiers.dram import BLOCK_ALIGN
 
@@ -65,6 +65,20 @@ def test_lora_trains_bit_for_bit_as_torch(policy, tmp_path):
     for name in expected:
         assert torch.equal(state[name], expected[name]), name
         assert torch.equal(state[name], initial[name]) == ("lora_" not in name), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["cpu", "gpu"])
+def test_lora_on_cuda(policy, tmp_path):
+    engine, optimizer = tiered.initialize(
+        lora_model(), os.path.join(REPO, "configs", f"{policy}.yaml"), compute_dtype="fp32",
+        device="cuda", optimizer=OPTIM)
+    state = train(engine, optimizer)
+    engine.close()
+    model = lora_model().cuda()
+    expected = train_torch(model, torch.optim.AdamW(model.parameters(), fused=True, **OPTIM),
+                           device="cuda")
+    assert_parity_on_host(state, expected)
 
 
 def state_bytes(numel: int, kinds: list[str]) -> int:
