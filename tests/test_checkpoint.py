@@ -28,6 +28,16 @@ def engine_for(policy: str, nvme: str, delayed: bool = False):
                        delayed_update={"enabled": delayed, "warmup_steps": 1}))
 
 
+def rewrite_manifest(folder: str, change) -> None:
+    """Edit a saved checkpoint's manifest in place: ``change(manifest)``."""
+    path = os.path.join(folder, "manifest.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    change(manifest)
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+
+
 def train(engine, optimizer, batches, rank: int = 0, world: int = 1) -> list[float]:
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     losses = []

@@ -43,6 +43,30 @@ def train(engine, optimizer, steps: slice = slice(None), rank: int = 0, world: i
     return run_engine(engine, optimizer, steps=steps, rank=rank, world=world)
 
 
+def resumed(build, ckpt: str, steps: slice, tag: str | None = None) -> dict:
+    """A fresh engine from ``build()``, loaded from ``ckpt`` and trained on ``steps``."""
+    engine, optimizer = build()
+    try:
+        engine.load_checkpoint(ckpt, tag)
+        return train(engine, optimizer, steps=steps)
+    finally:
+        engine.close()
+
+
+def torch_changing_midway(change, model=frozen_model) -> dict:
+    """PyTorch trains two steps, ``change(model)`` freezes or unfreezes, then the rest."""
+    reference = model()
+    optimizer = torch.optim.AdamW(reference.parameters(), fused=True, **OPTIM)
+    train_torch(reference, optimizer, steps=slice(2))
+    change(reference)
+    return train_torch(reference, optimizer, steps=slice(2, None))
+
+
+def assert_same_states(state: dict, expected: dict) -> None:
+    for name in expected:
+        assert torch.equal(state[name], expected[name]), name
+
+
 def train_reference(max_grad_norm=None, device="cpu") -> dict:
     model = frozen_model().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), fused=True, **OPTIM)  # skips grad=None
@@ -237,23 +261,15 @@ def test_resume_may_unfreeze_a_unit_that_never_stepped(tmp_path):
     engine.save_checkpoint(ckpt, "two")
     engine.close()
 
-    model = frozen_model()
-    model.blocks[0].requires_grad_(True)
-    engine, optimizer = tiered.initialize(model, os.path.join(REPO, "configs", "cpu.yaml"),
-                                          compute_dtype="fp32", device="cpu", optimizer=OPTIM)
-    try:
-        engine.load_checkpoint(ckpt)
-        state = train(engine, optimizer, steps=slice(2, None))
-    finally:
-        engine.close()
+    def unfrozen():
+        model = frozen_model()
+        model.blocks[0].requires_grad_(True)
+        return tiered.initialize(model, os.path.join(REPO, "configs", "cpu.yaml"),
+                                 compute_dtype="fp32", device="cpu", optimizer=OPTIM)
 
-    reference = frozen_model()
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), fused=True, **OPTIM)
-    train_torch(reference, reference_optimizer, steps=slice(2))
-    reference.blocks[0].requires_grad_(True)
-    expected = train_torch(reference, reference_optimizer, steps=slice(2, None))
-    for name in expected:
-        assert torch.equal(state[name], expected[name]), name
+    state = resumed(unfrozen, ckpt, steps=slice(2, None))
+    assert_same_states(state, torch_changing_midway(
+        lambda model: model.blocks[0].requires_grad_(True)))
 
 
 def test_resume_refuses_to_unfreeze_part_of_a_unit_that_stepped(tmp_path):

@@ -11,7 +11,8 @@ import torch
 
 import tiered
 from gpt import next_token_loss
-from test_frozen import frozen_model, is_frozen, train, train_reference
+from test_frozen import (assert_same_states, frozen_model, is_frozen, resumed, train,
+                         train_reference)
 from test_parity import OPTIM, REPO, batches
 from tiered.plan import StateKind, build_plan, state_kinds, unit_state_kinds
 from tiered.policy import Policy, Tier
@@ -107,14 +108,7 @@ def test_resume_with_weights_only_units_is_exact(delayed, tmp_path):
     engine.save_checkpoint(ckpt, "two")
     expected = train(engine, optimizer, steps=slice(2, 4))
     engine.close()
-    engine, optimizer = fresh()
-    try:
-        engine.load_checkpoint(ckpt)
-        resumed = train(engine, optimizer, steps=slice(2, 4))
-    finally:
-        engine.close()
-    for name in expected:
-        assert torch.equal(resumed[name], expected[name]), name
+    assert_same_states(resumed(fresh, ckpt, steps=slice(2, 4)), expected)
 
 
 def test_resume_may_unfreeze_a_unit_saved_as_weights_alone(tmp_path):

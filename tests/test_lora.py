@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 import tiered
-from test_frozen import frozen_model, train
+from test_checkpoint import rewrite_manifest
+from test_frozen import assert_same_states, frozen_model, resumed, torch_changing_midway, train
 from test_parity import OPTIM, REPO, assert_parity_on_host, make_model, train_torch
 from tiered.sizes import align_up
 from tiered.tiers.dram import BLOCK_ALIGN
@@ -119,25 +120,21 @@ def test_a_resume_may_freeze_more_across_split_units(tmp_path):
     engine.save_checkpoint(ckpt, "two")
     engine.close()
 
-    model = frozen_model()
-    model.blocks[1].fc.weight.requires_grad_(False)
-    engine, optimizer = tiered.initialize(model, os.path.join(REPO, "configs", "cpu.yaml"),
-                                          compute_dtype="fp32", device="cpu", optimizer=OPTIM)
-    try:
+    def freeze(model):
+        model.blocks[1].fc.weight.requires_grad_(False)
+
+    def frozen_more():
+        model = frozen_model()
+        freeze(model)
+        engine, optimizer = tiered.initialize(
+            model, os.path.join(REPO, "configs", "cpu.yaml"), compute_dtype="fp32",
+            device="cpu", optimizer=OPTIM)
         frozen_half = next(f for f in engine.runtime.flats if f.name == "blocks.1 (frozen)")
         assert "blocks.1.fc.weight" in [p.names[0] for p in frozen_half.spec.params]
-        engine.load_checkpoint(ckpt)
-        state = train(engine, optimizer, steps=slice(2, None))
-    finally:
-        engine.close()
+        return engine, optimizer
 
-    reference = frozen_model()
-    reference_optimizer = torch.optim.AdamW(reference.parameters(), fused=True, **OPTIM)
-    train_torch(reference, reference_optimizer, steps=slice(2))
-    reference.blocks[1].fc.weight.requires_grad_(False)
-    expected = train_torch(reference, reference_optimizer, steps=slice(2, None))
-    for name in expected:
-        assert torch.equal(state[name], expected[name]), name
+    state = resumed(frozen_more, ckpt, steps=slice(2, None))
+    assert_same_states(state, torch_changing_midway(freeze))
 
 
 def test_a_checkpoint_loads_into_unsplit_units_and_back(tmp_path):
@@ -163,14 +160,7 @@ def test_a_checkpoint_loads_into_unsplit_units_and_back(tmp_path):
         engine.save_checkpoint(ckpt, "whole")
     finally:
         engine.close()
-    engine, optimizer = engine_with(True)
-    try:
-        engine.load_checkpoint(ckpt, "whole")
-        resumed = train(engine, optimizer, steps=slice(2, 4))
-    finally:
-        engine.close()
-    for name in expected:
-        assert torch.equal(resumed[name], expected[name]), name
+    assert_same_states(resumed(lambda: engine_with(True), ckpt, slice(2, 4), "whole"), expected)
 
 
 def test_a_cut_that_joins_different_step_counts_is_refused(tmp_path):
@@ -214,22 +204,18 @@ def test_a_cut_that_joins_different_step_counts_is_refused(tmp_path):
 def test_a_format_2_checkpoint_of_a_partly_frozen_model_loads_into_its_own_units(tmp_path):
     # Before format 3 the manifest did not list each unit's parameters: such a checkpoint
     # loads only into the units it was saved from, and the refusal says how to get them.
-    import json
-
     ckpt = str(tmp_path / "ckpt")
     engine, optimizer = engine_for("cpu", str(tmp_path), units={"split_frozen": False})
     train(engine, optimizer, steps=slice(2))
     engine.save_checkpoint(ckpt, "old")
     saved = engine.full_state_dict()
     engine.close()
-    path = os.path.join(ckpt, "old", "manifest.json")
-    with open(path) as f:
-        manifest = json.load(f)
-    manifest["format"] = 2
-    for unit in manifest["units"]:
-        del unit["params"]
-    with open(path, "w") as f:
-        json.dump(manifest, f)
+    def as_format_2(manifest):
+        manifest["format"] = 2
+        for unit in manifest["units"]:
+            del unit["params"]
+
+    rewrite_manifest(os.path.join(ckpt, "old"), as_format_2)
     engine, _ = engine_for("cpu", str(tmp_path))
     with pytest.raises(tiered.CheckpointError, match="set units.split_frozen: false"):
         engine.load_checkpoint(ckpt)

@@ -208,8 +208,9 @@ def test_shard_ranges_cover_each_shard_with_each_elements_group(world):
 
 
 def test_a_checkpoint_of_format_1_still_loads(tmp_path):
-    # Format 1 (before param groups): no group_hypers, no param_groups in the saved policy.
-    import json
+    # Format 1 (before param groups): no group_hypers, no param_groups in the saved policy,
+    # and (as in format 2) no parameter list per unit.
+    from test_checkpoint import rewrite_manifest
 
     ckpt = str(tmp_path / "ckpt")
     engine, optimizer = engine_with_groups("cpu", str(tmp_path), groups=None)
@@ -217,15 +218,15 @@ def test_a_checkpoint_of_format_1_still_loads(tmp_path):
     engine.save_checkpoint(ckpt, "old")
     expected = engine.full_state_dict()
     engine.close()
-    path = os.path.join(ckpt, "old", "manifest.json")
-    with open(path) as f:
-        manifest = json.load(f)
-    assert manifest["format"] == 3
-    manifest["format"] = 1
-    del manifest["optimizer"]["group_hypers"], manifest["policy"]["optimizer"]["param_groups"]
-    del manifest["frozen"]
-    with open(path, "w") as f:
-        json.dump(manifest, f)
+    def as_format_1(manifest):
+        assert manifest["format"] == 3
+        manifest["format"] = 1
+        del manifest["optimizer"]["group_hypers"], manifest["policy"]["optimizer"]["param_groups"]
+        del manifest["frozen"]
+        for unit in manifest["units"]:
+            del unit["params"]
+
+    rewrite_manifest(os.path.join(ckpt, "old"), as_format_1)
     engine, optimizer = engine_with_groups("cpu", str(tmp_path), groups=None)
     try:
         engine.load_checkpoint(ckpt)
