@@ -6,6 +6,7 @@ set of frozen parameters resumes with another, mapped by parameter name."""
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import pytest
 import torch
@@ -14,7 +15,9 @@ from torch import nn
 import tiered
 from test_checkpoint import rewrite_manifest
 from test_frozen import assert_same_states, frozen_model, resumed, torch_changing_midway, train
-from test_parity import OPTIM, REPO, assert_parity_on_host, make_model, train_torch
+from gpt import next_token_loss
+from test_parity import (OPTIM, REPO, assert_parity_on_host, batches, make_model,
+                         train_torch)
 from tiered.sizes import align_up
 from tiered.tiers.dram import BLOCK_ALIGN
 
@@ -47,10 +50,11 @@ def lora_model() -> nn.Module:
     return model
 
 
-def engine_for(policy: str, nvme: str, **overrides):
+def engine_for(policy: str, nvme: str, optimizer: dict | None = None, **overrides):
     return tiered.initialize(lora_model(), os.path.join(REPO, "configs", f"{policy}.yaml"),
                              compute_dtype="fp32", device="cpu", nvme={"path": nvme},
-                             optimizer=dict(OPTIM, sub_group_size=1024), **overrides)
+                             optimizer=dict(OPTIM, sub_group_size=1024, **(optimizer or {})),
+                             **overrides)
 
 
 @pytest.mark.parametrize("policy", ["cpu", "nvme", "gpu"])
@@ -227,3 +231,88 @@ def test_a_format_2_checkpoint_of_a_partly_frozen_model_loads_into_its_own_units
     finally:
         engine.close()
     assert all(torch.equal(loaded[name], value) for name, value in saved.items())
+
+
+def test_halves_with_the_same_sizes_but_other_parameters_map_by_name(tmp_path):
+    # Freezing blocks.0.out.weight instead of blocks.0.fc.weight (the same size) gives units
+    # of the same paths and sizes; the manifest's parameter lists tell them apart.
+    ckpt = str(tmp_path / "ckpt")
+
+    def build(frozen: str):
+        model = make_model()
+        getattr(model.blocks[0], frozen).weight.requires_grad_(False)
+        return tiered.initialize(model, os.path.join(REPO, "configs", "cpu.yaml"),
+                                 compute_dtype="fp32", device="cpu", optimizer=OPTIM)
+
+    engine, _ = build("fc")
+    engine.save_checkpoint(ckpt, "fc")
+    engine.close()
+    engine, _ = build("out")
+    try:
+        before = engine.full_state_dict()
+        engine.load_checkpoint(ckpt, "fc")
+        after = engine.full_state_dict()
+    finally:
+        engine.close()
+    assert all(torch.equal(after[name], value) for name, value in before.items())
+
+
+def test_a_pending_delayed_update_resumes_exactly_into_another_cut(tmp_path):
+    # Saved with an update pending (its next weights written, the current ones saved beside
+    # the masters): loaded into unsplit units, each keeps both and swaps at the next step.
+    ckpt = str(tmp_path / "ckpt")
+    delayed = {"delayed_update": {"enabled": True, "warmup_steps": 1}}
+    engine, optimizer = engine_for("cpu", str(tmp_path), optimizer=delayed)
+    for micro_batches in batches()[:3]:  # not train(): its full_state_dict finishes the update
+        for idx in micro_batches:
+            (next_token_loss(engine(idx), idx) / len(micro_batches)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    engine.save_checkpoint(ckpt, "pending")
+    assert optimizer.checkpoint_state()["pending"]["written"]
+    expected = train(engine, optimizer, steps=slice(3, 5))
+    engine.close()
+    state = resumed(lambda: engine_for("cpu", str(tmp_path), units={"split_frozen": False},
+                                       optimizer=delayed),
+                    ckpt, steps=slice(3, 5))
+    assert_same_states(state, expected)
+
+
+class KeywordGPT(nn.Module):
+    """Blocks called with a keyword argument, as many Hugging Face models call theirs."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = lora_model()
+
+    def forward(self, idx):
+        inner = self.inner
+        x = inner.emb(idx) + inner.pos[: idx.shape[1]]
+        for block in inner.blocks:
+            x = block(x=x)
+        return inner.head(inner.ln(x))
+
+
+def test_a_frozen_half_called_by_keyword_is_released_after_its_backward():
+    # The gradient crosses every block (block 0's adapters need it); each block's frozen half
+    # goes once the gradient of its keyword input is computed, not at the backward's end.
+    engine, optimizer = tiered.initialize(
+        KeywordGPT(), os.path.join(REPO, "configs", "cpu.yaml"), compute_dtype="fp32",
+        device="cpu", optimizer=OPTIM, prefetch={"enabled": False})
+    gathered = {}  # a block's adapters (released as their gradient arrives) -> blocks gathered
+
+    def look(full, name):
+        gathered[name] = [f.name for f in engine.runtime.flats
+                          if f.residency.value == "gathered" and f.name.startswith("inner.blocks")]
+
+    for flat in engine.runtime.flats:
+        if flat.has_trainable:
+            flat.full.register_post_accumulate_grad_hook(partial(look, name=flat.name))
+    try:
+        idx = batches()[0][0]
+        next_token_loss(engine(idx), idx).backward()
+    finally:
+        engine.close()
+    # Block 0's frozen half has no input that requires grad: it waits for the backward's end.
+    assert gathered == {"inner.blocks.1": ["inner.blocks.1 (frozen)"],
+                        "inner.blocks.0": ["inner.blocks.0 (frozen)"]}

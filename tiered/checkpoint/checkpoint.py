@@ -219,7 +219,7 @@ def load(engine, directory: str, tag: str | None) -> str:
                                          in enumerate(zip(runs, engine.runtime.flats)))
         needed = [rank_file(group.rank)] if same_shards else list(manifest["files"])
         readers = _open_verified(folder, manifest, needed)
-        reads = _plan_reads(engine, manifest, readers, runs, same_shards)
+        reads = _plan_reads(engine, manifest, readers, runs)
         _check_rng(readers[rank_file(group.rank)] if same_world else None)
     except CheckpointError as error:
         failure = error
@@ -300,26 +300,31 @@ def _open_verified(folder: str, manifest: dict, names: list[str]) -> dict[str, R
 
 
 def _plan_reads(engine, manifest: dict, readers: dict[str, Reader],
-                runs: list[list[layout.Segment]],
-                same_shards: bool) -> dict[tuple[int, StateKind], layout.Read]:
+                runs: list[list[layout.Segment]]) -> dict[tuple[int, StateKind], layout.Read]:
     """What to read for every state this rank loads, every entry checked first (names, dtypes,
     shapes), so that a bad checkpoint is refused before anything is stored."""
     manager, units = engine.manager, manifest["units"]
     pending = manifest["optimizer"]["pending"]
-    # A pending delayed update's two weights are kept only where each shard is the one saved.
-    swap = (set(pending["written"]) if pending and same_shards
-            and engine.policy.optimizer.delayed_update.enabled else set())
+    written = set(pending["written"]) if pending else set()
     reads = {}
     for flat, unit_runs in zip(engine.runtime.flats, runs):
         unit = flat.spec.index
         weights_alone = not manager.has(unit, StateKind.MASTER)
+        # A delayed update pending when saved wrote the next weights of some saved units: a
+        # unit with any of their elements keeps two weights, the current ones read from what
+        # was saved (layout._source) and the next from the masters, and swaps at the next
+        # step. (A unit without the second buffer, a policy without the delayed update or a
+        # unit now frozen, takes the masters' weights at once.)
+        swaps = manager.has(unit, StateKind.PARAM_NEXT) and any(
+            run.unit in written for run in unit_runs)
         kinds = [kind for kind in OPTIMIZER_STATES if manager.has(unit, kind)]
-        if weights_alone or (unit in swap and manager.has(unit, StateKind.PARAM_NEXT)):
+        if weights_alone or swaps:
             kinds.append(StateKind.PARAM)
         for kind in kinds:
             dtype = manager.shards[(unit, kind)].dtype
-            reads[(unit, kind)] = layout.plan_read(readers, rank_file, units, unit_runs, kind,
-                                                   weights_alone, flat.shard_range, dtype)
+            reads[(unit, kind)] = layout.plan_read(
+                readers, rank_file, units, unit_runs, kind, weights_alone, flat.shard_range,
+                dtype, written if swaps else set())
     return reads
 
 

@@ -41,11 +41,16 @@ def saved_params(unit: dict) -> list[tuple[str, int]]:
 def segments(flats, saved_units: list[dict]) -> list[list[Segment]]:
     """Per unit of the engine, where its parameters lie in the saved units; raises a
     CheckpointError naming the first difference when they are not the same parameters."""
-    if [(u["path"], u["numel"]) for u in saved_units] == [(f.spec.path, f.numel) for f in flats]:
+    ours = [(f.spec.path, f.numel) for f in flats]
+    saved = [(u["path"], u["numel"]) for u in saved_units]
+    listed = all("params" in unit for unit in saved_units)  # not in formats 1 and 2
+    # The same units: the same parameters in each, where the manifest lists them (the two
+    # halves of a split module share a path, and may hold other parameters of the same sizes).
+    if saved == ours and (not listed or all(
+            saved_params(u) == [(p.names[0], p.numel) for p in f.spec.params]
+            for u, f in zip(saved_units, flats))):
         return [[Segment(0, f.numel, i, 0)] for i, f in enumerate(flats)]
-    if any("params" not in unit for unit in saved_units):  # formats 1 and 2
-        ours = [(f.spec.path, f.numel) for f in flats]
-        saved = [(u["path"], u["numel"]) for u in saved_units]
+    if not listed:
         differ = next((f"unit {i}: saved {s}, engine {o}" for i, (s, o) in
                        enumerate(zip(saved, ours)) if s != o),
                       f"{len(saved)} units saved, {len(ours)} in the engine")
@@ -85,19 +90,32 @@ def segments(flats, saved_units: list[dict]) -> list[list[Segment]]:
     return out
 
 
-def _source(kind: StateKind, weights_alone: bool, has) -> str | None:
+@dataclass(frozen=True)
+class _Saved:
+    """Whether saved unit ``unit`` has a state, by its tensors' names."""
+
+    names: dict
+    unit: int
+
+    def __call__(self, state: str) -> bool:
+        return f"unit{self.unit}.{state}" in self.names
+
+
+def _source(kind: StateKind, weights_alone: bool, pending: bool, has: _Saved) -> str | None:
     """The saved state a ``kind`` of a saved unit is read from, given ``has(state)``; None for
     zeros. ``weights_alone``: the new unit keeps weights and no masters (they are read from
-    the saved masters where there are any)."""
-    if kind is StateKind.PARAM:
-        wanted = ("master", "param") if weights_alone else ("param",)
-    elif kind is StateKind.MASTER:
+    the saved masters where there are any). ``pending``: a delayed update had written the
+    saved unit's next weights, so its current ones were saved beside the masters (else the
+    masters are its current weights)."""
+    if kind is StateKind.PARAM and pending and not weights_alone:
+        wanted = ("param",)
+    elif kind in (StateKind.PARAM, StateKind.MASTER):
         wanted = ("master", "param")
     else:
         wanted = (kind.value,)
     found = next((name for name in wanted if has(name)), None)
     if found is None and kind in (StateKind.PARAM, StateKind.MASTER):
-        raise CheckpointError(f"the checkpoint has no {' or '.join(wanted)} for a unit")
+        raise CheckpointError(f"the checkpoint has no {' or '.join(wanted)} of saved unit {has.unit}")
     return found
 
 
@@ -127,9 +145,10 @@ class Read:
 
 def plan_read(readers: dict[str, Reader], rank_file, saved_units: list[dict],
               runs: list[Segment], kind: StateKind, weights_alone: bool, shard: tuple[int, int],
-              dtype: torch.dtype) -> Read:
+              dtype: torch.dtype, written: set[int]) -> Read:
     """Elements ``[start, end)`` of a new unit's flat state ``kind`` (its ``runs``), every
-    entry checked first: rank k saved elements ``[k*S, (k+1)*S)`` of each saved flat."""
+    entry checked first: rank k saved elements ``[k*S, (k+1)*S)`` of each saved flat.
+    ``written``: the saved units whose next weights a pending delayed update had written."""
     names = next(iter(readers.values())).entries  # every rank saved the same names
     start, end = shard
     pieces = []
@@ -138,7 +157,7 @@ def plan_read(readers: dict[str, Reader], rank_file, saved_units: list[dict],
         if first >= stop:
             continue
         saved = saved_units[run.unit]
-        source = _source(kind, weights_alone, lambda state: f"unit{run.unit}.{state}" in names)
+        source = _source(kind, weights_alone, run.unit in written, _Saved(names, run.unit))
         if source is None:
             continue
         name, size = f"unit{run.unit}.{source}", saved["shard_numel"]

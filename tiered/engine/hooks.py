@@ -19,16 +19,17 @@ backward: saved-tensor unpack -> the first use of a saved view in this backward 
                               whatever is still gathered
 
 [Note: frozen units]
-A unit whose parameters are all frozen has no gradient, so no post-accumulate hook says when
-its backward is over; yet a gradient flowing through it to trainable parameters below gathers
-it again in backward (its input's gradient needs its weights). Its forward pre-hook (also when
-activation checkpointing recomputes the forward inside backward) hooks the module's positional
-tensor inputs that require grad (``register_multi_grad_hook``): once their gradients are all
-computed, the unit's own backward is done, and the unit is released. Without such an input no
-gradient crosses the unit's own computation (its weights are not needed in backward). A unit
-whose inputs come by keyword or inside containers, or whose weights are read outside its
-module's call, is released at the end callback instead; one called twice in a forward is
-released after the later call's backward and gathered again for the earlier one's.
+A unit whose parameters are all frozen (the frozen half of a split module among them: units.py)
+has no gradient, so no post-accumulate hook says when its backward is over; yet a gradient
+flowing through it to trainable parameters below gathers it again in backward (its input's
+gradient needs its weights). Its forward pre-hook (also when activation checkpointing
+recomputes the forward inside backward) hooks the module's tensor inputs that require grad,
+positional, keyword or inside containers (``register_multi_grad_hook``): once their gradients
+are all computed, the unit's own backward is done, and the unit is released. Without such an
+input no gradient crosses the unit's own computation (its weights are not needed in backward).
+A unit whose weights are read outside its module's call is released at the end callback
+instead; one called twice in a forward is released after the later call's backward and
+gathered again for the earlier one's.
 
 Gathering on unpack, rather than from hooks on a unit's outputs, covers every path by which a
 gradient can reach a unit's weights (outputs hidden in dataclasses, auxiliary losses, activation
@@ -44,7 +45,7 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from .flat import FlatParam
 from .runtime import UnitRuntime
@@ -76,7 +77,8 @@ class UnitHooks:
         for flat in runtime.flats:
             module = flat.spec.module
             self._handles += [
-                module.register_forward_pre_hook(partial(self._pre_forward, flat)),
+                module.register_forward_pre_hook(partial(self._pre_forward, flat),
+                                                 with_kwargs=True),
                 module.register_forward_hook(partial(self._post_forward, flat), always_call=True),
                 flat.full.register_post_accumulate_grad_hook(partial(self._post_backward, flat)),
             ]
@@ -110,7 +112,7 @@ class UnitHooks:
         if not torch.is_grad_enabled():
             self.runtime.end_iteration()
 
-    def _pre_forward(self, flat: FlatParam, module, args) -> None:
+    def _pre_forward(self, flat: FlatParam, module, args, kwargs) -> None:
         # Pushed first: the post-hook pops it even when what follows raises.
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
@@ -128,7 +130,8 @@ class UnitHooks:
             flat.bind_views()
         self._started[flat.spec.index] = self.runtime.timeline.mark()
         if not flat.has_trainable and torch.is_grad_enabled():
-            inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+            inputs = [tensor for tensor in tree_leaves((args, kwargs))
+                      if isinstance(tensor, torch.Tensor) and tensor.requires_grad]
             if inputs:  # see [Note: frozen units]
                 self._input_hooks.append(torch.autograd.graph.register_multi_grad_hook(
                     inputs, partial(self._frozen_backward_done, flat)))
