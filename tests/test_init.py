@@ -158,7 +158,50 @@ def test_device_bytes_count_every_parameter_materialized_with_a_unit():
     materializer = Materializer(model, units, torch.device("cpu"), None)
     head = units[2]
     assert [p.names for p in head.params] == [("head.bias",)]
-    assert materializer.device_bytes(head) == (512 + 512 * 16) * 4
+    assert materializer.device_bytes([head]) == (512 + 512 * 16) * 4
     materializer.values(head)
     assert not model.head.weight.is_meta and not model.head.bias.is_meta
-    assert materializer.device_bytes(units[3]) == 0  # the root's tied weight exists already
+    assert materializer.device_bytes([units[3]]) == 0  # the root's tied weight exists already
+
+
+class AttentionBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, x):
+        h = self.ln(x)
+        return x + self.attn(h, h, h, need_weights=False)[0]
+
+
+class AttentionNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(AttentionBlock() for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("frozen", ["attn.out_proj", "attn.in_proj"])
+def test_the_halves_of_a_split_module_are_built_at_once(frozen):
+    # MultiheadAttention's init zeroes its child out_proj's bias: with out_proj frozen or
+    # in_proj frozen, the block's halves hold the two, and each must see the whole init.
+    states = {}
+    for split in (False, True):
+        torch.manual_seed(0)
+        overrides = dict(compute_dtype="fp32", device="cpu", units={"split_frozen": split})
+        with tiered.init(**overrides):
+            net = AttentionNet()
+        for name, param in net.named_parameters():
+            param.requires_grad_(not name.split(".", 2)[2].startswith(frozen))
+        engine, _ = tiered.initialize(net, **overrides)
+        assert len(engine.runtime.flats) == (4 if split else 2)
+        states[split] = engine.full_state_dict()
+        assert engine.memory_report()["hbm"]["peak"] <= engine.manager.plan.working_set
+        engine.close()
+    assert not states[True]["blocks.0.attn.out_proj.bias"].any()
+    assert all(torch.equal(states[True][name], value) for name, value in states[False].items())

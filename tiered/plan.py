@@ -182,9 +182,11 @@ def grad_dtypes(policy: Policy, world_size: int) -> set[torch.dtype]:
 
 
 def hbm_working_set(policy: Policy, full_numels: list[int], unit_paths: list[str],
-                    world_size: int) -> int:
+                    world_size: int, built_with: list[int] | None = None) -> int:
     """Peak bytes of the engine's transient device buffers; ``unit_paths`` are the units' module
-    paths, "" for the root and for the units gathered with it through the whole forward.
+    paths, "" for the root and for the units gathered with it through the whole forward;
+    ``built_with``: per unit, the first of the units built with it at start-up (the halves of a
+    split module), by default itself.
 
     A unit stays gathered while any unit nested in it runs, so what is gathered at once is a
     chain of nested units (the root, and each unit's enclosing units). In backward the next
@@ -195,7 +197,8 @@ def hbm_working_set(policy: Policy, full_numels: list[int], unit_paths: list[str
     in flight] in engine/gradients.py). On top of that, up to
     ``prefetch.hbm_bytes`` of units gathered ahead of need. Building a unit at start-up needs
     its fp32 flat copy and, for a model built under ``tiered.init``, the unit's parameters
-    materialized on the device (fp32 at most).
+    materialized on the device (fp32 at most): those of all the units built with it, which
+    are materialized at once.
     """
     compute = policy.compute_dtype.torch_dtype.itemsize
     root = sum(n for n, path in zip(full_numels, unit_paths) if path == "")
@@ -204,14 +207,17 @@ def hbm_working_set(policy: Policy, full_numels: list[int], unit_paths: list[str
         return sum(n for n, other in zip(full_numels, unit_paths)
                    if other and (path == other or path.startswith(other + ".")))
 
-    chains = sorted((chain(p) for p in unit_paths if p), reverse=True)[:2]
+    chains = sorted((chain(p) for p in set(unit_paths) if p), reverse=True)[:2]
     largest = max(full_numels, default=0)
     gathered = (root + sum(chains)) * compute
     grad = largest * compute
     if world_size > 1:
         grad += largest * 4 * (compute != 4) + largest // world_size * 4
     grad *= GRAD_LANDING_SLOTS
-    startup = largest * 4 * 2
+    together: dict[int, list[int]] = {}
+    for unit, numel in enumerate(full_numels):
+        together.setdefault(built_with[unit] if built_with else unit, []).append(numel)
+    startup = max(((sum(sizes) + max(sizes)) * 4 for sizes in together.values()), default=0)
     return max(gathered + grad + prefetch_limit(policy, full_numels), startup)
 
 
@@ -263,22 +269,23 @@ class Placement:
 
 
 def _plan(policy: Policy, device: torch.device, placement: Placement, full_numels: list[int],
-          unit_paths: list[str], world_size: int) -> MemoryPlan:
+          unit_paths: list[str], world_size: int, built_with: list[int] | None) -> MemoryPlan:
     shards = {(unit, kind): Buffer(f"unit {unit} {kind.value}", tier,
                                    placement.shard_numels[unit], state_dtype(policy, kind))
               for (unit, kind), tier in placement.tiers.items()}
     return MemoryPlan(
         shards=shards,
         staging=staging_buffers(policy, device, placement, world_size),
-        working_set=hbm_working_set(policy, full_numels, unit_paths, world_size))
+        working_set=hbm_working_set(policy, full_numels, unit_paths, world_size, built_with))
 
 
 def build_plan(policy: Policy, device: torch.device, shard_numels: list[int],
                full_numels: list[int], unit_paths: list[str], world_size: int,
                dram_available: int | None = None,
-               unit_kinds: list[list[StateKind]] | None = None) -> MemoryPlan:
+               unit_kinds: list[list[StateKind]] | None = None,
+               built_with: list[int] | None = None) -> MemoryPlan:
     """The plan of ``policy``; ``unit_kinds``: the states of each unit (unit_state_kinds), by
-    default all of the policy's. With ``dram.spill: nvme``, states placed in DRAM move to NVMe
+    default all of the policy's; ``built_with``: see hbm_working_set. With ``dram.spill: nvme``, states placed in DRAM move to NVMe
     until what stays fits ``dram_available``: the optimizer states of the largest units first
     (read and written once per step), then their weights (read twice per step), never the
     gradients. Staging buffers for what moved are counted as it moves."""
@@ -287,7 +294,7 @@ def build_plan(policy: Policy, device: torch.device, shard_numels: list[int],
     tiers = {(unit, kind): state_tier(policy, kind)
              for unit, kinds in enumerate(unit_kinds) for kind in kinds}
     placement = Placement(tiers, shard_numels)
-    plan = _plan(policy, device, placement, full_numels, unit_paths, world_size)
+    plan = _plan(policy, device, placement, full_numels, unit_paths, world_size, built_with)
     if policy.dram.spill is not Tier.NVME or dram_available is None:
         return plan
     weights = tuple(k for k in (StateKind.PARAM, StateKind.PARAM_NEXT) if k in state_kinds(policy))
@@ -299,5 +306,6 @@ def build_plan(policy: Policy, device: torch.device, shard_numels: list[int],
             present = tuple(k for k in kinds if (unit, k) in placement.tiers)
             if present and all(placement.tiers[(unit, k)] is Tier.DRAM for k in present):
                 placement = placement.moved(unit, present, Tier.NVME)
-                plan = _plan(policy, device, placement, full_numels, unit_paths, world_size)
+                plan = _plan(policy, device, placement, full_numels, unit_paths, world_size,
+                             built_with)
     return plan

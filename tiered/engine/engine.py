@@ -222,9 +222,11 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
         paths = ["" if f.spec.whole_forward else f.spec.path for f in flats]
         kinds = [unit_state_kinds(policy, f.has_trainable, [p.dtype for p in f.spec.params])
                  for f in flats]
+        built_with = [built[0].spec.index for built in _built_together(flats) for _ in built]
         plan = build_plan(policy, device, [f.shard_numel for f in flats],
                           [f.padded_numel for f in flats], paths, group.world_size,
-                          dram_available=manager.available()[Tier.DRAM], unit_kinds=kinds)
+                          dram_available=manager.available()[Tier.DRAM], unit_kinds=kinds,
+                          built_with=built_with)
         worker = CpuWorker(optimizer_threads(policy.cpu.optimizer_threads,
                                              drives_gpu=device.type == "cuda"))
         plan.check(manager.available())  # before paying for a compile the budget forbids
@@ -237,9 +239,9 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
             manager.allocate(plan)
         materializer = Materializer(model, specs, device,
                                     context.param_init_fn if context is not None else None)
-        for flat in flats:
-            with timeline.span(f"build unit {flat.name}", "setup"):
-                _partition(flat, materializer, manager, group)
+        for built in _built_together(flats):
+            with timeline.span(f"build unit {built[-1].name}", "setup"):
+                _partition(built, materializer, manager, group)
         for module in model.modules():
             for name, buffer in module._buffers.items():
                 if buffer is not None:
@@ -263,29 +265,44 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
     return engine, optimizer
 
 
+def _built_together(flats: list[FlatParam]) -> list[list[FlatParam]]:
+    """The units in order, those of one module (the halves of a split one) in one list."""
+    built: list[list[FlatParam]] = []
+    for flat in flats:
+        if built and built[-1][0].spec.module is flat.spec.module:
+            built[-1].append(flat)
+        else:
+            built.append([flat])
+    return built
+
+
 @torch.no_grad()
-def _partition(flat: FlatParam, materializer: Materializer, manager: TierManager,
+def _partition(flats: list[FlatParam], materializer: Materializer, manager: TierManager,
                group: ProcessGroup) -> None:
-    """Build one unit's fp32 flat copy, keep this rank's shard in the tiers, drop the rest.
+    """Build the units of one module (two halves when split), each an fp32 flat copy of which
+    this rank's shard is kept in the tiers; then drop the module's parameters.
 
     Rank 0's values are broadcast, so every rank starts from the same model (as DDP does) even
     when ranks built or initialized it with different random states.
     """
-    index = flat.spec.index
-    # The fp32 flat copy, and the unit's parameters where tiered.init materializes them on
-    # the device, live until the unit's shard is stored and the parameters are dropped.
-    building = flat.padded_numel * 4 + materializer.device_bytes(flat.spec)
-    manager.hbm.usage.acquire(building, f"building unit {flat.name}")
-    full = torch.empty(flat.padded_numel, dtype=torch.float32, device=group.device)
-    flat.flatten(materializer.values(flat.spec), full)
-    group.broadcast(full)
-    shard = flat.own_shard(full)
-    # PARAM_NEXT too: the delayed update's two weights both start as the model's.
-    for kind in (StateKind.MASTER, StateKind.PARAM, StateKind.PARAM_NEXT):
-        if manager.has(index, kind):
-            manager.store(index, kind, shard)
-    del full, shard
-    for param in flat.spec.params:
+    specs = [flat.spec for flat in flats]
+    # The module's parameters where tiered.init materializes them on the device, and one fp32
+    # flat copy at a time, live until the last shard is stored and the parameters are dropped.
+    building = max(f.padded_numel for f in flats) * 4 + materializer.device_bytes(specs)
+    manager.hbm.usage.acquire(building, f"building unit {flats[-1].name}")
+    materializer.materialize(specs)
+    for flat in flats:
+        index = flat.spec.index
+        full = torch.empty(flat.padded_numel, dtype=torch.float32, device=group.device)
+        flat.flatten(materializer.values(flat.spec), full)
+        group.broadcast(full)
+        shard = flat.own_shard(full)
+        # PARAM_NEXT too: the delayed update's two weights both start as the model's.
+        for kind in (StateKind.MASTER, StateKind.PARAM, StateKind.PARAM_NEXT):
+            if manager.has(index, kind):
+                manager.store(index, kind, shard)
+        del full, shard
+    for param in (param for spec in specs for param in spec.params):
         for module, attr in param.holders:
             module._parameters.pop(attr, None)
     manager.hbm.usage.release(building)

@@ -98,17 +98,23 @@ class Materializer:
         self.post_order = {id(m): i for i, m in enumerate(_post_order(model))}
         self.initialized: set[int] = set()
 
-    def device_bytes(self, unit: UnitSpec) -> int:
-        """Bytes :meth:`values` will allocate on the device: the unit's meta parameters, and
-        any other meta parameter of the modules holding them (materialized alongside)."""
-        pending = [p for p in unit.params if _current(p).is_meta]
+    def device_bytes(self, units: list[UnitSpec]) -> int:
+        """Bytes :meth:`materialize` will allocate on the device: the units' meta parameters,
+        and any other meta parameter of the modules holding them (materialized alongside)."""
+        pending = [p for unit in units for p in unit.params if _current(p).is_meta]
         return sum(t.numel() * t.element_size() for t in self._to_materialize(pending).values())
+
+    def materialize(self, units: list[UnitSpec]) -> None:
+        """Give the units' meta parameters storage, then initialize them: units built together
+        (the two halves of a split module) are materialized at once, since a module's init may
+        touch any of its parameters."""
+        pending = [p for unit in units for p in unit.params if _current(p).is_meta]
+        if pending:
+            self._materialize(pending)
 
     def values(self, unit: UnitSpec) -> list[torch.Tensor]:
         """The unit's parameter values in spec order, materializing meta ones first."""
-        pending = [p for p in unit.params if _current(p).is_meta]
-        if pending:
-            self._materialize(pending)
+        self.materialize([unit])
         return [_current(p) for p in unit.params]
 
     def _to_materialize(self, specs: list[ParamSpec]) -> dict[int, nn.Parameter]:
