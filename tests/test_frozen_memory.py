@@ -137,10 +137,14 @@ def test_resume_may_unfreeze_a_unit_saved_as_weights_alone(tmp_path):
     assert not torch.equal(state["blocks.0.fc.weight"], saved["blocks.0.fc.weight"])
 
 
-def test_a_dram_budget_spills_a_frozen_units_weights_with_the_others(tmp_path):
+@pytest.mark.parametrize("compute_dtype, frozen_kinds", [
+    ("fp32", [StateKind.PARAM]), ("bf16", [StateKind.PARAM, StateKind.MASTER])])
+def test_a_dram_budget_spills_a_frozen_units_weights_with_the_others(compute_dtype,
+                                                                     frozen_kinds, tmp_path):
     # The spill order holds with units of weights alone: every optimizer state moves before
-    # any weights do, and a frozen unit has only weights to move.
-    policy = Policy.from_dict(dict(device="cpu", compute_dtype="fp32",
+    # any weights do, and a frozen unit has only weights (and masters) to move. The moments'
+    # staging buffers exist only where moments are on NVMe: masters alone need no stream.
+    policy = Policy.from_dict(dict(device="cpu", compute_dtype=compute_dtype,
                                    nvme={"path": str(tmp_path)}, dram={"spill": "nvme"},
                                    optimizer={"sub_group_size": 1024}))
     engine, _ = engine_of(frozen_model(), "fp32")
@@ -151,7 +155,7 @@ def test_a_dram_budget_spills_a_frozen_units_weights_with_the_others(tmp_path):
             [f.spec.path for f in flats], 1)
     engine.close()
     whole = build_plan(policy, torch.device("cpu"), *args, unit_kinds=kinds)
-    assert [kind for (unit, kind) in whole.shards if unit == 0] == [StateKind.PARAM]
+    assert [kind for (unit, kind) in whole.shards if unit == 0] == frozen_kinds
     optimizer_states = (StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
     weights_moved = 0
     for available in range(whole.needed(Tier.DRAM), -1, -BLOCK_ALIGN):
@@ -162,4 +166,30 @@ def test_a_dram_budget_spills_a_frozen_units_weights_with_the_others(tmp_path):
             weights_moved += 1
             assert all(key in on_nvme for key in plan.shards if key[1] in optimizer_states)
         assert not any(kind is StateKind.GRAD for _, kind in on_nvme)
+        moments = any(kind is StateKind.EXP_AVG for _, kind in on_nvme)
+        assert ("exp_avg0" in plan.staging) == moments
+        assert ("master0" in plan.staging) == any(k is StateKind.MASTER for _, k in on_nvme)
     assert weights_moved and (0, StateKind.PARAM) in on_nvme  # at 0 bytes, all that can move
+
+
+def test_a_frozen_units_spilled_masters_train_and_export_as_in_dram(tmp_path):
+    # One block's worth of DRAM short: the frozen block's fp32 masters (the largest unit)
+    # move to NVMe first, alone, with no moments to stream.
+    def run(budget):
+        dram = {"budget": budget, "spill": "nvme"} if budget else {}
+        engine, optimizer = tiered.initialize(
+            frozen_model(), os.path.join(REPO, "configs", "cpu.yaml"), compute_dtype="bf16",
+            device="cpu", nvme={"path": str(tmp_path)}, dram=dram,
+            optimizer=dict(OPTIM, sub_group_size=1024))  # small staging beside tiny shards
+        placement, needed = engine.placement(), engine.manager.plan.needed(Tier.DRAM)
+        state = train(engine, optimizer)
+        engine.close()
+        return state, placement, needed
+
+    expected, placement, needed = run(None)
+    assert placement["blocks.0"] == {"param": "dram", "master": "dram"}
+    state, placement, _ = run(needed - 1)
+    assert placement["blocks.0"] == {"param": "dram", "master": "nvme"}
+    assert all(tier == "dram" for name, kinds in placement.items() if name != "blocks.0"
+               for tier in kinds.values())
+    assert_same_states(state, expected)

@@ -136,8 +136,11 @@ def staging_buffers(policy: Policy, device: torch.device, placement: "Placement"
         out["param_out"] = Buffer("staging param_out", Tier.DRAM, param_out, compute)
     if nvme_states:
         piece = min(nvme_states, policy.optimizer.sub_group_size)
-        for kind in OPTIMIZER_STATES:
-            for slot in range(STAGING_SETS):
+        # Masters alone (a frozen unit's) only pass through master0 for exports; moments
+        # stream with masters through all sets when a trained unit's states are on NVMe.
+        streamed = placement.largest(StateKind.EXP_AVG, Tier.NVME)
+        for kind in OPTIMIZER_STATES if streamed else (StateKind.MASTER,):
+            for slot in range(STAGING_SETS if streamed else 1):
                 out[f"{kind.value}{slot}"] = Buffer(f"staging {kind.value}{slot}", Tier.DRAM,
                                                     piece, torch.float32)
     if policy.grads.tier is Tier.DRAM and device.type != "cpu":

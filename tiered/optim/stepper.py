@@ -35,7 +35,8 @@ class UnitStepper:
         self.timeline = timeline
         self.steps = [torch.zeros((), dtype=torch.float32, device=device) for _ in names]
         """Per unit: the number of its last step (what AdamW's bias correction reads)."""
-        has_nvme_states = any(manager.nvme_file(i, StateKind.MASTER) is not None
+        # A frozen unit's masters may be on NVMe too, but only trained units are streamed.
+        has_nvme_states = any(manager.nvme_file(i, StateKind.EXP_AVG) is not None
                               for i in range(len(names)))
         self.stream = StateStream(manager, sub_group_size) if has_nvme_states else None
 
