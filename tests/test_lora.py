@@ -18,6 +18,7 @@ from test_frozen import assert_same_states, frozen_model, resumed, torch_changin
 from gpt import next_token_loss
 from test_parity import (OPTIM, REPO, assert_parity_on_host, batches, make_model,
                          train_torch)
+from tiered.plan import StateKind
 from tiered.sizes import align_up
 from tiered.tiers.dram import BLOCK_ALIGN
 
@@ -316,3 +317,78 @@ def test_a_frozen_half_called_by_keyword_is_released_after_its_backward():
     # Block 0's frozen half has no input that requires grad: it waits for the backward's end.
     assert gathered == {"inner.blocks.1": ["inner.blocks.1 (frozen)"],
                         "inner.blocks.0": ["inner.blocks.0 (frozen)"]}
+
+
+def _states_by_name(engine) -> dict[tuple[str, str], torch.Tensor]:
+    """This rank's elements of every state of every parameter: (name, state) -> (first element
+    of the parameter this rank holds, values)."""
+    out = {}
+    for flat in engine.runtime.flats:
+        start, stop = flat.shard_range
+        offset = 0
+        for param in flat.spec.params:
+            lo, hi = max(start, offset), min(stop, offset + param.numel)
+            for kind in (StateKind.PARAM, StateKind.MASTER, StateKind.EXP_AVG,
+                         StateKind.EXP_AVG_SQ):  # what a checkpoint holds
+                if hi > lo and engine.manager.has(flat.spec.index, kind):
+                    shard = engine.manager.shards[(flat.spec.index, kind)]
+                    values = torch.empty(shard.numel, dtype=shard.dtype)
+                    engine.manager.copy_out(flat.spec.index, kind, values)
+                    out[(param.names[0], kind.value)] = (lo - offset,
+                                                         values[lo - start:hi - start].float())
+            offset += param.numel
+    return out
+
+
+def _save_split(rank: int, world: int, folder: str) -> None:
+    engine, optimizer = engine_for("cpu", folder, units={"split_frozen": True})
+    train(engine, optimizer, steps=slice(2), rank=rank, world=world)
+    engine.save_checkpoint(os.path.join(folder, "ckpt"), "two")
+    torch.save(_states_by_name(engine), os.path.join(folder, f"saved{rank}.pt"))
+    engine.close()
+
+
+def _load_unsplit(rank: int, world: int, folder: str) -> None:
+    engine, optimizer = tiered.initialize(
+        _lora_freezing_one_more(), os.path.join(REPO, "configs", "cpu.yaml"),
+        compute_dtype="fp32", device="cpu", optimizer=OPTIM, units={"split_frozen": False})
+    engine.load_checkpoint(os.path.join(folder, "ckpt"), "two")
+    torch.save(_states_by_name(engine), os.path.join(folder, f"loaded{rank}.pt"))
+    engine.close()
+
+
+def _lora_freezing_one_more():
+    model = lora_model()
+    model.blocks[1].fc.lora_a.requires_grad_(False)
+    return model
+
+
+def _joined(folder: str, prefix: str, world: int) -> dict[tuple[str, str], torch.Tensor]:
+    pieces: dict[tuple[str, str], list] = {}
+    for rank in range(world):
+        for key, piece in torch.load(os.path.join(folder, f"{prefix}{rank}.pt")).items():
+            pieces.setdefault(key, []).append(piece)
+    return {key: torch.cat([values for _, values in sorted(parts, key=lambda p: p[0])])
+            for key, parts in pieces.items()}
+
+
+def test_a_checkpoint_of_two_ranks_loads_into_three_cut_otherwise(tmp_path):
+    # Other ranks and other units at once (unsplit, one more adapter frozen): every state of
+    # every parameter is what was saved, and the frozen weights that now share units with
+    # adapters get masters from their saved weights and zero moments.
+    from distributed import run_ranks
+
+    run_ranks(2, _save_split, str(tmp_path))
+    run_ranks(3, _load_unsplit, str(tmp_path))
+    saved, loaded = _joined(str(tmp_path), "saved", 2), _joined(str(tmp_path), "loaded", 3)
+    for (name, kind), values in loaded.items():
+        if (name, kind) in saved:
+            expected = saved[(name, kind)]
+        elif kind == "master":  # a frozen parameter's masters start from its weights
+            expected = saved[(name, "param")]
+        else:  # moments of a parameter frozen when saved start at zero
+            assert kind in ("exp_avg", "exp_avg_sq"), (name, kind)
+            assert not values.any(), (name, kind)
+            continue
+        assert torch.equal(values, expected), (name, kind)
+    assert ("blocks.0.fc.base.weight", "exp_avg") in loaded  # beside adapters, unsplit
