@@ -206,6 +206,16 @@ def test_a_cut_that_joins_different_step_counts_is_refused(tmp_path):
             engine.close()
 
 
+def loaded_state(build, ckpt: str, tag: str | None = None) -> dict:
+    """``full_state_dict`` of a fresh engine from ``build()`` once it loaded ``ckpt``."""
+    engine, _ = build()
+    try:
+        engine.load_checkpoint(ckpt, tag)
+        return engine.full_state_dict()
+    finally:
+        engine.close()
+
+
 def test_a_format_2_checkpoint_of_a_partly_frozen_model_loads_into_its_own_units(tmp_path):
     # Before format 3 the manifest did not list each unit's parameters: such a checkpoint
     # loads only into the units it was saved from, and the refusal says how to get them.
@@ -225,12 +235,8 @@ def test_a_format_2_checkpoint_of_a_partly_frozen_model_loads_into_its_own_units
     with pytest.raises(tiered.CheckpointError, match="set units.split_frozen: false"):
         engine.load_checkpoint(ckpt)
     engine.close()
-    engine, _ = engine_for("cpu", str(tmp_path), units={"split_frozen": False})
-    try:
-        engine.load_checkpoint(ckpt)
-        loaded = engine.full_state_dict()
-    finally:
-        engine.close()
+    loaded = loaded_state(lambda: engine_for("cpu", str(tmp_path), units={"split_frozen": False}),
+                          ckpt)
     assert all(torch.equal(loaded[name], value) for name, value in saved.items())
 
 
@@ -247,15 +253,10 @@ def test_halves_with_the_same_sizes_but_other_parameters_map_by_name(tmp_path):
 
     engine, _ = build("fc")
     engine.save_checkpoint(ckpt, "fc")
+    saved = engine.full_state_dict()
     engine.close()
-    engine, _ = build("out")
-    try:
-        before = engine.full_state_dict()
-        engine.load_checkpoint(ckpt, "fc")
-        after = engine.full_state_dict()
-    finally:
-        engine.close()
-    assert all(torch.equal(after[name], value) for name, value in before.items())
+    loaded = loaded_state(lambda: build("out"), ckpt, "fc")
+    assert all(torch.equal(loaded[name], value) for name, value in saved.items())
 
 
 def test_a_pending_delayed_update_resumes_exactly_into_another_cut(tmp_path):
