@@ -4,7 +4,7 @@
 # Each stage prints its table last and keeps logs and timelines in OUT (default ./gpu-out).
 # Stage times measured on the H100 box (16 cores, 125 GiB, 64 GiB free disk): tests 1.8 min,
 # offload 8.4 min, nvme 3.6 min, large 6.1 min; tests+tiled+io together 5.8 min. Estimated:
-# variants 5 min, hbm 5 min, clip 4 min, cpu 4 min. Every tiered process spends about 100 s
+# variants 7 min, hbm 5 min, clip 4 min, cpu 4 min. Every tiered process spends about 100 s
 # in setup there, 57-72 s of it compiling the one-pass AdamW: inductor's on-disk cache did not
 # spare the later processes (on the development machine, torch 2.13, a second process
 # compiles in 2.4 s; the cpu stage checks it on the box).
@@ -27,9 +27,11 @@ offload)  # issue 3: batch 4 and 8, DPU off and on, beside the GPU-resident and 
     for trace in "$out"/trace_*.json; do  # what limits each step (bench/trace_summary.py)
         echo "== $trace"; python bench/trace_summary.py "$trace"
     done | tee "$out/traces.txt" ;;
-variants)  # issue 3: the CPU update on huge pages, end to end (run the cpu stage first)
+variants)  # issue 3: the CPU update on huge pages, and on 14 threads (OpenMP's static
+    # schedule waits for its slowest thread: 15 beside the training thread fill the 16 cores,
+    # so any other thread delays a whole unit), end to end (run the cpu stage first)
     python bench/bench_offload.py --batches 8 --steps 7 --warmup 3 --out "$out/variants.json" \
-        --modes tiered:cpu+dpu,tiered:cpu+dpu+thp,tiered:cpu+arrive+thp \
+        --modes tiered:cpu+dpu,tiered:cpu+dpu+thp,tiered:cpu+dpu+threads14,tiered:cpu+arrive+thp \
         2>&1 | grep -v -e Warning -e _conversion | tee "$out/variants.log" ;;
 hbm)  # issue 3: what sets peak HBM at batch 8 (units.split_large off, prefetch depth 1)
     python bench/bench_offload.py --batches 8 --steps 7 --warmup 3 --out "$out/hbm.json" \
