@@ -1,7 +1,7 @@
 """Step time of a GPT trained with tiered against its peers, measured in one run on one GPU.
 
     python bench/bench_offload.py [--layers 32 --dim 2560 --seq 1024 --batch 8]
-        [--modes gpu,fsdp2_offload,tiered:cpu] [--steps 6]
+        [--modes gpu,fsdp2_offload,tiered:cpu] [--steps 6] [--lora RANK]
 
 Each mode runs in its own process (so one mode's memory cannot help or hurt another), which
 measures every batch size in turn after one setup (on the GPU box a tiered setup takes over a
@@ -11,6 +11,9 @@ per batch size with every mode's ratio to each baseline:
 - ``fsdp2_offload``: FSDP2 with ``CPUOffloadPolicy`` (params, grads, optimizer on the CPU) and
   bf16 compute, what a PyTorch user would pick instead of us;
 - ``tiered:<policy>``: tiered with ``configs/<policy>.yaml`` (``--nvme`` for NVMe policies).
+``--lora RANK`` fine-tunes instead, in every mode: adapters of that rank on the blocks' linear
+layers, every other parameter frozen (TFLOPS then counts 6 FLOPs per trained parameter and
+token, 4 per frozen one, whose weight gradient nobody computes).
 The step time is the median of the steps after the first ``--warmup`` (default 2). With the
 delayed update (``+dpu``, 2 ordinary warm-up steps) the first delayed step still finishes the
 ordinary update before it, so steady state starts at step 4: use ``--warmup 3``.
@@ -33,9 +36,10 @@ VOCAB = 50304
 
 
 def _model(args):
-    from gpt import GPT
+    from gpt import GPT, add_lora
 
-    return GPT(VOCAB, args.dim, args.layers, args.dim // 128)
+    model = GPT(VOCAB, args.dim, args.layers, args.dim // 128)
+    return add_lora(model, args.lora) if args.lora else model
 
 
 def _run_gpu(args):
@@ -147,12 +151,16 @@ def run_mode(args) -> None:
     else:
         model, step = _run_tiered(args, args.run.split(":", 1)[1])
     setup_s = time.perf_counter() - start
-    n_params = (sum(f.numel for f in model.runtime.flats) if hasattr(model, "runtime")
-                else sum(p.numel() for p in model.parameters()))
+    if hasattr(model, "runtime"):  # the engine holds the parameters
+        sizes = [(p.numel, p.trainable) for f in model.runtime.flats for p in f.spec.params]
+    else:
+        sizes = [(p.numel(), p.requires_grad) for p in model.parameters()]
+    n_params = sum(numel for numel, _ in sizes)
+    flops_per_token = sum(numel * (6 if trained else 4) for numel, trained in sizes)
     for batch in args.batch_sizes:
         result = dict(mode=args.run, params_B=n_params / 1e9, layers=args.layers, dim=args.dim,
-                      batch=batch, seq=args.seq, setup_s=setup_s,
-                      **_measure(args, model, step, batch, n_params))
+                      batch=batch, seq=args.seq, lora=args.lora, setup_s=setup_s,
+                      **_measure(args, model, step, batch, flops_per_token))
         if hasattr(model, "memory_report"):
             result["memory_report"] = model.memory_report()
             # What dram.huge_pages (+thp) got from the kernel, not just what it asked for.
@@ -164,7 +172,7 @@ def run_mode(args) -> None:
         model.close()
 
 
-def _measure(args, model, step, batch: int, n_params: int) -> dict:
+def _measure(args, model, step, batch: int, flops_per_token: int) -> dict:
     """``args.steps`` steps at ``batch``: the median step after the first ``args.warmup``, and
     the peak of device memory over these steps alone."""
     import torch
@@ -194,7 +202,7 @@ def _measure(args, model, step, batch: int, n_params: int) -> dict:
     step_s = statistics.median(times[args.warmup:])
     tokens = batch * args.seq
     result = dict(step_s=step_s, tokens_per_s=tokens / step_s,
-                  tflops=6 * n_params * tokens / step_s / 1e12,
+                  tflops=flops_per_token * tokens / step_s / 1e12,
                   peak_hbm_GiB=torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
                   times=times, losses=losses)
     if moved:  # the last step's NVMe traffic (a step moves the same bytes as the one before)
@@ -237,6 +245,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="steps left out of the median")
     parser.add_argument("--modes", default="gpu,fsdp2_offload,tiered:cpu")
     parser.add_argument("--nvme", default=None, help="folder for NVMe policies")
+    parser.add_argument("--lora", type=int, default=0, help="fine-tune adapters of this rank")
     parser.add_argument("--set", default=None, help="policy keys for every tiered mode, as "
                         """JSON: '{"dram": {"spill": "nvme"}}'""")
     parser.add_argument("--out", default=None, help="write all results as JSON here")
@@ -255,7 +264,7 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--run", mode, "--layers", str(args.layers),
                "--dim", str(args.dim), "--seq", str(args.seq),
                "--batches", ",".join(map(str, batches)), "--steps", str(args.steps),
-               "--warmup", str(args.warmup)] + (
+               "--warmup", str(args.warmup), "--lora", str(args.lora)] + (
                ["--nvme", args.nvme] if args.nvme else []) + (
                ["--trace", args.trace] if args.trace else []) + (
                ["--set", args.set] if args.set else [])
@@ -269,7 +278,8 @@ def main() -> None:
                     for batch in batches]
     baselines = [m for m in ("gpu", "fsdp2_offload") if m in args.modes.split(",")]
     for batch in batches:
-        print(f"\nbatch {batch}, seq {args.seq}, {args.layers} x {args.dim}")
+        lora = f", LoRA rank {args.lora}" if args.lora else ""
+        print(f"\nbatch {batch}, seq {args.seq}, {args.layers} x {args.dim}{lora}")
         print(table([r for r in results if r["batch"] == batch], baselines))
     print(json.dumps(results))
     if args.out:

@@ -1,15 +1,15 @@
 #!/bin/bash
 # The GPU-box checks, one stage per call so each fits the box's 10-minute command limit:
-#   bash bench/on_gpu_box.sh tests|offload|variants|hbm|tiled|io|nvme|large|clip|cpu [OUT]
+#   bash bench/on_gpu_box.sh tests|offload|variants|hbm|tiled|io|nvme|large|clip|cpu|lora [OUT]
 # Each stage prints its table last and keeps logs and timelines in OUT (default ./gpu-out).
 # Stage times measured on the H100 box (16 cores, 125 GiB, 64 GiB free disk): tests 1.8 min,
 # offload 8.4 min, nvme 3.6 min, large 6.1 min; tests+tiled+io together 5.8 min. Estimated:
-# variants 7 min, hbm 5 min, clip 4 min, cpu 4 min. Every tiered process spends about 100 s
-# in setup there, 57-72 s of it compiling the one-pass AdamW: inductor's on-disk cache did not
-# spare the later processes (on the development machine, torch 2.13, a second process
-# compiles in 2.4 s; the cpu stage checks it on the box).
+# variants 7 min, hbm 5 min, clip 4 min, cpu 4 min, lora 6 min. Every tiered process spends
+# about 100 s in setup there, 57-72 s of it compiling the one-pass AdamW: inductor's on-disk
+# cache did not spare the later processes (on the development machine, torch 2.13, a second
+# process compiles in 2.4 s; the cpu stage checks it on the box).
 set -o pipefail
-stage=${1:?stage: tests, offload, variants, hbm, tiled, io, nvme, large, clip or cpu}
+stage=${1:?stage: tests, offload, variants, hbm, tiled, io, nvme, large, clip, cpu or lora}
 out=${2:-gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -68,8 +68,12 @@ clip)  # issue 3: clipping at batch 8; the norm is taken as gradients arrive (be
     python bench/bench_offload.py --batches 8 --steps 7 --warmup 3 --out "$out/clip.json" \
         --modes tiered:cpu+arrive,tiered:cpu+dpu --set '{"optimizer": {"max_grad_norm": 1.0}}' \
         2>&1 | grep -v -e Warning -e _conversion | tee "$out/clip.log" ;;
+lora)  # frozen units: LoRA rank 16 fine-tuning of the 2.78 B GPT, batch 8, against the peers
+    python bench/bench_offload.py --lora 16 --batches 8 --steps 7 --warmup 3 --out "$out/lora.json" \
+        --modes gpu,fsdp2_offload,tiered:cpu,tiered:cpu+arrive \
+        2>&1 | grep -v -e Warning -e _conversion | tee "$out/lora.log" ;;
 *)
     echo "unknown stage $stage: tests, offload, variants, hbm, tiled, io, nvme, large, clip," \
-        "cpu" >&2
+        "cpu, lora" >&2
     exit 2 ;;
 esac

@@ -1,6 +1,8 @@
 """A GPT in plain PyTorch: the model of the example, the benchmark and the tests."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -60,6 +62,35 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln(x))
+
+
+class LoRALinear(nn.Module):
+    """A linear layer and a trainable low-rank update of it: ``base(x) + x A^T B^T`` (LoRA).
+    ``B`` starts at zero, as in PEFT, so the model starts as the base model."""
+
+    def __init__(self, base: nn.Linear, rank: int):
+        super().__init__()
+        self.base = base
+        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features))
+        self.lora_b = nn.Parameter(torch.empty(base.out_features, rank))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + x @ self.lora_a.t() @ self.lora_b.t()
+
+
+def add_lora(model: GPT, rank: int) -> GPT:
+    """Adapters of ``rank`` on every block's linear layers; every other parameter frozen."""
+    for block in model.blocks:
+        for name in ("qkv", "proj", "fc", "out"):
+            setattr(block, name, LoRALinear(getattr(block, name), rank))
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.rsplit(".", 1)[-1].startswith("lora_"))
+    return model
 
 
 def next_token_loss(logits: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

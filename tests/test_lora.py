@@ -15,7 +15,7 @@ from torch import nn
 import tiered
 from test_checkpoint import rewrite_manifest
 from test_frozen import assert_same_states, frozen_model, resumed, torch_changing_midway, train
-from gpt import next_token_loss
+from gpt import LoRALinear, add_lora, next_token_loss
 from test_parity import (OPTIM, REPO, assert_parity_on_host, batches, make_model,
                          train_torch)
 from tiered.plan import StateKind
@@ -25,29 +25,16 @@ from tiered.tiers.dram import BLOCK_ALIGN
 RANK = 4
 
 
-class LoRALinear(nn.Module):
-    """``base(x) + x A^T B^T``: the base layer frozen, the adapters ``A`` (rank x in) and ``B``
-    (out x rank) trained. Both start random here (not B = 0, as usual), so that both get a
-    gradient from the first step."""
-
-    def __init__(self, base: nn.Linear):
-        super().__init__()
-        self.base = base
-        self.lora_a = nn.Parameter(torch.randn(RANK, base.in_features) * 0.1)
-        self.lora_b = nn.Parameter(torch.randn(base.out_features, RANK) * 0.1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + x @ self.lora_a.t() @ self.lora_b.t()
-
-
 def lora_model() -> nn.Module:
-    model = make_model()
+    """The parity GPT with adapters on its blocks' linear layers, everything else frozen. Both
+    adapters start random here (B is zero in PEFT), so both get a gradient from the first
+    step."""
+    model = add_lora(make_model(), RANK)
     torch.manual_seed(1)
-    for block in model.blocks:
-        for name in ("qkv", "proj", "fc", "out"):
-            setattr(block, name, LoRALinear(getattr(block, name)))
-    for name, param in model.named_parameters():
-        param.requires_grad_("lora_" in name)
+    for module in model.modules():
+        if isinstance(module, LoRALinear):
+            nn.init.normal_(module.lora_a, std=0.1)
+            nn.init.normal_(module.lora_b, std=0.1)
     return model
 
 
