@@ -21,8 +21,8 @@ from ..optim.adamw import one_pass_for
 from ..optim.groups import shard_ranges
 from ..optim.loss_scale import LossScaler
 from ..optim.workers import CpuWorker, optimizer_threads
-from ..plan import (StateKind, build_plan, grad_dtypes, optimizer_device, state_kinds,
-                    unit_state_kinds)
+from ..plan import (MemoryPlan, StateKind, build_plan, grad_dtypes, optimizer_device,
+                    state_kinds, unit_state_kinds)
 from ..policy import ComputeDtype, Device, Policy, Tier, resolve
 from ..tiers import SlabSource
 from ..timeline import Timeline
@@ -218,15 +218,7 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
         ranges = shard_ranges(flats, policy.optimizer.param_groups)  # one matching nothing fails
         manager = TierManager(policy, device, group.rank, dram_source,
                               _ranks_on_this_node(group), group.smallest)
-        # Units gathered through the whole forward are gathered as long as the root is.
-        paths = ["" if f.spec.whole_forward else f.spec.path for f in flats]
-        kinds = [unit_state_kinds(policy, f.has_trainable, [p.dtype for p in f.spec.params])
-                 for f in flats]
-        built_with = [built[0].spec.index for built in _built_together(flats) for _ in built]
-        plan = build_plan(policy, device, [f.shard_numel for f in flats],
-                          [f.padded_numel for f in flats], paths, group.world_size,
-                          dram_available=manager.available()[Tier.DRAM], unit_kinds=kinds,
-                          built_with=built_with)
+        plan = memory_plan(policy, device, flats, manager.available()[Tier.DRAM])
         worker = CpuWorker(optimizer_threads(policy.cpu.optimizer_threads,
                                              drives_gpu=device.type == "cuda"))
         plan.check(manager.available())  # before paying for a compile the budget forbids
@@ -263,6 +255,20 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
     if os.environ.get(LAUNCHED_ENV):
         _exit_cleanly_on_sigterm()
     return engine, optimizer
+
+
+def memory_plan(policy: Policy, device: torch.device, flats: list[FlatParam],
+                dram_available: int | None = None) -> MemoryPlan:
+    """What ``policy`` places in each tier for these units, before anything is allocated
+    (with ``dram.spill: nvme``, given the DRAM available)."""
+    # Units gathered through the whole forward are gathered as long as the root is.
+    paths = ["" if f.spec.whole_forward else f.spec.path for f in flats]
+    kinds = [unit_state_kinds(policy, f.has_trainable, [p.dtype for p in f.spec.params])
+             for f in flats]
+    built_with = [built[0].spec.index for built in _built_together(flats) for _ in built]
+    return build_plan(policy, device, [f.shard_numel for f in flats],
+                      [f.padded_numel for f in flats], paths, flats[0].world_size,
+                      dram_available=dram_available, unit_kinds=kinds, built_with=built_with)
 
 
 def _built_together(flats: list[FlatParam]) -> list[list[FlatParam]]:

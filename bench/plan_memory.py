@@ -1,0 +1,72 @@
+"""What a policy places in each tier for the benchmark's GPT, full training against LoRA
+fine-tuning, without allocating anything (the model is built on the meta device).
+
+    python bench/plan_memory.py [--layers 32 --dim 2560 --lora 16 --policy configs/cpu.yaml]
+
+Rows: every parameter trained; adapters with ``units.split_frozen`` off (each block one unit,
+every parameter of it with masters, moments and gradient); adapters with it on (frozen halves
+keep their weights alone). The model is bf16, as fine-tuning loads one, so frozen weights need
+no fp32 masters.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+VOCAB = 50304
+
+
+def plan_row(label: str, model, policy) -> list[str]:
+    from tiered.engine.engine import memory_plan
+    from tiered.engine.flat import FlatParam
+    from tiered.engine.units import find_units
+    from tiered.policy import Tier
+
+    units = policy.units
+    specs = find_units(model, units.classes, units.split_large, units.split_frozen)
+    flats = [FlatParam(spec, 0, 1, policy.compute_dtype.torch_dtype, torch.device("cpu"))
+             for spec in specs]
+    plan = memory_plan(policy, torch.device("cpu"), flats)
+    trained = sum(p.numel for spec in specs for p in spec.params if p.trainable)
+    return [label, f"{sum(f.numel for f in flats) / 1e9:.3f}", f"{trained / 1e6:,.1f}",
+            f"{plan.needed(Tier.DRAM) / 1e9:.2f}", f"{plan.needed(Tier.NVME) / 1e9:.2f}",
+            f"{len(flats)}"]
+
+
+def main() -> None:
+    from gpt import GPT, add_lora
+
+    from tiered.policy import resolve
+    from tiered.report import format_table
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--dim", type=int, default=2560)
+    parser.add_argument("--lora", type=int, default=16, help="adapter rank")
+    parser.add_argument("--policy", default=os.path.join(HERE, "..", "configs", "cpu.yaml"))
+    parser.add_argument("--nvme", default="/tmp", help="nvme.path, for NVMe policies")
+    args = parser.parse_args()
+
+    def model(lora: bool):
+        with torch.device("meta"):
+            gpt = GPT(VOCAB, args.dim, args.layers, args.dim // 128).to(torch.bfloat16)
+            return add_lora(gpt, args.lora).to(torch.bfloat16) if lora else gpt
+
+    rows = [["model", "params G", "trained M", "DRAM GB", "NVMe GB", "units"]]
+    for label, lora, split in (("full training", False, True),
+                               (f"LoRA {args.lora}, split_frozen off", True, False),
+                               (f"LoRA {args.lora}, split_frozen on", True, True)):
+        policy = resolve(args.policy, {"nvme": {"path": args.nvme},
+                                       "units": {"split_frozen": split}})
+        rows.append(plan_row(label, model(lora), policy))
+    print(f"{args.layers} x {args.dim}, {os.path.relpath(args.policy)}")
+    print(format_table(rows))
+
+
+if __name__ == "__main__":
+    main()
