@@ -420,13 +420,18 @@ class TiledModel(torch.nn.Module):
         return self.wide(torch.tanh(self.inp(x)))
 
 
-def test_export_before_any_forward_with_tiles_and_buffers(tmp_path):
+@pytest.mark.parametrize("frozen_weight", [False, True])
+def test_export_before_any_forward_with_tiles_and_buffers(frozen_weight, tmp_path):
+    # With the tiled layer's weight frozen and its bias trained (BitFit), each tile's weight
+    # and bias are in two units (units.split_frozen): the layer is written after both.
     safetensors = pytest.importorskip("safetensors.torch")
     torch.manual_seed(0)
     model = TiledModel()
+    model.wide.weight.requires_grad_(not frozen_weight)
     reference = {k: v.clone() for k, v in model.state_dict().items()}
     engine, _ = tiered.initialize(model, "configs/cpu.yaml", device="cpu", compute_dtype="fp32",
                                   tiling={"max_unit_bytes": 2048})
+    assert any(f.spec.frozen_part for f in engine.runtime.flats) == frozen_weight
     assert isinstance(model.wide, tiered.TiledLinear) and model.wide.has_bias
     files = engine.save_pretrained(str(tmp_path / "export"))
     state = safetensors.load_file(str(tmp_path / "export" / files[0]))

@@ -28,8 +28,9 @@ def save_pretrained(engine, directory: str, dtype: torch.dtype = torch.float32,
     weights are those after any pending update (engine.consolidated_units finishes it)."""
     group, model = engine.runtime.group, engine.module
     tiled = tiled_layers(model)
+    tile_names = _tile_names(engine, tiled)
     buffers = {name: b for name, b in model.state_dict().items()}
-    plan = _plan(engine, tiled, buffers, dtype)
+    plan = _plan(engine, tiled, tile_names, buffers, dtype)
     files = _assign(plan, max_shard_bytes)
     writers: dict[str, Writer] = {}
     failure = None
@@ -50,7 +51,7 @@ def save_pretrained(engine, directory: str, dtype: torch.dtype = torch.float32,
             continue
         try:
             waiting.update(flat.by_name(full))
-            for name, tensor in _ready(waiting, tiled):
+            for name, tensor in _ready(waiting, tiled, tile_names):
                 writers[files[name]].write(tensor.to(dtype))
         except Exception as error:  # keep gathering with the others, then report
             failure = error
@@ -69,21 +70,36 @@ def save_pretrained(engine, directory: str, dtype: torch.dtype = torch.float32,
     return list(writers) if group.rank == 0 else []
 
 
-def _plan(engine, tiled: dict[str, TiledLinear], buffers: dict[str, torch.Tensor],
-          dtype: torch.dtype) -> list[Entry]:
+def _tile_names(engine, tiled: dict[str, TiledLinear]) -> dict[str, set[str]]:
+    """Per tiled layer, the names of its tiles' parameters: the layer is written once all
+    have been gathered (its tiles' weights and biases may be in different units: a frozen
+    weight and a trained bias are split apart, units.py)."""
+    names = {prefix: set() for prefix in tiled}
+    for flat in engine.runtime.flats:
+        for spec in flat.spec.params:
+            for name in spec.names:
+                layer = _tiled_layer(name, tiled)
+                if layer is not None:
+                    names[layer].add(name)
+    return names
+
+
+def _plan(engine, tiled: dict[str, TiledLinear], tile_names: dict[str, set[str]],
+          buffers: dict[str, torch.Tensor], dtype: torch.dtype) -> list[Entry]:
     """Every tensor, in the order it will be written: each unit's parameters as the unit is
-    gathered (a tiled layer's weight and bias after its last tile), then buffers."""
-    entries, seen_tiles = [], {prefix: 0 for prefix in tiled}
+    gathered (a tiled layer's weight and bias after its tiles' last parameter), then
+    buffers."""
+    entries, seen = [], {prefix: 0 for prefix in tiled}
     for flat in engine.runtime.flats:
         for spec in flat.spec.params:
             for name in spec.names:
                 layer = _tiled_layer(name, tiled)
                 if layer is None:
                     entries.append(Entry(name, dtype, tuple(spec.shape)))
-                elif name.endswith(".weight"):
-                    seen_tiles[layer] += 1
+                else:
+                    seen[layer] += 1
                     module = tiled[layer]
-                    if seen_tiles[layer] == len(module.tiles):
+                    if seen[layer] == len(tile_names[layer]):
                         entries.append(Entry(f"{layer}weight", dtype,
                                              (module.out_features, module.in_features)))
                         if module.has_bias:
@@ -101,12 +117,13 @@ def _tiled_layer(name: str, tiled: dict[str, TiledLinear]) -> str | None:
     return None
 
 
-def _ready(waiting: dict[str, torch.Tensor], tiled: dict[str, TiledLinear]):
+def _ready(waiting: dict[str, torch.Tensor], tiled: dict[str, TiledLinear],
+           tile_names: dict[str, set[str]]):
     """(name, tensor) pairs that can be written now, removed from ``waiting``."""
     for name in [n for n in waiting if _tiled_layer(n, tiled) is None]:
         yield name, waiting.pop(name)
     for prefix, module in tiled.items():
-        if all(f"{prefix}tiles.{k}.weight" in waiting for k in range(len(module.tiles))):
+        if tile_names[prefix] and all(name in waiting for name in tile_names[prefix]):
             merge_layer_tiles(module, waiting, prefix)
             yield f"{prefix}weight", waiting.pop(f"{prefix}weight")
             if module.has_bias:
