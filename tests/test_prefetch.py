@@ -144,3 +144,28 @@ def test_unused_prefetches_are_released_at_the_end_of_the_iteration():
     step(engine, optimizer, 3)
     assert engine.memory_report()["hbm"]["current"] == 0
     engine.close()
+
+
+def test_the_halves_of_a_split_module_count_as_one_need_ahead():
+    # LoRA in every block (units.split_frozen: a frozen and a trained unit per block): the
+    # look-ahead covers prefetch.depth modules, both halves of each, so split units move the
+    # bytes unsplit ones move; none is released to be gathered again at once.
+    from gpt import add_lora
+
+    moved = {}
+    for split in (True, False):
+        engine, optimizer = tiered.initialize(
+            add_lora(make_gpt(), 4), "configs/cpu.yaml", device="cpu", compute_dtype="fp32",
+            units={"split_frozen": split})
+        sizes = {f.spec.index: f.gathered_bytes for f in engine.runtime.flats}
+        recorder = Recorder(engine)
+        for seed in range(3):
+            step(engine, optimizer, seed)
+            events = recorder.iteration()
+        moved[split] = sum(sizes[e[1]] for e in events if e[0] == "gather")
+        first_need = next(e[1] for e in events if e[0] == "need")
+        prefetched = {e[1] for e in events if e[0] == "prefetch"}
+        demand = [e[1] for e in events if e[0] == "gather" and e[1] not in prefetched]
+        assert demand == [first_need], (split, demand)
+        engine.close()
+    assert moved[True] == moved[False]

@@ -161,13 +161,23 @@ def read_ahead_slots(policy: Policy, max_shard: int) -> int:
     return max(1, policy.prefetch.dram_bytes // shard_bytes)
 
 
-def prefetch_limit(policy: Policy, full_numels: list[int]) -> int:
-    """Device bytes that may be gathered ahead of need (``prefetch.hbm_bytes``)."""
+def module_sizes(full_numels: list[int], groups: list[int] | None) -> list[list[int]]:
+    """The units' elements, one list per module (units.module_groups; by default a unit each)."""
+    sizes: dict[int, list[int]] = {}
+    for unit, numel in enumerate(full_numels):
+        sizes.setdefault(groups[unit] if groups else unit, []).append(numel)
+    return list(sizes.values())
+
+
+def prefetch_limit(policy: Policy, full_numels: list[int], groups: list[int] | None = None) -> int:
+    """Device bytes that may be gathered ahead of need (``prefetch.hbm_bytes``; by default two
+    of the largest module's units, see units.module_groups)."""
     if not policy.prefetch.enabled:
         return 0
     if policy.prefetch.hbm_bytes is not None:
         return policy.prefetch.hbm_bytes
-    return 2 * max(full_numels, default=0) * policy.compute_dtype.torch_dtype.itemsize
+    largest = max((sum(sizes) for sizes in module_sizes(full_numels, groups)), default=0)
+    return 2 * largest * policy.compute_dtype.torch_dtype.itemsize
 
 
 def reduce_dtype(policy: Policy, world_size: int) -> torch.dtype:
@@ -185,11 +195,10 @@ def grad_dtypes(policy: Policy, world_size: int) -> set[torch.dtype]:
 
 
 def hbm_working_set(policy: Policy, full_numels: list[int], unit_paths: list[str],
-                    world_size: int, built_with: list[int] | None = None) -> int:
+                    world_size: int, groups: list[int] | None = None) -> int:
     """Peak bytes of the engine's transient device buffers; ``unit_paths`` are the units' module
     paths, "" for the root and for the units gathered with it through the whole forward;
-    ``built_with``: per unit, the first of the units built with it at start-up (the halves of a
-    split module), by default itself.
+    ``groups``: units.module_groups (the halves of a split module), by default a unit each.
 
     A unit stays gathered while any unit nested in it runs, so what is gathered at once is a
     chain of nested units (the root, and each unit's enclosing units). In backward the next
@@ -217,11 +226,9 @@ def hbm_working_set(policy: Policy, full_numels: list[int], unit_paths: list[str
     if world_size > 1:
         grad += largest * 4 * (compute != 4) + largest // world_size * 4
     grad *= GRAD_LANDING_SLOTS
-    together: dict[int, list[int]] = {}
-    for unit, numel in enumerate(full_numels):
-        together.setdefault(built_with[unit] if built_with else unit, []).append(numel)
-    startup = max(((sum(sizes) + max(sizes)) * 4 for sizes in together.values()), default=0)
-    return max(gathered + grad + prefetch_limit(policy, full_numels), startup)
+    startup = max(((sum(sizes) + max(sizes)) * 4
+                   for sizes in module_sizes(full_numels, groups)), default=0)
+    return max(gathered + grad + prefetch_limit(policy, full_numels, groups), startup)
 
 
 @dataclass(frozen=True)
@@ -272,23 +279,23 @@ class Placement:
 
 
 def _plan(policy: Policy, device: torch.device, placement: Placement, full_numels: list[int],
-          unit_paths: list[str], world_size: int, built_with: list[int] | None) -> MemoryPlan:
+          unit_paths: list[str], world_size: int, groups: list[int] | None) -> MemoryPlan:
     shards = {(unit, kind): Buffer(f"unit {unit} {kind.value}", tier,
                                    placement.shard_numels[unit], state_dtype(policy, kind))
               for (unit, kind), tier in placement.tiers.items()}
     return MemoryPlan(
         shards=shards,
         staging=staging_buffers(policy, device, placement, world_size),
-        working_set=hbm_working_set(policy, full_numels, unit_paths, world_size, built_with))
+        working_set=hbm_working_set(policy, full_numels, unit_paths, world_size, groups))
 
 
 def build_plan(policy: Policy, device: torch.device, shard_numels: list[int],
                full_numels: list[int], unit_paths: list[str], world_size: int,
                dram_available: int | None = None,
                unit_kinds: list[list[StateKind]] | None = None,
-               built_with: list[int] | None = None) -> MemoryPlan:
+               groups: list[int] | None = None) -> MemoryPlan:
     """The plan of ``policy``; ``unit_kinds``: the states of each unit (unit_state_kinds), by
-    default all of the policy's; ``built_with``: see hbm_working_set. With ``dram.spill: nvme``, states placed in DRAM move to NVMe
+    default all of the policy's; ``groups``: see hbm_working_set. With ``dram.spill: nvme``, states placed in DRAM move to NVMe
     until what stays fits ``dram_available``: the optimizer states of the largest units first
     (read and written once per step), then their weights (read twice per step), never the
     gradients. Staging buffers for what moved are counted as it moves."""
@@ -297,7 +304,7 @@ def build_plan(policy: Policy, device: torch.device, shard_numels: list[int],
     tiers = {(unit, kind): state_tier(policy, kind)
              for unit, kinds in enumerate(unit_kinds) for kind in kinds}
     placement = Placement(tiers, shard_numels)
-    plan = _plan(policy, device, placement, full_numels, unit_paths, world_size, built_with)
+    plan = _plan(policy, device, placement, full_numels, unit_paths, world_size, groups)
     if policy.dram.spill is not Tier.NVME or dram_available is None:
         return plan
     weights = tuple(k for k in (StateKind.PARAM, StateKind.PARAM_NEXT) if k in state_kinds(policy))
@@ -310,5 +317,5 @@ def build_plan(policy: Policy, device: torch.device, shard_numels: list[int],
             if present and all(placement.tiers[(unit, k)] is Tier.DRAM for k in present):
                 placement = placement.moved(unit, present, Tier.NVME)
                 plan = _plan(policy, device, placement, full_numels, unit_paths, world_size,
-                             built_with)
+                             groups)
     return plan

@@ -302,12 +302,12 @@ class PrefetchPolicy:
     enabled: bool = field(default=True, metadata=_parse(_bool))
     hbm_bytes: int | None = field(default=None, metadata=_parse(_size_or_none))
     """Device bytes of units gathered ahead of need (prefetched, or kept for a use soon);
-    null = two of the largest unit."""
+    null = two of the largest module's units (a split module's two halves count as one)."""
     dram_bytes: int | None = field(default=None, metadata=_parse(_size_or_none))
     """Pinned bytes of NVMe weights read ahead of their gather; null = two of the largest shard."""
     depth: int = field(default=2, metadata=_parse(_int))
-    """How many upcoming unit uses to gather ahead of need (a unit released while it is among
-    them stays gathered instead)."""
+    """How many upcoming modules' unit uses to gather ahead of need (a unit released while it
+    is among them stays gathered instead)."""
 
     def __post_init__(self):
         if self.depth < 1:

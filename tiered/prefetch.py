@@ -3,12 +3,14 @@
 [Note: trace]
 A *need* is a unit's forward, or its first use in a backward. The needs of one iteration (a
 forward and its backward, or a forward without grad) are recorded in order. The next iteration
-replays that trace: after each need that matches it, the units of the next ``prefetch.depth``
-needs are gathered ahead, as long as the bytes gathered ahead of need stay within
+replays that trace: after each need that matches it, the units of the needs of the next
+``prefetch.depth`` modules are gathered ahead (the two halves of a split module, units.py, are
+two needs of one module), as long as the bytes gathered ahead of need stay within
 ``prefetch.hbm_bytes``; a unit released while it is among those next needs is kept gathered
-instead, its bytes counted the same way. The first need that differs from the trace (other control flow,
-a unit skipped) stops prefetching for the rest of that iteration: units are then gathered when
-needed, which costs speed, never correctness, and the new order becomes the next trace.
+instead, its bytes counted the same way. The first need that differs from the trace (other
+control flow, a unit skipped) stops prefetching for the rest of that iteration: units are then
+gathered when needed, which costs speed, never correctness, and the new order becomes the next
+trace.
 
 This module decides; the runtime moves bytes. Nothing here touches tensors, so the schedule is
 the same on every rank (their collectives must be issued in the same order) and testable alone.
@@ -21,9 +23,13 @@ from .policy import PrefetchPolicy
 
 
 class Prefetcher:
-    def __init__(self, sizes: list[int], policy: PrefetchPolicy, limit: int):
+    def __init__(self, sizes: list[int], policy: PrefetchPolicy, limit: int,
+                 groups: list[int] | None = None):
         self.sizes = sizes
         """Bytes each unit occupies when gathered."""
+        self.groups = groups or list(range(len(sizes)))
+        """Per unit, its module's (units.module_groups): the halves of a split module are
+        needed one after the other, and the look-ahead counts them as one need."""
         self.policy = policy
         self.limit = limit if policy.enabled else 0
         self.trace: list[int] = []
@@ -91,7 +97,15 @@ class Prefetcher:
         return False
 
     def _window(self) -> list[int]:
-        return self.trace[self._position:self._position + self.policy.depth]
+        """The next needs of the trace, of ``prefetch.depth`` modules."""
+        window, modules = [], set()
+        for unit in self.trace[self._position:]:
+            if self.groups[unit] not in modules:
+                if len(modules) == self.policy.depth:
+                    break
+                modules.add(self.groups[unit])
+            window.append(unit)
+        return window
 
     def end_iteration(self) -> list[int]:
         """Close the iteration; returns the units gathered ahead but never needed (to release)."""

@@ -31,7 +31,7 @@ from .flat import FlatParam
 from .hooks import UnitHooks
 from .init import Materializer, init_context_of
 from .runtime import UnitRuntime
-from .units import find_units
+from .units import find_units, module_groups
 
 LAUNCHED_ENV = "TIERED_LAUNCHED"
 """Set by ``tiered-launch`` in each rank's environment."""
@@ -265,21 +265,18 @@ def memory_plan(policy: Policy, device: torch.device, flats: list[FlatParam],
     paths = ["" if f.spec.whole_forward else f.spec.path for f in flats]
     kinds = [unit_state_kinds(policy, f.has_trainable, [p.dtype for p in f.spec.params])
              for f in flats]
-    built_with = [built[0].spec.index for built in _built_together(flats) for _ in built]
     return build_plan(policy, device, [f.shard_numel for f in flats],
                       [f.padded_numel for f in flats], paths, flats[0].world_size,
-                      dram_available=dram_available, unit_kinds=kinds, built_with=built_with)
+                      dram_available=dram_available, unit_kinds=kinds,
+                      groups=module_groups([f.spec for f in flats]))
 
 
 def _built_together(flats: list[FlatParam]) -> list[list[FlatParam]]:
     """The units in order, those of one module (the halves of a split one) in one list."""
-    built: list[list[FlatParam]] = []
-    for flat in flats:
-        if built and built[-1][0].spec.module is flat.spec.module:
-            built[-1].append(flat)
-        else:
-            built.append([flat])
-    return built
+    built: dict[int, list[FlatParam]] = {}
+    for flat, group in zip(flats, module_groups([f.spec for f in flats])):
+        built.setdefault(group, []).append(flat)
+    return list(built.values())
 
 
 @torch.no_grad()

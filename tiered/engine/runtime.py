@@ -26,6 +26,7 @@ from .gradients import GradientPath, LastBackward
 from .pending import PendingWeights
 from .readahead import ReadAhead
 from .streams import Streams
+from .units import module_groups
 
 
 class UnitRuntime:
@@ -63,8 +64,10 @@ class UnitRuntime:
                           if manager.staging_names("param_in") else None)
         self.gatherer = Gatherer(flats, manager, group, self.streams, self.readahead,
                                  self.pending_weights, timeline)
+        groups = module_groups([f.spec for f in flats])
         self.prefetcher = Prefetcher([f.gathered_bytes for f in flats], policy.prefetch,
-                                     prefetch_limit(policy, [f.padded_numel for f in flats]))
+                                     prefetch_limit(policy, [f.padded_numel for f in flats],
+                                                    groups), groups)
 
     def use(self, flat: FlatParam) -> None:
         """``flat`` is needed now (its forward, or its first use in a backward): gather it if it

@@ -161,3 +161,14 @@ def find_units(model: nn.Module, classes: tuple[str, ...] | None,
                 units.append(UnitSpec(len(units), path, modules[path], tuple(part),
                                       whole_forward=path in split, frozen_part=frozen_part))
     return units
+
+
+def module_groups(specs: list[UnitSpec]) -> list[int]:
+    """Per unit, the index of the first unit of its module: the halves of a split module share
+    one, as they are built, gathered and released together (the trace's look-ahead and the
+    start-up working set count them as one)."""
+    groups: list[int] = []
+    for index, spec in enumerate(specs):
+        same = index > 0 and specs[index - 1].module is spec.module
+        groups.append(groups[-1] if same else index)
+    return groups
