@@ -16,8 +16,8 @@ import tiered
 from test_checkpoint import rewrite_manifest
 from test_frozen import assert_same_states, frozen_model, resumed, torch_changing_midway, train
 from gpt import LoRALinear, add_lora, next_token_loss
-from test_parity import (OPTIM, REPO, assert_parity_on_host, batches, make_model,
-                         train_torch)
+from test_parity import (OPTIM, REPO, assert_parity, assert_parity_on_host, batches,
+                         make_model, train_torch)
 from tiered.plan import StateKind
 from tiered.sizes import align_up
 from tiered.tiers.dram import BLOCK_ALIGN
@@ -380,3 +380,51 @@ def test_a_checkpoint_of_two_ranks_loads_into_three_cut_otherwise(tmp_path):
             continue
         assert torch.equal(values, expected), (name, kind)
     assert ("blocks.0.fc.base.weight", "exp_avg") in loaded  # beside adapters, unsplit
+
+
+def _split_and_unsplit(rank: int, world: int, folder: str) -> None:
+    states = {}
+    for split in (True, False):
+        engine, optimizer = engine_for("cpu", folder, optimizer={"accumulation_steps": 2},
+                                       units={"split_frozen": split})
+        states[split] = train(engine, optimizer, rank=rank, world=world)
+        engine.close()
+    torch.save(states, os.path.join(folder, f"rank{rank}.pt"))
+
+
+def test_three_ranks_train_split_units_as_unsplit_ones(tmp_path):
+    # Three ranks cut each half on its own, and units are stepped as their gradients arrive:
+    # the same training as one unit per block. Not bit for bit: the reduce-scatter adds three
+    # ranks' gradients in an order that depends on which rank's shard an element falls in,
+    # and the cut moves the shard boundaries.
+    from distributed import run_ranks
+
+    run_ranks(3, _split_and_unsplit, str(tmp_path))
+    for rank in range(3):
+        states = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert_parity(states[True], states[False])
+        assert not torch.equal(states[True]["blocks.0.fc.lora_b"],
+                               lora_model().state_dict()["blocks.0.fc.lora_b"])
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_fp16_split_units_skip_and_scale_as_unsplit_ones(delayed, tmp_path):
+    # fp16 loss scaling: the same overflows skipped (a first scale of 2**40 overflows), the
+    # same scales after, the same parameters.
+    results = {}
+    for split in (True, False):
+        engine, optimizer = tiered.initialize(
+            lora_model(), os.path.join(REPO, "configs", "cpu.yaml"), compute_dtype="fp16",
+            device="cpu", units={"split_frozen": split}, loss_scale={"initial_scale": 2.0**40},
+            optimizer=dict(OPTIM, delayed_update={"enabled": delayed, "warmup_steps": 1}))
+        for micro_batches in batches():
+            for idx in micro_batches:
+                engine.backward(next_token_loss(engine(idx), idx) / len(micro_batches))
+            optimizer.step()
+            optimizer.zero_grad()
+        results[split] = (engine.full_state_dict(), optimizer.skipped_steps,
+                          optimizer.scaler.scale)
+        engine.close()
+    assert results[True][1] == results[False][1] > 0
+    assert results[True][2] == results[False][2]
+    assert_same_states(results[True][0], results[False][0])
