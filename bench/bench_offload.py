@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(REPO, "examples"))
 VOCAB = 50304
 
 
-def _model(args):
+def build_model(args):
     from gpt import GPT, add_lora
 
     model = GPT(VOCAB, args.dim, args.layers, args.dim // 128)
@@ -43,7 +43,7 @@ def _model(args):
 
 
 def _run_gpu(args):
-    model = _model(args).cuda()
+    model = build_model(args).cuda()
     return model, _plain_step(model, autocast=True)
 
 
@@ -57,7 +57,7 @@ def _run_fsdp2_offload(args):
     dist.init_process_group("nccl", rank=0, world_size=1)
     torch.cuda.set_device(0)
     with torch.device("meta"):
-        model = _model(args)
+        model = build_model(args)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     offload = CPUOffloadPolicy(pin_memory=True)
     for block in model.blocks:
@@ -118,7 +118,7 @@ def _run_tiered(args, variant):
         overrides["trace"] = {"path": os.path.join(args.trace, f"trace_{name}_b{batches}.json")}
     path = os.path.join(REPO, "configs", f"{policy}.yaml")
     with tiered.init(path, **overrides):
-        model = _model(args)
+        model = build_model(args)
     engine, optimizer = tiered.initialize(model)
 
     def step(idx):

@@ -69,7 +69,8 @@ clip)  # issue 3: clipping at batch 8; the norm is taken as gradients arrive (be
         --modes tiered:cpu+arrive,tiered:cpu+dpu --set '{"optimizer": {"max_grad_norm": 1.0}}' \
         2>&1 | grep -v -e Warning -e _conversion | tee "$out/clip.log" ;;
 lora)  # frozen units: LoRA rank 16 fine-tuning of the 2.78 B GPT, batch 8, against the peers
-    python bench/bench_offload.py --lora 16 --batches 8 --steps 7 --warmup 3 --out "$out/lora.json" \
+    python bench/bench_offload.py --lora 16 --batches 8 --steps 7 --warmup 3 \
+        --out "$out/lora.json" \
         --modes gpu,fsdp2_offload,tiered:cpu,tiered:cpu+arrive \
         2>&1 | grep -v -e Warning -e _conversion | tee "$out/lora.log" ;;
 *)

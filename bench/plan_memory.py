@@ -12,35 +12,27 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import torch
 
+from bench_offload import build_model
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
-VOCAB = 50304
 
 
 def plan_row(label: str, model, policy) -> list[str]:
-    from tiered.engine.engine import memory_plan
-    from tiered.engine.flat import FlatParam
-    from tiered.engine.units import find_units
+    from tiered.engine.engine import flat_units, memory_plan
     from tiered.policy import Tier
 
-    units = policy.units
-    specs = find_units(model, units.classes, units.split_large, units.split_frozen)
-    flats = [FlatParam(spec, 0, 1, policy.compute_dtype.torch_dtype, torch.device("cpu"))
-             for spec in specs]
+    flats = flat_units(model, policy, 0, 1, torch.device("cpu"))
     plan = memory_plan(policy, torch.device("cpu"), flats)
-    trained = sum(p.numel for spec in specs for p in spec.params if p.trainable)
+    trained = sum(p.numel for f in flats for p in f.spec.params if p.trainable)
     return [label, f"{sum(f.numel for f in flats) / 1e9:.3f}", f"{trained / 1e6:,.1f}",
             f"{plan.needed(Tier.DRAM) / 1e9:.2f}", f"{plan.needed(Tier.NVME) / 1e9:.2f}",
             f"{len(flats)}"]
 
 
 def main() -> None:
-    from gpt import GPT, add_lora
-
     from tiered.policy import resolve
     from tiered.report import format_table
 
@@ -53,9 +45,9 @@ def main() -> None:
     args = parser.parse_args()
 
     def model(lora: bool):
+        shape = argparse.Namespace(dim=args.dim, layers=args.layers, lora=args.lora if lora else 0)
         with torch.device("meta"):
-            gpt = GPT(VOCAB, args.dim, args.layers, args.dim // 128).to(torch.bfloat16)
-            return add_lora(gpt, args.lora).to(torch.bfloat16) if lora else gpt
+            return build_model(shape).to(torch.bfloat16)
 
     rows = [["model", "params G", "trained M", "DRAM GB", "NVMe GB", "units"]]
     for label, lora, split in (("full training", False, True),

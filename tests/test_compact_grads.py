@@ -18,7 +18,8 @@ from gpt import next_token_loss
 from test_delayed_update import WARMUP
 from test_memory import dram_block, make_gpt, shard_numels, train_step
 from test_parity import BATCH, OPTIM, POLICIES, REPO, make_model, token_batches
-from tiered.plan import StateKind, build_plan
+from tiered.engine.engine import memory_plan
+from tiered.plan import StateKind
 from tiered.policy import ComputeDtype, Policy, Tier
 
 STEPS = 5
@@ -60,8 +61,7 @@ def test_compact_gradients_save_two_bytes_per_parameter_in_plan_and_report():
         engine(torch.randn(4, 64)).square().sum().backward()
         optimizer.step()
         flats = engine.runtime.flats
-        plan = build_plan(policy, torch.device("cpu"), [f.shard_numel for f in flats],
-                          [f.padded_numel for f in flats], [f.spec.path for f in flats], 1)
+        plan = memory_plan(policy, torch.device("cpu"), flats)
         dram[accumulation_steps] = engine.memory_report()["dram"]["current"]
         assert dram[accumulation_steps] == plan.needed(Tier.DRAM)  # what the budget check counts
         engine.close()

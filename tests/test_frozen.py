@@ -2,7 +2,7 @@
 for them, the optimizer never steps them (no weight decay, no moments) and the gradient norm
 leaves them out. The model freezes the tied embedding (a root parameter under two names), all
 of block 0 (a unit with nothing to train, which the gradient still crosses on its way to the
-position table) and two parameters of block 1 (a unit partly frozen)."""
+position table) and two parameters of block 1 (partly frozen: two units, units.split_frozen)."""
 from __future__ import annotations
 
 import os
@@ -32,9 +32,12 @@ def is_frozen(name: str) -> bool:
     return name.startswith(FROZEN)
 
 
-def engine_for(policy: str, nvme: str, compute_dtype="fp32", device="cpu", **optimizer):
+def engine_for(policy: str, nvme: str | None, compute_dtype="fp32", device="cpu", model=None,
+               **optimizer):
+    """An engine of ``model`` (the frozen GPT by default) under ``configs/<policy>.yaml``."""
     return tiered.initialize(
-        frozen_model(), os.path.join(REPO, "configs", f"{policy}.yaml"),
+        frozen_model() if model is None else model,
+        os.path.join(REPO, "configs", f"{policy}.yaml"),
         compute_dtype=compute_dtype, device=device, nvme={"path": nvme},
         optimizer=dict(OPTIM, sub_group_size=1024, **optimizer))
 

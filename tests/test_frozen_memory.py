@@ -1,7 +1,8 @@
 """A unit of frozen parameters only keeps its weights alone: no gradient, no Adam moments, no
 delayed-update buffer, and fp32 master weights only where the compute dtype would round its
-parameters. The model is test_frozen's: block 0 is such a unit, the root and block 1 are partly
-frozen (they keep every state)."""
+parameters. The model is test_frozen's: block 0 is such a unit; the root and block 1 are partly
+frozen, so each is two units (units.split_frozen), a frozen half of that kind and a trained
+half with every state."""
 from __future__ import annotations
 
 import os
@@ -11,20 +12,14 @@ import torch
 
 import tiered
 from gpt import next_token_loss
-from test_frozen import (assert_same_states, frozen_model, is_frozen, resumed, train,
-                         train_reference)
+from test_frozen import (assert_same_states, engine_for, frozen_model, is_frozen, resumed,
+                         train, train_reference)
 from test_parity import OPTIM, REPO, batches
-from tiered.plan import StateKind, build_plan, state_kinds, unit_state_kinds
+from tiered.engine.engine import flat_units, memory_plan
+from tiered.plan import StateKind, state_kinds
 from tiered.policy import Policy, Tier
 from tiered.sizes import align_up
 from tiered.tiers.dram import BLOCK_ALIGN
-
-def engine_of(model, compute_dtype: str, policy: str = "cpu", nvme: str | None = None,
-              **optimizer):
-    return tiered.initialize(model, os.path.join(REPO, "configs", f"{policy}.yaml"),
-                             compute_dtype=compute_dtype, device="cpu",
-                             nvme={"path": nvme}, optimizer=dict(OPTIM, **optimizer))
-
 
 def dram_bytes(flat, kinds: list[StateKind], compute: torch.dtype) -> int:
     """What a unit's states take in DRAM: each a whole number of 4 KiB blocks."""
@@ -41,13 +36,14 @@ def dram_bytes(flat, kinds: list[StateKind], compute: torch.dtype) -> int:
 ])
 @pytest.mark.parametrize("delayed", [False, True])
 def test_a_frozen_unit_keeps_its_weights_alone(model_dtype, compute_dtype, kept, delayed):
-    engine, _ = engine_of(frozen_model().to(model_dtype), compute_dtype,
+    engine, _ = engine_for("cpu", None, compute_dtype, model=frozen_model().to(model_dtype),
                           delayed_update={"enabled": delayed, "warmup_steps": 1})
     try:
         placement = engine.placement()
         every = [kind.value for kind in state_kinds(engine.policy)]
         assert list(placement["blocks.0"]) == kept
-        assert list(placement["blocks.1"]) == every  # partly frozen: all of them
+        assert list(placement["blocks.1 (frozen)"]) == kept
+        assert list(placement["blocks.1"]) == every  # the trained half: all of them
         assert list(placement["<root>"]) == every
         compute = engine.policy.compute_dtype.torch_dtype
         expected = sum(dram_bytes(flat, [StateKind(k) for k in placement[flat.name]], compute)
@@ -68,8 +64,8 @@ def test_bf16_training_with_frozen_units_keeps_their_weights_exactly(policy, tmp
     for model_dtype in (torch.bfloat16, torch.float32):
         initial = {name: value.float() for name, value in
                    frozen_model().to(model_dtype).state_dict().items()}
-        engine, optimizer = engine_of(frozen_model().to(model_dtype), "bf16", policy,
-                                      str(tmp_path))
+        engine, optimizer = engine_for(policy, str(tmp_path), "bf16",
+                                       model=frozen_model().to(model_dtype))
         state = train(engine, optimizer)
         engine.close()
         for name in initial:
@@ -79,7 +75,7 @@ def test_bf16_training_with_frozen_units_keeps_their_weights_exactly(policy, tmp
 def test_zero_grad_to_zeros_leaves_frozen_units_out(tmp_path):
     # zero_grad(set_to_none=False) makes zeros of the gradients there are; a frozen unit has
     # none (and no buffer), as a frozen parameter's grad stays None in PyTorch.
-    engine, optimizer = engine_of(frozen_model(), "fp32")
+    engine, optimizer = engine_for("cpu", None)
     try:
         for micro_batches in batches():
             for idx in micro_batches:
@@ -101,7 +97,8 @@ def test_resume_with_weights_only_units_is_exact(delayed, tmp_path):
     dpu = {"enabled": delayed, "warmup_steps": 1}
 
     def fresh():
-        return engine_of(frozen_model().bfloat16(), "bf16", delayed_update=dpu)
+        return engine_for("cpu", None, "bf16", model=frozen_model().bfloat16(),
+                          delayed_update=dpu)
 
     engine, optimizer = fresh()
     train(engine, optimizer, steps=slice(2))
@@ -115,7 +112,7 @@ def test_resume_may_unfreeze_a_unit_saved_as_weights_alone(tmp_path):
     # Its masters start from the saved bf16 weights (exact: the model is bf16) and its
     # moments at zero, as a parameter that was never stepped; then it trains.
     ckpt = str(tmp_path / "ckpt")
-    engine, optimizer = engine_of(frozen_model().bfloat16(), "bf16")
+    engine, optimizer = engine_for("cpu", None, "bf16", model=frozen_model().bfloat16())
     train(engine, optimizer, steps=slice(2))
     engine.save_checkpoint(ckpt, "two")
     saved = engine.full_state_dict()
@@ -123,7 +120,7 @@ def test_resume_may_unfreeze_a_unit_saved_as_weights_alone(tmp_path):
 
     model = frozen_model().bfloat16()
     model.blocks[0].requires_grad_(True)
-    engine, optimizer = engine_of(model, "bf16")
+    engine, optimizer = engine_for("cpu", None, "bf16", model=model)
     try:
         assert "exp_avg" in engine.placement()["blocks.0"]
         engine.load_checkpoint(ckpt)
@@ -147,20 +144,13 @@ def test_a_dram_budget_spills_a_frozen_units_weights_with_the_others(compute_dty
     policy = Policy.from_dict(dict(device="cpu", compute_dtype=compute_dtype,
                                    nvme={"path": str(tmp_path)}, dram={"spill": "nvme"},
                                    optimizer={"sub_group_size": 1024}))
-    engine, _ = engine_of(frozen_model(), "fp32")
-    flats = engine.runtime.flats
-    kinds = [unit_state_kinds(policy, f.has_trainable, [p.dtype for p in f.spec.params])
-             for f in flats]
-    args = ([f.shard_numel for f in flats], [f.padded_numel for f in flats],
-            [f.spec.path for f in flats], 1)
-    engine.close()
-    whole = build_plan(policy, torch.device("cpu"), *args, unit_kinds=kinds)
+    flats = flat_units(frozen_model(), policy, 0, 1, torch.device("cpu"))
+    whole = memory_plan(policy, torch.device("cpu"), flats)
     assert [kind for (unit, kind) in whole.shards if unit == 0] == frozen_kinds
     optimizer_states = (StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
     weights_moved = 0
     for available in range(whole.needed(Tier.DRAM), -1, -BLOCK_ALIGN):
-        plan = build_plan(policy, torch.device("cpu"), *args, unit_kinds=kinds,
-                          dram_available=available)
+        plan = memory_plan(policy, torch.device("cpu"), flats, dram_available=available)
         on_nvme = {key for key, buffer in plan.shards.items() if buffer.tier is Tier.NVME}
         if any(kind is StateKind.PARAM for _, kind in on_nvme):
             weights_moved += 1

@@ -13,14 +13,13 @@ import torch
 from torch import nn
 
 import tiered
+from gpt import LoRALinear, add_lora, next_token_loss
 from test_checkpoint import rewrite_manifest
 from test_frozen import assert_same_states, frozen_model, resumed, torch_changing_midway, train
-from gpt import LoRALinear, add_lora, next_token_loss
+from test_frozen_memory import dram_bytes
 from test_parity import (OPTIM, REPO, assert_parity, assert_parity_on_host, batches,
                          make_model, train_torch)
 from tiered.plan import StateKind
-from tiered.sizes import align_up
-from tiered.tiers.dram import BLOCK_ALIGN
 
 RANK = 4
 
@@ -74,11 +73,6 @@ def test_lora_on_cuda(policy, tmp_path):
     assert_parity_on_host(state, expected)
 
 
-def state_bytes(numel: int, kinds: list[str]) -> int:
-    """DRAM bytes of a shard's states in fp32 training: 4 KiB blocks of 4-byte elements."""
-    return len(kinds) * align_up(numel * 4, BLOCK_ALIGN)
-
-
 @pytest.mark.parametrize("split", [True, False])
 def test_frozen_weights_cost_their_own_bytes_only(split, tmp_path):
     engine, _ = engine_for("cpu", str(tmp_path), units={"split_frozen": split})
@@ -91,7 +85,7 @@ def test_frozen_weights_cost_their_own_bytes_only(split, tmp_path):
             kinds = list(placement[flat.name])
             assert kinds == (every if trained else ["param"]), flat.name
             assert trained in (0, flat.numel) or not split, flat.name  # never mixed when split
-            expected += state_bytes(flat.shard_numel, kinds)
+            expected += dram_bytes(flat, [StateKind(kind) for kind in kinds], torch.float32)
         assert engine.memory_report()["dram"]["current"] == expected
         adapters = sum(p.numel() for n, p in lora_model().named_parameters() if "lora_" in n)
         if split:  # all of AdamW's state is the adapters'

@@ -9,7 +9,8 @@ from torch import nn
 
 import tiered
 from gpt import GPT, next_token_loss
-from tiered.plan import GRAD_LANDING_SLOTS, build_plan
+from tiered.engine.engine import memory_plan
+from tiered.plan import GRAD_LANDING_SLOTS
 from tiered.policy import Policy, Tier
 from tiered.sizes import align_up
 
@@ -193,8 +194,7 @@ def test_nested_units_fit_a_budget_of_exactly_the_plan():
     # Each Outer: itself, its Inner, its Middle and that Middle's Inner (the root has no params).
     assert [f.name for f in flats][:4] == ["0", "0.inner", "0.middle", "0.middle.inner"]
     assert len(flats) == 8
-    plan = build_plan(policy, torch.device("cpu"), [f.shard_numel for f in flats],
-                      [f.padded_numel for f in flats], [f.spec.path for f in flats], 1)
+    plan = memory_plan(policy, torch.device("cpu"), flats)
     probe.close()
     engine, optimizer = tiered.initialize(model(), policy.replace(
         hbm={"budget": plan.needed(Tier.HBM)}))

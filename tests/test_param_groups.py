@@ -12,6 +12,7 @@ import torch
 import tiered
 from distributed import run_ranks
 from gpt import next_token_loss
+from test_checkpoint import rewrite_manifest
 from test_parity import (MICRO, OPTIM, REPO, assert_parity, assert_parity_on_host, batches,
                          make_model, run_engine, train_torch)
 
@@ -210,8 +211,6 @@ def test_shard_ranges_cover_each_shard_with_each_elements_group(world):
 def test_a_checkpoint_of_format_1_still_loads(tmp_path):
     # Format 1 (before param groups): no group_hypers, no param_groups in the saved policy,
     # and (as in format 2) no parameter list per unit.
-    from test_checkpoint import rewrite_manifest
-
     ckpt = str(tmp_path / "ckpt")
     engine, optimizer = engine_with_groups("cpu", str(tmp_path), groups=None)
     train(engine, optimizer, steps=2)

@@ -41,7 +41,8 @@ pinned buffers in which later gradients of a step land until the CPU worker adds
 
 
 def state_kinds(policy: Policy) -> list[StateKind]:
-    """The states each unit shard has under this policy."""
+    """The states of a unit with parameters to train under this policy (a frozen unit's:
+    unit_state_kinds)."""
     kinds = list(StateKind)
     if not policy.optimizer.delayed_update.enabled:
         kinds.remove(StateKind.PARAM_NEXT)
@@ -119,6 +120,7 @@ def staging_buffers(policy: Policy, device: torch.device, placement: "Placement"
     - "param_out": new weights cast on the CPU on their way to NVMe or HBM (CPU worker);
     - "master0".."master2", "exp_avg0".., "exp_avg_sq0"..: three sets of sub-group buffers
       through which optimizer states stream from NVMe (CPU worker; see [Note: state stream]);
+      "master0" alone where only a frozen unit's masters are there (read for exports);
     - "grad0".."grad3": reduced gradient shards landing from the GPU (filled by backward, emptied
       by the CPU worker; see GRAD_LANDING_SLOTS).
     """
@@ -161,22 +163,22 @@ def read_ahead_slots(policy: Policy, max_shard: int) -> int:
     return max(1, policy.prefetch.dram_bytes // shard_bytes)
 
 
-def module_sizes(full_numels: list[int], groups: list[int] | None) -> list[list[int]]:
-    """The units' elements, one list per module (units.module_groups; by default a unit each)."""
-    sizes: dict[int, list[int]] = {}
-    for unit, numel in enumerate(full_numels):
-        sizes.setdefault(groups[unit] if groups else unit, []).append(numel)
-    return list(sizes.values())
+def by_module(per_unit: list, groups: list[int] | None) -> list[list]:
+    """Per-unit items, one list per module (units.module_groups; by default a unit each)."""
+    lists: dict[int, list] = {}
+    for unit, item in enumerate(per_unit):
+        lists.setdefault(groups[unit] if groups else unit, []).append(item)
+    return list(lists.values())
 
 
 def prefetch_limit(policy: Policy, full_numels: list[int], groups: list[int] | None = None) -> int:
-    """Device bytes that may be gathered ahead of need (``prefetch.hbm_bytes``; by default two
-    of the largest module's units, see units.module_groups)."""
+    """Device bytes that may be gathered ahead of need (``prefetch.hbm_bytes``; by default
+    twice the largest module's, its units summed: see units.module_groups)."""
     if not policy.prefetch.enabled:
         return 0
     if policy.prefetch.hbm_bytes is not None:
         return policy.prefetch.hbm_bytes
-    largest = max((sum(sizes) for sizes in module_sizes(full_numels, groups)), default=0)
+    largest = max((sum(sizes) for sizes in by_module(full_numels, groups)), default=0)
     return 2 * largest * policy.compute_dtype.torch_dtype.itemsize
 
 
@@ -227,7 +229,7 @@ def hbm_working_set(policy: Policy, full_numels: list[int], unit_paths: list[str
         grad += largest * 4 * (compute != 4) + largest // world_size * 4
     grad *= GRAD_LANDING_SLOTS
     startup = max(((sum(sizes) + max(sizes)) * 4
-                   for sizes in module_sizes(full_numels, groups)), default=0)
+                   for sizes in by_module(full_numels, groups)), default=0)
     return max(gathered + grad + prefetch_limit(policy, full_numels, groups), startup)
 
 
@@ -295,10 +297,11 @@ def build_plan(policy: Policy, device: torch.device, shard_numels: list[int],
                unit_kinds: list[list[StateKind]] | None = None,
                groups: list[int] | None = None) -> MemoryPlan:
     """The plan of ``policy``; ``unit_kinds``: the states of each unit (unit_state_kinds), by
-    default all of the policy's; ``groups``: see hbm_working_set. With ``dram.spill: nvme``, states placed in DRAM move to NVMe
-    until what stays fits ``dram_available``: the optimizer states of the largest units first
-    (read and written once per step), then their weights (read twice per step), never the
-    gradients. Staging buffers for what moved are counted as it moves."""
+    default all of the policy's; ``groups``: see hbm_working_set. With ``dram.spill: nvme``,
+    states placed in DRAM move to NVMe until what stays fits ``dram_available``: the optimizer
+    states of the largest units first (read and written once per step), then their weights
+    (read twice per step), never the gradients. Staging buffers for what moved are counted as
+    it moves."""
     if unit_kinds is None:
         unit_kinds = [state_kinds(policy)] * len(shard_numels)
     tiers = {(unit, kind): state_tier(policy, kind)
@@ -307,7 +310,7 @@ def build_plan(policy: Policy, device: torch.device, shard_numels: list[int],
     plan = _plan(policy, device, placement, full_numels, unit_paths, world_size, groups)
     if policy.dram.spill is not Tier.NVME or dram_available is None:
         return plan
-    weights = tuple(k for k in (StateKind.PARAM, StateKind.PARAM_NEXT) if k in state_kinds(policy))
+    weights = (StateKind.PARAM, StateKind.PARAM_NEXT)  # a unit's own, as below
     by_size = sorted(range(len(shard_numels)), key=lambda u: -shard_numels[u])
     for kinds in (OPTIMIZER_STATES, weights):
         for unit in by_size:

@@ -302,12 +302,12 @@ class PrefetchPolicy:
     enabled: bool = field(default=True, metadata=_parse(_bool))
     hbm_bytes: int | None = field(default=None, metadata=_parse(_size_or_none))
     """Device bytes of units gathered ahead of need (prefetched, or kept for a use soon);
-    null = two of the largest module's units (a split module's two halves count as one)."""
+    null = twice the largest module's (a split module's two halves summed)."""
     dram_bytes: int | None = field(default=None, metadata=_parse(_size_or_none))
     """Pinned bytes of NVMe weights read ahead of their gather; null = two of the largest shard."""
     depth: int = field(default=2, metadata=_parse(_int))
-    """How many upcoming modules' unit uses to gather ahead of need (a unit released while it
-    is among them stays gathered instead)."""
+    """How many modules ahead of need to gather, along the trace (a unit released while its
+    module is among them stays gathered instead)."""
 
     def __post_init__(self):
         if self.depth < 1:
@@ -338,8 +338,9 @@ class UnitsPolicy:
     of waiting in the root's buffer through the whole backward (see units.py)."""
     split_frozen: bool = field(default=True, metadata=_parse(_bool))
     """Make two units of a unit whose parameters are partly frozen: its frozen parameters, which
-    keep their weights alone, and its trainable ones, gathered and released together. LoRA
-    adapters in a frozen block then cost optimizer state for themselves only (see units.py)."""
+    keep their weights alone, and its trainable ones, gathered together, each released after
+    its own backward. LoRA adapters in a frozen block then cost optimizer state for themselves
+    only (see units.py)."""
 
 
 @dataclass(frozen=True)

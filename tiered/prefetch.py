@@ -28,8 +28,8 @@ class Prefetcher:
         self.sizes = sizes
         """Bytes each unit occupies when gathered."""
         self.groups = groups or list(range(len(sizes)))
-        """Per unit, its module's (units.module_groups): the halves of a split module are
-        needed one after the other, and the look-ahead counts them as one need."""
+        """Per unit, the group of its module (units.module_groups): the halves of a split
+        module are needed one after the other, and the look-ahead counts them as one."""
         self.policy = policy
         self.limit = limit if policy.enabled else 0
         self.trace: list[int] = []

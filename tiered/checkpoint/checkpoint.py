@@ -7,9 +7,10 @@ Layout of ``<dir>``::
     <tag>/manifest.json            written last: what the engine was, and each file's size and
                                    sha256
     <tag>/rank00000.safetensors    one per rank: for each unit, its shard of the fp32 master
-                                   weights and both Adam moments (and, with a delayed update
-                                   pending, its current compute-dtype weights; a frozen unit's
-                                   weights alone where it keeps no masters); its RNG states
+                                   weights and both Adam moments (a frozen unit: its masters,
+                                   or its compute-dtype weights where it keeps none; with a
+                                   delayed update pending, also the current compute-dtype
+                                   weights); its RNG states
     latest                         the newest complete tag
 
 [Note: atomic checkpoints]
@@ -23,9 +24,10 @@ loaded. A load checks the manifest against the engine and every file's size and 
 it changes anything, and reads only JSON and raw tensor bytes (no pickle).
 
 Compute-dtype weights are the master weights cast, so they are recomputed on load, except under
-a pending delayed update: then the weights the next forward uses are the previous step's, and
-they are saved too. Saves and loads agree across ranks: a failure on one raises on all, and a
-load checks every file and entry it will read before it stores anything.
+a pending delayed update (then the weights the next forward uses are the previous step's, and
+they are saved too) and for a frozen unit without masters (its weights are all it has). Saves
+and loads agree across ranks: a failure on one raises on all, and a load checks every file and
+entry it will read before it stores anything.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ import shutil
 import torch
 
 from .. import __version__
-from ..plan import OPTIMIZER_STATES, StateKind, state_kinds
+from ..plan import OPTIMIZER_STATES, StateKind
 from . import layout
 from .format import CheckpointError, Entry, Reader, Writer, file_digest
 
@@ -215,8 +217,7 @@ def load(engine, directory: str, tag: str | None) -> str:
                                   manifest["optimizer"]["unit_steps"],
                                   set(manifest.get("frozen", [])))  # none before format 2
         same_world = manifest["world_size"] == group.world_size
-        same_shards = same_world and all(r == [layout.Segment(0, f.numel, i, 0)] for i, (r, f)
-                                         in enumerate(zip(runs, engine.runtime.flats)))
+        same_shards = same_world and layout.unchanged(runs, engine.runtime.flats)
         needed = [rank_file(group.rank)] if same_shards else list(manifest["files"])
         readers = _open_verified(folder, manifest, needed)
         reads = _plan_reads(engine, manifest, readers, runs)
@@ -329,9 +330,10 @@ def _plan_reads(engine, manifest: dict, readers: dict[str, Reader],
 
 
 def _check_rng(own_file: Reader | None) -> None:
+    if own_file is None:  # another world size: the RNG states are not restored
+        return
     for name in ("rng.cpu", "rng.cuda"):
-        if own_file is not None and name in own_file.entries \
-                and own_file.entry(name).dtype is not torch.uint8:
+        if name in own_file.entries and own_file.entry(name).dtype is not torch.uint8:
             raise CheckpointError(f"{own_file.path}: {name!r} is not a byte tensor")
 
 
@@ -341,8 +343,6 @@ def _load_states(engine, manifest: dict, reads: dict[tuple[int, StateKind], layo
     (``own_file``: the same world size) this rank's RNG states."""
     manager = engine.manager
     state = manifest["optimizer"]
-    weights = [k for k in (StateKind.PARAM, StateKind.PARAM_NEXT)
-               if k in state_kinds(engine.policy)]
     swapping = set()
     for flat in engine.runtime.flats:
         unit = flat.spec.index
@@ -360,7 +360,7 @@ def _load_states(engine, manifest: dict, reads: dict[tuple[int, StateKind], layo
             swapping.add(unit)
         else:
             values = masters if masters is not None else weights_read.fetch()
-            for kind in weights:
+            for kind in (StateKind.PARAM, StateKind.PARAM_NEXT):
                 if manager.has(unit, kind):
                     manager.store(unit, kind, values)
     pending = state["pending"]

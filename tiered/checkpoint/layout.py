@@ -9,9 +9,9 @@ run of a new unit's flat that lies contiguous in one saved unit's flat. Without 
 1 and 2) the units must be the same.
 
 What a state's segment is read from depends on what the saved unit has (plan.unit_state_kinds):
-a unit of frozen parameters only was saved without moments (they load as zeros: it had taken no
-step) and, where it kept no masters, with its compute-dtype weights, which then stand for the
-masters.
+a unit of frozen parameters only was saved without moments (they load as zeros, which is
+exact: unit_steps refuses to unfreeze a parameter whose saved unit has stepped) and, where it
+kept no masters, with its compute-dtype weights, which then stand for the masters.
 """
 from __future__ import annotations
 
@@ -38,6 +38,24 @@ def saved_params(unit: dict) -> list[tuple[str, int]]:
     return [(name, numel) for name, numel in unit["params"]]
 
 
+def _places(saved_units: list[dict]) -> dict[str, tuple[int, int, int]]:
+    """Parameter name -> (saved unit, first element in its flat, elements), where the manifest
+    lists them (format 3)."""
+    places = {}
+    for index, unit in enumerate(saved_units):
+        offset = 0
+        for name, numel in saved_params(unit) if "params" in unit else []:
+            places[name] = (index, offset, numel)
+            offset += numel
+    return places
+
+
+def unchanged(runs: list[list[Segment]], flats) -> bool:
+    """Whether every unit is the saved unit of its index, whole."""
+    return all(unit_runs == [Segment(0, flat.numel, index, 0)]
+               for index, (unit_runs, flat) in enumerate(zip(runs, flats)))
+
+
 def segments(flats, saved_units: list[dict]) -> list[list[Segment]]:
     """Per unit of the engine, where its parameters lie in the saved units; raises a
     CheckpointError naming the first difference when they are not the same parameters."""
@@ -58,18 +76,14 @@ def segments(flats, saved_units: list[dict]) -> list[list[Segment]]:
             f"the checkpoint is of another model: {differ} (path, elements); checkpoints "
             f"before format 3 load only into the units they were saved from (a partly frozen "
             f"model saved by them: set units.split_frozen: false)")
-    where: dict[str, tuple[int, int, int]] = {}
-    for index, unit in enumerate(saved_units):
-        offset = 0
-        for name, numel in saved_params(unit):
-            where[name] = (index, offset, numel)
-            offset += numel
-    ours = {p.names[0]: p.numel for f in flats for p in f.spec.params}
+    where = _places(saved_units)
+    model = {p.names[0]: p.numel for f in flats for p in f.spec.params}
     for name, (_, _, numel) in where.items():
-        if ours.get(name) != numel:
+        if model.get(name) != numel:
             raise CheckpointError(
                 f"the checkpoint is of another model: its parameter {name} ({numel} elements) "
-                f"is {'not in' if name not in ours else f'{ours[name]} elements in'} the model")
+                f"is {'not in' if name not in model else f'{model[name]} elements in'} the "
+                f"model")
     out = []
     for flat in flats:
         runs: list[Segment] = []
@@ -92,13 +106,13 @@ def segments(flats, saved_units: list[dict]) -> list[list[Segment]]:
 
 @dataclass(frozen=True)
 class _Saved:
-    """Whether saved unit ``unit`` has a state, by its tensors' names."""
+    """Whether saved unit ``unit`` has a state, by the names of a rank file's tensors."""
 
-    names: dict
+    entries: dict
     unit: int
 
     def __call__(self, state: str) -> bool:
-        return f"unit{self.unit}.{state}" in self.names
+        return f"unit{self.unit}.{state}" in self.entries
 
 
 def _source(kind: StateKind, weights_alone: bool, pending: bool, has: _Saved) -> str | None:
@@ -115,7 +129,8 @@ def _source(kind: StateKind, weights_alone: bool, pending: bool, has: _Saved) ->
         wanted = (kind.value,)
     found = next((name for name in wanted if has(name)), None)
     if found is None and kind in (StateKind.PARAM, StateKind.MASTER):
-        raise CheckpointError(f"the checkpoint has no {' or '.join(wanted)} of saved unit {has.unit}")
+        raise CheckpointError(
+            f"the checkpoint has no {' or '.join(wanted)} of saved unit {has.unit}")
     return found
 
 
@@ -149,7 +164,7 @@ def plan_read(readers: dict[str, Reader], rank_file, saved_units: list[dict],
     """Elements ``[start, end)`` of a new unit's flat state ``kind`` (its ``runs``), every
     entry checked first: rank k saved elements ``[k*S, (k+1)*S)`` of each saved flat.
     ``written``: the saved units whose next weights a pending delayed update had written."""
-    names = next(iter(readers.values())).entries  # every rank saved the same names
+    entries = next(iter(readers.values())).entries  # every rank saved the same names
     start, end = shard
     pieces = []
     for run in runs:
@@ -157,7 +172,7 @@ def plan_read(readers: dict[str, Reader], rank_file, saved_units: list[dict],
         if first >= stop:
             continue
         saved = saved_units[run.unit]
-        source = _source(kind, weights_alone, run.unit in written, _Saved(names, run.unit))
+        source = _source(kind, weights_alone, run.unit in written, _Saved(entries, run.unit))
         if source is None:
             continue
         name, size = f"unit{run.unit}.{source}", saved["shard_numel"]
@@ -187,10 +202,7 @@ def unit_steps(flats, runs: list[list[Segment]], saved_units: list[dict],
     and trainable now starts at 1 in PyTorch, which is exact only in a unit whose count is 0. A
     frozen unit takes the largest count among its sources, so unfreezing it later is refused
     if any of them stepped."""
-    owner = {}
-    for index, unit in enumerate(saved_units):
-        for name, _ in saved_params(unit) if "params" in unit else []:
-            owner[name] = index
+    owner = {name: place[0] for name, place in _places(saved_units).items()}
     out = []
     for flat, unit_runs in zip(flats, runs):
         def source(param) -> int:

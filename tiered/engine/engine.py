@@ -21,8 +21,8 @@ from ..optim.adamw import one_pass_for
 from ..optim.groups import shard_ranges
 from ..optim.loss_scale import LossScaler
 from ..optim.workers import CpuWorker, optimizer_threads
-from ..plan import (MemoryPlan, StateKind, build_plan, grad_dtypes, optimizer_device,
-                    state_kinds, unit_state_kinds)
+from ..plan import (MemoryPlan, StateKind, build_plan, by_module, grad_dtypes,
+                    optimizer_device, state_kinds, unit_state_kinds)
 from ..policy import ComputeDtype, Device, Policy, Tier, resolve
 from ..tiers import SlabSource
 from ..timeline import Timeline
@@ -103,7 +103,8 @@ class TieredEngine:
         return self.manager.memory_report()
 
     def placement(self) -> dict[str, dict[str, str]]:
-        """For every unit (by module path, "<root>" for the root): the tier of each state."""
+        """For every unit (by name: its module path, "<root>" for the root, with " (frozen)"
+        for the frozen half of a split module): the tier of each state it has."""
         return {flat.name: {kind.value: self.manager.tier_of(flat.spec.index, kind).value
                             for kind in state_kinds(self.policy)
                             if self.manager.has(flat.spec.index, kind)}
@@ -122,9 +123,9 @@ class TieredEngine:
 
     def consolidated_units(self):
         """Each unit's fp32 master weights (a frozen unit's weights, where it keeps no masters)
-        gathered from every rank, one unit at a time, as a CPU tensor on every rank (the device copy is counted against the HBM budget while it
-        exists), after any pending update. Every rank must iterate to the end: each unit is a
-        collective."""
+        gathered from every rank, one unit at a time, as a CPU tensor on every rank (the device
+        copy is counted against the HBM budget while it exists), after any pending update.
+        Every rank must iterate to the end: each unit is a collective."""
         self.optimizer.synchronize()
         group, usage = self.runtime.group, self.manager.hbm.usage
         for flat in self.runtime.flats:
@@ -209,12 +210,9 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
              if policy.tiling.max_unit_bytes is not None else [])
     manager = worker = None
     try:
-        specs = find_units(model, policy.units.classes, policy.units.split_large,
-                           policy.units.split_frozen)
-        if not specs:
+        flats = flat_units(model, policy, group.rank, group.world_size, device)
+        if not flats:
             raise TieredError("the model has no parameters to train")
-        flats = [FlatParam(spec, group.rank, group.world_size,
-                           policy.compute_dtype.torch_dtype, device) for spec in specs]
         ranges = shard_ranges(flats, policy.optimizer.param_groups)  # one matching nothing fails
         manager = TierManager(policy, device, group.rank, dram_source,
                               _ranks_on_this_node(group), group.smallest)
@@ -229,7 +227,7 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
                                     optimizer_device(policy, device), worker)
         with timeline.span("allocate tiers (pin DRAM, create NVMe extents)", "setup"):
             manager.allocate(plan)
-        materializer = Materializer(model, specs, device,
+        materializer = Materializer(model, [flat.spec for flat in flats], device,
                                     context.param_init_fn if context is not None else None)
         for built in _built_together(flats):
             with timeline.span(f"build unit {built[-1].name}", "setup"):
@@ -257,6 +255,15 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
     return engine, optimizer
 
 
+def flat_units(model: nn.Module, policy: Policy, rank: int, world_size: int,
+               device: torch.device) -> list[FlatParam]:
+    """The model's units as the policy cuts it (units.py), each a flat parameter partitioned
+    over ``world_size`` ranks (still released: nothing is allocated)."""
+    units = policy.units
+    return [FlatParam(spec, rank, world_size, policy.compute_dtype.torch_dtype, device)
+            for spec in find_units(model, units.classes, units.split_large, units.split_frozen)]
+
+
 def memory_plan(policy: Policy, device: torch.device, flats: list[FlatParam],
                 dram_available: int | None = None) -> MemoryPlan:
     """What ``policy`` places in each tier for these units, before anything is allocated
@@ -273,10 +280,7 @@ def memory_plan(policy: Policy, device: torch.device, flats: list[FlatParam],
 
 def _built_together(flats: list[FlatParam]) -> list[list[FlatParam]]:
     """The units in order, those of one module (the halves of a split one) in one list."""
-    built: dict[int, list[FlatParam]] = {}
-    for flat, group in zip(flats, module_groups([f.spec for f in flats])):
-        built.setdefault(group, []).append(flat)
-    return list(built.values())
+    return by_module(flats, module_groups([f.spec for f in flats]))
 
 
 @torch.no_grad()

@@ -101,14 +101,14 @@ class Materializer:
     def device_bytes(self, units: list[UnitSpec]) -> int:
         """Bytes :meth:`materialize` will allocate on the device: the units' meta parameters,
         and any other meta parameter of the modules holding them (materialized alongside)."""
-        pending = [p for unit in units for p in unit.params if _current(p).is_meta]
-        return sum(t.numel() * t.element_size() for t in self._to_materialize(pending).values())
+        return sum(t.numel() * t.element_size()
+                   for t in self._to_materialize(_meta(units)).values())
 
     def materialize(self, units: list[UnitSpec]) -> None:
         """Give the units' meta parameters storage, then initialize them: units built together
         (the two halves of a split module) are materialized at once, since a module's init may
         touch any of its parameters."""
-        pending = [p for unit in units for p in unit.params if _current(p).is_meta]
+        pending = _meta(units)
         if pending:
             self._materialize(pending)
 
@@ -152,6 +152,11 @@ class Materializer:
         self.spec_of[id(real)] = spec
         for module, attr in spec.holders:
             module._parameters[attr] = real
+
+
+def _meta(units: list[UnitSpec]) -> list[ParamSpec]:
+    """The units' parameters still on the meta device."""
+    return [p for unit in units for p in unit.params if _current(p).is_meta]
 
 
 def _post_order(model: nn.Module) -> list[nn.Module]:

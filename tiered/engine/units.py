@@ -16,7 +16,7 @@ unit that contains all of its holders, so it stays gathered while any of them ru
 
 ``units.split_frozen`` (on by default) makes two units of one whose parameters are partly frozen
 (``requires_grad=False``): the frozen ones, then the trainable ones, both of the same module, so
-gathered and released with it. A unit of frozen parameters only keeps its weights alone
+gathered together when it runs. A unit of frozen parameters only keeps its weights alone
 (plan.unit_state_kinds), so a frozen transformer block with LoRA adapters costs 2 bytes per
 frozen parameter, and AdamW state for the adapters only. Each half is released after its own
 backward: the trainable one when its gradient is complete, the frozen one when its module's
@@ -165,8 +165,8 @@ def find_units(model: nn.Module, classes: tuple[str, ...] | None,
 
 def module_groups(specs: list[UnitSpec]) -> list[int]:
     """Per unit, the index of the first unit of its module: the halves of a split module share
-    one, as they are built, gathered and released together (the trace's look-ahead and the
-    start-up working set count them as one)."""
+    one, as they are built and gathered together (the trace's look-ahead and the start-up
+    working set count them as one)."""
     groups: list[int] = []
     for index, spec in enumerate(specs):
         same = index > 0 and specs[index - 1].module is spec.module
