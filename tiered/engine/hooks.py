@@ -27,9 +27,13 @@ recomputes the forward inside backward) hooks the module's tensor inputs that re
 positional, keyword or inside containers (``register_multi_grad_hook``): once their gradients
 are all computed, the unit's own backward is done, and the unit is released. Without such an
 input no gradient crosses the unit's own computation (its weights are not needed in backward).
-A unit whose weights are read outside its module's call is released at the end callback
-instead; one called twice in a forward is released after the later call's backward and
-gathered again for the earlier one's.
+The frozen half of a split module has a trainable half whose gradient is complete once every
+gradient toward its parameters is, and those are what the frozen weights are read for when no
+input needs a gradient: without a hooked input (none needs a gradient, or they come in an
+object torch cannot look into) it is released then. Any later use gathers it again. A unit
+whose weights are read outside its module's call is released at the end callback instead; one
+called twice in a forward is released after the later call's backward and gathered again for
+the earlier one's.
 
 Gathering on unpack, rather than from hooks on a unit's outputs, covers every path by which a
 gradient can reach a unit's weights (outputs hidden in dataclasses, auxiliary losses, activation
@@ -69,6 +73,14 @@ class UnitHooks:
         self._input_hooks: list = []
         """Handles of the frozen units' input hooks since the last backward ended: removed
         then, or a leaf input the caller keeps across iterations would collect one a step."""
+        flats = runtime.flats
+        self._frozen_half = {flat.spec.index: flats[flat.spec.index - 1] for flat in flats
+                             if flat.spec.index > 0 and flats[flat.spec.index - 1].spec.frozen_part
+                             and flats[flat.spec.index - 1].spec.module is flat.spec.module}
+        """A split module's trainable half -> its frozen half (units.py)."""
+        self._unhooked: set[int] = set()
+        """Frozen halves whose forward since the last backward hooked no input: released with
+        their trainable half's gradient (see [Note: frozen units])."""
         self._whole_forward = [flat for flat in runtime.flats if flat.spec.whole_forward]
         self._handles = [
             model.register_forward_pre_hook(self._start_forward, with_kwargs=True),
@@ -135,6 +147,8 @@ class UnitHooks:
             if inputs:  # see [Note: frozen units]
                 self._input_hooks.append(torch.autograd.graph.register_multi_grad_hook(
                     inputs, partial(self._frozen_backward_done, flat)))
+            elif flat.spec.frozen_part:
+                self._unhooked.add(flat.spec.index)
 
     def _post_forward(self, flat: FlatParam, module, args, output) -> None:
         self._saved_hooks.pop().__exit__(None, None, None)
@@ -170,6 +184,10 @@ class UnitHooks:
         self._enter_backward()
         self._span(flat, "backward")
         self.runtime.reduce_grad(flat)
+        frozen = self._frozen_half.get(flat.spec.index)
+        if frozen is not None and frozen.spec.index in self._unhooked:
+            self._unhooked.discard(frozen.spec.index)
+            self._frozen_backward_done(frozen, None)
 
     def _frozen_backward_done(self, flat: FlatParam, grads) -> None:
         """A unit without trainable parameters is through its backward: release it (see
@@ -197,6 +215,7 @@ class UnitHooks:
         for handle in self._input_hooks:
             handle.remove()
         self._input_hooks.clear()
+        self._unhooked.clear()
 
 
 def _cast_floating(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
