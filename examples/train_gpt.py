@@ -3,6 +3,7 @@
     tiered-launch --nvme "$(mktemp -d)" --policy configs/nvme.yaml examples/train_gpt.py
     ... examples/train_gpt.py --checkpoint ckpt --save-every 50   # checkpoints as it goes
     ... examples/train_gpt.py --checkpoint ckpt --resume          # on from the latest one
+    ... examples/train_gpt.py --lora 8            # adapters only: the rest frozen, weights alone
 
 The model is built under ``tiered.init`` (never materialized whole), then trained with an
 ordinary loop. The data is a random Markov chain over the vocabulary in which every token has a
@@ -17,7 +18,7 @@ import tiered  # first: it quiets torch's warning about a missing numpy
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt import GPT, next_token_loss  # noqa: E402
+from gpt import GPT, add_lora, next_token_loss  # noqa: E402
 
 
 def markov_batches(vocab: int, batch: int, seq: int, seed: int):
@@ -47,11 +48,16 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=0, help="steps between checkpoints")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest checkpoint in --checkpoint")
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK",
+                        help="train LoRA adapters of this rank on the blocks' linear layers, "
+                             "every other parameter frozen")
     args = parser.parse_args()
 
     torch.manual_seed(0)
     with tiered.init(optimizer={"lr": args.lr}):
         model = GPT(args.vocab, args.dim, args.layers, args.heads, max_seq=args.seq)
+        if args.lora:
+            add_lora(model, args.lora)
     engine, optimizer = tiered.initialize(model)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -62,8 +68,10 @@ def main() -> None:
             print(*parts, flush=True)
 
     n_params = sum(f.numel for f in engine.runtime.flats)
-    log(f"GPT {n_params / 1e6:.2f} M params, {len(engine.runtime.flats)} units, world size "
-        f"{world}, compute {engine.policy.compute_dtype.value} on {engine.device}")
+    trained = sum(p.numel for f in engine.runtime.flats for p in f.spec.params if p.trainable)
+    log(f"GPT {n_params / 1e6:.2f} M params ({trained / 1e6:.2f} M trained), "
+        f"{len(engine.runtime.flats)} units, world size {world}, "
+        f"compute {engine.policy.compute_dtype.value} on {engine.device}")
     log("placement of the first unit:", engine.placement()[engine.runtime.flats[0].name])
 
     first = 1
