@@ -59,16 +59,11 @@ def unchanged(runs: list[list[Segment]], flats) -> bool:
 def segments(flats, saved_units: list[dict]) -> list[list[Segment]]:
     """Per unit of the engine, where its parameters lie in the saved units; raises a
     CheckpointError naming the first difference when they are not the same parameters."""
-    ours = [(f.spec.path, f.numel) for f in flats]
-    saved = [(u["path"], u["numel"]) for u in saved_units]
-    listed = all("params" in unit for unit in saved_units)  # not in formats 1 and 2
-    # The same units: the same parameters in each, where the manifest lists them (the two
-    # halves of a split module share a path, and may hold other parameters of the same sizes).
-    if saved == ours and (not listed or all(
-            saved_params(u) == [(p.names[0], p.numel) for p in f.spec.params]
-            for u, f in zip(saved_units, flats))):
-        return [[Segment(0, f.numel, i, 0)] for i, f in enumerate(flats)]
-    if not listed:
+    if not all("params" in unit for unit in saved_units):  # formats 1 and 2
+        ours = [(f.spec.path, f.numel) for f in flats]
+        saved = [(u["path"], u["numel"]) for u in saved_units]
+        if saved == ours:
+            return [[Segment(0, f.numel, i, 0)] for i, f in enumerate(flats)]
         differ = next((f"unit {i}: saved {s}, engine {o}" for i, (s, o) in
                        enumerate(zip(saved, ours)) if s != o),
                       f"{len(saved)} units saved, {len(ours)} in the engine")
