@@ -73,11 +73,9 @@ class UnitHooks:
         self._input_hooks: list = []
         """Handles of the frozen units' input hooks since the last backward ended: removed
         then, or a leaf input the caller keeps across iterations would collect one a step."""
-        flats = runtime.flats
-        self._frozen_half = {flat.spec.index: flats[flat.spec.index - 1] for flat in flats
-                             if flat.spec.index > 0 and flats[flat.spec.index - 1].spec.frozen_part
-                             and flats[flat.spec.index - 1].spec.module is flat.spec.module}
-        """A split module's trainable half -> its frozen half (units.py)."""
+        self._frozen_half = {unit: runtime.flats[first]
+                             for unit, first in enumerate(runtime.groups) if first != unit}
+        """A split module's trainable half -> its frozen half, the module's first unit."""
         self._unhooked: set[int] = set()
         """Frozen halves whose forward since the last backward hooked no input: released with
         their trainable half's gradient (see [Note: frozen units])."""

@@ -64,10 +64,11 @@ class UnitRuntime:
                           if manager.staging_names("param_in") else None)
         self.gatherer = Gatherer(flats, manager, group, self.streams, self.readahead,
                                  self.pending_weights, timeline)
-        groups = module_groups([f.spec for f in flats])
+        self.groups = module_groups([f.spec for f in flats])
+        """Per unit, its module's first unit: the halves of a split module share one."""
         self.prefetcher = Prefetcher([f.gathered_bytes for f in flats], policy.prefetch,
                                      prefetch_limit(policy, [f.padded_numel for f in flats],
-                                                    groups), groups)
+                                                    self.groups), self.groups)
 
     def use(self, flat: FlatParam) -> None:
         """``flat`` is needed now (its forward, or its first use in a backward): gather it if it
