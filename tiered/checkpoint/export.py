@@ -123,7 +123,7 @@ def _ready(waiting: dict[str, torch.Tensor], tiled: dict[str, TiledLinear],
     for name in [n for n in waiting if _tiled_layer(n, tiled) is None]:
         yield name, waiting.pop(name)
     for prefix, module in tiled.items():
-        if tile_names[prefix] and all(name in waiting for name in tile_names[prefix]):
+        if all(name in waiting for name in tile_names[prefix]):
             merge_layer_tiles(module, waiting, prefix)
             yield f"{prefix}weight", waiting.pop(f"{prefix}weight")
             if module.has_bias:
