@@ -197,6 +197,13 @@ class TierManager:
             value = staged
         target.copy_(value)
 
+    def store_weights(self, unit: int, value: torch.Tensor) -> None:
+        """Make ``value`` (fp32) the unit's weights: its master weights and compute-dtype
+        weights, both of the delayed update's buffers (they start equal), where it has them."""
+        for kind in (StateKind.MASTER, StateKind.PARAM, StateKind.PARAM_NEXT):
+            if self.has(unit, kind):
+                self.store(unit, kind, value)
+
     def _write_nvme(self, shard: Shard, block: torch.Tensor, value: torch.Tensor) -> None:
         """Write ``value`` as the shard's next version, piece by piece through ``block``
         (which ``value`` may already be), switching only once all of it is written."""

@@ -125,6 +125,10 @@ class Reader:
         self._data_start = 8 + header_len
         self.entries: dict[str, tuple[Entry, int]] = {}
         for name, spec in header.items():
+            if isinstance(spec, dict) and isinstance(spec.get("dtype"), str) \
+                    and spec["dtype"] not in NAMES:
+                raise CheckpointError(f"{path}: tensor {name!r} is {spec['dtype']}, which tiered "
+                                      f"does not read (it reads {', '.join(NAMES)})")
             try:
                 entry = Entry(name, NAMES[spec["dtype"]], tuple(spec["shape"]))
                 begin, end = spec["data_offsets"]

@@ -6,16 +6,18 @@ import os
 import signal
 import sys
 import threading
+import warnings
 import weakref
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checkpoint import checkpoint, export
+from ..checkpoint import checkpoint, export, pretrained
+from ..checkpoint.pretrained import PretrainedWeights
 from ..errors import PolicyError, TieredError
 from ..manager import TierManager
-from ..ops.tiled_linear import merge_tiles, tile_large_linears, untile
+from ..ops.tiled_linear import merge_tiles, tile_large_linears, tiled_layers, untile
 from ..optim import TieredAdamW
 from ..optim.adamw import one_pass_for
 from ..optim.groups import shard_ranges
@@ -162,6 +164,21 @@ class TieredEngine:
         weights) or the dtype to cast them to. Call it on every rank; rank 0 writes."""
         return export.save_pretrained(self, directory, dtype, max_shard_bytes)
 
+    def load_state_dict(self, state_dict, strict: bool = True) -> pretrained.LoadResult:
+        """Replace the weights and persistent buffers with ``state_dict``'s (the keys
+        ``full_state_dict`` gives; any floating dtype); returns the missing and unexpected keys
+        as ``nn.Module.load_state_dict`` does, which ``strict`` refuses. The optimizer's moments
+        and step counts stay (see [Note: what a load replaces] in checkpoint/pretrained.py).
+        Call it on every rank, each with the whole state dict: each reads its own shards."""
+        return pretrained.load(self, state_dict, strict)
+
+    def load_pretrained(self, path: str, strict: bool = True) -> pretrained.LoadResult:
+        """:meth:`load_state_dict` from safetensors files: a folder as :meth:`save_pretrained`
+        writes it (or as Hugging Face publishes: ``model.safetensors``, or shards listed by
+        ``model.safetensors.index.json``), or one ``.safetensors`` file. Each rank reads only
+        its shards' bytes. Call it on every rank."""
+        return pretrained.load(self, path, strict)
+
     def close(self) -> None:
         """Free every tier and remove this run's NVMe folder (also done at interpreter exit).
 
@@ -179,9 +196,18 @@ class TieredEngine:
             self._closed = True
 
 
-def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None = None,
+def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = True,
+               dram_source: SlabSource | None = None,
                **overrides) -> tuple[TieredEngine, TieredAdamW]:
     """Partition ``model`` across ranks and tiers; returns ``(engine, optimizer)``.
+
+    ``weights`` (a folder or file of safetensors, as ``save_pretrained`` writes them or Hugging
+    Face publishes them, or a state dict) gives the model's starting weights by state-dict
+    name: each rank reads its own shards straight into the tiers, and a unit the weights hold
+    whole is never initialized (nor, under ``tiered.init``, materialized whole). With
+    ``strict`` every parameter and persistent buffer must be there and nothing else; with
+    ``strict=False`` the ones missing are initialized as without weights (LoRA adapters added
+    to a pretrained model), and a warning names what did not match.
 
     ``policy`` is a YAML path, a dict of the same schema, or a ``tiered.Policy``; ``None`` takes
     the one ``tiered.init`` was given for this model, else the policy ``tiered-launch`` passed,
@@ -208,12 +234,17 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
     tiled = (tile_large_linears(model, policy.tiling.max_unit_bytes,
                                 policy.compute_dtype.torch_dtype.itemsize)
              if policy.tiling.max_unit_bytes is not None else [])
-    manager = worker = None
+    manager = worker = loading = None
     try:
         flats = flat_units(model, policy, group.rank, group.world_size, device)
         if not flats:
             raise TieredError("the model has no parameters to train")
         ranges = shard_ranges(flats, policy.optimizer.param_groups)  # one matching nothing fails
+        if weights is not None:  # checked before anything large is allocated
+            loading = pretrained.open_weights(weights, flats, tiled_layers(model),
+                                              pretrained.persistent_buffers(model,
+                                                                            state_dict_keys),
+                                              strict, group)
         manager = TierManager(policy, device, group.rank, dram_source,
                               _ranks_on_this_node(group), group.smallest)
         plan = memory_plan(policy, device, flats, manager.available()[Tier.DRAM])
@@ -231,11 +262,14 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
                                     context.param_init_fn if context is not None else None)
         for built in _built_together(flats):
             with timeline.span(f"build unit {built[-1].name}", "setup"):
-                _partition(built, materializer, manager, group)
+                _partition(built, materializer, manager, group, loading)
         for module in model.modules():
             for name, buffer in module._buffers.items():
                 if buffer is not None:
                     module._buffers[name] = buffer.to(device)
+        if loading is not None:
+            loading.load_buffers(model)
+            _warn_unmatched(loading.result, loading.source.where)
         runtime = UnitRuntime(flats, manager, group, policy, worker, timeline)
         scaler = (LossScaler(policy.loss_scale)
                   if policy.compute_dtype is ComputeDtype.FP16 else None)
@@ -249,10 +283,25 @@ def initialize(model: nn.Module, policy=None, *, dram_source: SlabSource | None 
         timeline.close()  # its setup spans show how far initialize got
         untile(tiled)  # a refused model goes back as it came (the tiles only viewed its layers)
         raise
+    finally:
+        if loading is not None:
+            loading.close()
     _managed.add(model)
     if os.environ.get(LAUNCHED_ENV):
         _exit_cleanly_on_sigterm()
     return engine, optimizer
+
+
+def _warn_unmatched(result: pretrained.LoadResult, where: str) -> None:
+    missing, unexpected = result
+    if missing:
+        warnings.warn(f"tiered: {len(missing)} parameters or buffers are not in {where} and were "
+                      f"initialized as without weights: {', '.join(missing[:5])}"
+                      f"{' ...' if len(missing) > 5 else ''}", stacklevel=3)
+    if unexpected:
+        warnings.warn(f"tiered: {len(unexpected)} tensors of {where} are not in the model and "
+                      f"were not read: {', '.join(unexpected[:5])}"
+                      f"{' ...' if len(unexpected) > 5 else ''}", stacklevel=3)
 
 
 def flat_units(model: nn.Module, policy: Policy, rank: int, world_size: int,
@@ -285,31 +334,37 @@ def _built_together(flats: list[FlatParam]) -> list[list[FlatParam]]:
 
 @torch.no_grad()
 def _partition(flats: list[FlatParam], materializer: Materializer, manager: TierManager,
-               group: ProcessGroup) -> None:
+               group: ProcessGroup, weights: PretrainedWeights | None) -> None:
     """Build the units of one module (two halves when split), each an fp32 flat copy of which
     this rank's shard is kept in the tiers; then drop the module's parameters.
 
     Rank 0's values are broadcast, so every rank starts from the same model (as DDP does) even
-    when ranks built or initialized it with different random states.
+    when ranks built or initialized it with different random states. A unit that ``weights``
+    hold whole is neither materialized nor broadcast: each rank reads its own shard from them.
+    In a unit they hold in part, they overwrite what initialization gave.
     """
-    specs = [flat.spec for flat in flats]
+    built = [flat for flat in flats if weights is None or not weights.covers(flat)]
+    specs = [flat.spec for flat in built]
     # The module's parameters where tiered.init materializes them on the device, and one fp32
     # flat copy at a time, live until the last shard is stored and the parameters are dropped.
-    building = max(f.padded_numel for f in flats) * 4 + materializer.device_bytes(specs)
+    building = (max(f.padded_numel for f in built) * 4 + materializer.device_bytes(specs)
+                if built else 0)
     manager.hbm.usage.acquire(building, f"building unit {flats[-1].name}")
     materializer.materialize(specs)
     for flat in flats:
-        index = flat.spec.index
-        full = torch.empty(flat.padded_numel, dtype=torch.float32, device=group.device)
-        flat.flatten(materializer.values(flat.spec), full)
-        group.broadcast(full)
-        shard = flat.own_shard(full)
-        # PARAM_NEXT too: the delayed update's two weights both start as the model's.
-        for kind in (StateKind.MASTER, StateKind.PARAM, StateKind.PARAM_NEXT):
-            if manager.has(index, kind):
-                manager.store(index, kind, shard)
-        del full, shard
-    for param in (param for spec in specs for param in spec.params):
+        if flat in built:
+            full = torch.empty(flat.padded_numel, dtype=torch.float32, device=group.device)
+            flat.flatten(materializer.values(flat.spec), full)
+            group.broadcast(full)
+            shard = flat.own_shard(full)
+            del full
+        else:
+            shard = torch.zeros(flat.shard_numel, dtype=torch.float32)
+        if weights is not None:
+            weights.fill(flat, shard)
+        manager.store_weights(flat.spec.index, shard)
+        del shard
+    for param in (param for flat in flats for param in flat.spec.params):
         for module, attr in param.holders:
             module._parameters.pop(attr, None)
     manager.hbm.usage.release(building)
