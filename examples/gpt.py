@@ -64,30 +64,40 @@ class GPT(nn.Module):
         return self.head(self.ln(x))
 
 
-class LoRALinear(nn.Module):
-    """A linear layer and a trainable low-rank update of it: ``base(x) + x A^T B^T`` (LoRA).
-    ``B`` starts at zero, as in PEFT, so the model starts as the base model."""
+class LoRALinear(nn.Linear):
+    """A linear layer and a trainable low-rank update of it: ``x W^T + b + x A^T B^T`` (LoRA).
+    ``B`` starts at zero, as in PEFT, so the model starts as the base model. The layer's own
+    weight and bias keep ``nn.Linear``'s names, so a pretrained model's tensors load into it."""
 
-    def __init__(self, base: nn.Linear, rank: int):
-        super().__init__()
-        self.base = base
-        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features))
-        self.lora_b = nn.Parameter(torch.empty(base.out_features, rank))
+    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = True):
+        super().__init__(in_features, out_features, bias)
+        self.lora_a = nn.Parameter(torch.empty(rank, in_features))
+        self.lora_b = nn.Parameter(torch.empty(out_features, rank))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
-        nn.init.zeros_(self.lora_b)
+        super().reset_parameters()
+        if hasattr(self, "lora_a"):  # nn.Linear's __init__ calls this before they exist
+            nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+            nn.init.zeros_(self.lora_b)
+
+    @classmethod
+    def around(cls, linear: nn.Linear, rank: int) -> "LoRALinear":
+        """Adapters on ``linear``, sharing its weight and bias."""
+        lora = cls(linear.in_features, linear.out_features, rank, linear.bias is not None)
+        lora.weight = linear.weight
+        lora.bias = linear.bias
+        return lora
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + x @ self.lora_a.t() @ self.lora_b.t()
+        return super().forward(x) + x @ self.lora_a.t() @ self.lora_b.t()
 
 
 def add_lora(model: GPT, rank: int) -> GPT:
     """Adapters of ``rank`` on every block's linear layers; every other parameter frozen."""
     for block in model.blocks:
         for name in ("qkv", "proj", "fc", "out"):
-            setattr(block, name, LoRALinear(getattr(block, name), rank))
+            setattr(block, name, LoRALinear.around(getattr(block, name), rank))
     for name, param in model.named_parameters():
         param.requires_grad_(name.rsplit(".", 1)[-1].startswith("lora_"))
     return model

@@ -4,6 +4,8 @@
     ... examples/train_gpt.py --checkpoint ckpt --save-every 50   # checkpoints as it goes
     ... examples/train_gpt.py --checkpoint ckpt --resume          # on from the latest one
     ... examples/train_gpt.py --lora 8            # adapters only: the rest frozen, weights alone
+    ... examples/train_gpt.py --save-pretrained out             # safetensors at the end
+    ... examples/train_gpt.py --init-from out --lora 8          # fine-tune from them
 
 The model is built under ``tiered.init`` (never materialized whole), then trained with an
 ordinary loop. The data is a random Markov chain over the vocabulary in which every token has a
@@ -51,6 +53,11 @@ def main() -> None:
     parser.add_argument("--lora", type=int, default=0, metavar="RANK",
                         help="train LoRA adapters of this rank on the blocks' linear layers, "
                              "every other parameter frozen")
+    parser.add_argument("--init-from", default=None, metavar="DIR",
+                        help="start from these weights (safetensors, as --save-pretrained "
+                             "writes them) instead of a random initialization")
+    parser.add_argument("--save-pretrained", default=None, metavar="DIR",
+                        help="export the trained weights as safetensors at the end")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -58,7 +65,9 @@ def main() -> None:
         model = GPT(args.vocab, args.dim, args.layers, args.heads, max_seq=args.seq)
         if args.lora:
             add_lora(model, args.lora)
-    engine, optimizer = tiered.initialize(model)
+    # Adapters are not in the weights: they start from their own initialization.
+    engine, optimizer = tiered.initialize(model, weights=args.init_from,
+                                          strict=not args.lora)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     per_rank = args.batch // world
@@ -96,6 +105,9 @@ def main() -> None:
         if args.checkpoint and args.save_every and step % args.save_every == 0:
             engine.save_checkpoint(args.checkpoint)
 
+    if args.save_pretrained:
+        engine.save_pretrained(args.save_pretrained)
+        log(f"weights saved to {args.save_pretrained}")
     log("memory report (bytes):")
     for tier, usage in engine.memory_report().items():
         log(f"  {tier:5s} current {usage['current']:>12,}  peak {usage['peak']:>12,}  "
