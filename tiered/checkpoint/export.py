@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from ..ops.tiled_linear import TiledLinear, merge_layer_tiles, tiled_layers
+from ..ops.tiled_linear import TiledLinear, layer_of_tile, merge_layer_tiles, tiled_layers
 from .format import CheckpointError, Entry, Writer
 
 INDEX = "model.safetensors.index.json"
@@ -78,7 +78,7 @@ def _tile_names(engine, tiled: dict[str, TiledLinear]) -> dict[str, set[str]]:
     for flat in engine.runtime.flats:
         for spec in flat.spec.params:
             for name in spec.names:
-                layer = _tiled_layer(name, tiled)
+                layer = layer_of_tile(name, tiled)
                 if layer is not None:
                     names[layer].add(name)
     return names
@@ -93,7 +93,7 @@ def _plan(engine, tiled: dict[str, TiledLinear], tile_names: dict[str, set[str]]
     for flat in engine.runtime.flats:
         for spec in flat.spec.params:
             for name in spec.names:
-                layer = _tiled_layer(name, tiled)
+                layer = layer_of_tile(name, tiled)
                 if layer is None:
                     entries.append(Entry(name, dtype, tuple(spec.shape)))
                 else:
@@ -109,18 +109,10 @@ def _plan(engine, tiled: dict[str, TiledLinear], tile_names: dict[str, set[str]]
     return entries
 
 
-def _tiled_layer(name: str, tiled: dict[str, TiledLinear]) -> str | None:
-    """The state-dict prefix of the TiledLinear whose tile ``name`` belongs to, if any."""
-    for prefix in tiled:
-        if name.startswith(f"{prefix}tiles."):
-            return prefix
-    return None
-
-
 def _ready(waiting: dict[str, torch.Tensor], tiled: dict[str, TiledLinear],
            tile_names: dict[str, set[str]]):
     """(name, tensor) pairs that can be written now, removed from ``waiting``."""
-    for name in [n for n in waiting if _tiled_layer(n, tiled) is None]:
+    for name in [n for n in waiting if layer_of_tile(n, tiled) is None]:
         yield name, waiting.pop(name)
     for prefix, module in tiled.items():
         if all(name in waiting for name in tile_names[prefix]):

@@ -91,6 +91,13 @@ class TiledLinear(nn.Module):
         bias = None if biases[0] is None else torch.cat(biases)
         return torch.cat(rows, dim=0), bias
 
+    def block(self, k: int) -> tuple[int, int, int, int]:
+        """Where tile ``k`` lies in the layer's weight: (first row, rows, first column,
+        columns); its bias, if it has one, is the same rows of the layer's."""
+        i, j = divmod(k, len(self.in_sizes))
+        return (sum(self.out_sizes[:i]), self.out_sizes[i], sum(self.in_sizes[:j]),
+                self.in_sizes[j])
+
     def pieces(self, weight: torch.Tensor, bias: torch.Tensor | None):
         """(tile weight, tile bias or None) for each tile, as views of ``weight`` and ``bias``."""
         out = []
@@ -160,6 +167,15 @@ def tiled_layers(model: nn.Module) -> dict[str, TiledLinear]:
     "head." for one called head)."""
     return {f"{path}." if path else "": module for path, module in model.named_modules()
             if isinstance(module, TiledLinear)}
+
+
+def layer_of_tile(name: str, tiled: dict[str, TiledLinear]) -> str | None:
+    """The state-dict prefix of the TiledLinear (of :func:`tiled_layers`) whose tile holds the
+    parameter ``name``, if any."""
+    for prefix in tiled:
+        if name.startswith(f"{prefix}tiles."):
+            return prefix
+    return None
 
 
 def merge_tiles(model: nn.Module, state: dict) -> None:
