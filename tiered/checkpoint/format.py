@@ -109,6 +109,15 @@ class Reader:
             self._file = open(path, "rb")
         except OSError as e:
             raise CheckpointError(f"cannot open {path}: {e.strerror}") from None
+        try:
+            self._data_start, self.metadata, self.entries = self._read_header()
+        except BaseException:
+            self._file.close()
+            raise
+
+    def _read_header(self) -> tuple[int, dict, dict[str, tuple[Entry, int]]]:
+        """(where the data starts, the metadata, name -> (entry, its first data byte))."""
+        path = self.path
         size = os.fstat(self._file.fileno()).st_size
         raw = self._file.read(8)
         if len(raw) < 8:
@@ -121,23 +130,18 @@ class Reader:
             header = json.loads(self._file.read(header_len))
         except (UnicodeDecodeError, json.JSONDecodeError):
             raise CheckpointError(f"{path}: corrupted header") from None
-        self.metadata = header.pop("__metadata__", {})
-        self._data_start = 8 + header_len
-        self.entries: dict[str, tuple[Entry, int]] = {}
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path}: corrupted header (not a JSON object)")
+        metadata = header.pop("__metadata__", {})
+        data_start = 8 + header_len
+        entries: dict[str, tuple[Entry, int]] = {}
         for name, spec in header.items():
-            if isinstance(spec, dict) and isinstance(spec.get("dtype"), str) \
-                    and spec["dtype"] not in NAMES:
-                raise CheckpointError(f"{path}: tensor {name!r} is {spec['dtype']}, which tiered "
-                                      f"does not read (it reads {', '.join(NAMES)})")
-            try:
-                entry = Entry(name, NAMES[spec["dtype"]], tuple(spec["shape"]))
-                begin, end = spec["data_offsets"]
-            except (KeyError, TypeError, ValueError):
-                raise CheckpointError(f"{path}: corrupted header entry {name!r}") from None
-            if end - begin != entry.nbytes or self._data_start + end > size:
+            entry, begin, end = _parse_entry(path, name, spec)
+            if end - begin != entry.nbytes or data_start + end > size:
                 raise CheckpointError(f"{path}: tensor {name!r} runs past the end of the file "
                                       f"or does not match its shape (truncated?)")
-            self.entries[name] = (entry, begin)
+            entries[name] = (entry, begin)
+        return data_start, metadata, entries
 
     def entry(self, name: str) -> Entry:
         if name not in self.entries:
@@ -154,6 +158,22 @@ class Reader:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _parse_entry(path: str, name: str, spec) -> tuple[Entry, int, int]:
+    """(entry, first byte, end byte) of one header entry, checked to be what the layout says."""
+    corrupted = CheckpointError(f"{path}: corrupted header entry {name!r}")
+    try:
+        dtype, shape, (begin, end) = spec["dtype"], tuple(spec["shape"]), spec["data_offsets"]
+    except (KeyError, TypeError, ValueError):
+        raise corrupted from None
+    if not isinstance(dtype, str) or not all(type(n) is int and n >= 0
+                                             for n in (*shape, begin, end)):
+        raise corrupted
+    if dtype not in NAMES:
+        raise CheckpointError(f"{path}: tensor {name!r} is {dtype}, which tiered does not read "
+                              f"(it reads {', '.join(NAMES)})")
+    return Entry(name, NAMES[dtype], shape), begin, end
 
 
 def file_digest(path: str) -> tuple[int, str]:

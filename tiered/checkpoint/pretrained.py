@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..ops.tiled_linear import TiledLinear, tiled_layers
+from ..ops.tiled_linear import TiledLinear, layer_of_tile, tiled_layers
 from ..plan import StateKind
 from .format import CheckpointError
 from .sources import WeightSource, open_source
@@ -67,22 +67,20 @@ def _candidates(names: tuple[str, ...], shape: torch.Size,
     a parameter, in the order of its names."""
     out = []
     for name in names:
-        prefix = next((p for p in tiled if name.startswith(f"{p}tiles.")), None)
+        prefix = layer_of_tile(name, tiled)
         if prefix is None:
             out.append((name, tuple(shape), Place(name, 0, shape.numel(), shape.numel())))
             continue
         layer = tiled[prefix]
         tile, leaf = name[len(f"{prefix}tiles."):].split(".")
-        i, j = divmod(int(tile), len(layer.in_sizes))
-        first_row, first_column = sum(layer.out_sizes[:i]), sum(layer.in_sizes[:j])
+        first_row, rows, first_column, columns = layer.block(int(tile))
         if leaf == "weight":
             out.append((f"{prefix}weight", (layer.out_features, layer.in_features),
                         Place(f"{prefix}weight", first_row * layer.in_features + first_column,
-                              layer.in_sizes[j], layer.in_features)))
+                              columns, layer.in_features)))
         else:
             out.append((f"{prefix}bias", (layer.out_features,),
-                        Place(f"{prefix}bias", first_row, layer.out_sizes[i],
-                              layer.out_sizes[i])))
+                        Place(f"{prefix}bias", first_row, rows, rows)))
     return out
 
 
@@ -97,9 +95,11 @@ class PretrainedWeights:
     """A source matched against the engine's units: which parameters and buffers it holds,
     checked (names, shapes, dtypes) before anything is read."""
 
-    def __init__(self, source: WeightSource, flats, tiled: dict[str, TiledLinear],
-                 buffers: dict[str, torch.Tensor]):
+    def __init__(self, source: WeightSource, flats, model: nn.Module,
+                 state_dict_keys: list[str]):
+        """``state_dict_keys``: the model's own state-dict names (before any tiling)."""
         self.source = source
+        tiled = tiled_layers(model)
         self.places: dict[str, Place] = {}
         """Parameter (its first name) -> where the source holds it."""
         self.buffer_names: list[str] = []
@@ -116,14 +116,15 @@ class PretrainedWeights:
                 name, shape, place = found
                 self._check(name, shape, floating=True)
                 self.places[spec.names[0]] = place
-        for name, buffer in buffers.items():
+        for name, buffer in persistent_buffers(model, state_dict_keys).items():
             expected.add(name)
             if name in source.tensors:
                 self._check(name, tuple(buffer.shape), floating=False)
                 self.buffer_names.append(name)
             else:
                 missing.append(name)
-        self.result = LoadResult(list(dict.fromkeys(missing)),
+        order = {name: i for i, name in enumerate(state_dict_keys)}
+        self.result = LoadResult(sorted(set(missing), key=order.__getitem__),
                                  [name for name in source.tensors if name not in expected])
 
     def _check(self, name: str, shape: tuple[int, ...], floating: bool) -> None:
@@ -191,19 +192,20 @@ class PretrainedWeights:
         self.source.close()
 
 
-def open_weights(weights, flats, tiled: dict[str, TiledLinear], buffers: dict[str, torch.Tensor],
-                 strict: bool, group) -> PretrainedWeights:
+def open_weights(weights, flats, model: nn.Module, state_dict_keys: list[str], strict: bool,
+                 group) -> PretrainedWeights:
     """Open and check ``weights`` (a path or a state dict) on every rank: if any rank cannot
     use them, every rank raises, before anything is read."""
-    failure, matched = None, None
+    failure, matched, source = None, None, None
     try:
-        matched = PretrainedWeights(open_source(weights), flats, tiled, buffers)
+        source = open_source(weights)
+        matched = PretrainedWeights(source, flats, model, state_dict_keys)
         if strict:
             matched.check_strict()
     except CheckpointError as error:
         failure = error
-        if matched is not None:
-            matched.close()
+        if source is not None:
+            source.close()
     if not group.agree(failure is None):
         raise failure or CheckpointError("another rank cannot use the weights; nothing loaded")
     return matched
@@ -219,9 +221,8 @@ def load(engine, weights, strict: bool) -> LoadResult:
     if gathered:
         raise CheckpointError(f"cannot load weights while units are gathered (between a forward "
                               f"and its backward): {', '.join(gathered[:3])}")
-    matched = open_weights(weights, runtime.flats, tiled_layers(engine.module),
-                           persistent_buffers(engine.module, engine._state_dict_keys), strict,
-                           runtime.group)
+    matched = open_weights(weights, runtime.flats, engine.module, engine._state_dict_keys,
+                           strict, runtime.group)
     try:
         for flat in runtime.flats:
             matched.load_unit(runtime.manager, flat)

@@ -17,7 +17,7 @@ from ..checkpoint import checkpoint, export, pretrained
 from ..checkpoint.pretrained import PretrainedWeights
 from ..errors import PolicyError, TieredError
 from ..manager import TierManager
-from ..ops.tiled_linear import merge_tiles, tile_large_linears, tiled_layers, untile
+from ..ops.tiled_linear import merge_tiles, tile_large_linears, untile
 from ..optim import TieredAdamW
 from ..optim.adamw import one_pass_for
 from ..optim.groups import shard_ranges
@@ -241,10 +241,8 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
             raise TieredError("the model has no parameters to train")
         ranges = shard_ranges(flats, policy.optimizer.param_groups)  # one matching nothing fails
         if weights is not None:  # checked before anything large is allocated
-            loading = pretrained.open_weights(weights, flats, tiled_layers(model),
-                                              pretrained.persistent_buffers(model,
-                                                                            state_dict_keys),
-                                              strict, group)
+            loading = pretrained.open_weights(weights, flats, model, state_dict_keys, strict,
+                                              group)
         manager = TierManager(policy, device, group.rank, dram_source,
                               _ranks_on_this_node(group), group.smallest)
         plan = memory_plan(policy, device, flats, manager.available()[Tier.DRAM])
