@@ -15,7 +15,7 @@ from torch import nn
 
 import tiered
 from distributed import run_ranks
-from gpt import GPT, LoRALinear, add_lora, next_token_loss
+from gpt import GPT, add_lora, next_token_loss
 from test_parity import (OPTIM, REPO, SEQ, VOCAB, batches, make_model, run_engine,
                          train_torch)
 from tiered.checkpoint import sources
