@@ -202,7 +202,7 @@ def open_weights(weights, flats, model: nn.Module, state_dict_keys: list[str], s
         matched = PretrainedWeights(source, flats, model, state_dict_keys)
         if strict:
             matched.check_strict()
-    except CheckpointError as error:
+    except Exception as error:  # any error: the other ranks wait in the agreement below
         failure = error
         if source is not None:
             source.close()

@@ -127,10 +127,14 @@ def _files(path: str) -> list[str]:
         return [os.path.join(path, name) for name in files]
     if os.path.isfile(os.path.join(path, SINGLE_FILE)):
         return [os.path.join(path, SINGLE_FILE)]
-    found = sorted(name for name in os.listdir(path) if name.endswith(".safetensors"))
+    try:
+        names = sorted(os.listdir(path))
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot list the folder: {error.strerror}") from None
+    found = [name for name in names if name.endswith(".safetensors")]
     if len(found) == 1:
         return [os.path.join(path, found[0])]
-    pickled = [name for name in os.listdir(path) if name.endswith((".bin", ".pt", ".pth"))]
+    pickled = [name for name in names if name.endswith((".bin", ".pt", ".pth"))]
     hint = (f"; {', '.join(pickled[:3])} are pickled, which tiered does not read (convert them "
             f"to safetensors)" if pickled else "")
     raise CheckpointError(f"{path}: holds no {SINGLE_FILE} and no {INDEX}"
