@@ -96,11 +96,15 @@ def test_adapters_missing_from_the_weights_are_initialized_and_named(tmp_path):
         model = add_lora(make_model(), 4)
     with pytest.raises(tiered.CheckpointError, match="blocks.0.qkv.lora_a"):
         tiered.initialize(model, weights=folder)
-    with pytest.warns(UserWarning, match=r"16 parameters or buffers are not in .*lora_a"):
+    with pytest.warns(UserWarning, match=r"16 parameters, buffers or extra states are not in "
+                                         r".*lora_a"):
         engine, _ = tiered.initialize(model, weights=folder, strict=False)
     state = engine.full_state_dict()
     engine.close()
-    assert set(calls) == {"LoRALinear"}  # the frozen base layers were read, not initialized
+    # A block whose layers have adapters is built as without weights, then takes the weights
+    # it holds (a layer's init touches its frozen weight too); the root unit (embedding, tied
+    # head, positions, final norm) is read, not initialized.
+    assert "LoRALinear" in calls and not {"Embedding", "GPT"} & set(calls)
     for name, value in state.items():
         if "lora_" in name:
             assert name.endswith("lora_a") or torch.count_nonzero(value) == 0, name
@@ -285,3 +289,86 @@ def test_the_example_fine_tunes_from_exported_weights(tmp_path):
     tuned = run("--steps", "20", "--init-from", folder, "--lora", "4")
     assert trained[0] > 6.0  # ln(512) = 6.24 from a random start
     assert trained[-1] < 5.0 and tuned[0] < trained[-1] + 0.2  # on from where it ended
+
+
+class _TiedAcrossBlocks(nn.Module):
+    """Two blocks sharing one weight (so the root unit owns it) beside their own biases."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.blocks[1].weight = self.blocks[0].weight
+
+    def forward(self, x):
+        return self.blocks[1](self.blocks[0](x))
+
+
+def test_weights_holding_part_of_a_module_spread_over_units(tmp_path):
+    """The biases (block units) are in the weights, the weight tied across the blocks (the
+    root unit) is not: the blocks' layers are initialized whole, then take the biases."""
+    torch.manual_seed(0)
+    biases = {k: torch.randn_like(v) for k, v in _TiedAcrossBlocks().state_dict().items()
+              if k.endswith("bias")}
+
+    def build(weights=None) -> dict[str, torch.Tensor]:
+        with tiered.init(device="cpu", compute_dtype="fp32"):
+            model = _TiedAcrossBlocks()
+        torch.manual_seed(1)
+        engine, _ = tiered.initialize(model, weights=weights, strict=False)
+        state = engine.full_state_dict()
+        engine.close()
+        return state
+
+    initialized = build()
+    with pytest.warns(UserWarning, match="blocks.0.weight"):
+        state = build(biases)
+    for name, value in state.items():
+        assert torch.equal(value, biases.get(name, initialized[name])), name
+    assert not torch.equal(initialized["blocks.0.bias"], biases["blocks.0.bias"])
+
+
+def test_a_tied_parameter_named_twice_takes_the_last_as_torch_does(tmp_path):
+    weights = pretrained()
+    weights["head.weight"] = weights["emb.weight"] + 1  # after emb.weight in state-dict order
+    engine, _ = engine_for("cpu", str(tmp_path))
+    engine.load_state_dict(weights)
+    state = engine.full_state_dict()
+    engine.close()
+    model = make_model()
+    model.load_state_dict(weights)
+    assert_equal_states(state, model.state_dict())
+
+
+class _Counted(nn.Linear):
+    """A layer with extra state (as TransformerEngine's FP8 layers have)."""
+
+    count = 0
+
+    def get_extra_state(self):
+        return {"count": self.count}
+
+    def set_extra_state(self, state):
+        self.count = state["count"]
+
+
+def test_extra_states_load_as_torch_loads_them(tmp_path):
+    model = nn.Sequential(_Counted(4, 4), nn.Linear(4, 2))
+    engine, _ = engine_for("cpu", str(tmp_path), model=model)
+    state = engine.full_state_dict()
+    state["0._extra_state"] = {"count": 7}
+    assert engine.load_state_dict(state) == ([], [])
+    assert model[0].count == 7
+    assert engine.load_state_dict(engine.full_state_dict()) == ([], [])
+    engine.close()
+
+
+def test_the_index_file_itself_names_the_folder(tmp_path):
+    weights = pretrained()
+    folder = str(tmp_path / "export")
+    exporter, _ = engine_for("cpu", str(tmp_path), weights=weights)
+    exporter.save_pretrained(folder, max_shard_bytes=8192)
+    exporter.close()
+    engine, _ = engine_for("cpu", str(tmp_path))
+    assert engine.load_pretrained(os.path.join(folder, sources.INDEX)) == ([], [])
+    assert_equal_states(engine.full_state_dict(), weights)
+    engine.close()

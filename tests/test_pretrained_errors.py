@@ -441,7 +441,7 @@ def test_a_load_between_forward_and_backward_is_refused(trained, reference):
     before = engine.full_state_dict()
     idx = batch(2)
     loss = next_token_loss(engine(idx), idx)
-    with pytest.raises(tiered.CheckpointError, match="gathered"):
+    with pytest.raises(tiered.CheckpointError, match="between a forward"):
         engine.load_state_dict(good_state())
     loss.backward()
     assert_same(engine.full_state_dict(), before, "loaded while gathered")
@@ -760,3 +760,76 @@ def test_a_load_refused_on_one_rank_is_refused_on_both_and_loads_nothing(tmp_pat
         for name in reference[1]:
             torch.testing.assert_close(result["trained"][name], reference[1][name],
                                        rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {name}")
+
+
+def test_a_load_after_a_forward_whose_backward_has_not_run_is_refused():
+    """Every unit is released after this forward (the root holds no parameters), yet the
+    backward still needs the weights that forward used."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    weights = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    engine, optimizer = tiered.initialize(model, device="cpu", compute_dtype="fp32")
+    before = engine.full_state_dict()
+    loss = engine(torch.randn(4, 8)).square().sum()
+    with pytest.raises(tiered.CheckpointError, match="between a forward"):
+        engine.load_state_dict(weights)
+    loss.backward()
+    assert_same(engine.full_state_dict(), before, "loaded before the backward")
+    engine.load_state_dict(weights)  # after it: allowed
+    with torch.no_grad():
+        engine(torch.randn(4, 8))
+    engine.load_state_dict(weights)  # after a forward without grad too
+    engine.close()
+
+
+def test_a_load_after_units_stepped_on_arrival_is_refused():
+    engine, optimizer = tiered.initialize(make_model(), device="cpu", compute_dtype="fp32",
+                                          optimizer={"lr": 1e-2, "accumulation_steps": 1})
+    idx = batch(0)
+    next_token_loss(engine(idx), idx).backward()  # each unit is stepped as it arrives
+    with pytest.raises(tiered.CheckpointError, match="accumulation_steps"):
+        engine.load_state_dict(good_state())
+    optimizer.step()
+    optimizer.zero_grad()
+    engine.load_state_dict(good_state())
+    assert_same(engine.full_state_dict(), good_state(), "after the step")
+    engine.close()
+
+
+def test_a_tied_parameter_is_checked_under_each_of_its_names():
+    engine, _ = new_engine()
+    state = good_state()
+    state["head.weight"] = torch.zeros(3, 3)
+    with pytest.raises(tiered.CheckpointError, match="head.weight"):
+        engine.load_state_dict(state)
+    engine.close()
+
+
+def test_a_closed_engine_refuses_a_load():
+    engine, _ = new_engine()
+    engine.close()
+    with pytest.raises(tiered.TieredError, match="closed"):
+        engine.load_state_dict(good_state())
+
+
+def _different_weights_per_rank(rank: int, world: int, out: str) -> None:
+    weights = good_state()
+    if rank == 1:
+        weights = {k: v for k, v in weights.items() if not k.startswith("blocks.0.")}
+    with tiered.init(device="cpu", compute_dtype="fp32"):
+        model = make_model()
+    try:
+        tiered.initialize(model, weights=weights, strict=False)
+        outcome = "initialized"
+    except tiered.CheckpointError as error:
+        outcome = str(error)
+    with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
+        f.write(outcome)
+
+
+def test_ranks_given_weights_holding_other_units_refuse_instead_of_hanging(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run_ranks(2, _different_weights_per_rank, str(tmp_path))
+    for rank in range(2):
+        assert "hold different parameters" in (tmp_path / f"rank{rank}.txt").read_text()

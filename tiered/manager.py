@@ -197,6 +197,11 @@ class TierManager:
             value = staged
         target.copy_(value)
 
+    def weights_kind(self, unit: int) -> StateKind:
+        """Where the unit's weights are held at full precision: its fp32 masters, or its
+        compute-dtype weights where it keeps no masters (plan.unit_state_kinds)."""
+        return StateKind.MASTER if self.has(unit, StateKind.MASTER) else StateKind.PARAM
+
     def store_weights(self, unit: int, value: torch.Tensor) -> None:
         """Make ``value`` (fp32) the unit's weights: its master weights and compute-dtype
         weights, both of the delayed update's buffers (they start equal), where it has them."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import torch
 
@@ -29,7 +30,14 @@ def save_pretrained(engine, directory: str, dtype: torch.dtype = torch.float32,
     group, model = engine.runtime.group, engine.module
     tiled = tiled_layers(model)
     tile_names = _tile_names(engine, tiled)
-    buffers = {name: b for name, b in model.state_dict().items()}
+    buffers = {}  # and extra states that are tensors: safetensors holds nothing else
+    for name, value in model.state_dict().items():
+        if isinstance(value, torch.Tensor):
+            buffers[name] = value
+        elif group.rank == 0:
+            warnings.warn(f"tiered: save_pretrained leaves out {name} (a "
+                          f"{type(value).__name__}, where safetensors holds tensors only)",
+                          stacklevel=3)
     plan = _plan(engine, tiled, tile_names, buffers, dtype)
     files = _assign(plan, max_shard_bytes)
     writers: dict[str, Writer] = {}
@@ -104,7 +112,7 @@ def _plan(engine, tiled: dict[str, TiledLinear], tile_names: dict[str, set[str]]
                                              (module.out_features, module.in_features)))
                         if module.has_bias:
                             entries.append(Entry(f"{layer}bias", dtype, (module.out_features,)))
-    keys = set(engine._state_dict_keys)
+    keys = set(engine.state_dict_keys)
     entries += [Entry(name, t.dtype, tuple(t.shape)) for name, t in buffers.items() if name in keys]
     return entries
 

@@ -3,31 +3,38 @@ and ``tiered.initialize(model, weights=...)``.
 
 Names are those of the original ``model.state_dict()``, as ``full_state_dict`` and
 ``save_pretrained`` give them. A TiledLinear's tiles read their blocks of the layer's ``weight``
-and ``bias``; a tied parameter loads from the first of its names the source has. Each rank
-reads only the elements of its own shards (sources.py), so ranks read in parallel and nothing
-is broadcast, and a unit's values pass through DRAM one shard at a time.
+and ``bias``. A tied parameter loads from the last of its names the source has (torch's last
+write wins), each of them checked. Each rank reads only the elements of its own shards
+(sources.py), so ranks read in parallel and nothing is broadcast, and a unit's values pass
+through DRAM one shard at a time.
 
 [Note: what a load replaces]
 The weights: each unit's fp32 master weights and its compute-dtype weights (both buffers of the
-delayed update), and the model's persistent buffers. Not the optimizer: the Adam moments and
-step counts stay as they were, as ``model.load_state_dict`` leaves a torch optimizer's state.
-A pending update is finished first, so that it cannot write over what was loaded. Each value is
-rounded to the dtype the model gave its parameter, as ``param.copy_(value)`` rounds in PyTorch,
-then widened into the masters. A parameter or buffer the source lacks keeps its value (with
-``initialize``: is initialized as it would be without weights), and is listed in ``missing``.
+delayed update), the model's persistent buffers and its modules' extra states. Not the
+optimizer: the Adam moments and step counts stay as they were, as ``model.load_state_dict``
+leaves a torch optimizer's state. A pending update is finished first, so that it cannot write
+over what was loaded. Each value is rounded to the dtype the model gave its parameter, as
+``param.copy_(value)`` rounds in PyTorch, then widened into the masters. What the source lacks
+keeps its value (with ``initialize``: starts as the model initializes it), and is listed in
+``missing_keys``.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from ..errors import TieredError
 from ..ops.tiled_linear import TiledLinear, layer_of_tile, tiled_layers
-from ..plan import StateKind
 from .format import CheckpointError
 from .sources import WeightSource, open_source
+
+
+EXTRA_STATE = "_extra_state"
+"""The suffix of a module's ``get_extra_state()`` in its state dict (torch's)."""
 
 
 class LoadResult(NamedTuple):
@@ -91,9 +98,14 @@ def persistent_buffers(model: nn.Module, state_dict_keys) -> dict[str, torch.Ten
             if name in keys}
 
 
+def listing(names: list[str], most: int = 5) -> str:
+    """The first ``most`` of ``names`` for a message."""
+    return ", ".join(names[:most]) + (" ..." if len(names) > most else "")
+
+
 class PretrainedWeights:
-    """A source matched against the engine's units: which parameters and buffers it holds,
-    checked (names, shapes, dtypes) before anything is read."""
+    """A source matched against the engine's units: which parameters, buffers and extra
+    states it holds, checked (names, shapes, dtypes) before anything is read."""
 
     def __init__(self, source: WeightSource, flats, model: nn.Module,
                  state_dict_keys: list[str]):
@@ -102,30 +114,35 @@ class PretrainedWeights:
         tiled = tiled_layers(model)
         self.places: dict[str, Place] = {}
         """Parameter (its first name) -> where the source holds it."""
-        self.buffer_names: list[str] = []
-        """The model's buffers the source holds."""
         expected, missing = set(), []
         for flat in flats:
             for spec in flat.spec.params:
                 candidates = _candidates(spec.names, spec.shape, tiled)
                 expected.update(name for name, _, _ in candidates)
-                found = next((c for c in candidates if c[0] in source.tensors), None)
-                if found is None:
+                present = [c for c in candidates if c[0] in source.tensors]
+                for name, shape, _ in present:
+                    self._check(name, shape, floating=True)
+                if present:  # a tied one: the last of its names, as torch's last write wins
+                    self.places[spec.names[0]] = present[-1][2]
+                else:
                     missing.append(candidates[0][0])
-                    continue
-                name, shape, place = found
-                self._check(name, shape, floating=True)
-                self.places[spec.names[0]] = place
-        for name, buffer in persistent_buffers(model, state_dict_keys).items():
-            expected.add(name)
+        buffers = persistent_buffers(model, state_dict_keys)
+        for name, buffer in buffers.items():
             if name in source.tensors:
                 self._check(name, tuple(buffer.shape), floating=False)
-                self.buffer_names.append(name)
-            else:
-                missing.append(name)
+        # A module's get_extra_state() (any object) is in the state dict too.
+        extra = [key for key in state_dict_keys if key.endswith(EXTRA_STATE)]
+        self.buffer_names = [name for name in buffers if name in source.tensors]
+        self.extra_names = [key for key in extra if key in source.tensors or key in
+                            source.objects]
+        expected.update(buffers, extra)
+        missing += [key for key in (*buffers, *extra)
+                    if key not in source.tensors and key not in source.objects]
         order = {name: i for i, name in enumerate(state_dict_keys)}
-        self.result = LoadResult(sorted(set(missing), key=order.__getitem__),
-                                 [name for name in source.tensors if name not in expected])
+        self.result = LoadResult(
+            sorted(set(missing), key=lambda name: order.get(name, len(order))),
+            [name for name in (*source.tensors, *source.objects) if name not in expected])
+        self._whole = self._read_whole(flats)
 
     def _check(self, name: str, shape: tuple[int, ...], floating: bool) -> None:
         have, dtype = self.source.tensors[name]
@@ -136,20 +153,35 @@ class PretrainedWeights:
             raise CheckpointError(f"{self.source.where}: {name} is {dtype}; a parameter loads "
                                   f"from a floating-point tensor")
 
+    def _read_whole(self, flats) -> list[bool]:
+        """Per unit, whether ``initialize`` builds it from the weights alone: they hold all of
+        its parameters, and no module holding one of them also holds a parameter they lack. A
+        module is initialized whole (its init may touch any of its parameters), so a unit
+        sharing one with a parameter the weights lack is built as without weights, and the
+        weights then overwrite what they hold (LoRA adapters beside their layer's frozen
+        weight; a weight tied across units)."""
+        held = [all(spec.names[0] in self.places for spec in flat.spec.params) for flat in flats]
+        lacking = {id(module) for flat, whole in zip(flats, held) if not whole
+                   for spec in flat.spec.params if spec.names[0] not in self.places
+                   for module, _ in spec.holders}
+        return [whole and not any(id(module) in lacking for spec in flat.spec.params
+                                  for module, _ in spec.holders)
+                for flat, whole in zip(flats, held)]
+
+    def reads_whole(self, flat) -> bool:
+        """Whether ``initialize`` builds the unit from the weights alone (see _read_whole)."""
+        return self._whole[flat.spec.index]
+
     def check_strict(self) -> None:
         missing, unexpected = self.result
         if not missing and not unexpected:
             return
-        parts = [f"{len(found)} {what}: {', '.join(found[:5])}{' ...' if len(found) > 5 else ''}"
+        parts = [f"{len(found)} {what}: {listing(found)}"
                  for what, found in (("missing", missing), ("unexpected", unexpected)) if found]
         raise CheckpointError(
             f"{self.source.where} does not match the model's state dict ({'; '.join(parts)}); "
             f"pass strict=False to load what matches (what is missing keeps its value, or is "
             f"initialized as without weights)")
-
-    def covers(self, flat) -> bool:
-        """Whether the source holds every parameter of the unit."""
-        return all(spec.names[0] in self.places for spec in flat.spec.params)
 
     def fill(self, flat, out: torch.Tensor) -> None:
         """Write into ``out`` (this rank's shard of the unit, any device) the elements the
@@ -175,18 +207,24 @@ class PretrainedWeights:
             return
         values = torch.zeros(flat.shard_numel, dtype=torch.float32)
         if not all(held):
-            has_masters = manager.has(index, StateKind.MASTER)
-            manager.copy_out(index, StateKind.MASTER if has_masters else StateKind.PARAM, values)
+            manager.copy_out(index, manager.weights_kind(index), values)
         self.fill(flat, values)
         manager.store_weights(index, values)
 
     @torch.no_grad()
     def load_buffers(self, model: nn.Module) -> None:
-        """Copy the source's values into the model's buffers (wherever they are now)."""
+        """Copy the source's values into the model's buffers (wherever they are now), and its
+        modules' extra states."""
         buffers = dict(model.named_buffers(remove_duplicate=False))
         for name in self.buffer_names:
             buffer = buffers[name]
             buffer.copy_(self.source.read(name, 0, buffer.numel()).view(buffer.shape))
+        for key in self.extra_names:
+            value = self.source.objects.get(key)
+            if value is None:
+                shape, _ = self.source.tensors[key]
+                value = self.source.read(key, 0, math.prod(shape)).view(shape)
+            model.get_submodule(key[:-len(EXTRA_STATE)].rstrip(".")).set_extra_state(value)
 
     def close(self) -> None:
         self.source.close()
@@ -195,7 +233,9 @@ class PretrainedWeights:
 def open_weights(weights, flats, model: nn.Module, state_dict_keys: list[str], strict: bool,
                  group) -> PretrainedWeights:
     """Open and check ``weights`` (a path or a state dict) on every rank: if any rank cannot
-    use them, every rank raises, before anything is read."""
+    use them, or they hold other units whole on other ranks (``initialize`` builds units read
+    whole without a collective, the others with one), every rank raises, before anything is
+    read."""
     failure, matched, source = None, None, None
     try:
         source = open_source(weights)
@@ -204,10 +244,19 @@ def open_weights(weights, flats, model: nn.Module, state_dict_keys: list[str], s
             matched.check_strict()
     except Exception as error:  # any error: the other ranks wait in the agreement below
         failure = error
+        matched = None
         if source is not None:
             source.close()
     if not group.agree(failure is None):
+        if matched is not None:
+            matched.close()
         raise failure or CheckpointError("another rank cannot use the weights; nothing loaded")
+    whole = torch.tensor(matched._whole, dtype=torch.float32, device=group.device)
+    group.all_reduce_sum(whole)
+    if not all(count in (0, group.world_size) for count in whole.tolist()):
+        matched.close()
+        raise CheckpointError("the ranks were given weights that hold different parameters; "
+                              "give every rank the same weights")
     return matched
 
 
@@ -215,13 +264,21 @@ def load(engine, weights, strict: bool) -> LoadResult:
     """``engine.load_state_dict`` and ``engine.load_pretrained``: replace the weights (see
     [Note: what a load replaces]). Every rank must call it."""
     runtime = engine.runtime
+    if not runtime.manager.shards:
+        raise TieredError("this engine is closed; its weights were freed by close()")
     engine.optimizer.synchronize()
-    gathered = [flat.name for flat in runtime.flats
-                if runtime.gatherer.is_gathered(flat.spec.index)]
-    if gathered:
-        raise CheckpointError(f"cannot load weights while units are gathered (between a forward "
-                              f"and its backward): {', '.join(gathered[:3])}")
-    matched = open_weights(weights, runtime.flats, engine.module, engine._state_dict_keys,
+    if runtime.prefetcher.iteration_running:
+        raise CheckpointError(
+            "cannot load weights between a forward run with grad enabled and its backward "
+            "(the backward would use the old weights' activations): load before the forward "
+            "or after the backward, and run forwards that have no backward under "
+            "torch.no_grad()")
+    if runtime.stepped_on_arrival:
+        raise CheckpointError(
+            "cannot load weights between the step's last backward and optimizer.step(): its "
+            "units were already stepped as their gradients arrived "
+            "(optimizer.accumulation_steps); load after optimizer.step()")
+    matched = open_weights(weights, runtime.flats, engine.module, engine.state_dict_keys,
                            strict, runtime.group)
     try:
         for flat in runtime.flats:

@@ -32,6 +32,8 @@ class WeightSource(Protocol):
     """What to name in messages: the file, folder or "the state dict"."""
     tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]
     """Name -> (shape, dtype) of every tensor the source holds."""
+    objects: dict[str, object]
+    """Values that are not tensors (a module's extra state in a state dict), by name."""
 
     def read(self, name: str, start: int, count: int) -> torch.Tensor:
         """Elements ``[start, start + count)`` of ``name``, flattened, as a CPU tensor of its
@@ -44,16 +46,25 @@ class WeightSource(Protocol):
 class StateDictSource:
     def __init__(self, state_dict: Mapping[str, torch.Tensor]):
         self.where = "the state dict"
-        self._values = {}
+        self._values, self.objects = {}, {}
         for name, value in state_dict.items():
-            if not isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor):
+                self._values[name] = value.detach()
+            elif name.endswith("_extra_state"):
+                self.objects[name] = value
+            else:
                 raise CheckpointError(f"the state dict's {name!r} is a {type(value).__name__}, "
                                       f"not a tensor")
-            self._values[name] = value.detach()
         self.tensors = {name: (tuple(t.shape), t.dtype) for name, t in self._values.items()}
+        self._flat: dict[str, torch.Tensor] = {}
+        """Flattened tensors: reshaping a non-contiguous one copies it, so once per tensor,
+        not once per read (a tile reads its layer's weight row by row)."""
 
     def read(self, name: str, start: int, count: int) -> torch.Tensor:
-        return self._values[name].reshape(-1)[start:start + count].cpu()
+        flat = self._flat.get(name)
+        if flat is None:
+            flat = self._flat[name] = self._values[name].reshape(-1)
+        return flat[start:start + count].cpu()
 
     def close(self) -> None:
         pass
@@ -68,7 +79,7 @@ class SafetensorsSource:
         self.where = path
         self._readers: list[Reader] = []
         self._owner: dict[str, Reader] = {}
-        self.tensors = {}
+        self.tensors, self.objects = {}, {}
         try:
             for file in _files(path):
                 reader = Reader(file)
@@ -107,7 +118,9 @@ def open_source(weights) -> WeightSource:
 
 def _files(path: str) -> list[str]:
     """The safetensors files of ``path``, shards in the order the index names them."""
-    if os.path.isfile(path):
+    if os.path.basename(path) == INDEX:  # the index names the folder's shards
+        path = os.path.dirname(path)
+    elif os.path.isfile(path):
         return [path]
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such file or folder (expected a folder holding "

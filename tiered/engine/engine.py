@@ -23,7 +23,7 @@ from ..optim.adamw import one_pass_for
 from ..optim.groups import shard_ranges
 from ..optim.loss_scale import LossScaler
 from ..optim.workers import CpuWorker, optimizer_threads
-from ..plan import (MemoryPlan, StateKind, build_plan, by_module, grad_dtypes,
+from ..plan import (MemoryPlan, build_plan, by_module, grad_dtypes,
                     optimizer_device, state_kinds, unit_state_kinds)
 from ..policy import ComputeDtype, Device, Policy, Tier, resolve
 from ..tiers import SlabSource
@@ -54,7 +54,8 @@ class TieredEngine:
         self.runtime = runtime
         self.optimizer = optimizer
         self.scaler = scaler
-        self._state_dict_keys = state_dict_keys
+        self.state_dict_keys = state_dict_keys
+        """The names of the original ``model.state_dict()``, in its order."""
         self._scaled_backward = False
         self._closed = False
         self._hooks = UnitHooks(module, runtime, policy.compute_dtype.torch_dtype,
@@ -115,13 +116,14 @@ class TieredEngine:
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Consolidated fp32 weights (and buffers) as CPU tensors under the keys of the original
-        ``model.state_dict()``, on every rank; tied parameters share one tensor, as in torch."""
-        values: dict[str, torch.Tensor] = {
-            name: tensor.detach().cpu() for name, tensor in self.module.state_dict().items()}
+        ``model.state_dict()``, on every rank; tied parameters share one tensor, as in torch.
+        A module's extra state is there as its ``get_extra_state()`` gives it."""
+        values = {name: value.detach().cpu() if isinstance(value, torch.Tensor) else value
+                  for name, value in self.module.state_dict().items()}
         for flat, full in self.consolidated_units():
             values.update(flat.by_name(full))
         merge_tiles(self.module, values)
-        return {key: values[key] for key in self._state_dict_keys}
+        return {key: values[key] for key in self.state_dict_keys}
 
     def consolidated_units(self):
         """Each unit's fp32 master weights (a frozen unit's weights, where it keeps no masters)
@@ -137,9 +139,7 @@ class TieredEngine:
                 full = torch.empty(flat.padded_numel, dtype=torch.float32, device=group.device)
                 mine = flat.own_shard(full)
                 index = flat.spec.index
-                kind = StateKind.MASTER if self.manager.has(index, StateKind.MASTER) \
-                    else StateKind.PARAM
-                self.manager.copy_out(index, kind, mine)
+                self.manager.copy_out(index, self.manager.weights_kind(index), mine)
                 group.all_gather(full, mine)
                 host = full.cpu()
                 del full, mine
@@ -203,11 +203,12 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
 
     ``weights`` (a folder or file of safetensors, as ``save_pretrained`` writes them or Hugging
     Face publishes them, or a state dict) gives the model's starting weights by state-dict
-    name: each rank reads its own shards straight into the tiers, and a unit the weights hold
-    whole is never initialized (nor, under ``tiered.init``, materialized whole). With
-    ``strict`` every parameter and persistent buffer must be there and nothing else; with
-    ``strict=False`` the ones missing are initialized as without weights (LoRA adapters added
-    to a pretrained model), and a warning names what did not match.
+    name: each rank reads its own shards straight into the tiers, and a module whose
+    parameters the weights all hold is never initialized (nor, under ``tiered.init``,
+    materialized). With ``strict`` every parameter, persistent buffer and extra state must be
+    there and nothing else; with ``strict=False`` the ones missing start as the model
+    initializes them (LoRA adapters added to a pretrained model: their layers are initialized
+    whole, then take the weights they hold), and a warning names what did not match.
 
     ``policy`` is a YAML path, a dict of the same schema, or a ``tiered.Policy``; ``None`` takes
     the one ``tiered.init`` was given for this model, else the policy ``tiered-launch`` passed,
@@ -234,14 +235,14 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
     tiled = (tile_large_linears(model, policy.tiling.max_unit_bytes,
                                 policy.compute_dtype.torch_dtype.itemsize)
              if policy.tiling.max_unit_bytes is not None else [])
-    manager = worker = loading = None
+    manager = worker = start_weights = None
     try:
         flats = flat_units(model, policy, group.rank, group.world_size, device)
         if not flats:
             raise TieredError("the model has no parameters to train")
         ranges = shard_ranges(flats, policy.optimizer.param_groups)  # one matching nothing fails
         if weights is not None:  # checked before anything large is allocated
-            loading = pretrained.open_weights(weights, flats, model, state_dict_keys, strict,
+            start_weights = pretrained.open_weights(weights, flats, model, state_dict_keys, strict,
                                               group)
         manager = TierManager(policy, device, group.rank, dram_source,
                               _ranks_on_this_node(group), group.smallest)
@@ -260,14 +261,14 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
                                     context.param_init_fn if context is not None else None)
         for built in _built_together(flats):
             with timeline.span(f"build unit {built[-1].name}", "setup"):
-                _partition(built, materializer, manager, group, loading)
+                _partition(built, materializer, manager, group, start_weights)
         for module in model.modules():
             for name, buffer in module._buffers.items():
                 if buffer is not None:
                     module._buffers[name] = buffer.to(device)
-        if loading is not None:
-            loading.load_buffers(model)
-            _warn_unmatched(loading.result, loading.source.where)
+        if start_weights is not None:
+            start_weights.load_buffers(model)
+            _warn_unmatched(start_weights.result, start_weights.source.where)
         runtime = UnitRuntime(flats, manager, group, policy, worker, timeline)
         scaler = (LossScaler(policy.loss_scale)
                   if policy.compute_dtype is ComputeDtype.FP16 else None)
@@ -282,8 +283,8 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
         untile(tiled)  # a refused model goes back as it came (the tiles only viewed its layers)
         raise
     finally:
-        if loading is not None:
-            loading.close()
+        if start_weights is not None:
+            start_weights.close()
     _managed.add(model)
     if os.environ.get(LAUNCHED_ENV):
         _exit_cleanly_on_sigterm()
@@ -293,13 +294,12 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
 def _warn_unmatched(result: pretrained.LoadResult, where: str) -> None:
     missing, unexpected = result
     if missing:
-        warnings.warn(f"tiered: {len(missing)} parameters or buffers are not in {where} and were "
-                      f"initialized as without weights: {', '.join(missing[:5])}"
-                      f"{' ...' if len(missing) > 5 else ''}", stacklevel=3)
+        warnings.warn(f"tiered: {len(missing)} parameters, buffers or extra states are not in "
+                      f"{where}; they start as the model initializes them: "
+                      f"{pretrained.listing(missing)}", stacklevel=3)
     if unexpected:
         warnings.warn(f"tiered: {len(unexpected)} tensors of {where} are not in the model and "
-                      f"were not read: {', '.join(unexpected[:5])}"
-                      f"{' ...' if len(unexpected) > 5 else ''}", stacklevel=3)
+                      f"were not read: {pretrained.listing(unexpected)}", stacklevel=3)
 
 
 def flat_units(model: nn.Module, policy: Policy, rank: int, world_size: int,
@@ -337,11 +337,11 @@ def _partition(flats: list[FlatParam], materializer: Materializer, manager: Tier
     this rank's shard is kept in the tiers; then drop the module's parameters.
 
     Rank 0's values are broadcast, so every rank starts from the same model (as DDP does) even
-    when ranks built or initialized it with different random states. A unit that ``weights``
-    hold whole is neither materialized nor broadcast: each rank reads its own shard from them.
-    In a unit they hold in part, they overwrite what initialization gave.
+    when ranks built or initialized it with different random states. A unit ``weights`` build
+    alone (PretrainedWeights.reads_whole) is neither materialized nor broadcast: each rank
+    reads its own shard from them. In any other unit they overwrite what initialization gave.
     """
-    built = [flat for flat in flats if weights is None or not weights.covers(flat)]
+    built = [flat for flat in flats if weights is None or not weights.reads_whole(flat)]
     specs = [flat.spec for flat in built]
     # The module's parameters where tiered.init materializes them on the device, and one fp32
     # flat copy at a time, live until the last shard is stored and the parameters are dropped.
