@@ -98,6 +98,15 @@ def persistent_buffers(model: nn.Module, state_dict_keys) -> dict[str, torch.Ten
             if name in keys}
 
 
+def shard_buffer(flat) -> torch.Tensor:
+    """An fp32 CPU buffer for this rank's shard of the unit, its padding zero and the rest to be
+    written (not zeroed first: a pass over memory a load of a large model would pay twice)."""
+    values = torch.empty(flat.shard_numel, dtype=torch.float32)
+    start, _ = flat.shard_range
+    values[max(0, flat.numel - start):].zero_()
+    return values
+
+
 def listing(names: list[str], most: int = 5) -> str:
     """The first ``most`` of ``names`` for a message."""
     return ", ".join(names[:most]) + (" ..." if len(names) > most else "")
@@ -194,8 +203,10 @@ class PretrainedWeights:
             if place is not None and first < stop:
                 for at, source_at, count in place.runs(first - offset, stop - offset):
                     value = self.source.read(place.tensor, source_at, count)
+                    if value.dtype is not spec.dtype and spec.dtype is not out.dtype:
+                        value = value.to(spec.dtype)  # rounded as the model would hold it
                     here = offset + at - start
-                    out[here:here + count].copy_(value.to(spec.dtype))
+                    out[here:here + count].copy_(value)
             offset += spec.numel
 
     def load_unit(self, manager, flat) -> None:
@@ -205,7 +216,7 @@ class PretrainedWeights:
         held = [spec.names[0] in self.places for spec in flat.spec.params]
         if not any(held):
             return
-        values = torch.zeros(flat.shard_numel, dtype=torch.float32)
+        values = shard_buffer(flat)
         if not all(held):
             manager.copy_out(index, manager.weights_kind(index), values)
         self.fill(flat, values)

@@ -357,7 +357,7 @@ def _partition(flats: list[FlatParam], materializer: Materializer, manager: Tier
             shard = flat.own_shard(full)
             del full
         else:
-            shard = torch.zeros(flat.shard_numel, dtype=torch.float32)
+            shard = pretrained.shard_buffer(flat)  # every parameter's elements are read
         if weights is not None:
             weights.fill(flat, shard)
         manager.store_weights(flat.spec.index, shard)
