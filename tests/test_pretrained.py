@@ -16,8 +16,8 @@ from torch import nn
 import tiered
 from distributed import run_ranks
 from gpt import GPT, add_lora, next_token_loss
-from test_parity import (OPTIM, REPO, SEQ, VOCAB, batches, make_model, run_engine,
-                         train_torch)
+from test_parity import (OPTIM, REPO, SEQ, VOCAB, assert_parity_on_host, batches, make_model,
+                         run_engine, train_torch)
 from tiered.checkpoint import sources
 from tiered.engine.init import reset_module
 from tiered.ops.tiled_linear import tile_large_linears
@@ -372,3 +372,22 @@ def test_the_index_file_itself_names_the_folder(tmp_path):
     assert engine.load_pretrained(os.path.join(folder, sources.INDEX)) == ([], [])
     assert_equal_states(engine.full_state_dict(), weights)
     engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["cpu", "gpu"])
+def test_weights_into_states_on_cuda(policy, tmp_path):
+    """Shards read on the host into device-tier states (gpu.yaml) or pinned DRAM beside the GPU;
+    training from there matches torch on the GPU."""
+    weights = pretrained()
+    engine, optimizer = tiered.initialize(
+        make_model(), os.path.join(REPO, "configs", f"{policy}.yaml"), weights=weights,
+        compute_dtype="fp32", device="cuda", optimizer=OPTIM)
+    assert_equal_states(engine.full_state_dict(), weights)
+    state = run_engine(engine, optimizer)
+    engine.close()
+    model = make_model().cuda()
+    model.load_state_dict(weights)
+    expected = train_torch(model, torch.optim.AdamW(model.parameters(), fused=True, **OPTIM),
+                           device="cuda")
+    assert_parity_on_host(state, expected)
