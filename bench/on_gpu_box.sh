@@ -78,6 +78,6 @@ load)  # pretrained weights: the 2.78 B GPT's bf16 safetensors into a model read
         2>&1 | grep -v -e Warning -e _conversion | tee "$out/load.log" ;;
 *)
     echo "unknown stage $stage: tests, offload, variants, hbm, tiled, io, nvme, large, clip," \
-        "cpu, lora" >&2
+        "cpu, lora, load" >&2
     exit 2 ;;
 esac
