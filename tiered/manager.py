@@ -287,7 +287,9 @@ class TierManager:
             shard.resident = None
         self.shards.clear()
         self._staging.clear()
-        self.dram.close()
+        # NVMe first: closing it waits for I/O still in flight, which may be writing into or
+        # reading out of DRAM slabs (a transfer abandoned by a failure); then the slabs go.
         if self.nvme is not None:
             self.nvme.close()
+        self.dram.close()
 

@@ -147,7 +147,9 @@ def staging_buffers(policy: Policy, device: torch.device, placement: "Placement"
                                                     piece, torch.float32)
     if policy.grads.tier is Tier.DRAM and device.type != "cpu":
         for slot in range(GRAD_LANDING_SLOTS):
-            out[f"grad{slot}"] = Buffer(f"staging grad{slot}", Tier.DRAM, placement.max_shard,
+            # Sized for trained units: a frozen one never has a gradient to land.
+            out[f"grad{slot}"] = Buffer(f"staging grad{slot}", Tier.DRAM,
+                                        placement.largest(StateKind.GRAD, Tier.DRAM),
                                         reduce_dtype(policy, world_size))
     return out
 
@@ -197,10 +199,12 @@ def grad_dtypes(policy: Policy, world_size: int) -> set[torch.dtype]:
 
 
 def hbm_working_set(policy: Policy, full_numels: list[int], unit_paths: list[str],
-                    world_size: int, groups: list[int] | None = None) -> int:
+                    world_size: int, groups: list[int] | None = None,
+                    trained: list[bool] | None = None) -> int:
     """Peak bytes of the engine's transient device buffers; ``unit_paths`` are the units' module
     paths, "" for the root and for the units gathered with it through the whole forward;
-    ``groups``: units.module_groups (the halves of a split module), by default a unit each.
+    ``groups``: units.module_groups (the halves of a split module), by default a unit each;
+    ``trained``: per unit, whether it has gradients (by default every unit has).
 
     A unit stays gathered while any unit nested in it runs, so what is gathered at once is a
     chain of nested units (the root, and each unit's enclosing units). In backward the next
@@ -222,7 +226,8 @@ def hbm_working_set(policy: Policy, full_numels: list[int], unit_paths: list[str
                    if other and (path == other or path.startswith(other + ".")))
 
     chains = sorted((chain(p) for p in set(unit_paths) if p), reverse=True)[:2]
-    largest = max(full_numels, default=0)
+    largest = max((n for n, has in zip(full_numels, trained or [True] * len(full_numels))
+                   if has), default=0)  # the largest gradient
     gathered = (root + sum(chains)) * compute
     grad = largest * compute
     if world_size > 1:
@@ -264,10 +269,6 @@ class Placement:
     tiers: dict[tuple[int, StateKind], Tier]
     shard_numels: list[int]
 
-    @property
-    def max_shard(self) -> int:
-        return max(self.shard_numels, default=0)
-
     def largest(self, kind: StateKind, tier: Tier) -> int:
         """The largest shard whose ``kind`` state is in ``tier`` (0 if none is)."""
         return max((n for u, n in enumerate(self.shard_numels)
@@ -288,7 +289,9 @@ def _plan(policy: Policy, device: torch.device, placement: Placement, full_numel
     return MemoryPlan(
         shards=shards,
         staging=staging_buffers(policy, device, placement, world_size),
-        working_set=hbm_working_set(policy, full_numels, unit_paths, world_size, groups))
+        working_set=hbm_working_set(policy, full_numels, unit_paths, world_size, groups,
+                                    [(unit, StateKind.GRAD) in placement.tiers
+                                     for unit in range(len(full_numels))]))
 
 
 def build_plan(policy: Policy, device: torch.device, shard_numels: list[int],

@@ -52,6 +52,8 @@ def even_pieces(total: int, most: int, align: int) -> list[tuple[int, int]]:
     """(start, count) of as few pieces of ``total`` elements as hold at most ``most`` each, of
     nearly equal size (no stray remainder of a few elements), every start a multiple of
     ``align``, which ``most`` must be too (O_DIRECT offsets)."""
-    count = max(1, -(-total // most))
+    if total == 0:
+        return []
+    count = -(-total // most)
     size = min(most, align_up(-(-total // count), align))
     return [(start, min(size, total - start)) for start in range(0, total, size)]

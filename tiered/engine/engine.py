@@ -74,6 +74,9 @@ class TieredEngine:
     def __call__(self, *args, **kwargs):
         if self._closed:
             raise TieredError("this engine is closed; its weights were freed by close()")
+        # An update that failed part-way may have written some of its new weights (those
+        # written in place, or before another state's write failed): compute on none of them.
+        self.runtime.worker.raise_if_failed()
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
@@ -394,7 +397,7 @@ def _shut_down(runtime: UnitRuntime) -> None:
     runtime.worker.close()
     if runtime.worker.failed and not runtime.worker.failure_reported:
         # At exit nothing can raise it any more; say it rather than end as if all went well.
-        print(f"tiered: the CPU worker failed in the last update and it was not applied: "
+        print(f"tiered: the CPU worker failed in the last update, which did not complete: "
               f"{runtime.worker.error}", file=sys.stderr)
     if runtime.readahead is not None:
         runtime.readahead.close()

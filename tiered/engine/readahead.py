@@ -66,9 +66,11 @@ class ReadAhead:
         except queue.Empty:
             if not self._reads:
                 return self._free.get()  # every buffer is in a copy that is about to finish
-        furthest = next(reversed(self._reads))
-        landed = self._reads.pop(furthest).result()
-        return landed.slot, None
+        furthest = self._reads.pop(next(reversed(self._reads)))
+        try:
+            return furthest.result().slot, None
+        except Exception:  # that unit's error, not this caller's: it gave its buffer back
+            return self._free.get()
 
     def give_back(self, landed: Landed, busy_until: torch.cuda.Event | None) -> None:
         self._free.put((landed.slot, busy_until))

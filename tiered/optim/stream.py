@@ -58,6 +58,9 @@ class StateStream:
         """Step every piece of ``units`` (whose optimizer states are on NVMe) in order; call
         ``unit_done(unit)`` after a unit's last piece has been stepped."""
         pieces = [piece for unit in units for piece in self.pieces(unit)]
+        for unit in units:
+            if not self.pieces(unit):  # no elements (a zero-size shard): nothing to step
+                unit_done(unit)
         reads: dict[int, list] = {}
         writes: dict[int, list] = {}
         versions: dict[int, list] = {}
@@ -65,8 +68,7 @@ class StateStream:
 
         def start_read(i: int) -> None:
             slot = i % STAGING_SETS
-            for transfer in writes.pop(slot, []):
-                transfer.wait()  # the set still holds piece i-3's data on its way out
+            _wait_all(writes.pop(slot, []))  # the set still holds piece i-3's data on its way out
             piece = pieces[i]
             offset, nbytes = self._span(piece)
             reads[i] = [self.manager.nvme_file(piece.unit, kind).start_read(
@@ -78,8 +80,7 @@ class StateStream:
             for i, piece in enumerate(pieces):
                 if i + 1 < len(pieces):
                     start_read(i + 1)
-                for transfer in reads.pop(i):
-                    transfer.wait()
+                _wait_all(reads.pop(i))
                 slot = i % STAGING_SETS
                 views = [self._block(kind, slot).view(torch.float32)[:piece.numel]
                          for kind in OPTIMIZER_STATES]
@@ -112,3 +113,12 @@ class StateStream:
 
     def _block(self, kind, slot: int) -> torch.Tensor:
         return self.manager.staging_block(f"{kind.value}{slot}")
+
+
+def _wait_all(transfers) -> None:
+    """Wait for every transfer, then raise the first failure: a transfer still running when
+    this raises would go on using a staging set that is reused or freed after it."""
+    for transfer in transfers:
+        transfer.settle()
+    for transfer in transfers:
+        transfer.wait()
