@@ -1,10 +1,12 @@
-"""The policy layer (YAML -> frozen tiered.Policy), byte sizes, and ``tiered check-policy``.
+"""The policy layer (YAML -> frozen tiered.Policy), byte sizes, budgets checked against the
+machine at ``initialize``, and ``tiered check-policy``.
 
 Every bad input must give a PolicyError whose message is the whole clue: the file, the key path,
 the value and what is allowed. The CLI tests run ``python -m tiered.cli`` as a real subprocess.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -13,13 +15,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import yaml
+from torch import nn
 
 import tiered
-from tiered.policy import POLICY_ENV, Policy, Tier, resolve
-from tiered.sizes import parse_size
+from tiered.policy import (POLICY_ENV, ComputeDtype, NvmePolicy, OptimizerPolicy, ParamsPolicy,
+                           Policy, Tier, resolve)
+from tiered.sizes import format_size, parse_size
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -421,6 +426,174 @@ def test_units_classes_must_be_a_list_of_names():
     assert "units.classes" in message and "list of module class names" in message
 
 
+@pytest.mark.parametrize("yaml_text, key, line, first", [
+    ("params: {tier: dram}\ngrads: {tier: dram}\nparams: {tier: hbm}\n", "params", 3, 1),
+    ("compute_dtype: fp32\nparams: {tier: dram, tier: hbm}\n", "tier", 2, 2),
+], ids=["section", "flow-mapping"])
+def test_a_key_given_twice_names_file_line_and_key(yaml_text, key, line, first, tmp_path):
+    # PyYAML kept the last silently: the first params (or tier) meant nothing.
+    message = policy_error(yaml_text=yaml_text, tmp_path=tmp_path)
+    assert str(tmp_path / "policy.yaml") in message
+    assert f"at line {line}" in message
+    assert f"the key {key!r} is given twice (first at line {first})" in message
+
+
+def test_a_key_a_yaml_merge_brought_in_may_be_overridden(tmp_path):
+    path = write(tmp_path / "merge.yaml", "params: &dram {tier: dram}\n"
+                                          "optimizer: {<<: *dram, tier: hbm}\n"
+                                          "grads: {tier: hbm}\n")
+    assert Policy.from_yaml(path).optimizer.tier is Tier.HBM
+
+
+@pytest.mark.parametrize("yaml_text, key, value", [
+    ("nvme: {path: 5}", "nvme.path", "5"),
+    ("nvme: {path: [a]}", "nvme.path", "['a']"),
+    ("trace: {path: [a]}", "trace.path", "['a']"),
+], ids=["nvme-number", "nvme-list", "trace-list"])
+def test_a_path_must_be_a_string(yaml_text, key, value, tmp_path):
+    # str() used to make them the paths "5" and "['a']".
+    message = policy_error(yaml_text=yaml_text + "\n", tmp_path=tmp_path)
+    assert f"{key}: expected a path (a string), got {value}" in message
+
+
+def test_a_path_object_given_in_code_is_a_path(tmp_path):
+    assert Policy.from_dict({"nvme": {"path": tmp_path}}).nvme.path == str(tmp_path)
+
+
+@pytest.mark.parametrize("compute_dtype, max_unit_bytes, element", [
+    ("fp32", 0, 4), ("fp32", 3, 4), ("bf16", 1, 2)])
+def test_tiling_below_one_element_is_refused(compute_dtype, max_unit_bytes, element):
+    # It used to pass here and fail in tiling: ZeroDivisionError, or a ValueError naming splits.
+    policy = {"compute_dtype": compute_dtype, "tiling": {"max_unit_bytes": max_unit_bytes}}
+    message = policy_error(policy)
+    assert "test.yaml" in message and f"got {max_unit_bytes}" in message
+    assert f"tiling.max_unit_bytes must be null or at least {element} bytes" in message
+    policy["tiling"]["max_unit_bytes"] = element
+    assert Policy.from_dict(policy).tiling.max_unit_bytes == element
+
+
+@pytest.mark.parametrize("yaml_text, fragment", [
+    ("optimizer: {lr: fast}", "optimizer.lr: expected a number, got 'fast'"),
+    ("loss_scale: {growth_interval: many}",
+     "loss_scale.growth_interval: expected a whole number, got 'many'"),
+], ids=["float", "int"])
+def test_a_word_where_a_number_belongs_names_key_and_value(yaml_text, fragment, tmp_path):
+    # float() said only "could not convert string to float: 'fast'".
+    message = policy_error(yaml_text=yaml_text + "\n", tmp_path=tmp_path)
+    assert str(tmp_path / "policy.yaml") in message and fragment in message
+
+
+# -- overrides: their errors are theirs -------------------------------------------------------
+
+CPU_YAML = str(CONFIGS / "cpu.yaml")
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    ({"bogus": 1}, "unknown key 'bogus'"),
+    ({"optimizer": {"lr": "x"}}, "optimizer.lr: expected a number, got 'x'"),
+    ({"params": {"tier": "nvme"}}, "nvme.path is required"),  # the file has no path for it
+], ids=["unknown-key", "bad-value", "cross-field"])
+def test_an_error_the_overrides_bring_names_them_not_the_file(overrides, fragment):
+    with pytest.raises(tiered.PolicyError) as info:
+        tiered.initialize(nn.Linear(4, 4), CPU_YAML, **overrides)
+    message = str(info.value)
+    assert message.startswith(f"{CPU_YAML} with overrides {overrides!r}: "), message
+    assert fragment in message
+
+
+def test_an_error_of_the_file_alone_is_still_the_files(tmp_path):
+    path = write(tmp_path / "slow.yaml", "optimizer: {lr: fast}\n")
+    with pytest.raises(tiered.PolicyError) as info:
+        resolve(str(path), {"compute_dtype": "fp32"})
+    assert str(info.value).startswith(f"{path}: optimizer.lr"), str(info.value)
+
+
+def test_an_override_may_complete_the_file_and_still_be_named_for_its_own_error(tmp_path):
+    nvme = {"path": str(tmp_path)}
+    assert resolve(str(CONFIGS / "nvme.yaml"), {"nvme": nvme}).nvme.path == str(tmp_path)
+    assert resolve(str(write(tmp_path / "path.yaml", f"nvme: {{path: {tmp_path}}}\n")),
+                   {"params": {"tier": "nvme"}}).params.tier is Tier.NVME
+    with pytest.raises(tiered.PolicyError) as info:  # nvme.yaml alone lacks the path
+        resolve(str(CONFIGS / "nvme.yaml"), {"nvme": nvme, "bogus": 1})
+    assert " with overrides " in str(info.value) and "unknown key 'bogus'" in str(info.value)
+
+
+@pytest.mark.parametrize("base, source", [
+    (None, "the built-in defaults"), (Policy(), "a tiered.Policy"), ({}, "<dict>"),
+], ids=["defaults", "policy", "dict"])
+def test_override_errors_name_their_base(base, source, monkeypatch):
+    monkeypatch.delenv(POLICY_ENV, raising=False)
+    with pytest.raises(tiered.PolicyError) as info:
+        resolve(base, {"bogus": 1})
+    assert str(info.value).startswith(f"{source} with overrides {{'bogus': 1}}: unknown key ")
+
+
+def test_override_errors_of_tiered_init_and_of_a_launched_rank_name_the_overrides(monkeypatch):
+    monkeypatch.delenv(POLICY_ENV, raising=False)
+    with pytest.raises(tiered.PolicyError) as info:
+        tiered.init(CPU_YAML, bogus=1)
+    assert str(info.value).startswith(f"{CPU_YAML} with overrides {{'bogus': 1}}: ")
+    monkeypatch.setenv(POLICY_ENV, json.dumps(Policy().to_dict()))
+    with pytest.raises(tiered.PolicyError) as info:
+        resolve(None, {"bogus": 1})
+    assert str(info.value).startswith(f"${POLICY_ENV} (from tiered-launch) with overrides ")
+
+
+# -- tiered.Policy built in code --------------------------------------------------------------
+
+@pytest.mark.parametrize("fields, key, example", [
+    ({"compute_dtype": "bf16"}, "compute_dtype must be a ComputeDtype, got 'bf16'",
+     "Policy.from_dict({'compute_dtype': 'bf16'})"),
+    ({"params": {"tier": "nvme"}}, "params must be a ParamsPolicy, got {'tier': 'nvme'}",
+     "Policy.from_dict({'params': {'tier': 'nvme'}})"),
+    ({"params": ParamsPolicy("nvme")}, "params.tier must be a Tier, got 'nvme'",
+     "Policy.from_dict({'params': {'tier': 'nvme'}})"),
+    ({"optimizer": OptimizerPolicy(param_groups=({"match": "*.bias"},))},
+     "optimizer.param_groups[0] must be a ParamGroupPolicy, got {'match': '*.bias'}",
+     "Policy.from_dict({'optimizer': {'param_groups': [{'match': '*.bias'}]}})"),
+], ids=["enum", "section", "enum-in-section", "section-in-list"])
+def test_a_plain_value_in_a_policy_built_in_code_is_refused(fields, key, example):
+    # It used to fail deep in initialize: 'str' object has no attribute 'torch_dtype'.
+    with pytest.raises(tiered.PolicyError) as info:
+        Policy(**fields)
+    assert key in str(info.value) and example in str(info.value)
+
+
+def test_a_policy_built_in_code_from_enums_and_sections_is_the_one_from_dict(tmp_path):
+    built = Policy(compute_dtype=ComputeDtype.FP32, params=ParamsPolicy(Tier.NVME),
+                   nvme=NvmePolicy(path=str(tmp_path)))
+    assert built == Policy.from_dict({"compute_dtype": "fp32", "params": {"tier": "nvme"},
+                                      "nvme": {"path": str(tmp_path)}})
+
+
+# -- budgets past what the machine has: refused at initialize ---------------------------------
+
+def test_a_dram_budget_past_the_memory_is_refused_at_initialize():
+    # It used to be pinned until the OOM killer ended the process, without a word.
+    model = nn.Linear(8, 8)
+    before = copy.deepcopy(model.state_dict())
+    budget = 2 * psutil.virtual_memory().total
+    with pytest.raises(tiered.PolicyError) as info:
+        tiered.initialize(model, CPU_YAML, device="cpu", dram={"budget": budget})
+    message = str(info.value)
+    assert message.startswith(f"dram.budget {format_size(budget)} exceeds the "), message
+    assert "this rank may use" in message and "memory" in message
+    for name, value in model.state_dict().items():  # the model is left as it was
+        assert torch.equal(value, before[name]), name
+
+
+def test_an_nvme_budget_past_the_free_space_is_refused_at_initialize(tmp_path):
+    # It used to fail at some extent's fallocate, naming the file and not the budget.
+    budget = 2 * shutil.disk_usage(tmp_path).free
+    with pytest.raises(tiered.PolicyError) as info:
+        tiered.initialize(nn.Linear(8, 8), str(CONFIGS / "nvme.yaml"), device="cpu",
+                          nvme={"path": str(tmp_path), "budget": budget})
+    message = str(info.value)
+    assert message.startswith(f"nvme.budget {format_size(budget)} exceeds the "), message
+    assert f"free space of the file system of {tmp_path}" in message
+    assert os.listdir(tmp_path) == []  # no run folder, no extent
+
+
 # -- tiered check-policy ------------------------------------------------------------------------
 
 def check_policy(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
@@ -472,6 +645,15 @@ def test_check_policy_unknown_key(tmp_path):
 def test_check_policy_bad_tier(tmp_path):
     path = write(tmp_path / "tier.yaml", "params: {tier: ssd}\n")
     assert_cli_error(check_policy(str(path)), str(path), "params.tier", "hbm | dram | nvme")
+
+
+def test_check_policy_warns_that_a_policy_without_nvme_does_not_use_nvme(tmp_path):
+    missing = tmp_path / "no-such-folder"
+    result = check_policy("configs/cpu.yaml", "--nvme", str(missing))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.startswith("tiered: warning: the policy places nothing on NVMe ")
+    assert result.stderr.count("\n") == 1 and f"--nvme {missing} is not used" in result.stderr
+    assert Policy.from_dict(yaml.safe_load(result.stdout)).params.tier is Tier.DRAM
 
 
 def test_check_policy_nvme_policy_without_a_path():

@@ -35,10 +35,17 @@ def usable_cores(root: Path = CGROUP_ROOT, proc: Path = PROC_CGROUP) -> int:
 def available_memory(root: Path = CGROUP_ROOT, proc: Path = PROC_CGROUP) -> int:
     """Bytes this process could still take: the host's available memory, capped by what each of
     its cgroups' memory limits leaves (page cache the kernel can drop counts as free)."""
-    available = psutil.virtual_memory().available
-    for headroom in _memory_headrooms(root, proc):
-        available = min(available, max(0, headroom))
-    return available
+    return memory_bound(root, proc)[0]
+
+
+def memory_bound(root: Path = CGROUP_ROOT, proc: Path = PROC_CGROUP) -> tuple[int, str]:
+    """:func:`available_memory`, and what sets it (for messages): the host's available memory
+    or the tightest of its cgroups' memory limits."""
+    bound = psutil.virtual_memory().available, "the host's available memory"
+    for folder, headroom in _memory_headrooms(root, proc):
+        if headroom < bound[0]:
+            bound = max(0, headroom), f"the memory limit of cgroup {folder}, less its usage"
+    return bound
 
 
 def _cpu_quotas(root: Path, proc: Path) -> list[float]:
@@ -57,8 +64,9 @@ def _cpu_quotas(root: Path, proc: Path) -> list[float]:
     return quotas
 
 
-def _memory_headrooms(root: Path, proc: Path) -> list[int]:
-    """Per limited cgroup: its limit less what it uses, reclaimable page cache not counted."""
+def _memory_headrooms(root: Path, proc: Path) -> list[tuple[Path, int]]:
+    """Per limited cgroup: its folder, and its limit less what it uses, reclaimable page cache
+    not counted."""
     headrooms = []
     for version, folder in _cgroup_folders("memory", root, proc):
         if version == 2:
@@ -74,7 +82,7 @@ def _memory_headrooms(root: Path, proc: Path) -> list[int]:
             usage = _read(folder / "memory.usage_in_bytes", int)
             cache = _stat(folder / "memory.stat", "total_inactive_file")
         if usage is not None:
-            headrooms.append(int(limit) - (usage - cache))
+            headrooms.append((folder, int(limit) - (usage - cache)))
     return headrooms
 
 

@@ -15,13 +15,15 @@ from typing import Callable
 
 import torch
 
-from .errors import TieredError
+from .errors import PolicyError, TieredError
+from .limits import memory_bound
 from .plan import MemoryPlan, StateKind
 from .policy import Policy, Tier
 from .tiers import DramTier, HbmTier, NvmeShard, NvmeTier, PinnedSlabSource, SlabSource
-from .sizes import align_up, even_pieces
+from .sizes import align_up, even_pieces, format_size
 from .tiers.aio import IoSettings
 from .tiers.dram import BLOCK_ALIGN
+from .tiers.nvme import check_nvme_path, free_bytes
 
 
 @dataclass
@@ -63,6 +65,30 @@ def _staging_out(kind: StateKind) -> str:
     return "param_out" if kind in (StateKind.PARAM, StateKind.PARAM_NEXT) else f"{kind.value}0"
 
 
+def _refuse_budgets_past_this_node(policy: Policy, ranks: int,
+                                   agree: Callable[[int], int]) -> None:
+    """Refuse an explicit DRAM or NVMe budget larger than this rank's share of what the node has:
+    past the memory, the OOM killer ends the process without a word; past the free space, an
+    extent's fallocate fails midway, naming a file but not the budget. The share is agreed as a
+    null budget's is (a collective), so every rank refuses or none does."""
+    ranks = max(1, ranks)
+    if policy.dram.budget is not None:
+        memory, bound = memory_bound()
+        _refuse_past("dram.budget", policy.dram.budget, agree(memory // ranks), ranks, bound)
+    if policy.uses_nvme and policy.nvme.budget is not None:
+        path = policy.nvme.path
+        check_nvme_path(path)
+        _refuse_past("nvme.budget", policy.nvme.budget, agree(free_bytes(path) // ranks), ranks,
+                     f"the free space of the file system of {path}")
+
+
+def _refuse_past(key: str, budget: int, share: int, ranks: int, bound: str) -> None:
+    if budget > share:
+        whose = f"1/{ranks} (ranks on this node) of {bound}" if ranks > 1 else bound
+        raise PolicyError(f"{key} {format_size(budget)} exceeds the {format_size(share)} this "
+                          f"rank may use ({whose}); lower it, or leave it null to size it from that")
+
+
 class TierManager:
     def __init__(self, policy: Policy, device: torch.device, rank: int,
                  dram_source: SlabSource | None = None, ranks: int = 1,
@@ -73,6 +99,7 @@ class TierManager:
         same plan, so all of them fit or all refuse, and none is left waiting in a collective
         for a rank that refused; and no rank spills more than another, to be waited for. (The
         HBM default, the device's capacity, is agreed the same way, for devices that differ.)"""
+        _refuse_budgets_past_this_node(policy, ranks, agree)  # before any tier holds anything
         self.policy = policy
         self.hbm = HbmTier(device, policy.hbm.budget)
         source = dram_source or PinnedSlabSource(huge_pages=policy.dram.huge_pages)

@@ -12,13 +12,14 @@ import enum
 import json
 import math
 import os
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
-import yaml
 
 from .errors import PolicyError
+from .policy_yaml import read_yaml
 from .sizes import parse_size
 
 POLICY_ENV = "TIERED_POLICY_JSON"
@@ -47,13 +48,17 @@ class Device(str, enum.Enum):
     CUDA = "cuda"
 
 
-def _float(value: object) -> float:
+def _float(value: object, expected: str = "a number") -> float:
     """A finite number. Plain ``float()`` let YAML's ``yes``/``on`` (True) through as 1.0 and
-    ``.nan`` through every range check below (NaN compares false), and raised TypeError (not
-    PolicyError) for null or a list."""
+    ``.nan`` through every range check below (NaN compares false), raised TypeError (not
+    PolicyError) for null or a list, and said only "could not convert string to float" for
+    ``fast``."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"expected a number, got {value!r}")
-    number = float(value)
+        raise ValueError(f"expected {expected}, got {value!r}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"expected {expected}, got {value!r}") from None
     if not math.isfinite(number):
         raise ValueError(f"expected a finite number, got {value!r}")
     return number
@@ -61,10 +66,20 @@ def _float(value: object) -> float:
 
 def _int(value: object) -> int:
     """A whole number; ``int()`` silently truncated 2.5 to 2 and raised TypeError for null."""
-    number = _float(value)
+    number = _float(value, expected="a whole number")
     if not number.is_integer():
         raise ValueError(f"expected a whole number, got {value!r}")
     return int(number)
+
+
+def _path(value: object) -> str:
+    """A path: a string, or a ``pathlib.Path`` given in code. ``str()`` made ``5`` and ``[a]``
+    the paths "5" and "['a']"."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise ValueError(f"expected a path (a string), got {value!r}")
+    return value
 
 
 def _bool(value: object) -> bool:
@@ -220,7 +235,7 @@ class OptimizerPolicy:
 
 @dataclass(frozen=True)
 class NvmePolicy:
-    path: str | None = field(default=None, metadata=_optional(str))
+    path: str | None = field(default=None, metadata=_optional(_path))
     """Folder on the drive; each run makes its own subfolder there and removes it at exit."""
     budget: int | None = field(default=None, metadata=_parse(_size_or_none))
     """Bytes tiered may use there; null = this rank's share (ranks on the node) of the free
@@ -323,7 +338,7 @@ class TilingPolicy:
 
 @dataclass(frozen=True)
 class TracePolicy:
-    path: str | None = field(default=None, metadata=_optional(str))
+    path: str | None = field(default=None, metadata=_optional(_path))
     """Write a Chrome-trace timeline here (the environment's TIERED_TRACE wins)."""
 
 
@@ -345,7 +360,14 @@ class UnitsPolicy:
 
 @dataclass(frozen=True)
 class Policy:
-    """Where each piece of training state lives, and the optimizer that updates it."""
+    """Where each piece of training state lives, and the optimizer that updates it.
+
+    Built in code, its fields take the enums and section classes (``ComputeDtype.FP32``,
+    ``ParamsPolicy(Tier.NVME)``); plain values as YAML has them (``"fp32"``, ``{"tier":
+    "nvme"}``) go through :meth:`from_dict`. A plain value given here is refused with a
+    PolicyError that names the field and the ``from_dict`` call taking it, not converted: it
+    used to fail later, deep in the engine (``'str' object has no attribute 'torch_dtype'``).
+    """
 
     compute_dtype: ComputeDtype = ComputeDtype.BF16
     device: Device = Device.AUTO
@@ -363,16 +385,27 @@ class Policy:
     tiling: TilingPolicy = TilingPolicy()
 
     def __post_init__(self):
-        if self.uses_nvme and not self.nvme.path:
-            raise ValueError("nvme.path is required when params.tier or optimizer.tier is nvme, "
-                             "or dram.spill is nvme (set it in the policy or pass "
-                             "tiered-launch --nvme PATH)")
+        misplaced = _plain_value_in(self)
+        if misplaced is not None:
+            raise PolicyError(_plain_value_message(*misplaced))
         expected_grads = Tier.HBM if self.optimizer.tier is Tier.HBM else Tier.DRAM
         if self.grads.tier is not expected_grads:
             raise ValueError(
                 f"grads.tier must be {expected_grads.value!r} when optimizer.tier is "
                 f"{self.optimizer.tier.value!r}: the optimizer steps where its states live and "
                 f"reads the gradient there")
+        element = self.compute_dtype.torch_dtype.itemsize
+        tile_limit = self.tiling.max_unit_bytes
+        if tile_limit is not None and tile_limit < element:
+            # A tile holds at least one element; below that, tiling divided by zero.
+            raise ValueError(f"tiling.max_unit_bytes must be null or at least {element} bytes "
+                             f"(one {self.compute_dtype.value} element), got {tile_limit}")
+        # Last: the one check an override commonly satisfies (the path of --nvme or nvme=), so
+        # that a file lacking only the path still shows its other errors as its own.
+        if self.uses_nvme and not self.nvme.path:
+            raise ValueError("nvme.path is required when params.tier or optimizer.tier is nvme, "
+                             "or dram.spill is nvme (set it in the policy or pass "
+                             "tiered-launch --nvme PATH)")
 
     @property
     def uses_nvme(self) -> bool:
@@ -387,7 +420,7 @@ class Policy:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, overrides: Mapping[str, Any] | None = None) -> "Policy":
-        return cls.from_dict(merge(read_yaml(path), overrides or {}), source=str(path))
+        return _with_overrides(read_yaml(path), str(path), overrides or {})
 
     def to_dict(self) -> dict[str, Any]:
         """The YAML schema form: plain types only, so it round-trips through JSON and YAML."""
@@ -403,35 +436,49 @@ class Policy:
 
     def replace(self, **overrides: Any) -> "Policy":
         """A copy with schema-form overrides merged in (``optimizer={"lr": 1e-3}``)."""
-        return Policy.from_dict(merge(self.to_dict(), overrides), source="<overrides>")
+        return _with_overrides(self.to_dict(), "a tiered.Policy", overrides)
 
 
-def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
-    """The raw mapping of a policy file, or a PolicyError naming the file and what is wrong."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise PolicyError(f"policy file {path} does not exist") from None
-    except UnicodeDecodeError as e:
-        # A binary or non-UTF-8 file used to escape as a bare UnicodeDecodeError traceback.
-        raise PolicyError(f"policy file {path}: not UTF-8 text (byte {e.start}: "
-                          f"{e.reason})") from None
-    except OSError as e:
-        raise PolicyError(f"policy file {path} cannot be read: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        where = ""
-        mark = getattr(e, "problem_mark", None)
-        if mark is not None:
-            where = f" at line {mark.line + 1}, column {mark.column + 1}"
-        problem = getattr(e, "problem", None) or str(e)
-        raise PolicyError(f"policy file {path}: malformed YAML{where}: {problem}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise PolicyError(f"policy file {path}: the top level must be a mapping of keys "
-                          f"(compute_dtype, params, ...), got {type(data).__name__}")
-    return data
+def _structured_kind(hint: Any) -> type | None:
+    """The enum or section class a field's type names (``Tier | None`` names Tier), if any."""
+    for kind in typing.get_args(hint) or (hint,):
+        if isinstance(kind, type) and (issubclass(kind, enum.Enum)
+                                       or dataclasses.is_dataclass(kind)):
+            return kind
+    return None
+
+
+def _plain_value_in(section: Any, prefix: str = "") -> tuple[str, Any, type] | None:
+    """(key path, value, expected class) of the first field of ``section`` or of the sections it
+    holds whose type is an enum or a section but whose value is not one (``"bf16"``,
+    ``{"tier": "nvme"}``), or None."""
+    hints = typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        value, key = getattr(section, f.name), prefix + f.name
+        if "items" in f.metadata:
+            entries = [(f"{key}[{i}]", item, f.metadata["items"]) for i, item in enumerate(value)]
+        elif value is None and type(None) in typing.get_args(hints[f.name]):
+            entries = []
+        else:
+            entries = [(key, value, _structured_kind(hints[f.name]))]
+        for path, item, kind in entries:
+            if kind is not None and not isinstance(item, kind):
+                return path, item, kind
+            if dataclasses.is_dataclass(item):
+                inner = _plain_value_in(item, path + ".")
+                if inner is not None:
+                    return inner
+    return None
+
+
+def _plain_value_message(key: str, value: Any, kind: type) -> str:
+    """The refusal of ``value`` at ``key``, with the ``from_dict`` call that takes it."""
+    example = value
+    for name in reversed(key.split(".")):  # "params.tier" -> {"params": {"tier": value}}
+        name, index, _ = name.partition("[")
+        example = {name: [example] if index else example}
+    return (f"tiered.Policy: {key} must be a {kind.__name__}, got {value!r}; plain values (as "
+            f"in YAML) go through Policy.from_dict({example!r})")
 
 
 def merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -450,23 +497,53 @@ def resolve(policy: "Policy | str | os.PathLike | Mapping[str, Any] | None",
     """The one place a user's policy argument becomes a Policy.
 
     ``None`` takes the policy ``tiered-launch`` passed through the environment, else the
-    built-in defaults (equal to ``configs/cpu.yaml``).
+    built-in defaults (equal to ``configs/cpu.yaml``). ``overrides``: the keyword arguments of
+    ``initialize`` and ``tiered.init`` (or tiered-launch's ``--nvme``), merged on top.
     """
     overrides = dict(overrides or {})
     if policy is None:
         launched = os.environ.get(POLICY_ENV)
         if launched:
-            return Policy.from_dict(merge(json.loads(launched), overrides),
-                                    source=f"${POLICY_ENV} (from tiered-launch)")
-        return Policy.from_dict(overrides, source="<defaults>")
+            return _with_overrides(json.loads(launched), f"${POLICY_ENV} (from tiered-launch)",
+                                   overrides)
+        return _with_overrides({}, "the built-in defaults", overrides)
     if isinstance(policy, Policy):
         return policy.replace(**overrides) if overrides else policy
     if isinstance(policy, Mapping):
-        return Policy.from_dict(merge(policy, overrides))
+        return _with_overrides(policy, "<dict>", overrides)
     if isinstance(policy, (str, os.PathLike)):
         return Policy.from_yaml(policy, overrides)
     raise PolicyError(f"policy must be a YAML path, a dict or a tiered.Policy, got "
                       f"{type(policy).__name__}")
+
+
+def _with_overrides(base: Mapping[str, Any], source: str,
+                    overrides: Mapping[str, Any]) -> Policy:
+    """``base`` (read from ``source``) with ``overrides`` merged in.
+
+    An error is the base's only when the base alone gives the very same one; otherwise the
+    overrides brought it (a key or value of theirs, or one that does not go with the base), and
+    the message names them, so that ``initialize(model, "cpu.yaml", bogus=1)`` does not send
+    the user looking for ``bogus`` in cpu.yaml. The base alone may be incomplete: an override
+    may supply what it lacks (nvme.path for nvme.yaml).
+    """
+    merged = merge(base, overrides)
+    try:
+        return Policy.from_dict(merged, source)
+    except PolicyError as error:
+        if not overrides or str(error) == _error_of(base, source):
+            raise
+    # Built again under a source that names the overrides, it fails the same way.
+    return Policy.from_dict(merged, f"{source} with overrides {dict(overrides)!r}")
+
+
+def _error_of(data: Mapping[str, Any], source: str) -> str | None:
+    """The message of the PolicyError ``data`` gives, if any."""
+    try:
+        Policy.from_dict(data, source)
+    except PolicyError as error:
+        return str(error)
+    return None
 
 
 def _build(cls, data: Any, key_path: str, source: str):
