@@ -27,12 +27,27 @@ SCRIPTS = REPO / "tests" / "scripts"
 CONFIGS = REPO / "configs"
 
 
-def launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def start(module: str, *args: str) -> subprocess.Popen:
+    """``python -m module args`` from the repository root."""
     # A clean environment: no policy or thread count inherited from whoever runs the tests.
     env = {k: v for k, v in os.environ.items()
            if k not in (POLICY_ENV, LAUNCHED_ENV, "OMP_NUM_THREADS")}
-    return subprocess.run([sys.executable, "-m", "tiered.launch", *map(str, args)], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.Popen([sys.executable, "-m", module, *map(str, args)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(process: subprocess.Popen, timeout: float = 120) -> subprocess.CompletedProcess:
+    with process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return finish(start("tiered.launch", *args), timeout)
 
 
 def write_policy(path: Path, base: str | None = None, **overrides) -> Path:
@@ -103,6 +118,74 @@ def test_missing_training_script_is_refused(tmp_path, nvme):
     result = launch("--nvme", nvme, "--policy", "configs/nvme.yaml", script)
     assert_refused(result, f"training script {script} does not exist")
     assert os.listdir(nvme) == []
+
+
+# torchrun's own refusals were tracebacks, for --nproc-per-node 0 a bare AssertionError.
+BAD_LAUNCH_FLAGS = [
+    ("--nproc-per-node", "0", "--nproc-per-node must be a number >= 1, or auto, cpu, gpu or xpu "
+                              "for one rank per device, got '0'"),
+    ("--nproc-per-node", "abc", "--nproc-per-node 'abc': "),
+    ("--nnodes", "0", "--nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, got '0'"),
+    ("--max-restarts", "-1", "--max-restarts must be >= 0, got -1"),
+    ("--rdzv-backend", "bogus", "torchrun refused --rdzv-backend=bogus: The rendezvous backend "
+                                "'bogus' is not registered"),
+]
+BENCH_SIZE_FLAGS = ["--size", "--sweep-size"]
+TORCH_LOG_LINE = re.compile(r"^[DIWEF]\d{4} \d\d:\d\d:\d\d\.\d+ .*\n", re.MULTILINE)
+"""A line of torch's own logging: ``W1123 05:05:18.673000 9714 .../run.py:855] ...``."""
+
+
+@pytest.fixture(scope="module")
+def flags_folder(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("flags")
+
+
+@pytest.fixture(scope="module")
+def refused(flags_folder) -> dict[tuple[str, str], subprocess.CompletedProcess]:
+    """The command line of each bad flag above (by flag and value), run side by side: each
+    spends a second or more starting Python and torch, mostly on one core."""
+    commands = {(flag, value): ("tiered.launch", flag, value, SCRIPTS / "launch_train.py",
+                                flags_folder) for flag, value, _ in BAD_LAUNCH_FLAGS}
+    commands.update({(flag, "0"): ("tiered.cli", "bench-io", "--nvme", flags_folder, flag, "0")
+                     for flag in BENCH_SIZE_FLAGS})
+    started = {key: start(*command) for key, command in commands.items()}
+    return {key: finish(process) for key, process in started.items()}
+
+
+@pytest.mark.parametrize("flag, value, fragment", BAD_LAUNCH_FLAGS,
+                         ids=[f"{flag}={value}" for flag, value, _ in BAD_LAUNCH_FLAGS])
+def test_bad_torchrun_flag_is_refused(refused, flags_folder, flag, value, fragment):
+    result = refused[(flag, value)]
+    # Without the static backend torchrun first warns that master_addr is unused, as it does
+    # in every such run; the error must be the one line besides.
+    stderr = TORCH_LOG_LINE.sub("", result.stderr)
+    assert_refused(subprocess.CompletedProcess(result.args, result.returncode, result.stdout,
+                                               stderr), fragment)
+    assert os.listdir(flags_folder) == []
+
+
+@pytest.mark.parametrize("flag", BENCH_SIZE_FLAGS)
+def test_bench_io_refuses_a_size_of_zero(refused, flags_folder, flag):
+    # The benchmark used to fail at its temporary file: "cannot reserve 0 B".
+    result = refused[(flag, "0")]
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    assert result.stderr == f"tiered: error: {flag} must be > 0, got 0\n"
+    assert os.listdir(flags_folder) == []
+
+
+def test_nvme_path_of_a_policy_without_nvme_is_warned_of_and_the_run_goes_on(tmp_path):
+    missing = tmp_path / "no-such-nvme"
+    script = tmp_path / "hello.py"
+    script.write_text("print('the script ran')\n")
+    result = launch("--nvme", missing, "--policy", "configs/cpu.yaml", script)
+    assert result.returncode == 0, result.stderr
+    assert "the script ran" in result.stdout
+    warnings = [line for line in result.stderr.splitlines() if "warning" in line]
+    assert warnings == [f"tiered-launch: warning: the policy places nothing on NVMe (params.tier, "
+                        f"optimizer.tier and dram.spill are not nvme), so --nvme {missing} is "
+                        f"not used"], result.stderr
+    assert not missing.exists()
 
 
 # -- a budget that cannot fit: BudgetError in the rank ---------------------------------------------

@@ -13,8 +13,8 @@ import sys
 import yaml
 
 from . import __version__
-from .errors import TieredError
-from .launch import policy_from_args
+from .errors import TieredError, UsageError
+from .launch import policy_from_args, warn_if_nvme_unused
 
 
 def _check_policy(args) -> int:
@@ -23,20 +23,35 @@ def _check_policy(args) -> int:
     except TieredError as e:
         print(f"tiered: error: {e}", file=sys.stderr)
         return 2
+    warn_if_nvme_unused(policy, args.nvme, "tiered")
     print(yaml.safe_dump(policy.to_dict(), sort_keys=False), end="")
     return 0
+
+
+def _positive_size(flag: str, value: str) -> int:
+    """A size flag's bytes, which must be > 0: the benchmark refused 0 only at its temporary
+    file ("cannot reserve 0 B"), naming the file and not the flag."""
+    from .sizes import parse_size
+
+    try:
+        size = parse_size(value)
+    except ValueError as e:
+        raise UsageError(f"{flag}: {e}") from None
+    if size <= 0:
+        raise UsageError(f"{flag} must be > 0, got {value}")
+    return size
 
 
 def _bench_io(args) -> int:
     import json
 
-    from .sizes import parse_size
     from .tiers import bench_io
     from .tiers.aio import IoSettings
 
     try:
         policy = policy_from_args(args.policy, args.nvme)
-        size, sweep_size = parse_size(args.size), parse_size(args.sweep_size)
+        size = _positive_size("--size", args.size)
+        sweep_size = _positive_size("--sweep-size", args.sweep_size)
         if args.repeats < 1:
             raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
         result = bench_io.run(os.path.abspath(args.nvme), size, min(size, sweep_size),

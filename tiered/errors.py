@@ -14,6 +14,10 @@ class PolicyError(TieredError, ValueError):
     """A policy (YAML file, dict or override) is malformed or names something not allowed."""
 
 
+class UsageError(TieredError, ValueError):
+    """A command-line flag of ``tiered-launch`` or ``tiered`` is malformed or out of range."""
+
+
 class BudgetError(TieredError):
     """What the policy places in a tier does not fit that tier's budget.
 

@@ -5,10 +5,10 @@
 A script resumes with one flag of its own: the example takes ``--checkpoint DIR --resume`` and
 calls ``engine.load_checkpoint(DIR)``, which picks up the latest complete checkpoint there.
 
-The policy is loaded and checked here, before any rank starts (a bad file, key or NVMe path is a
-one-line error and exit status 2), then handed to every rank as JSON in the environment, where
-``tiered.initialize(model)`` picks it up. Ranks are started and connected by
-``torch.distributed.run`` itself, so multi-node runs use torchrun's rendezvous unchanged.
+The policy and the flags are checked here, before any rank starts (a bad file, key, NVMe path or
+flag is a one-line error and exit status 2), then the policy is handed to every rank as JSON in
+the environment, where ``tiered.initialize(model)`` picks it up. Ranks are started and connected
+by ``torch.distributed.run`` itself, so multi-node runs use torchrun's rendezvous unchanged.
 """
 from __future__ import annotations
 
@@ -17,10 +17,12 @@ import os
 import sys
 
 from .engine.engine import LAUNCHED_ENV
-from .errors import TieredError
+from .errors import TieredError, UsageError
 from .limits import usable_cores
-from .policy import POLICY_ENV, resolve
+from .policy import POLICY_ENV, Policy, resolve
 from .tiers.nvme import check_nvme_path
+
+NPROC_ALLOWED = "a number >= 1, or auto, cpu, gpu or xpu for one rank per device"
 
 
 def _parser():
@@ -46,6 +48,56 @@ def policy_from_args(policy_file: str | None, nvme: str | None):
     return policy
 
 
+def warn_if_nvme_unused(policy: Policy, nvme: str | None, prog: str) -> None:
+    """``--nvme`` only sets nvme.path, which a policy placing nothing on NVMe never reads (nor is
+    the folder checked): say so, as the user who passed it likely meant another policy."""
+    if nvme and not policy.uses_nvme:
+        print(f"{prog}: warning: the policy places nothing on NVMe (params.tier, optimizer.tier "
+              f"and dram.spill are not nvme), so --nvme {nvme} is not used", file=sys.stderr)
+
+
+def _ranks_per_node(nproc_per_node: str) -> int:
+    """``--nproc-per-node`` as torchrun reads it; torchrun itself refused 0 with a bare
+    AssertionError, and ``abc`` with a traceback."""
+    from torch.distributed.run import determine_local_world_size
+
+    try:
+        ranks = determine_local_world_size(nproc_per_node)
+    except ValueError as e:  # also a device word without the device: "Cuda is not available."
+        raise UsageError(f"--nproc-per-node {nproc_per_node!r}: {str(e).rstrip('.')}; "
+                         f"allowed: {NPROC_ALLOWED}") from None
+    if ranks < 1:
+        raise UsageError(f"--nproc-per-node must be {NPROC_ALLOWED}, got {nproc_per_node!r}")
+    return ranks
+
+
+def _check_nnodes(nnodes: str) -> None:
+    """torchrun's ``--nnodes``: N, or MIN:MAX for an elastic job."""
+    bounds = nnodes.split(":")
+    if not (len(bounds) <= 2 and all(b.strip().isdigit() for b in bounds)
+            and 0 < int(bounds[0]) <= int(bounds[-1])):
+        raise UsageError(f"--nnodes must be N or MIN:MAX with 1 <= MIN <= MAX, got {nnodes!r}")
+
+
+def _check_torchrun_flags(args) -> int:
+    """The torchrun flags that torchrun checks with an AssertionError or a traceback from deep
+    inside; returns the ranks per node."""
+    _check_nnodes(args.nnodes)
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if not args.monitor_interval > 0:
+        raise UsageError(f"--monitor-interval must be > 0 seconds, got {args.monitor_interval}")
+    return _ranks_per_node(args.nproc_per_node)
+
+
+def _torchrun_flags(parser, args) -> str:
+    """The torchrun flags this command line sets, as the context of an error torchrun raises."""
+    ours = {"policy", "nvme", "training_script", "training_script_args"}
+    return " ".join(f"--{name.replace('_', '-')}" + ("" if value is True else f"={value}")
+                    for name, value in vars(args).items()
+                    if name not in ours and value != parser.get_default(name))
+
+
 def _single_node_without_rendezvous(args) -> bool:
     nnodes = str(args.nnodes)
     single = nnodes == "1" or nnodes.split(":")[-1] == "1"
@@ -53,21 +105,22 @@ def _single_node_without_rendezvous(args) -> bool:
             and getattr(args, "master_port", None) in (None, 29500))
 
 
-def _threads_per_rank(nproc_per_node: str) -> int:
+def _threads_per_rank(ranks: int) -> int:
     """torchrun would set OMP_NUM_THREADS=1 for several ranks, starving the CPU optimizer; give
     each rank its share of the cores this process may use (affinity and cgroup quota) instead."""
-    ranks = int(nproc_per_node) if str(nproc_per_node).isdigit() else 1
-    return max(1, usable_cores() // max(1, ranks))
+    return max(1, usable_cores() // ranks)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
+        ranks = _check_torchrun_flags(args)
         policy = policy_from_args(args.policy, args.nvme)
     except TieredError as e:
         print(f"tiered-launch: error: {e}", file=sys.stderr)
         return 2
+    warn_if_nvme_unused(policy, args.nvme, "tiered-launch")
     if not os.path.exists(args.training_script) and not args.module:
         print(f"tiered-launch: error: training script {args.training_script} does not exist",
               file=sys.stderr)
@@ -75,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ[POLICY_ENV] = json.dumps(policy.to_dict())
     os.environ[LAUNCHED_ENV] = "1"
-    os.environ.setdefault("OMP_NUM_THREADS", str(_threads_per_rank(args.nproc_per_node)))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads_per_rank(ranks)))
+    flags = _torchrun_flags(parser, args)  # as given, before standalone is set for them
     if _single_node_without_rendezvous(args):
         args.standalone = True
 
@@ -89,6 +143,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tiered-launch: {args.training_script} failed on {len(e.failures)} rank(s) "
               f"with exit code(s) {codes}; see the rank's error above", file=sys.stderr)
         return next((c for c in codes if c > 0), 1)
+    except (ValueError, AssertionError) as e:
+        # The flags torchrun checks only as it starts, before any rank (the rendezvous backend,
+        # --redirects, --local-ranks-filter, ...): its message is the clue, its stack is not.
+        print(f"tiered-launch: error: torchrun refused {flags or 'its default flags'}: "
+              f"{' '.join(str(e).split())}", file=sys.stderr)
+        return 2
     return 0
 
 
