@@ -179,3 +179,24 @@ def test_frozen_units_add_nothing_to_what_is_sized_for_gradients():
     assert plan.working_set == hbm_working_set(policy, full, paths, 1, groups,
                                                trained=[f.has_trainable for f in flats])
     assert plan.working_set < hbm_working_set(policy, full, paths, 1, groups)
+
+
+def test_copying_nvme_weights_out_leaves_the_read_ahead_buffers_alone(tmp_path):
+    """On a GPU a gather's copy out of a read-ahead buffer may still run after its iteration;
+    a checkpoint reading NVMe weights (the current ones, a delayed update pending) must not
+    write into those buffers."""
+    torch.manual_seed(0)
+    engine, optimizer = tiered.initialize(
+        GPT(64, 32, 2, 2), NVME, device="cpu", compute_dtype="fp32",
+        nvme={"path": str(tmp_path)},
+        optimizer={"delayed_update": {"enabled": True, "warmup_steps": 0}})
+    idx = torch.randint(0, 64, (4, 16))
+    next_token_loss(engine(idx), idx).backward()
+    optimizer.step()  # returns at once: the checkpoint saves the current weights too
+    ring = [engine.manager.staging_block(name)
+            for name in engine.manager.staging_names("param_in")]
+    for block in ring:
+        block.fill_(7)
+    engine.save_checkpoint(str(tmp_path / "checkpoint"))
+    assert all(bool((block == 7).all()) for block in ring)
+    engine.close()

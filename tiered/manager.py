@@ -55,9 +55,14 @@ def _pieces(shard: "Shard", block: torch.Tensor):
 
 
 def _staging_in(kind: StateKind) -> str:
-    """The staging buffer an NVMe state is copied out through (see plan.staging_buffers)."""
+    """The staging buffer an NVMe state is copied out through (see plan.staging_buffers).
+
+    Weights go through "param_out", not a read-ahead buffer: a gather's host-to-device copy may
+    still be reading one of those after its iteration (the ring waits for that copy's event, a
+    copy-out would not). Copies out run with the CPU worker idle (exports, checkpoints, loads),
+    when "param_out", its buffer for new weights, is free."""
     weights = (StateKind.PARAM, StateKind.PARAM_NEXT)
-    return "param_in0" if kind in weights else f"{kind.value}0"
+    return "param_out" if kind in weights else f"{kind.value}0"
 
 
 def _staging_out(kind: StateKind) -> str:

@@ -65,9 +65,13 @@ class Gatherer:
                 begin = self.timeline.mark()
                 full = flat.allocate()
                 mine = flat.own_shard(full)
-                mine.copy_(source, non_blocking=True)
-                self.group.all_gather(full, mine)
-                event = self.streams.record()
+                try:
+                    mine.copy_(source, non_blocking=True)
+                    self.group.all_gather(full, mine)
+                finally:
+                    # Also when the all-gather raised: the copy out of a read-ahead buffer may
+                    # be queued, and the buffer goes back with this event.
+                    event = self.streams.record()
                 self.timeline.between(f"gather {flat.name}", "h2d", "gather stream", begin,
                                       self.timeline.mark())
         except BaseException:
