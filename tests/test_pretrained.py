@@ -362,7 +362,7 @@ def test_extra_states_load_as_torch_loads_them(tmp_path):
     engine.close()
 
 
-def test_the_index_file_itself_names_the_folder(tmp_path):
+def test_the_index_file_itself_names_the_folder(tmp_path, monkeypatch):
     weights = pretrained()
     folder = str(tmp_path / "export")
     exporter, _ = engine_for("cpu", str(tmp_path), weights=weights)
@@ -371,6 +371,27 @@ def test_the_index_file_itself_names_the_folder(tmp_path):
     engine, _ = engine_for("cpu", str(tmp_path))
     assert engine.load_pretrained(os.path.join(folder, sources.INDEX)) == ([], [])
     assert_equal_states(engine.full_state_dict(), weights)
+    engine.load_state_dict(make_model().state_dict())
+    monkeypatch.chdir(folder)
+    assert engine.load_pretrained(sources.INDEX) == ([], [])  # a bare name: this folder
+    assert_equal_states(engine.full_state_dict(), weights)
+    engine.close()
+
+
+class _Stateless(nn.Linear):
+    """A layer whose extra state is None (as a module may return before it has any)."""
+
+    def get_extra_state(self):
+        return None
+
+    def set_extra_state(self, state):
+        assert state is None
+
+
+def test_an_extra_state_of_none_round_trips(tmp_path):
+    model = nn.Sequential(_Stateless(4, 4), nn.Linear(4, 2))
+    engine, _ = engine_for("cpu", str(tmp_path), model=model)
+    assert engine.load_state_dict(engine.full_state_dict()) == ([], [])
     engine.close()
 
 

@@ -635,10 +635,11 @@ def test_engine_full_disk_fails_cleanly(tmp_path):
 
     with mounted(tmp_path, "tmpfs", "size=1M") as root:
         free = free_bytes(root)
-        # A budget above the free space is refused before any file exists, naming the key (a
-        # disk that fills up while extents are created is test_nvme_full_disk's).
-        with pytest.raises(tiered.PolicyError, match=r"nvme\.budget 64\.00 MiB exceeds the "
-                                                     r"1\.00 MiB"):
+        # A budget above the free space that the plan would need is refused before any extent
+        # exists, naming the key (a disk that fills up while extents are created is
+        # test_nvme_full_disk's).
+        with pytest.raises(tiered.BudgetError, match=r"within nvme\.budget 64\.00 MiB, but "
+                                                     r"this rank may use 1\.00 MiB"):
             init_engine(big_gpt(), root, nvme={"budget": "64MiB"})
         assert os.listdir(root) == []
         assert free_bytes(root) == free

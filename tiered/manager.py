@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from .errors import PolicyError, TieredError
+from .errors import BudgetError, TieredError
 from .limits import memory_bound
 from .plan import MemoryPlan, StateKind
 from .policy import Policy, Tier
@@ -23,7 +23,7 @@ from .tiers import DramTier, HbmTier, NvmeShard, NvmeTier, PinnedSlabSource, Sla
 from .sizes import align_up, even_pieces, format_size
 from .tiers.aio import IoSettings
 from .tiers.dram import BLOCK_ALIGN
-from .tiers.nvme import check_nvme_path, free_bytes
+from .tiers.nvme import free_bytes
 
 
 @dataclass
@@ -54,44 +54,16 @@ def _pieces(shard: "Shard", block: torch.Tensor):
         yield start, numel, start * itemsize, align_up(numel * itemsize, BLOCK_ALIGN)
 
 
-def _staging_in(kind: StateKind) -> str:
-    """The staging buffer an NVMe state is copied out through (see plan.staging_buffers).
+def _staging_name(kind: StateKind) -> str:
+    """The staging buffer a state moves through between its tier and where it is used (see
+    plan.staging_buffers).
 
-    Weights go through "param_out", not a read-ahead buffer: a gather's host-to-device copy may
-    still be reading one of those after its iteration (the ring waits for that copy's event, a
-    copy-out would not). Copies out run with the CPU worker idle (exports, checkpoints, loads),
-    when "param_out", its buffer for new weights, is free."""
+    Weights go through "param_out" both ways, not through a read-ahead buffer: a gather's
+    host-to-device copy may still be reading one of those after its iteration (the ring waits
+    for that copy's event, a copy out would not). Copies out run with the CPU worker idle
+    (exports, checkpoints, loads), when "param_out", its buffer for new weights, is free."""
     weights = (StateKind.PARAM, StateKind.PARAM_NEXT)
     return "param_out" if kind in weights else f"{kind.value}0"
-
-
-def _staging_out(kind: StateKind) -> str:
-    """The staging buffer a new value goes through on its way to a state's tier."""
-    return "param_out" if kind in (StateKind.PARAM, StateKind.PARAM_NEXT) else f"{kind.value}0"
-
-
-def _refuse_budgets_past_this_node(policy: Policy, ranks: int,
-                                   agree: Callable[[int], int]) -> None:
-    """Refuse an explicit DRAM or NVMe budget larger than this rank's share of what the node has:
-    past the memory, the OOM killer ends the process without a word; past the free space, an
-    extent's fallocate fails midway, naming a file but not the budget. The share is agreed as a
-    null budget's is (a collective), so every rank refuses or none does."""
-    ranks = max(1, ranks)
-    if policy.dram.budget is not None:
-        memory, bound = memory_bound()
-        _refuse_past("dram.budget", policy.dram.budget, agree(memory // ranks), ranks, bound)
-    if policy.uses_nvme and policy.nvme.budget is not None:
-        path = policy.nvme.path
-        check_nvme_path(path)
-        _refuse_past("nvme.budget", policy.nvme.budget, agree(free_bytes(path) // ranks), ranks,
-                     f"the free space of the file system of {path}")
-
-
-def _refuse_past(key: str, budget: int, share: int, ranks: int, bound: str) -> None:
-    if budget > share:
-        whose = f"1/{ranks} (ranks on this node) of {bound}" if ranks > 1 else bound
-        raise PolicyError(f"{key} {format_size(budget)} exceeds the {format_size(share)} this "
-                          f"rank may use ({whose}); lower it, or leave it null to size it from that")
 
 
 class TierManager:
@@ -104,7 +76,6 @@ class TierManager:
         same plan, so all of them fit or all refuse, and none is left waiting in a collective
         for a rank that refused; and no rank spills more than another, to be waited for. (The
         HBM default, the device's capacity, is agreed the same way, for devices that differ.)"""
-        _refuse_budgets_past_this_node(policy, ranks, agree)  # before any tier holds anything
         self.policy = policy
         self.hbm = HbmTier(device, policy.hbm.budget)
         source = dram_source or PinnedSlabSource(huge_pages=policy.dram.huge_pages)
@@ -116,10 +87,46 @@ class TierManager:
                              (self.nvme, policy.nvme.budget)):
             if tier is not None and budget is None:
                 tier.usage.budget = agree(tier.usage.budget)
+        self._node_shares = self._shares_of_explicit_budgets(ranks, agree)
         self.shards: dict[tuple[int, StateKind], Shard] = {}
         self.plan: MemoryPlan | None = None
         """What :meth:`allocate` allocated."""
         self._staging: dict[str, torch.Tensor] = {}
+
+    def _shares_of_explicit_budgets(self, ranks: int, agree: Callable[[int], int]):
+        """Per tier whose budget the policy sets: (its key, this rank's share of what the node
+        has, what sets that share), agreed across ranks as a null budget's share is."""
+        ranks, shares = max(1, ranks), {}
+        if self.policy.dram.budget is not None:
+            memory, bound = memory_bound()
+            shares[Tier.DRAM] = ("dram.budget", agree(memory // ranks), bound)
+        if self.nvme is not None and self.policy.nvme.budget is not None:
+            path = self.policy.nvme.path
+            shares[Tier.NVME] = ("nvme.budget", agree(free_bytes(path) // ranks),
+                                 f"the free space of the file system of {path}")
+        if ranks > 1:
+            shares = {tier: (key, share, f"1/{ranks} (ranks on this node) of {bound}")
+                      for tier, (key, share, bound) in shares.items()}
+        return shares
+
+    def check(self, plan: MemoryPlan) -> None:
+        """Raise BudgetError if the plan does not fit its budgets, or needs more of a tier than
+        this rank's share of the node where the policy's budget allows more than that share: a
+        budget is a limit, but past the memory the OOM killer ends the process without a word,
+        and past the free space an extent's fallocate fails midway."""
+        plan.check(self.available())
+        short = {tier: (plan.needed(tier), share, key, bound)
+                 for tier, (key, share, bound) in self._node_shares.items()
+                 if plan.needed(tier) > share}
+        if short:
+            lines = [f"{tier.value}: needs {format_size(needed)} within {key} "
+                     f"{format_size(getattr(self.policy, tier.value).budget)}, but this rank may "
+                     f"use {format_size(share)} ({bound})"
+                     for tier, (needed, share, key, bound) in short.items()]
+            raise BudgetError("the policy's budgets exceed what this node has:\n  "
+                              + "\n  ".join(lines) + "\nlower them (dram.spill: nvme then moves "
+                              "what does not fit to NVMe), or leave them null",
+                              {t.value: (n, s) for t, (n, s, _, _) in short.items()})
 
     def available(self) -> dict[Tier, int]:
         out = {Tier.HBM: self.hbm.usage.budget - self.hbm.usage.current,
@@ -134,7 +141,7 @@ class TierManager:
         Optimizer moments start at zero: resident ones are zeroed, NVMe files read back as
         zeros because they were just preallocated.
         """
-        plan.check(self.available())
+        self.check(plan)
         self.plan = plan
         dram = {key: buf.nbytes for key, buf in plan.shards.items() if buf.tier is Tier.DRAM}
         dram.update({("staging", name): buf.nbytes for name, buf in plan.staging.items()})
@@ -179,7 +186,7 @@ class TierManager:
             for start in range(0, shard.numel, step):
                 yield start, shard.resident[start:start + step].cpu()
             return
-        block = self._staging[_staging_in(kind)]
+        block = self._staging[_staging_name(kind)]
         for start, numel, offset, nbytes in _pieces(shard, block):
             shard.file.start_read(block, offset, nbytes).wait()
             yield start, _typed(block, numel, shard.dtype)
@@ -218,7 +225,7 @@ class TierManager:
         target = shard.resident
         if target is not None and value.data_ptr() == target.data_ptr():
             return
-        staging = _staging_out(kind)
+        staging = _staging_name(kind)
         if target is None:
             self._write_nvme(shard, self._staging[staging], value)
             return

@@ -72,6 +72,13 @@ def _int(value: object) -> int:
     return int(number)
 
 
+def _set_path(section) -> None:
+    """A section's ``path`` as a string also when the section is built in code with a
+    ``pathlib.Path`` (to_dict must give plain values: checkpoints write it as JSON)."""
+    if section.path is not None:
+        object.__setattr__(section, "path", _path(section.path))
+
+
 def _path(value: object) -> str:
     """A path: a string, or a ``pathlib.Path`` given in code. ``str()`` made ``5`` and ``[a]``
     the paths "5" and "['a']"."""
@@ -248,6 +255,7 @@ class NvmePolicy:
     """Requests in flight per direction (reads and writes each have their own threads)."""
 
     def __post_init__(self):
+        _set_path(self)
         if self.block_size < 4096 or self.block_size % 4096:
             raise ValueError(f"block_size must be a multiple of 4096 bytes, got {self.block_size}")
         if self.queue_depth < 1:
@@ -340,6 +348,9 @@ class TilingPolicy:
 class TracePolicy:
     path: str | None = field(default=None, metadata=_optional(_path))
     """Write a Chrome-trace timeline here (the environment's TIERED_TRACE wins)."""
+
+    def __post_init__(self):
+        _set_path(self)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 from yaml.constructor import ConstructorError
-from yaml.nodes import MappingNode
+from yaml.nodes import MappingNode, SequenceNode
 
 from .errors import PolicyError
 
@@ -22,10 +22,19 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
     PyYAML keeps the last value silently, so ``params: {tier: dram}`` followed later in the file
     by ``params: {tier: hbm}`` would quietly mean hbm. Keys a ``<<`` merge brings in may still be
-    overridden: that is what the merge is for.
+    overridden: that is what the merge is for. The whole document is checked before anything
+    is built, because building a mapping that merges another copies the merged keys into that
+    other node (PyYAML's flatten_mapping), where they would look like its own.
     """
 
-    def construct_mapping(self, node, deep=False):
+    def construct_document(self, node):
+        self._check_unique_keys(node, set())
+        return super().construct_document(node)
+
+    def _check_unique_keys(self, node, seen: set[int]) -> None:
+        if id(node) in seen:  # an alias: the same node again
+            return
+        seen.add(id(node))
         if isinstance(node, MappingNode):
             first_lines: dict[Any, int] = {}
             for key_node, _ in node.value:
@@ -38,7 +47,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                     raise ConstructorError(None, None, f"the key {key!r} is given twice (first "
                                            f"at line {first_lines[key]})", key_node.start_mark)
                 first_lines[key] = key_node.start_mark.line + 1
-        return super().construct_mapping(node, deep=deep)
+        if isinstance(node, (MappingNode, SequenceNode)):
+            for child in node.value:
+                for item in child if isinstance(child, tuple) else (child,):
+                    self._check_unique_keys(item, seen)
 
 
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:

@@ -231,8 +231,9 @@ class PretrainedWeights:
             buffer = buffers[name]
             buffer.copy_(self.source.read(name, 0, buffer.numel()).view(buffer.shape))
         for key in self.extra_names:
-            value = self.source.objects.get(key)
-            if value is None:
+            if key in self.source.objects:
+                value = self.source.objects[key]
+            else:
                 shape, _ = self.source.tensors[key]
                 value = self.source.read(key, 0, math.prod(shape)).view(shape)
             model.get_submodule(key[:-len(EXTRA_STATE)].rstrip(".")).set_extra_state(value)
@@ -275,15 +276,15 @@ def load(engine, weights, strict: bool) -> LoadResult:
     """``engine.load_state_dict`` and ``engine.load_pretrained``: replace the weights (see
     [Note: what a load replaces]). Every rank must call it."""
     runtime = engine.runtime
-    if not runtime.manager.shards:
+    if engine.closed:
         raise TieredError("this engine is closed; its weights were freed by close()")
     engine.optimizer.synchronize()
     if runtime.prefetcher.iteration_running:
         raise CheckpointError(
             "cannot load weights between a forward run with grad enabled and its backward "
-            "(the backward would use the old weights' activations): load before the forward "
-            "or after the backward, and run forwards that have no backward under "
-            "torch.no_grad()")
+            "(the backward would use the old weights' activations), nor after such a forward "
+            "raised: load before the forward or after the backward, and run forwards that "
+            "have no backward under torch.no_grad()")
     if runtime.stepped_on_arrival:
         raise CheckpointError(
             "cannot load weights between the step's last backward and optimizer.step(): its "

@@ -56,18 +56,22 @@ class StateDictSource:
                 raise CheckpointError(f"the state dict's {name!r} is a {type(value).__name__}, "
                                       f"not a tensor")
         self.tensors = {name: (tuple(t.shape), t.dtype) for name, t in self._values.items()}
-        self._flat: dict[str, torch.Tensor] = {}
-        """Flattened tensors: reshaping a non-contiguous one copies it, so once per tensor,
-        not once per read (a tile reads its layer's weight row by row)."""
+        self._copies: dict[str, torch.Tensor] = {}
+        """Flattened copies of non-contiguous tensors: reshaping one copies it, so once per
+        tensor, not once per read (a tile reads its layer's weight row by row)."""
 
     def read(self, name: str, start: int, count: int) -> torch.Tensor:
-        flat = self._flat.get(name)
-        if flat is None:
-            flat = self._flat[name] = self._values[name].reshape(-1)
+        value = self._values[name]
+        if value.is_contiguous():
+            flat = value.view(-1)
+        else:
+            flat = self._copies.get(name)
+            if flat is None:
+                flat = self._copies[name] = value.reshape(-1)
         return flat[start:start + count].cpu()
 
     def close(self) -> None:
-        pass
+        self._copies.clear()
 
 
 class SafetensorsSource:
@@ -119,7 +123,7 @@ def open_source(weights) -> WeightSource:
 def _files(path: str) -> list[str]:
     """The safetensors files of ``path``, shards in the order the index names them."""
     if os.path.basename(path) == INDEX:  # the index names the folder's shards
-        path = os.path.dirname(path)
+        path = os.path.dirname(path) or "."
     elif os.path.isfile(path):
         return [path]
     if not os.path.isdir(path):

@@ -64,6 +64,11 @@ class TieredEngine:
         _engines.add(self)
 
     @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has freed the tiers."""
+        return self._closed
+
+    @property
     def device(self) -> torch.device:
         return self.runtime.group.device
 
@@ -252,7 +257,7 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
         plan = memory_plan(policy, device, flats, manager.available()[Tier.DRAM])
         worker = CpuWorker(optimizer_threads(policy.cpu.optimizer_threads,
                                              drives_gpu=device.type == "cuda"))
-        plan.check(manager.available())  # before paying for a compile the budget forbids
+        manager.check(plan)  # before paying for a compile the budget forbids
         # Setup spans: on the GPU box a setup took 75-103 s, and the timeline says where.
         with timeline.span("compile one-pass AdamW", "setup"):
             one_pass = one_pass_for(policy.compute_dtype.torch_dtype,

@@ -57,10 +57,11 @@ class StateStream:
             unit_done: Callable[[int], None]) -> None:
         """Step every piece of ``units`` (whose optimizer states are on NVMe) in order; call
         ``unit_done(unit)`` after a unit's last piece has been stepped."""
-        pieces = [piece for unit in units for piece in self.pieces(unit)]
-        for unit in units:
-            if not self.pieces(unit):  # no elements (a zero-size shard): nothing to step
+        per_unit = [self.pieces(unit) for unit in units]
+        for unit, its_pieces in zip(units, per_unit):
+            if not its_pieces:  # no elements (a zero-size shard): nothing to step
                 unit_done(unit)
+        pieces = [piece for its_pieces in per_unit for piece in its_pieces]
         reads: dict[int, list] = {}
         writes: dict[int, list] = {}
         versions: dict[int, list] = {}
