@@ -37,6 +37,15 @@ def engine_for(policy: str, nvme: str, model: nn.Module | None = None, **kwargs)
                              **{"compute_dtype": "fp32", "optimizer": OPTIM, **kwargs})
 
 
+def export(weights: dict, tmp_path, **options) -> tuple[str, list[str]]:
+    """``weights`` exported by an engine's save_pretrained: (the folder, its files)."""
+    folder = str(tmp_path / "export")
+    engine, _ = engine_for("cpu", str(tmp_path), weights=weights)
+    files = engine.save_pretrained(folder, **options)
+    engine.close()
+    return folder, files
+
+
 def built_under_init(calls: list[str], **overrides) -> GPT:
     """make_model's GPT on meta parameters, recording each module ``initialize`` initializes."""
     def init_fn(module: nn.Module) -> None:
@@ -86,10 +95,7 @@ def test_adapters_missing_from_the_weights_are_initialized_and_named(tmp_path):
     """LoRA on a pretrained model: the base weights come from the files, the adapters (not in
     them) from their own initialization, and the warning names them."""
     weights = pretrained()
-    folder = str(tmp_path / "base")
-    base, _ = engine_for("cpu", str(tmp_path), weights=weights)
-    base.save_pretrained(folder)
-    base.close()
+    folder, _ = export(weights, tmp_path)
     calls: list[str] = []
     with tiered.init(compute_dtype="fp32", device="cpu",
                      param_init_fn=lambda m: (calls.append(type(m).__name__), reset_module(m))):
@@ -114,10 +120,7 @@ def test_adapters_missing_from_the_weights_are_initialized_and_named(tmp_path):
 
 def test_sharded_export_loads_back_exactly(tmp_path):
     weights = pretrained()
-    source, _ = engine_for("cpu", str(tmp_path), weights=weights)
-    folder = str(tmp_path / "export")
-    files = source.save_pretrained(folder, dtype=torch.bfloat16, max_shard_bytes=8192)
-    source.close()
+    folder, files = export(weights, tmp_path, dtype=torch.bfloat16, max_shard_bytes=8192)
     assert len(files) > 3 and os.path.exists(os.path.join(folder, sources.INDEX))
     engine, _ = engine_for("nvme", str(tmp_path))
     assert engine.load_pretrained(folder) == ([], [])
@@ -258,10 +261,7 @@ def _read_own_shards(rank: int, world: int, folder: str, nvme: str, out: str) ->
 @pytest.mark.parametrize("world", [2, 3])
 def test_each_rank_reads_its_own_shards_only(world, tmp_path):
     weights = pretrained()
-    folder = str(tmp_path / "weights")
-    exporter, _ = engine_for("cpu", str(tmp_path), weights=weights)
-    exporter.save_pretrained(folder, max_shard_bytes=16384)
-    exporter.close()
+    folder, _ = export(weights, tmp_path, max_shard_bytes=16384)
     run_ranks(world, _read_own_shards, folder, str(tmp_path), str(tmp_path))
     total = sum(value.numel() for name, value in weights.items() if name != "head.weight")
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
@@ -364,10 +364,7 @@ def test_extra_states_load_as_torch_loads_them(tmp_path):
 
 def test_the_index_file_itself_names_the_folder(tmp_path, monkeypatch):
     weights = pretrained()
-    folder = str(tmp_path / "export")
-    exporter, _ = engine_for("cpu", str(tmp_path), weights=weights)
-    exporter.save_pretrained(folder, max_shard_bytes=8192)
-    exporter.close()
+    folder, _ = export(weights, tmp_path, max_shard_bytes=8192)
     engine, _ = engine_for("cpu", str(tmp_path))
     assert engine.load_pretrained(os.path.join(folder, sources.INDEX)) == ([], [])
     assert_equal_states(engine.full_state_dict(), weights)
