@@ -211,12 +211,13 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
 
     ``weights`` (a folder or file of safetensors, as ``save_pretrained`` writes them or Hugging
     Face publishes them, or a state dict) gives the model's starting weights by state-dict
-    name: each rank reads its own shards straight into the tiers, and a module whose
-    parameters the weights all hold is never initialized (nor, under ``tiered.init``,
-    materialized). With ``strict`` every parameter, persistent buffer and extra state must be
+    name: each rank reads its own shards straight into the tiers. A unit the weights hold
+    whole, none of whose modules also holds a parameter they lack, is never initialized (nor,
+    under ``tiered.init``, materialized); any other unit is built as without weights, then
+    takes the weights it holds (a block with LoRA adapters: a layer's init touches its frozen
+    weight too). With ``strict`` every parameter, persistent buffer and extra state must be
     there and nothing else; with ``strict=False`` the ones missing start as the model
-    initializes them (LoRA adapters added to a pretrained model: their layers are initialized
-    whole, then take the weights they hold), and a warning names what did not match.
+    initializes them, and a warning names what did not match.
 
     ``policy`` is a YAML path, a dict of the same schema, or a ``tiered.Policy``; ``None`` takes
     the one ``tiered.init`` was given for this model, else the policy ``tiered-launch`` passed,
