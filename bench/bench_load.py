@@ -1,10 +1,12 @@
 """Starting from pretrained weights: time and peak host memory of getting a GPT's safetensors
 into training, tiered against plain PyTorch, measured in one run.
 
-    python bench/bench_load.py [--layers 8 --dim 1024] [--dtype bf16] [--nvme DIR]
+    python bench/bench_load.py [--layers 8 --dim 1024] [--dtype bf16] [--nvme DIR] [--device D]
 
-The weights are written once (``--dtype``, one file per 1 GiB), then each mode runs in its own
-process and reports its wall time (imports excluded) and peak resident memory (``VmHWM``):
+The weights are written once (``--dtype``, one file per 1 GiB, on the CPU), then each mode runs
+in its own process and reports its wall time (imports excluded) and peak resident memory
+(``VmHWM``); the tiered modes run on ``--device`` (a GPU when there is one), the torch mode on
+the CPU, where its model and AdamW state would be before training moves them:
 - ``read``: the files read end to end, nothing else (the disk or page cache's pace);
 - ``torch``: the model built in fp32, ``safetensors.torch.load_file`` and
   ``model.load_state_dict``, then gradients and AdamW's moments allocated (a step at lr 0): ready
@@ -87,7 +89,7 @@ def run_mode(args) -> None:
     else:
         policy, _, variant = args.mode.partition(":")[2].partition("+")
         with tiered.init(os.path.join(REPO, "configs", f"{policy}.yaml"),
-                         nvme={"path": args.nvme}, device="cpu", compute_dtype="fp32"):
+                         nvme={"path": args.nvme}, device=args.device, compute_dtype="fp32"):
             model = build_model(args)
         engine, _ = tiered.initialize(model, weights=None if variant == "init" else args.weights)
         engine.close()
@@ -101,6 +103,8 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     parser.add_argument("--nvme", default=None, help="folder for nvme policies (default: a temp)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="the tiered modes' device (auto: CUDA when there is a GPU)")
     parser.add_argument("--modes", default="read,torch,tiered:cpu,tiered:cpu+init,tiered:nvme,"
                                             "tiered:nvme+init")
     parser.add_argument("--mode", help=argparse.SUPPRESS)
@@ -116,7 +120,8 @@ def main() -> None:
         results = []
         for mode in args.modes.split(","):
             cmd = [sys.executable, __file__, "--mode", mode, "--weights", folder, "--nvme",
-                   args.nvme, "--layers", str(args.layers), "--dim", str(args.dim)]
+                   args.nvme, "--layers", str(args.layers), "--dim", str(args.dim),
+                   "--device", args.device]
             out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True).stdout
             results.append(json.loads(out.strip().splitlines()[-1]))
             print(f"{mode}: {results[-1]['s']:.2f} s", file=sys.stderr, flush=True)
