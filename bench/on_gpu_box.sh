@@ -4,7 +4,7 @@
 # Each stage prints its table last and keeps logs and timelines in OUT (default ./gpu-out).
 # Stage times measured on the H100 box (16 cores, 125 GiB, 64 GiB free disk): tests 1.8 min,
 # offload 8.4 min, nvme 3.6 min, large 6.1 min; tests+tiled+io together 5.8 min. Estimated:
-# variants 7 min, hbm 5 min, clip 4 min, cpu 4 min, lora 6 min, load 6 min. Every tiered process spends
+# variants 7 min, hbm 5 min, clip 4 min, cpu 4 min, lora 6 min, load 8 min. Every tiered process spends
 # about 100 s in setup there, 57-72 s of it compiling the one-pass AdamW: inductor's on-disk
 # cache did not spare the later processes (on the development machine, torch 2.13, a second
 # process compiles in 2.4 s; the cpu stage checks it on the box).
@@ -75,6 +75,7 @@ lora)  # frozen units: LoRA rank 16 fine-tuning of the 2.78 B GPT, batch 8, agai
         2>&1 | grep -v -e Warning -e _conversion | tee "$out/lora.log" ;;
 load)  # pretrained weights: the 2.78 B GPT's bf16 safetensors into a model ready to train
     python bench/bench_load.py --layers 32 --dim 2560 --nvme "$nvme" \
+        --modes read,torch,tiered:cpu,tiered:nvme \
         2>&1 | grep -v -e Warning -e _conversion | tee "$out/load.log" ;;
 *)
     echo "unknown stage $stage: tests, offload, variants, hbm, tiled, io, nvme, large, clip," \
