@@ -21,6 +21,7 @@ import torch
 from ..manager import TierManager
 from ..plan import OPTIMIZER_STATES, STAGING_SETS
 from ..sizes import align_up, even_pieces
+from ..tiers.aio import Transfer
 from ..tiers.dram import BLOCK_ALIGN
 from ..tiers.nvme import VersionGroup
 
@@ -62,18 +63,19 @@ class StateStream:
             if not its_pieces:  # no elements (a zero-size shard): nothing to step
                 unit_done(unit)
         pieces = [piece for its_pieces in per_unit for piece in its_pieces]
-        reads: dict[int, list] = {}
-        writes: dict[int, list] = {}
+        reads: dict[int, Transfer] = {}
+        writes: dict[int, Transfer] = {}
         versions: dict[int, list] = {}
         committed = []
 
         def start_read(i: int) -> None:
             slot = i % STAGING_SETS
-            _wait_all(writes.pop(slot, []))  # the set still holds piece i-3's data on its way out
+            if slot in writes:
+                writes.pop(slot).wait()  # the set still holds piece i-3's data on its way out
             piece = pieces[i]
             offset, nbytes = self._span(piece)
-            reads[i] = [self.manager.nvme_file(piece.unit, kind).start_read(
-                self._block(kind, slot), offset, nbytes) for kind in OPTIMIZER_STATES]
+            reads[i] = Transfer.joined([self.manager.nvme_file(piece.unit, kind).start_read(
+                self._block(kind, slot), offset, nbytes) for kind in OPTIMIZER_STATES])
 
         try:
             if pieces:
@@ -81,7 +83,7 @@ class StateStream:
             for i, piece in enumerate(pieces):
                 if i + 1 < len(pieces):
                     start_read(i + 1)
-                _wait_all(reads.pop(i))
+                reads.pop(i).wait()
                 slot = i % STAGING_SETS
                 views = [self._block(kind, slot).view(torch.float32)[:piece.numel]
                          for kind in OPTIMIZER_STATES]
@@ -91,9 +93,9 @@ class StateStream:
                         [self.manager.nvme_file(piece.unit, kind).next_version()
                          for kind in OPTIMIZER_STATES])
                 offset, nbytes = self._span(piece)
-                writes[slot] = [version.write(self._block(kind, slot), offset, nbytes)
-                                for version, kind in zip(versions[piece.unit].versions,
-                                                         OPTIMIZER_STATES)]
+                writes[slot] = Transfer.joined(
+                    [version.write(self._block(kind, slot), offset, nbytes)
+                     for version, kind in zip(versions[piece.unit].versions, OPTIMIZER_STATES)])
                 if piece.last:
                     group = versions.pop(piece.unit)
                     group.commit()
@@ -103,9 +105,8 @@ class StateStream:
             # On a failure, unfinished units keep their old versions: their spares go back.
             for group in versions.values():
                 group.abandon()
-            for transfers in (*reads.values(), *writes.values()):
-                for transfer in transfers:
-                    transfer.settle()  # no I/O thread may still use a staging set after this
+            for transfer in (*reads.values(), *writes.values()):
+                transfer.settle()  # no I/O thread may still use a staging set after this
         for group in committed:
             group.wait()
 
@@ -115,11 +116,3 @@ class StateStream:
     def _block(self, kind, slot: int) -> torch.Tensor:
         return self.manager.staging_block(f"{kind.value}{slot}")
 
-
-def _wait_all(transfers) -> None:
-    """Wait for every transfer, then raise the first failure: a transfer still running when
-    this raises would go on using a staging set that is reused or freed after it."""
-    for transfer in transfers:
-        transfer.settle()
-    for transfer in transfers:
-        transfer.wait()

@@ -80,6 +80,12 @@ class Transfer:
     def __init__(self, blocks: list[Future]):
         self._blocks = blocks
 
+    @classmethod
+    def joined(cls, transfers: list["Transfer"]) -> "Transfer":
+        """One transfer of all of ``transfers``' blocks: waiting for it settles every one before
+        raising the first failure (the states of one piece share a staging set)."""
+        return cls([block for transfer in transfers for block in transfer._blocks])
+
     def done(self) -> bool:
         return all(block.done() for block in self._blocks)
 
