@@ -98,6 +98,10 @@ def persistent_buffers(model: nn.Module, state_dict_keys) -> dict[str, torch.Ten
             if name in keys}
 
 
+def _holds(source: WeightSource, name: str) -> bool:
+    return name in source.tensors or name in source.objects
+
+
 def shard_buffer(flat) -> torch.Tensor:
     """An fp32 CPU buffer for this rank's shard of the unit, its padding zero and the rest to be
     written (not zeroed first: a pass over memory a load of a large model would pay twice)."""
@@ -142,11 +146,9 @@ class PretrainedWeights:
         # A module's get_extra_state() (any object) is in the state dict too.
         extra = [key for key in state_dict_keys if key.endswith(EXTRA_STATE)]
         self.buffer_names = [name for name in buffers if name in source.tensors]
-        self.extra_names = [key for key in extra if key in source.tensors or key in
-                            source.objects]
+        self.extra_names = [key for key in extra if _holds(source, key)]
         expected.update(buffers, extra)
-        missing += [key for key in (*buffers, *extra)
-                    if key not in source.tensors and key not in source.objects]
+        missing += [key for key in (*buffers, *extra) if not _holds(source, key)]
         order = {name: i for i, name in enumerate(state_dict_keys)}
         self.result = LoadResult(
             sorted(set(missing), key=lambda name: order.get(name, len(order))),
@@ -169,13 +171,11 @@ class PretrainedWeights:
         sharing one with a parameter the weights lack is built as without weights, and the
         weights then overwrite what they hold (LoRA adapters beside their layer's frozen
         weight; a weight tied across units)."""
-        held = [all(spec.names[0] in self.places for spec in flat.spec.params) for flat in flats]
-        lacking = {id(module) for flat, whole in zip(flats, held) if not whole
-                   for spec in flat.spec.params if spec.names[0] not in self.places
-                   for module, _ in spec.holders}
-        return [whole and not any(id(module) in lacking for spec in flat.spec.params
-                                  for module, _ in spec.holders)
-                for flat, whole in zip(flats, held)]
+        # A unit lacking a parameter holds the module holding it, so it is never read whole.
+        lacking = {id(module) for flat in flats for spec in flat.spec.params
+                   if spec.names[0] not in self.places for module, _ in spec.holders}
+        return [not any(id(module) in lacking for spec in flat.spec.params
+                        for module, _ in spec.holders) for flat in flats]
 
     def reads_whole(self, flat) -> bool:
         """Whether ``initialize`` builds the unit from the weights alone (see _read_whole)."""
@@ -263,7 +263,8 @@ def open_weights(weights, flats, model: nn.Module, state_dict_keys: list[str], s
         if matched is not None:
             matched.close()
         raise failure or CheckpointError("another rank cannot use the weights; nothing loaded")
-    whole = torch.tensor(matched._whole, dtype=torch.float32, device=group.device)
+    whole = torch.tensor([matched.reads_whole(flat) for flat in flats], dtype=torch.float32,
+                         device=group.device)
     group.all_reduce_sum(whole)
     if not all(count in (0, group.world_size) for count in whole.tolist()):
         matched.close()

@@ -251,8 +251,8 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
             raise TieredError("the model has no parameters to train")
         ranges = shard_ranges(flats, policy.optimizer.param_groups)  # one matching nothing fails
         if weights is not None:  # checked before anything large is allocated
-            start_weights = pretrained.open_weights(weights, flats, model, state_dict_keys, strict,
-                                              group)
+            start_weights = pretrained.open_weights(weights, flats, model, state_dict_keys,
+                                                    strict, group)
         manager = TierManager(policy, device, group.rank, dram_source,
                               _ranks_on_this_node(group), group.smallest)
         plan = memory_plan(policy, device, flats, manager.available()[Tier.DRAM])
