@@ -30,17 +30,7 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path.insert(0, os.path.join(REPO, "examples"))
-
-VOCAB = 50304
-
-
-def build_model(args):
-    from gpt import GPT
-
-    return GPT(VOCAB, args.dim, args.layers, args.dim // 64, tied=False)
+from bench_offload import REPO, build_model  # the benchmark GPT (examples/ on the path)
 
 
 def write_weights(args, folder: str) -> int:
@@ -109,6 +99,7 @@ def main() -> None:
                                             "tiered:nvme+init")
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--weights", help=argparse.SUPPRESS)
+    parser.set_defaults(lora=0)  # build_model's: the full model, no adapters
     args = parser.parse_args()
     if args.mode:
         run_mode(args)
