@@ -1,20 +1,13 @@
-"""Refused weight loads: ``engine.load_state_dict``, ``engine.load_pretrained`` and
-``tiered.initialize(model, weights=...)`` given bad input fail with a CheckpointError naming the
-file, key or value at fault, and change nothing: the engine's weights stay bit for bit, its
-optimizer state too (the run goes on exactly as if the load had never been tried), no file is
-left open, and a refused ``initialize`` leaves the model as it came. With ``strict=False`` what
-is missing keeps its value and the result lists what did not match.
-"""
+"""Refused weight loads, what is wrong with the values: names, shapes and dtypes that do not
+match the model, a load at the wrong moment, bad ``tiered.initialize(model, weights=...)`` and a
+load refused on one rank of two. Each fails with a CheckpointError naming the key or value at
+fault and changes nothing; a refused ``initialize`` leaves the model as it came. With
+``strict=False`` what is missing keeps its value and the result lists what did not match."""
 from __future__ import annotations
 
-import ctypes
-import gc
 import importlib
-import json
 import math
 import os
-import shutil
-import struct
 import warnings
 
 import pytest
@@ -23,333 +16,12 @@ from torch import nn
 
 import tiered
 from distributed import run_ranks
-from gpt import GPT, next_token_loss
+from gpt import next_token_loss
+from refusals import (DIM, LAST_UNIT_KEY, SEQ, VOCAB, assert_same, batch, f32_entries,
+                      goes_on_as_never_loaded, good_state, make_model, new_engine, raw, refuse,
+                      step, write_safetensors)
 
 engine_module = importlib.import_module("tiered.engine.engine")
-
-VOCAB, DIM, SEQ, ROWS = 64, 32, 16, 4
-LAST_UNIT_KEY = "head.weight"  # in <root>, the unit loaded last: a half-load would show
-
-
-def make_model(seed: int = 0, **kwargs) -> GPT:
-    torch.manual_seed(seed)
-    return GPT(VOCAB, DIM, 2, 2, max_seq=SEQ, **kwargs)
-
-
-def new_engine(model: nn.Module | None = None, **overrides):
-    return tiered.initialize(make_model() if model is None else model, device="cpu",
-                             compute_dtype="fp32", optimizer={"lr": 1e-2}, **overrides)
-
-
-def batch(seed: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (ROWS, SEQ), generator=torch.Generator().manual_seed(seed))
-
-
-def step(engine, optimizer, seed: int) -> float:
-    idx = batch(seed)
-    loss = next_token_loss(engine(idx), idx)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.item()
-
-
-def good_state() -> dict[str, torch.Tensor]:
-    """Weights of another initialization: loading them changes every parameter."""
-    return {name: value.clone() for name, value in make_model(seed=7).state_dict().items()}
-
-
-def assert_same(actual: dict, expected: dict, what: str = "") -> None:
-    assert list(actual) == list(expected), what
-    changed = [name for name in expected if not torch.equal(actual[name], expected[name])]
-    assert not changed, f"{what}: changed {changed}"
-
-
-def raw(tensor: torch.Tensor) -> bytes:
-    tensor = tensor.contiguous()
-    return ctypes.string_at(tensor.data_ptr(), tensor.numel() * tensor.element_size())
-
-
-def write_safetensors(path, entries: dict[str, tuple[str, list[int], bytes]]) -> str:
-    """A safetensors file written by hand: 8-byte little-endian header length, the JSON header
-    (``name -> {dtype, shape, data_offsets}``), then the bytes."""
-    header, data = {}, b""
-    for name, (dtype, shape, payload) in entries.items():
-        header[name] = {"dtype": dtype, "shape": list(shape),
-                        "data_offsets": [len(data), len(data) + len(payload)]}
-        data += payload
-    encoded = json.dumps(header).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)) + encoded + data)
-    return str(path)
-
-
-def f32_entries(state: dict[str, torch.Tensor]) -> dict[str, tuple[str, list[int], bytes]]:
-    return {name: ("F32", list(value.shape), raw(value.float())) for name, value in state.items()}
-
-
-def open_files_under(folder) -> list[str]:
-    """The files under ``folder`` this process holds open."""
-    folder = os.path.realpath(folder)
-    found = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(folder + os.sep):
-            found.append(target)
-    return found
-
-
-# --- fixtures -------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def reference():
-    """States of a run never offered a load: after step 1, and after step 2."""
-    engine, optimizer = new_engine()
-    step(engine, optimizer, 1)
-    first = engine.full_state_dict()
-    step(engine, optimizer, 2)
-    second = engine.full_state_dict()
-    engine.close()
-    return first, second
-
-
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """good_state() as save_pretrained writes it: one file, and shards with an index."""
-    root = tmp_path_factory.mktemp("exported")
-    engine, _ = new_engine(make_model(seed=7))
-    engine.save_pretrained(str(root / "single"))
-    shards = engine.save_pretrained(str(root / "sharded"), max_shard_bytes=16 << 10)
-    engine.close()
-    assert "model.safetensors" in os.listdir(root / "single")
-    assert len(shards) >= 3
-    return root
-
-
-@pytest.fixture
-def trained(reference):
-    """A fresh engine one step in (the reference's first state), closed after the test."""
-    engine, optimizer = new_engine()
-    step(engine, optimizer, 1)
-    assert_same(engine.full_state_dict(), reference[0], "the runs should start the same")
-    yield engine, optimizer
-    engine.close()
-
-
-def copy_of(folder, tmp_path, name: str = "copy"):
-    target = tmp_path / name
-    shutil.copytree(folder, target)
-    return target
-
-
-def refuse(engine, load, *in_message: str) -> str:
-    """``load()`` raises a CheckpointError whose message holds each of ``in_message``, and
-    leaves the engine's weights bit for bit as they were."""
-    before = engine.full_state_dict()
-    with pytest.raises(tiered.CheckpointError) as error:
-        load()
-    message = str(error.value)
-    for part in in_message:
-        assert part in message, f"{part!r} not in the message: {message}"
-    assert_same(engine.full_state_dict(), before, f"half-loaded by a refused load ({message})")
-    return message
-
-
-def goes_on_as_never_loaded(engine, optimizer, reference) -> None:
-    """The next step gives exactly the state of a run that never saw the refused load: the
-    weights, the Adam moments and the step counts all stayed."""
-    loss = step(engine, optimizer, 2)
-    assert math.isfinite(loss)
-    assert_same(engine.full_state_dict(), reference[1], "the step after the refusal")
-
-
-# --- positive controls: the inputs the refusals below spoil do load --------------------------
-
-@pytest.mark.parametrize("source", ["state dict", "folder", "file", "sharded"])
-def test_the_unspoiled_inputs_load(source, trained, exported):
-    engine, optimizer = trained
-    good = good_state()
-    if source == "state dict":
-        result = engine.load_state_dict(good)
-    else:
-        path = {"folder": exported / "single", "file": exported / "single" / "model.safetensors",
-                "sharded": exported / "sharded"}[source]
-        result = engine.load_pretrained(str(path))
-    assert result == ([], []) and isinstance(result, tiered.checkpoint.pretrained.LoadResult)
-    assert_same(engine.full_state_dict(), good, "loaded")
-    assert open_files_under(exported) == []
-    assert math.isfinite(step(engine, optimizer, 2))
-
-
-# --- 1. paths without usable weights ---------------------------------------------------------
-
-def _nowhere(tmp_path, exported):
-    return tmp_path / "does" / "not" / "exist", ["no such file or folder"]
-
-
-def _empty_folder(tmp_path, exported):
-    folder = tmp_path / "empty"
-    folder.mkdir()
-    (folder / "config.json").write_text("{}")
-    return folder, ["holds no model.safetensors and no model.safetensors.index.json"]
-
-
-def _only_pickled(tmp_path, exported):
-    folder = tmp_path / "pickled"
-    folder.mkdir()
-    torch.save(good_state(), folder / "pytorch_model.bin")
-    return folder, ["pytorch_model.bin", "pickled", "does not read"]
-
-
-def _pickled_file_named(tmp_path, exported):
-    folder = tmp_path / "pickled"
-    folder.mkdir()
-    torch.save(good_state(), folder / "pytorch_model.bin")
-    return folder / "pytorch_model.bin", ["not a tensor file"]
-
-
-def _two_files_no_index(tmp_path, exported):
-    folder = tmp_path / "two"
-    folder.mkdir()
-    shutil.copy(exported / "single" / "model.safetensors", folder / "a.safetensors")
-    shutil.copy(exported / "single" / "model.safetensors", folder / "b.safetensors")
-    return folder, ["no model.safetensors.index.json", "2 .safetensors files"]
-
-
-@pytest.mark.parametrize("case", [_nowhere, _empty_folder, _only_pickled, _pickled_file_named,
-                                  _two_files_no_index], ids=lambda case: case.__name__[1:])
-def test_a_path_without_usable_weights_is_refused_by_name(case, trained, reference, tmp_path,
-                                                          exported):
-    engine, optimizer = trained
-    path, parts = case(tmp_path, exported)
-    refuse(engine, lambda: engine.load_pretrained(str(path)), str(path), *parts)
-    goes_on_as_never_loaded(engine, optimizer, reference)
-
-
-def test_weights_that_are_neither_a_path_nor_a_state_dict_are_refused(trained, reference):
-    engine, optimizer = trained
-    refuse(engine, lambda: engine.load_state_dict([1, 2, 3]), "got a list")
-    refuse(engine, lambda: engine.load_pretrained(12), "got a int")
-    goes_on_as_never_loaded(engine, optimizer, reference)
-
-
-# --- 2. a broken index -----------------------------------------------------------------------
-
-INDEX = "model.safetensors.index.json"
-
-
-def test_a_malformed_index_is_refused_by_name(trained, reference, exported, tmp_path):
-    engine, optimizer = trained
-    folder = copy_of(exported / "sharded", tmp_path)
-    text = (folder / INDEX).read_text()
-    (folder / INDEX).write_text(text[:len(text) // 2])  # cut in the middle: not JSON
-    refuse(engine, lambda: engine.load_pretrained(str(folder)), str(folder / INDEX),
-           "cannot be read as an index")
-    (folder / INDEX).write_text(json.dumps({"metadata": {}}))  # JSON, but no weight_map
-    refuse(engine, lambda: engine.load_pretrained(str(folder)), str(folder / INDEX),
-           "weight_map")
-    goes_on_as_never_loaded(engine, optimizer, reference)
-
-
-def test_an_index_listing_a_missing_shard_is_refused_naming_it(trained, reference, exported,
-                                                               tmp_path):
-    engine, optimizer = trained
-    folder = copy_of(exported / "sharded", tmp_path)
-    shards = sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()))
-    os.remove(folder / shards[-1])  # the last: the others open fine first
-    refuse(engine, lambda: engine.load_pretrained(str(folder)), str(folder / INDEX), shards[-1])
-    goes_on_as_never_loaded(engine, optimizer, reference)
-
-
-def test_a_tensor_in_two_shards_is_refused_naming_both(trained, reference, tmp_path):
-    engine, optimizer = trained
-    state = good_state()
-    folder = tmp_path / "dup"
-    folder.mkdir()
-    names = list(state)
-    first, second = names[:len(names) // 2], names[len(names) // 2 - 1:]  # one name in both
-    write_safetensors(folder / "a.safetensors", f32_entries({n: state[n] for n in first}))
-    write_safetensors(folder / "b.safetensors", f32_entries({n: state[n] for n in second}))
-    (folder / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": {
-        **{n: "a.safetensors" for n in first}, **{n: "b.safetensors" for n in second}}}))
-    refuse(engine, lambda: engine.load_pretrained(str(folder)), repr(first[-1]),
-           "a.safetensors", "b.safetensors")
-    goes_on_as_never_loaded(engine, optimizer, reference)
-
-
-# --- 3. truncated files ----------------------------------------------------------------------
-
-@pytest.mark.parametrize("keep", ["4 bytes", "half the header", "half the data",
-                                  "all but one byte"])
-def test_a_truncated_file_is_refused_by_name(keep, trained, reference, exported, tmp_path):
-    engine, optimizer = trained
-    folder = copy_of(exported / "single", tmp_path)
-    path = folder / "model.safetensors"
-    data = path.read_bytes()
-    (header_len,) = struct.unpack("<Q", data[:8])
-    size = {"4 bytes": 4, "half the header": 8 + header_len // 2,
-            "half the data": (8 + header_len + len(data)) // 2,
-            "all but one byte": len(data) - 1}[keep]
-    path.write_bytes(data[:size])
-    refuse(engine, lambda: engine.load_pretrained(str(folder)), str(path), "truncated")
-    goes_on_as_never_loaded(engine, optimizer, reference)
-
-
-def test_a_truncated_last_shard_is_refused_naming_it(trained, reference, exported, tmp_path):
-    engine, optimizer = trained
-    folder = copy_of(exported / "sharded", tmp_path)
-    shards = sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()))
-    last = folder / shards[-1]
-    last.write_bytes(last.read_bytes()[:-3])
-    message = refuse(engine, lambda: engine.load_pretrained(str(folder)), str(last), "truncated")
-    assert all(shard not in message for shard in shards[:-1]), message
-    goes_on_as_never_loaded(engine, optimizer, reference)
-
-
-# --- 4. what a file's header says ------------------------------------------------------------
-
-@pytest.mark.parametrize("dtype", ["F8_E4M3", "F8_E5M2", "C64"])
-def test_a_tensor_of_a_dtype_tiered_does_not_read_is_refused_naming_it(dtype, trained,
-                                                                       reference, tmp_path):
-    engine, optimizer = trained
-    entries = f32_entries(good_state())
-    shape = entries[LAST_UNIT_KEY][1]
-    itemsize = {"F8_E4M3": 1, "F8_E5M2": 1, "C64": 8}[dtype]
-    entries[LAST_UNIT_KEY] = (dtype, shape, b"\x01" * (math.prod(shape) * itemsize))
-    path = write_safetensors(tmp_path / "model.safetensors", entries)
-    refuse(engine, lambda: engine.load_pretrained(path), path, repr(LAST_UNIT_KEY), dtype)
-    goes_on_as_never_loaded(engine, optimizer, reference)
-
-
-def test_the_hand_written_file_loads_when_its_dtypes_are_readable(trained, tmp_path):
-    # The control of the test above: the same file with F32 there loads, and F16 too.
-    engine, _ = trained
-    state = good_state()
-    entries = f32_entries(state)
-    entries["ln.weight"] = ("F16", list(state["ln.weight"].shape), raw(state["ln.weight"].half()))
-    path = write_safetensors(tmp_path / "model.safetensors", entries)
-    assert engine.load_pretrained(path) == ([], [])
-    loaded = engine.full_state_dict()
-    assert torch.equal(loaded["ln.weight"], state["ln.weight"].half().float())
-    assert_same({k: v for k, v in loaded.items() if k != "ln.weight"},
-                {k: v for k, v in state.items() if k != "ln.weight"})
-
-
-@pytest.mark.parametrize("header", [b"[1, 2, 3]", b'{"head.weight": {"dtype": "F32", '
-                                    b'"shape": "ab", "data_offsets": [0, 4]}}'],
-                         ids=["not an object", "shape of strings"])
-def test_a_foreign_header_is_a_checkpoint_error_naming_the_file(header, trained, reference,
-                                                                tmp_path):
-    engine, optimizer = trained
-    header += b" " * (-len(header) % 8)
-    path = tmp_path / "model.safetensors"
-    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 64)
-    refuse(engine, lambda: engine.load_pretrained(str(path)), str(path))
-    goes_on_as_never_loaded(engine, optimizer, reference)
 
 
 # --- 5. names, shapes and dtypes that do not match the model ---------------------------------
@@ -497,62 +169,16 @@ def test_buffers_a_wrong_shape_refused_a_missing_one_kept_a_non_persistent_one_u
     engine.close()
 
 
-# --- a refused load lets go of the files it opened -------------------------------------------
-
-def _spoiled(kind: str, exported, tmp_path):
-    if kind == "wrong shape":
-        state = good_state()
-        state["pos"] = state["pos"][:SEQ // 2].clone()
-        return write_safetensors(tmp_path / "model.safetensors", f32_entries(state))
-    if kind == "missing under strict":
-        state = good_state()
-        del state["pos"]
-        return write_safetensors(tmp_path / "model.safetensors", f32_entries(state))
-    if kind == "unreadable dtype":
-        entries = f32_entries(good_state())
-        entries["pos"] = ("F8_E4M3", [SEQ, DIM], b"\0" * SEQ * DIM)
-        return write_safetensors(tmp_path / "model.safetensors", entries)
-    folder = copy_of(exported / "sharded", tmp_path)  # "truncated shard"
-    shards = sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()))
-    (folder / shards[-1]).write_bytes((folder / shards[-1]).read_bytes()[:-3])
-    return str(folder)
-
-
-def _refused(engine, path) -> None:
-    try:
-        engine.load_pretrained(path)
-    except tiered.CheckpointError:
-        return
-    raise AssertionError("loaded")
-
-
-@pytest.mark.parametrize("kind", ["wrong shape", "missing under strict", "unreadable dtype",
-                                  "truncated shard"])
-def test_a_refused_load_leaves_no_file_open(kind, trained, exported, tmp_path):
-    engine, _ = trained
-    path = _spoiled(kind, exported, tmp_path)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
-        gc_was = gc.isenabled()
-        gc.disable()  # what the load opened must be closed by it, not by the GC
-        try:
-            _refused(engine, path)
-            still_open = open_files_under(tmp_path)
-        finally:
-            if gc_was:
-                gc.enable()
-    assert still_open == [], f"left open after the refusal: {still_open}"
-
 
 # --- 7. strict=False -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("policy,source", [("cpu", "state dict"), ("cpu", "file"),
                                            ("nvme", "state dict")])
 def test_strict_false_loads_what_matches_and_keeps_the_rest(policy, source, tmp_path):
+    policy_file = os.path.join(os.path.dirname(__file__), "..", "..", "configs", f"{policy}.yaml")
     engine, optimizer = tiered.initialize(
-        make_model(), os.path.join(os.path.dirname(__file__), "..", "configs", f"{policy}.yaml"),
-        device="cpu", compute_dtype="fp32", nvme={"path": str(tmp_path)},
-        optimizer={"lr": 1e-2})
+        make_model(), policy_file, device="cpu", compute_dtype="fp32",
+        nvme={"path": str(tmp_path)}, optimizer={"lr": 1e-2})
     step(engine, optimizer, 1)
     before = engine.full_state_dict()
     state = good_state()
