@@ -10,7 +10,6 @@ import copy
 import dataclasses
 import enum
 import json
-import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -19,6 +18,9 @@ from typing import Any, Mapping
 import torch
 
 from .errors import PolicyError
+from .policy_values import (as_betas, as_bool, as_class_names, as_number, as_path,
+                            as_size_or_none, as_whole_number, keep_path_as_string, optional,
+                            parsed_by)
 from .policy_yaml import read_yaml
 from .sizes import parse_size
 
@@ -48,81 +50,6 @@ class Device(str, enum.Enum):
     CUDA = "cuda"
 
 
-def _float(value: object, expected: str = "a number") -> float:
-    """A finite number. Plain ``float()`` let YAML's ``yes``/``on`` (True) through as 1.0 and
-    ``.nan`` through every range check below (NaN compares false), raised TypeError (not
-    PolicyError) for null or a list, and said only "could not convert string to float" for
-    ``fast``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"expected {expected}, got {value!r}")
-    try:
-        number = float(value)
-    except ValueError:
-        raise ValueError(f"expected {expected}, got {value!r}") from None
-    if not math.isfinite(number):
-        raise ValueError(f"expected a finite number, got {value!r}")
-    return number
-
-
-def _int(value: object) -> int:
-    """A whole number; ``int()`` silently truncated 2.5 to 2 and raised TypeError for null."""
-    number = _float(value, expected="a whole number")
-    if not number.is_integer():
-        raise ValueError(f"expected a whole number, got {value!r}")
-    return int(number)
-
-
-def _set_path(section) -> None:
-    """A section's ``path`` as a string also when the section is built in code with a
-    ``pathlib.Path`` (to_dict must give plain values: checkpoints write it as JSON)."""
-    if section.path is not None:
-        object.__setattr__(section, "path", _path(section.path))
-
-
-def _path(value: object) -> str:
-    """A path: a string, or a ``pathlib.Path`` given in code. ``str()`` made ``5`` and ``[a]``
-    the paths "5" and "['a']"."""
-    if isinstance(value, os.PathLike):
-        value = os.fspath(value)
-    if not isinstance(value, str):
-        raise ValueError(f"expected a path (a string), got {value!r}")
-    return value
-
-
-def _bool(value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"expected true or false, got {value!r}")
-    return value
-
-
-def _size_or_none(value: object) -> int | None:
-    return None if value is None else parse_size(value)
-
-
-def _betas(value: object) -> tuple[float, float]:
-    if not isinstance(value, (list, tuple)) or len(value) != 2:
-        raise ValueError(f"expected two numbers [beta1, beta2], got {value!r}")
-    return _float(value[0]), _float(value[1])
-
-
-def _class_names(value: object) -> tuple[str, ...] | None:
-    if value is None:
-        return None
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise ValueError(f"expected a list of module class names, got {value!r}")
-    return tuple(value)
-
-
-def _parse(fn):
-    """Field metadata: how to turn the YAML value into the field's type."""
-    return {"parse": fn}
-
-
-def _optional(parse):
-    """Field metadata: null, or what ``parse`` makes of the value."""
-    return _parse(lambda v: None if v is None else parse(v))
-
-
 @dataclass(frozen=True)
 class ParamsPolicy:
     tier: Tier = Tier.DRAM
@@ -150,8 +77,8 @@ class DelayedUpdatePolicy:
     theta_{t-1}. The compute-dtype weights are double-buffered for it.
     """
 
-    enabled: bool = field(default=False, metadata=_parse(_bool))
-    warmup_steps: int = field(default=0, metadata=_parse(_int))
+    enabled: bool = field(default=False, metadata=parsed_by(as_bool))
+    warmup_steps: int = field(default=0, metadata=parsed_by(as_whole_number))
 
     def __post_init__(self):
         if self.warmup_steps < 0:
@@ -188,11 +115,11 @@ class ParamGroupPolicy:
     ``match``'s shell-style patterns (``fnmatch``: ``*.bias``, ``*norm*``), and not matched by
     an earlier group. A value left null is the optimizer's."""
 
-    match: tuple[str, ...] = field(default=(), metadata=_parse(_patterns))
-    lr: float | None = field(default=None, metadata=_optional(_float))
-    betas: tuple[float, float] | None = field(default=None, metadata=_optional(_betas))
-    eps: float | None = field(default=None, metadata=_optional(_float))
-    weight_decay: float | None = field(default=None, metadata=_optional(_float))
+    match: tuple[str, ...] = field(default=(), metadata=parsed_by(_patterns))
+    lr: float | None = field(default=None, metadata=optional(as_number))
+    betas: tuple[float, float] | None = field(default=None, metadata=optional(as_betas))
+    eps: float | None = field(default=None, metadata=optional(as_number))
+    weight_decay: float | None = field(default=None, metadata=optional(as_number))
 
     def __post_init__(self):
         if not self.match:
@@ -207,20 +134,20 @@ class OptimizerPolicy:
 
     tier: Tier = Tier.DRAM
     """Where the fp32 master weights and Adam moments live; the step runs there (GPU for hbm)."""
-    lr: float = field(default=1e-4, metadata=_parse(_float))
-    betas: tuple[float, float] = field(default=(0.9, 0.999), metadata=_parse(_betas))
-    eps: float = field(default=1e-8, metadata=_parse(_float))
-    weight_decay: float = field(default=0.0, metadata=_parse(_float))
-    max_grad_norm: float | None = field(default=None, metadata=_optional(_float))
+    lr: float = field(default=1e-4, metadata=parsed_by(as_number))
+    betas: tuple[float, float] = field(default=(0.9, 0.999), metadata=parsed_by(as_betas))
+    eps: float = field(default=1e-8, metadata=parsed_by(as_number))
+    weight_decay: float = field(default=0.0, metadata=parsed_by(as_number))
+    max_grad_norm: float | None = field(default=None, metadata=optional(as_number))
     """Clip the global gradient norm to this before each step (``clip_grad_norm_`` semantics)."""
-    accumulation_steps: int | None = field(default=None, metadata=_optional(_int))
+    accumulation_steps: int | None = field(default=None, metadata=optional(as_whole_number))
     """Backward calls per ``optimizer.step()``. When set (and neither clipping nor fp16 needs the
     global norm first), each unit is stepped as soon as its gradient of the last backward lands,
     overlapping the rest of that backward, with the learning rate set at that moment; null waits
     for ``optimizer.step()``. At 1, bf16 and fp16 gradients are kept in the compute dtype, as
     no sum of backwards needs fp32 (2 bytes per parameter less in the grads tier)."""
     delayed_update: DelayedUpdatePolicy = DelayedUpdatePolicy()
-    sub_group_size: int = field(default=1 << 25, metadata=_parse(_int))
+    sub_group_size: int = field(default=1 << 25, metadata=parsed_by(as_whole_number))
     """Elements per sub-group when optimizer states stream from NVMe: three sets of pinned
     buffers of this many elements per state (read ahead, stepped, written back)."""
     param_groups: tuple[ParamGroupPolicy, ...] = field(default=(),
@@ -242,20 +169,20 @@ class OptimizerPolicy:
 
 @dataclass(frozen=True)
 class NvmePolicy:
-    path: str | None = field(default=None, metadata=_optional(_path))
+    path: str | None = field(default=None, metadata=optional(as_path))
     """Folder on the drive; each run makes its own subfolder there and removes it at exit."""
-    budget: int | None = field(default=None, metadata=_parse(_size_or_none))
+    budget: int | None = field(default=None, metadata=parsed_by(as_size_or_none))
     """Bytes tiered may use there; null = this rank's share (ranks on the node) of the free
     space of that file system, the smallest any rank measured."""
-    block_size: int = field(default=1 << 20, metadata=_parse(parse_size))
+    block_size: int = field(default=1 << 20, metadata=parsed_by(parse_size))
     """Bytes per I/O request; large transfers are split into requests of this size. The
     defaults are the best point of ``tiered bench-io``'s sweep on the GPU box's disk (see
     bench/RESULTS.md)."""
-    queue_depth: int = field(default=16, metadata=_parse(_int))
+    queue_depth: int = field(default=16, metadata=parsed_by(as_whole_number))
     """Requests in flight per direction (reads and writes each have their own threads)."""
 
     def __post_init__(self):
-        _set_path(self)
+        keep_path_as_string(self)
         if self.block_size < 4096 or self.block_size % 4096:
             raise ValueError(f"block_size must be a multiple of 4096 bytes, got {self.block_size}")
         if self.queue_depth < 1:
@@ -264,20 +191,20 @@ class NvmePolicy:
 
 @dataclass(frozen=True)
 class HbmPolicy:
-    budget: int | None = field(default=None, metadata=_parse(_size_or_none))
+    budget: int | None = field(default=None, metadata=parsed_by(as_size_or_none))
     """Bytes of device memory tiered may hold; null = what the device has."""
 
 
 @dataclass(frozen=True)
 class DramPolicy:
-    budget: int | None = field(default=None, metadata=_parse(_size_or_none))
+    budget: int | None = field(default=None, metadata=parsed_by(as_size_or_none))
     """Bytes of (pinned) host memory tiered may hold; null = this rank's share (ranks on the
     node) of 7/8 of the memory available when the engine starts (the host's, capped by the
     process's cgroup memory limit), the smallest any rank measured."""
-    spill: Tier | None = field(default=None, metadata=_optional(Tier))
+    spill: Tier | None = field(default=None, metadata=optional(Tier))
     """null, or nvme: states placed in DRAM that do not fit the budget move to NVMe, unit by
     unit (optimizer states first, then weights), so only what does not fit uses the drive."""
-    huge_pages: bool = field(default=False, metadata=_parse(_bool))
+    huge_pages: bool = field(default=False, metadata=parsed_by(as_bool))
     """Ask the kernel to back the slabs with 2 MiB transparent huge pages (``madvise``): the
     CPU update streams five arrays at once, and with 4 KiB pages each stream needs a new TLB
     entry every 1-2 K elements, a page walk that costs most under a hypervisor. (A
@@ -292,10 +219,10 @@ class DramPolicy:
 class LossScalePolicy:
     """Dynamic loss scaling for fp16 compute, as ``torch.amp.GradScaler`` does it."""
 
-    initial_scale: float = field(default=2.0**16, metadata=_parse(_float))
-    growth_factor: float = field(default=2.0, metadata=_parse(_float))
-    backoff_factor: float = field(default=0.5, metadata=_parse(_float))
-    growth_interval: int = field(default=2000, metadata=_parse(_int))
+    initial_scale: float = field(default=2.0**16, metadata=parsed_by(as_number))
+    growth_factor: float = field(default=2.0, metadata=parsed_by(as_number))
+    backoff_factor: float = field(default=0.5, metadata=parsed_by(as_number))
+    growth_interval: int = field(default=2000, metadata=parsed_by(as_whole_number))
 
     def __post_init__(self):
         if self.initial_scale <= 0 or self.growth_factor <= 1.0:
@@ -308,7 +235,7 @@ class LossScalePolicy:
 
 @dataclass(frozen=True)
 class CpuPolicy:
-    optimizer_threads: int | None = field(default=None, metadata=_optional(_int))
+    optimizer_threads: int | None = field(default=None, metadata=optional(as_whole_number))
     """Threads of the CPU optimizer worker; null = the cores this rank may use (affinity and
     cgroup quota), less one for the training thread when it drives a GPU."""
 
@@ -322,13 +249,13 @@ class CpuPolicy:
 class PrefetchPolicy:
     """Fetching units ahead of need along the order recorded in the previous iteration."""
 
-    enabled: bool = field(default=True, metadata=_parse(_bool))
-    hbm_bytes: int | None = field(default=None, metadata=_parse(_size_or_none))
+    enabled: bool = field(default=True, metadata=parsed_by(as_bool))
+    hbm_bytes: int | None = field(default=None, metadata=parsed_by(as_size_or_none))
     """Device bytes of units gathered ahead of need (prefetched, or kept for a use soon);
     null = twice the largest module's (a split module's two halves summed)."""
-    dram_bytes: int | None = field(default=None, metadata=_parse(_size_or_none))
+    dram_bytes: int | None = field(default=None, metadata=parsed_by(as_size_or_none))
     """Pinned bytes of NVMe weights read ahead of their gather; null = two of the largest shard."""
-    depth: int = field(default=2, metadata=_parse(_int))
+    depth: int = field(default=2, metadata=parsed_by(as_whole_number))
     """How many modules ahead of need to gather, along the trace (a unit released while its
     module is among them stays gathered instead)."""
 
@@ -339,30 +266,30 @@ class PrefetchPolicy:
 
 @dataclass(frozen=True)
 class TilingPolicy:
-    max_unit_bytes: int | None = field(default=None, metadata=_parse(_size_or_none))
+    max_unit_bytes: int | None = field(default=None, metadata=parsed_by(as_size_or_none))
     """Every nn.Linear whose weight (in the compute dtype) is larger becomes a TiledLinear whose
     tiles are units of at most this size; null = no automatic tiling."""
 
 
 @dataclass(frozen=True)
 class TracePolicy:
-    path: str | None = field(default=None, metadata=_optional(_path))
+    path: str | None = field(default=None, metadata=optional(as_path))
     """Write a Chrome-trace timeline here (the environment's TIERED_TRACE wins)."""
 
     def __post_init__(self):
-        _set_path(self)
+        keep_path_as_string(self)
 
 
 @dataclass(frozen=True)
 class UnitsPolicy:
-    classes: tuple[str, ...] | None = field(default=None, metadata=_parse(_class_names))
+    classes: tuple[str, ...] | None = field(default=None, metadata=parsed_by(as_class_names))
     """Module class names that each become a unit; null = every repeated block (see units.py)."""
-    split_large: bool = field(default=True, metadata=_parse(_bool))
+    split_large: bool = field(default=True, metadata=parsed_by(as_bool))
     """Also make a unit of every module outside the units whose own parameters are as large as
     the largest unit (an untied token embedding, an output head). Such a unit is gathered for the
     whole forward, as the root is, but its gradient leaves when its own backward is done instead
     of waiting in the root's buffer through the whole backward (see units.py)."""
-    split_frozen: bool = field(default=True, metadata=_parse(_bool))
+    split_frozen: bool = field(default=True, metadata=parsed_by(as_bool))
     """Make two units of a unit whose parameters are partly frozen: its frozen parameters, which
     keep their weights alone, and its trainable ones, gathered together, each released after
     its own backward. LoRA adapters in a frozen block then cost optimizer state for themselves
