@@ -113,6 +113,11 @@ class Prefetcher:
             window.append(unit)
         return window
 
+    def drop_ahead(self) -> None:
+        """The runtime released every unit (their weights are changing): none is ahead now,
+        and the trace may fetch them again."""
+        self.ahead = {}
+
     def end_iteration(self) -> list[int]:
         """Close the iteration; returns the units gathered ahead but never needed (to release)."""
         if self._recording:

@@ -45,7 +45,7 @@ model's pre-hook and released by its post-hook.
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -123,8 +123,12 @@ class UnitHooks:
             self.runtime.end_iteration()
 
     def _pre_forward(self, flat: FlatParam, module, args, kwargs) -> None:
-        # Pushed first: the post-hook pops it even when what follows raises.
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        # Pushed first: the post-hook pops it even when what follows raises. Only the innermost
+        # saved-tensor hooks run, so ours pass what is not a unit's weights on to the ones they
+        # cover (see [Note: outer saved-tensor hooks]).
+        outer = _outer_saved_hooks()
+        hooks = torch.autograd.graph.saved_tensors_hooks(partial(self._pack, outer),
+                                                         partial(self._unpack, outer))
         hooks.__enter__()
         self._saved_hooks.append(hooks)
         if _in_backward_pass():
@@ -156,18 +160,20 @@ class UnitHooks:
         if not _in_backward_pass() and not flat.spec.whole_forward:
             self.runtime.done(flat)
 
-    def _pack(self, tensor: torch.Tensor):
+    def _pack(self, outer: _SavedHooks | None, tensor: torch.Tensor):
         flat = self.runtime.owner_of(tensor)
-        return tensor if flat is None else (flat, tensor)
+        if flat is not None:
+            return _UnitView(flat, tensor)
+        return tensor if outer is None else outer[0](tensor)
 
-    def _unpack(self, packed):
-        if isinstance(packed, tuple):
-            flat, tensor = packed
+    def _unpack(self, outer: _SavedHooks | None, packed):
+        if isinstance(packed, _UnitView):
+            flat = packed.flat
             self._enter_backward()
             self._use_in_backward(flat)
             self._started.setdefault(flat.spec.index, self.runtime.timeline.mark())
-            return tensor
-        return packed
+            return packed.tensor
+        return packed if outer is None else outer[1](packed)
 
     def _use_in_backward(self, flat: FlatParam) -> None:
         """The unit's first use in this backward is a need; later ones only check it is
@@ -214,6 +220,42 @@ class UnitHooks:
             handle.remove()
         self._input_hooks.clear()
         self._unhooked.clear()
+
+
+_SavedHooks = tuple[Callable, Callable]
+"""The (pack, unpack) pair of saved-tensor hooks."""
+
+
+class _UnitView(NamedTuple):
+    """A tensor autograd saved that is a view of a gathered unit's weights."""
+
+    flat: FlatParam
+    tensor: torch.Tensor
+
+
+def _outer_saved_hooks() -> _SavedHooks | None:
+    """The saved-tensor hooks in force where a unit's forward starts (None: none, or a torch
+    that cannot say).
+
+    [Note: outer saved-tensor hooks]
+    torch runs only the innermost pair of saved-tensor hooks. A unit's module called inside
+    non-reentrant activation checkpointing (or ``save_on_cpu``, or a parent unit's forward)
+    pushes ours inside theirs: ours must hand them every tensor that is not a view of a
+    unit's weights, or checkpointing saves every activation and never recomputes. A unit's
+    weights stay with us in both the forward and its recomputation (the unit is gathered then
+    too), so the checkpoint sees the same tensors, in the same order, both times."""
+    if _top_saved_hooks is None:
+        return None
+    try:
+        return _top_saved_hooks(False)  # False: as autograd itself asks (its default)
+    except TypeError:  # the torches whose getter takes no argument
+        return _top_saved_hooks()
+
+
+_top_saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+"""torch's only way to read the saved-tensor hooks in force: private, in torch since about 2.8
+(2.13 has it). Without it the outer hooks go unseen, and non-reentrant checkpointing around a
+unit keeps that unit's activations: still correct, but no memory saved."""
 
 
 def _cast_floating(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -161,10 +161,23 @@ class UnitRuntime:
                 hypers=self.current_hypers() if self.arrival_allowed else None)
 
     def step_taken(self) -> None:
-        """``optimizer.step()``: the next backward counts towards the next step."""
+        """``optimizer.step()`` (or a checkpoint's optimizer state restored): the next backward
+        counts towards the next step, and the weights are about to change."""
         self.backwards_since_step = 0
         self.last_backward = None
         self.stepped_on_arrival.clear()
+        self.drop_gathered()
+
+    def drop_gathered(self) -> None:
+        """Release every gathered unit and drop the NVMe shards read ahead: they hold the
+        weights as they were. Units are normally released when an iteration ends, but a forward
+        with grad enabled whose backward never comes (a metric computed after the backward, a
+        forward that raised) leaves the ones the trace kept or prefetched for that backward
+        gathered; the next forward would compute on them, not on the new weights."""
+        self.prefetcher.drop_ahead()
+        if self.readahead is not None:
+            self.readahead.discard()
+        self.gatherer.release_all()
 
 
 def _first_needs(needs: list[int]) -> dict[int, int]:
