@@ -280,6 +280,10 @@ class GradientPath:
             self.manager.grad_buffer(index, self.buffer_dtype).add_(shard)
             self.dtype[index] = self.buffer_dtype
         del shard
+        with self._changed:
+            # An update has read the buffer since it was filled (a step without zero_grad in
+            # between): the next one reads this sum, so backward must not fill it until then.
+            self._buffers[index] = BufferState.HELD
         self._done(in_flight, index, last, landing)
 
     def _count_last(self, last: LastBackward | None, change: int) -> None:
@@ -316,26 +320,34 @@ class GradientPath:
 
     def zero_grad(self, set_to_none: bool) -> None:
         """``set_to_none`` forgets the gradients (the next backward starts new ones); otherwise
-        they become zeros in the buffer's dtype, counted as gradients, as in PyTorch. Done by the
-        worker, after whatever update may still read them."""
+        they become zeros in the buffer's dtype, counted as gradients, as in PyTorch. A unit
+        without a gradient keeps none either way, as ``torch.optim`` zeroes only the ``.grad``
+        that exist: counted as a zero gradient it would be stepped (weight decay, moments) where
+        PyTorch skips it. Done by the worker, after whatever update may still read them."""
         self.worker.submit(partial(self._zero, set_to_none))
-        # A frozen unit has no gradient buffer (plan.unit_state_kinds) and is never stepped.
-        self.has_grad = [not set_to_none and flat.has_trainable for flat in self.flats]
+        self.has_grad = [had and not set_to_none for had in self.has_grad]
 
     def _zero(self, set_to_none: bool) -> None:
         self.arrival_order = []
         with self._changed:
-            # A TAKEN buffer is a backward's after this zero_grad: leave it alone.
+            # A TAKEN buffer is a backward's after this zero_grad: leave it alone. A frozen unit
+            # has no buffer (plan.unit_state_kinds); one holding nothing stays so (zero_grad).
             units = [i for i, state in enumerate(self._buffers)
-                     if state is not BufferState.TAKEN and self.flats[i].has_trainable]
+                     if state is not BufferState.TAKEN and self.flats[i].has_trainable
+                     and (set_to_none or self.dtype[i] is not None)]
         for index in units:
             if set_to_none:
                 self.dtype[index] = None
             else:
                 self.manager.grad_buffer(index, self.buffer_dtype).zero_()
                 self.dtype[index] = self.buffer_dtype
-        chosen = set(units)
-        self._set_free(lambda i: i in chosen)
+        if set_to_none:
+            chosen = set(units)
+            self._set_free(lambda i: i in chosen)
+            return
+        with self._changed:  # zeros are gradients the next update reads: HELD until it has
+            for index in units:
+                self._buffers[index] = BufferState.HELD
 
     def _set_free(self, which) -> None:
         with self._changed:

@@ -122,6 +122,12 @@ class TieredAdamW(torch.optim.Optimizer):
         self._overlap_forward = self.device.type == "cpu" and scaler is None
         """Ordinary updates return at once and overlap the next forward (see the class doc)."""
         self._last_grad_norm: float | None = None
+        self._backwards_before_zero_grad = 0
+        """``runtime.backwards_since_step`` when ``zero_grad()`` last ran: the backwards after
+        it made the gradients held now."""
+        self._grads_loss_scale: float | None = None
+        """The loss scale the gradients held now were computed with, once finishing an update
+        has changed the scaler's since (see _keep_grads_loss_scale)."""
         self._worker.on_failure(self._wake_norm_waiter)
         self.skipped_steps = 0
         """Updates skipped because fp16 gradients overflowed."""
@@ -146,6 +152,8 @@ class TieredAdamW(torch.optim.Optimizer):
         under the delayed update, of the last finished update."""
         update = self._pending
         if update is not None and not update.into_next:
+            # A worker that failed before this update was pending never wakes a waiter for it.
+            self._worker.raise_if_failed()
             update.norm_known.wait()
             self._worker.raise_if_failed()
             return update.norm
@@ -159,6 +167,9 @@ class TieredAdamW(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._worker.submit(self._squares.clear)  # after any update that reads them
         self._grads.zero_grad(set_to_none)
+        # Backwards from here on make the gradients; their loss scale is the scaler's then.
+        self._backwards_before_zero_grad = self._runtime.backwards_since_step
+        self._grads_loss_scale = None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -174,7 +185,7 @@ class TieredAdamW(torch.optim.Optimizer):
                 f"{self.group_count} in all; it has {len(self.param_groups)}: add groups in the "
                 f"policy, not with add_param_group")
         # The loss scale this step's backwards used: finishing the previous update may change it.
-        loss_scale = self.scaler.scale if self.scaler is not None else 1.0
+        loss_scale = self._loss_scale_of_grads()
         units = [i for i, has in enumerate(self._grads.has_grad) if has]
         self._steps_called += 1
         delayed = self._delayed.enabled and self._steps_called > self._delayed.warmup_steps
@@ -195,6 +206,8 @@ class TieredAdamW(torch.optim.Optimizer):
         else:
             self.synchronize()  # the previous update, and this step's gradients, are all in
         self._runtime.step_taken()
+        self._backwards_before_zero_grad = 0  # the runtime counts backwards from 0 again
+        self._grads_loss_scale = None  # this step takes the gradients
         rest = [i for i in units if i not in arrived]
         if rest:
             overlap = self._overlap_forward and not delayed
@@ -227,8 +240,26 @@ class TieredAdamW(torch.optim.Optimizer):
         if update.norm is not None:
             self._last_grad_norm = update.norm
         if self.scaler is not None:
+            self._keep_grads_loss_scale()
             self.scaler.update(found_inf=update.overflowed)
             self.skipped_steps += update.overflowed
+
+    def _keep_grads_loss_scale(self) -> None:
+        """Before the scaler changes: remember the loss scale of the gradients held now, if a
+        backward made them. Under the delayed update step t+1's backward runs before update t
+        decides the scale; ``synchronize()`` (or ``engine.eval()``, ``full_state_dict()``)
+        between that backward and ``step()`` must not make the step unscale them by the new
+        one. (A backward after it, into the same gradients, used the new scale: the step can
+        unscale by one of the two only, as GradScaler could.)"""
+        made_by_backward = self._runtime.backwards_since_step > self._backwards_before_zero_grad
+        if self._grads_loss_scale is None and made_by_backward:
+            self._grads_loss_scale = self.scaler.scale
+
+    def _loss_scale_of_grads(self) -> float:
+        """What the gradients held now are divided by to unscale them (1 without fp16)."""
+        if self.scaler is None:
+            return 1.0
+        return self._grads_loss_scale if self._grads_loss_scale is not None else self.scaler.scale
 
     def checkpoint_state(self) -> dict:
         """The optimizer's state for a checkpoint, with the worker idle. A queued delayed update
@@ -276,6 +307,8 @@ class TieredAdamW(torch.optim.Optimizer):
         self._ready = []
         self._squares.clear()
         self._runtime.step_taken()
+        self._backwards_before_zero_grad = 0
+        self._grads_loss_scale = None  # the load dropped the gradients
 
     def _last_gradient_in(self, index: int, last: LastBackward) -> None:
         """CPU worker: unit ``index``'s gradient of the step's last backward is in. Step a unit
