@@ -33,7 +33,7 @@ from .flat import FlatParam
 from .hooks import UnitHooks
 from .init import Materializer, init_context_of
 from .runtime import UnitRuntime
-from .units import find_units, module_groups
+from .units import UnitSpec, find_units, module_groups
 
 LAUNCHED_ENV = "TIERED_LAUNCHED"
 """Set by ``tiered-launch`` in each rank's environment."""
@@ -77,8 +77,7 @@ class TieredEngine:
         return self.runtime.manager
 
     def __call__(self, *args, **kwargs):
-        if self._closed:
-            raise TieredError("this engine is closed; its weights were freed by close()")
+        self._refuse_if_closed()
         # An update that failed part-way may have written some of its new weights (those
         # written in place, or before another state's write failed): compute on none of them.
         self.runtime.worker.raise_if_failed()
@@ -86,6 +85,7 @@ class TieredEngine:
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """``loss.backward(**kwargs)``, multiplied by the loss scale under fp16 compute."""
+        self._refuse_if_closed()
         if self.scaler is None:
             loss.backward(**kwargs)
             return
@@ -126,6 +126,7 @@ class TieredEngine:
         """Consolidated fp32 weights (and buffers) as CPU tensors under the keys of the original
         ``model.state_dict()``, on every rank; tied parameters share one tensor, as in torch.
         A module's extra state is there as its ``get_extra_state()`` gives it."""
+        self._refuse_if_closed()
         values = {name: value.detach().cpu() if isinstance(value, torch.Tensor) else value
                   for name, value in self.module.state_dict().items()}
         for flat, full in self.consolidated_units():
@@ -138,6 +139,7 @@ class TieredEngine:
         gathered from every rank, one unit at a time, as a CPU tensor on every rank (the device
         copy is counted against the HBM budget while it exists), after any pending update.
         Every rank must iterate to the end: each unit is a collective."""
+        self._refuse_if_closed()
         self.optimizer.synchronize()
         group, usage = self.runtime.group, self.manager.hbm.usage
         for flat in self.runtime.flats:
@@ -158,11 +160,13 @@ class TieredEngine:
     def save_checkpoint(self, directory: str, tag: str | None = None) -> str:
         """Save every tier's state under ``directory/tag`` (default tag: ``step<N>``), atomically,
         each rank its own part; returns the folder. Call it on every rank."""
+        self._refuse_if_closed()
         return checkpoint.save(self, directory, tag)
 
     def load_checkpoint(self, directory: str, tag: str | None = None) -> str:
         """Load ``directory/tag`` (default: the latest complete one), also one saved at another
         world size or with another policy; returns the tag. Call it on every rank."""
+        self._refuse_if_closed()
         return checkpoint.load(self, directory, tag)
 
     def save_pretrained(self, directory: str, dtype: torch.dtype = torch.float32,
@@ -170,6 +174,7 @@ class TieredEngine:
         """Consolidated weights as (sharded) safetensors with an index, in the layout Hugging
         Face's ``from_pretrained`` reads, streamed unit by unit; ``dtype`` is fp32 (the master
         weights) or the dtype to cast them to. Call it on every rank; rank 0 writes."""
+        self._refuse_if_closed()
         return export.save_pretrained(self, directory, dtype, max_shard_bytes)
 
     def load_state_dict(self, state_dict, strict: bool = True) -> pretrained.LoadResult:
@@ -187,6 +192,21 @@ class TieredEngine:
         its shards' bytes. Call it on every rank."""
         return pretrained.load(self, path, strict)
 
+    def _refuse_if_closed(self) -> None:
+        """Every call that reads or moves the tiers' state refuses by name after ``close()``:
+        the shards are gone, and otherwise it fails with a KeyError deep in the tier manager."""
+        if self._closed:
+            raise TieredError("this engine is closed; its weights were freed by close()")
+
+    def _release_gathered(self) -> None:
+        """Give back the units gathered now: those the trace kept or prefetched for a backward
+        that never came (a forward with grad enabled, then close()). Their storage is the HBM
+        tier's too, and the model's attributes (views of it) would keep it as long as the
+        model lives."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # a prefetch may still be writing into one
+        self.runtime.gatherer.release_all()
+
     def close(self) -> None:
         """Free every tier and remove this run's NVMe folder (also done at interpreter exit).
 
@@ -199,9 +219,12 @@ class TieredEngine:
             if not self.runtime.worker.failure_reported:
                 self.optimizer.synchronize()
         finally:
-            self._hooks.remove()
-            self._finalizer()
-            self._closed = True
+            try:
+                self._release_gathered()
+            finally:  # the tiers go and the engine counts as closed whatever happened above
+                self._hooks.remove()
+                self._finalizer()
+                self._closed = True
 
 
 def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = True,
@@ -316,8 +339,22 @@ def flat_units(model: nn.Module, policy: Policy, rank: int, world_size: int,
     """The model's units as the policy cuts it (units.py), each a flat parameter partitioned
     over ``world_size`` ranks (still released: nothing is allocated)."""
     units = policy.units
+    specs = find_units(model, units.classes, units.split_large, units.split_frozen)
+    _refuse_non_floating(specs)
     return [FlatParam(spec, rank, world_size, policy.compute_dtype.torch_dtype, device)
-            for spec in find_units(model, units.classes, units.split_large, units.split_frozen)]
+            for spec in specs]
+
+
+def _refuse_non_floating(specs: list[UnitSpec]) -> None:
+    """A parameter becomes part of a flat buffer in the compute dtype: an integer or bool one
+    (frozen: only floating tensors take gradients) would come back as floats, failing far from
+    here (an index table) or rounding silently (bf16 holds integers exactly only to 256)."""
+    wrong = [f"{param.names[0]} ({param.dtype})" for spec in specs for param in spec.params
+             if not param.dtype.is_floating_point]
+    if wrong:
+        raise TieredError(f"tiered keeps parameters as floating-point shards in the compute "
+                          f"dtype; these are not floating point: {', '.join(wrong)}. Register "
+                          f"them as buffers (module.register_buffer), which stay as they are")
 
 
 def memory_plan(policy: Policy, device: torch.device, flats: list[FlatParam],

@@ -84,7 +84,8 @@ class Gatherer:
                 self.readahead.give_back(landed, event)
         if event is not None:
             self._ready[index] = event
-        self._by_storage[full.untyped_storage().data_ptr()] = flat
+        if full.numel():  # every empty storage has address 0: a view of one is no unit's
+            self._by_storage[full.untyped_storage().data_ptr()] = flat
 
     def finish(self, flat: FlatParam) -> None:
         """Make ``flat`` usable by the compute stream, gathering it now if needed."""
@@ -95,7 +96,8 @@ class Gatherer:
     def release(self, flat: FlatParam) -> None:
         if flat.residency is Residency.GATHERED:
             self._ready.pop(flat.spec.index, None)
-            del self._by_storage[flat.full.untyped_storage().data_ptr()]
+            if flat.full.numel():
+                del self._by_storage[flat.full.untyped_storage().data_ptr()]
             flat.free()
             self.usage.release(flat.gathered_bytes)
 

@@ -66,6 +66,8 @@ class UnitHooks:
         self.compute_dtype = compute_dtype
         self.on_backward_start = on_backward_start
         self._in_backward = False
+        self._counted = False
+        """Whether the backward running has given a unit a gradient (see _count_backward)."""
         self._used_in_backward: set[int] = set()
         self._started: dict[int, object] = {}
         """Timeline marks of the units computing now (forward, or backward since first use)."""
@@ -186,6 +188,11 @@ class UnitHooks:
 
     def _post_backward(self, flat: FlatParam, full: torch.Tensor) -> None:
         self._enter_backward()
+        try:
+            self._count_backward()
+        except BaseException:
+            full.grad = None  # a refused backward's gradient must not add into the next one's
+            raise
         self._span(flat, "backward")
         self.runtime.reduce_grad(flat)
         frozen = self._frozen_half.get(flat.spec.index)
@@ -207,15 +214,25 @@ class UnitHooks:
     def _enter_backward(self) -> None:
         if self._in_backward or not _in_backward_pass():
             return
-        self.on_backward_start()  # may refuse (fp16 without engine.backward); nothing changed yet
-        self.runtime.start_backward()  # may refuse a backward past accumulation_steps
         self._in_backward = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _count_backward(self) -> None:
+        """The first gradient of an autograd pass: it is a backward of the step. Counted here,
+        not where the pass first reads a unit's weights: ``torch.autograd.grad(loss, inputs)``
+        (adversarial inputs, gradient penalties) reads them too, but gives no unit a gradient
+        and must not use up ``accumulation_steps``."""
+        if self._counted:
+            return
+        self.on_backward_start()  # may refuse (fp16 without engine.backward)
+        self.runtime.start_backward()  # may refuse a backward past accumulation_steps
+        self._counted = True
 
     def _end_backward(self) -> None:
         self.runtime.end_iteration()
         self._used_in_backward.clear()
         self._in_backward = False
+        self._counted = False
         for handle in self._input_hooks:
             handle.remove()
         self._input_hooks.clear()
