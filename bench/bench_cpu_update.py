@@ -103,7 +103,7 @@ def main() -> None:
     args = parser.parse_args()
     numel = int(args.unit_params)
     cuda = torch.cuda.is_available()
-    worker = CpuWorker(optimizer_threads(None, drives_gpu=cuda))
+    worker = CpuWorker(optimizer_threads(None, drives_gpu=cuda, ranks_on_node=1))
     kernel = OnePassAdamW()
     start = time.perf_counter()
     worker.submit(lambda: kernel.warm_up(torch.bfloat16, torch.bfloat16))

@@ -5,7 +5,9 @@ forward and backward compute, host-to-device gathers, gradient reduce and device
 NVMe reads and writes and the CPU worker's gradient adds and AdamW steps, on one track per thread
 (host work) or stream (device work). Device spans are timed with CUDA events, read back one
 iteration later (when they have long completed), so tracing adds no synchronisation to the step.
-With several ranks each writes ``trace.rank<r>.json``.
+With several ranks each writes ``trace.rank<r>.json``. Each iteration's end (:meth:`Timeline.flush`)
+appends its spans to the file, which is a whole trace after every append: memory holds one
+iteration's spans, not the run's, and a run killed mid-way leaves its timeline up to then.
 """
 from __future__ import annotations
 
@@ -20,6 +22,9 @@ import torch
 from .errors import PolicyError
 
 TRACE_ENV = "TIERED_TRACE"
+_HEAD = b'{"displayTimeUnit": "ms", "traceEvents": [\n'
+_TAIL = b'\n]}\n'
+"""The file is _HEAD, the events so far, _TAIL; an append overwrites _TAIL and writes it anew."""
 
 
 class Timeline:
@@ -31,6 +36,11 @@ class Timeline:
         self._events: list[dict] = []
         self._device_spans: list[tuple[str, str, str, torch.cuda.Event, torch.cuda.Event]] = []
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._file = None
+        """Open from the first flush to close; ``_end`` is where its events end (_TAIL's
+        offset), ``_written`` how many it holds."""
+        self._end = self._written = 0
         self._t0 = time.perf_counter_ns()
         self._reference = None
         if self.enabled and device.type == "cuda":
@@ -96,7 +106,21 @@ class Timeline:
             self._device_spans.append((name, category, track, start, end))
 
     def flush(self, wait: bool = False) -> None:
-        """Turn completed device spans into events (all of them, waiting, when ``wait``)."""
+        """Turn completed device spans into events (all of them, waiting, when ``wait``) and
+        append the events to the file."""
+        if not self.enabled:
+            return
+        self._read_device_spans(wait)
+        self._append()
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.flush(wait=True)
+        self._file.close()
+        self.enabled = False
+
+    def _read_device_spans(self, wait: bool) -> None:
         if not self._device_spans:
             return
         with self._lock:
@@ -114,13 +138,30 @@ class Timeline:
         with self._lock:
             self._device_spans[:0] = pending
 
-    def close(self) -> None:
-        if not self.enabled:
+    def _append(self) -> None:
+        """The events recorded since the last append go to the file; other threads go on
+        adding meanwhile (``_lock`` is held only to take the list)."""
+        with self._write_lock:  # flush runs on the training thread, close maybe at exit
+            with self._lock:
+                events, self._events = self._events, []
+            self._write(events)
+
+    def _write(self, events: list[dict]) -> None:
+        if self._file is None:
+            self._file = open(self.path, "wb")
+            self._file.write(_HEAD)
+            self._end = self._file.tell()
+        elif not events:
             return
-        self.flush(wait=True)
-        with open(self.path, "w") as f:
-            json.dump({"traceEvents": self._events, "displayTimeUnit": "ms"}, f)
-        self.enabled = False
+        body = b",\n".join(json.dumps(event).encode() for event in events)
+        self._file.seek(self._end)
+        if body:
+            self._file.write(b",\n" + body if self._written else body)
+        self._written += len(events)
+        self._end = self._file.tell()
+        self._file.write(_TAIL)
+        self._file.truncate()
+        self._file.flush()
 
     def _add(self, name: str, category: str, track: str, offset_ns: int, length_ns: int,
              args: dict | None = None) -> None:

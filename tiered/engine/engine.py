@@ -280,7 +280,8 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
                               _ranks_on_this_node(group), group.smallest)
         plan = memory_plan(policy, device, flats, manager.available()[Tier.DRAM])
         worker = CpuWorker(optimizer_threads(policy.cpu.optimizer_threads,
-                                             drives_gpu=device.type == "cuda"))
+                                             drives_gpu=device.type == "cuda",
+                                             ranks_on_node=_ranks_on_this_node(group)))
         manager.check(plan)  # before paying for a compile the budget forbids
         # Setup spans: on the GPU box a setup took 75-103 s, and the timeline says where.
         with timeline.span("compile one-pass AdamW", "setup"):

@@ -20,13 +20,17 @@ from ..errors import TieredError
 from ..limits import usable_cores
 
 
-def optimizer_threads(requested: int | None, drives_gpu: bool) -> int:
-    """The worker's intra-op threads: as asked, else every usable core but the one the training
-    thread needs to keep a GPU fed (on the CPU the two take turns with the same cores)."""
+def optimizer_threads(requested: int | None, drives_gpu: bool, ranks_on_node: int) -> int:
+    """The worker's intra-op threads: as asked (at most the usable cores), else this rank's
+    share of the usable cores, which the node's ranks share (as tiered-launch shares them for
+    OMP_NUM_THREADS), but the one the training thread needs to keep a GPU fed (on the CPU the
+    two take turns with the same cores). Without the share, every rank's worker took every
+    core: 8 ranks ran 8 threads per core."""
     cores = usable_cores()
     if requested is not None:
         return min(requested, cores)
-    return max(1, cores - 1) if drives_gpu else cores
+    share = max(1, cores // ranks_on_node)
+    return max(1, share - 1) if drives_gpu else share
 
 
 class CpuWorker:
