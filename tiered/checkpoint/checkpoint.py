@@ -10,7 +10,9 @@ Layout of ``<dir>``::
                                    weights and both Adam moments (a frozen unit: its masters,
                                    or its compute-dtype weights where it keeps none; with a
                                    delayed update pending, also the current compute-dtype
-                                   weights); its RNG states
+                                   weights); its RNG states; the model's persistent buffers
+                                   (``buffer.<name>``) and tensor extra states
+                                   (``extra.<key>``) as this rank has them
     latest                         the newest complete tag
 
 [Note: atomic checkpoints]
@@ -25,7 +27,12 @@ it changes anything, and reads only JSON and raw tensor bytes (no pickle).
 
 Compute-dtype weights are the master weights cast, so they are recomputed on load, except under
 a pending delayed update (then the weights the next forward uses are the previous step's, and
-they are saved too) and for a frozen unit without masters (its weights are all it has). Saves
+they are saved too) and for a frozen unit without masters (its weights are all it has).
+Buffers (BatchNorm's running stats) and modules' extra states are the model's state outside the
+units: each rank saves its own, a load at the same world size restores each rank's and at
+another rank 0's; an extra state that is not a tensor goes into the manifest as JSON (rank
+0's). Gradients are not saved, so a save between a backward and its ``optimizer.step()`` is
+refused (a load would resume without them). Saves
 and loads agree across ranks: a failure on one raises on all, and a load checks every file and
 entry it will read before it stores anything.
 """
@@ -34,6 +41,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 
 import torch
 
@@ -41,13 +49,16 @@ from .. import __version__
 from ..plan import OPTIMIZER_STATES, StateKind
 from . import layout
 from .format import CheckpointError, Entry, Reader, Writer, file_digest
+from .pretrained import EXTRA_STATE, persistent_buffers
 
 FORMAT_VERSION = 3
 """2 added ``optimizer.group_hypers`` (the hyperparameters of each param group after group 0)
 and ``frozen`` (the names of the frozen parameters). 3: a unit of frozen parameters only has
 no moments, and where it keeps no fp32 masters its compute-dtype weights are saved instead
 (plan.unit_state_kinds); each unit lists its parameters, so a load maps them by name into
-units cut otherwise (layout.py)."""
+units cut otherwise (layout.py). Buffers and extra states were added within 3 (``buffer.*``
+and ``extra.*`` entries, the manifest's ``extra_states``): a reader of 3 ignores them, and a
+checkpoint without them leaves the model's as they are."""
 READABLE_FORMATS = (1, 2, 3)
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -61,10 +72,10 @@ def save(engine, directory: str, tag: str | None) -> str:
     """Write a checkpoint of ``engine`` under ``directory`` (see the module note); returns its
     folder. Every rank must call it; a failure on any rank raises on every rank."""
     runtime, group = engine.runtime, engine.runtime.group
+    _refuse_held_gradients(engine)
     state = engine.optimizer.checkpoint_state()
     tag = tag or f"step{state['steps_called']:08d}"
-    if not tag or "/" in tag or tag.startswith(".") or tag == LATEST:
-        raise CheckpointError(f"checkpoint tag {tag!r}: use letters, digits, '-' or '_'")
+    _check_tag(tag)
     staging = os.path.join(directory, f".{tag}.tmp")
     failure = None
     if group.rank == 0:
@@ -97,6 +108,7 @@ def save(engine, directory: str, tag: str | None) -> str:
                       for f in runtime.flats],
             "frozen": [p.names[0] for f in runtime.flats for p in f.spec.params
                        if not p.trainable],
+            "extra_states": _json_extra_states(engine),
             "optimizer": state,
             "files": {rank_file(r): {"size": sizes[r], "sha256": digests[r]}
                       for r in range(group.world_size)},
@@ -107,6 +119,54 @@ def save(engine, directory: str, tag: str | None) -> str:
             failure = CheckpointError(f"cannot complete {folder}: {error.strerror}")
     _all_or_raise(group, failure, f"rank 0 could not complete {folder}")
     return folder
+
+
+def _check_tag(tag: str) -> None:
+    """A tag is one folder's plain name, which ``latest`` gives back as written. Checked on
+    every rank alike, before anything is created: a name the OS refuses (a NUL byte raises
+    ValueError, not OSError) would fail on rank 0 alone, the others waiting in a collective."""
+    if (tag.startswith(".") or tag == LATEST or tag != tag.strip()  # _latest strips
+            or any(sep and sep in tag for sep in ("/", os.sep, os.altsep))
+            or any(ord(c) < 32 or c == "\x7f" for c in tag)):
+        raise CheckpointError(f"checkpoint tag {tag!r}: use a plain folder name (letters, "
+                              f"digits, '-' or '_'; not starting with '.', not {LATEST!r})")
+
+
+def _refuse_held_gradients(engine) -> None:
+    """Gradients are not saved and a load drops them (as DeepSpeed's): a save after a backward
+    whose step has not been taken would resume without its gradients, and with
+    ``accumulation_steps`` with units already stepped on arrival. Every rank runs the same
+    loop, so every rank refuses alike."""
+    runtime = engine.runtime
+    if runtime.backwards_since_step > 0 and any(runtime.grads.has_grad):
+        raise CheckpointError(
+            f"save_checkpoint after {runtime.backwards_since_step} backward(s) whose gradients "
+            f"wait for optimizer.step(): gradients are not saved; save after optimizer.step() "
+            f"(or after zero_grad())")
+
+
+def _extra_states(engine) -> dict[str, object]:
+    """The model's modules' ``get_extra_state()``, by state-dict key."""
+    model = engine.module
+    return {key: model.get_submodule(key[:-len(EXTRA_STATE)].rstrip(".")).get_extra_state()
+            for key in engine.state_dict_keys if key.endswith(EXTRA_STATE)}
+
+
+def _json_extra_states(engine) -> dict[str, object]:
+    """The extra states that are not tensors (those are in the rank files), as JSON: a value
+    JSON cannot hold is left out with a warning, as save_pretrained leaves it out."""
+    out = {}
+    for key, value in _extra_states(engine).items():
+        if isinstance(value, torch.Tensor):
+            continue
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            warnings.warn(f"tiered: save_checkpoint leaves out {key} (a {type(value).__name__}, "
+                          f"which JSON cannot hold)", stacklevel=4)
+            continue
+        out[key] = value
+    return out
 
 
 def _all_or_raise(group, failure: BaseException | None, elsewhere: str) -> None:
@@ -130,14 +190,18 @@ def _write_rank(engine, path: str, pending: set[int]) -> tuple[int, str]:
         if unit in pending or not manager.has(unit, StateKind.MASTER):
             entries.append(Entry(f"unit{unit}.param", compute, (flat.shard_numel,)))
             sources.append((unit, StateKind.PARAM))
-    rng = _rng_states(engine.device)
-    entries += [Entry(name, torch.uint8, tuple(value.shape)) for name, value in rng.items()]
+    small = _rng_states(engine.device)  # written whole, after the units
+    small.update({f"buffer.{name}": value.detach().cpu() for name, value in
+                  persistent_buffers(engine.module, engine.state_dict_keys).items()})
+    small.update({f"extra.{key}": value.detach().cpu() for key, value in
+                  _extra_states(engine).items() if isinstance(value, torch.Tensor)})
+    entries += [Entry(name, value.dtype, tuple(value.shape)) for name, value in small.items()]
     writer = Writer(path, entries)
     try:
         for unit, kind in sources:
             for _, piece in manager.pieces(unit, kind):
                 writer.write(piece)
-        for value in rng.values():
+        for value in small.values():
             writer.write(value)
     except BaseException:
         writer.abort()
@@ -222,12 +286,15 @@ def load(engine, directory: str, tag: str | None) -> str:
         readers = _open_verified(folder, manifest, needed)
         reads = _plan_reads(engine, manifest, readers, runs)
         _check_rng(readers[rank_file(group.rank)] if same_world else None)
+        model_state = _read_model_state(
+            engine, manifest, readers[rank_file(group.rank if same_world else 0)])
     except CheckpointError as error:
         failure = error
     try:
         _all_or_raise(group, failure, "another rank cannot use the checkpoint; nothing loaded")
         _load_states(engine, manifest, reads, steps,
                      readers[rank_file(group.rank)] if same_world else None)
+        _store_model_state(engine, model_state)
     finally:
         for reader in readers.values():
             reader.close()
@@ -250,7 +317,20 @@ def _complete_folder(directory: str, tag: str) -> str:
     if not os.path.exists(os.path.join(folder, MANIFEST)) and \
             os.path.exists(os.path.join(aside, MANIFEST)):
         return aside
+    if not os.path.isdir(folder):  # most likely a typo: say what there is
+        raise CheckpointError(f"no checkpoint {tag!r} in {directory}; it holds "
+                              f"{', '.join(_tags(directory)) or 'none'}")
     return folder
+
+
+def _tags(directory: str) -> list[str]:
+    """The complete checkpoints of ``directory`` (folders with a manifest), by name."""
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    return [name for name in names if not name.startswith(".")
+            and os.path.isfile(os.path.join(directory, name, MANIFEST))]
 
 
 def _read_manifest(folder: str) -> dict:
@@ -335,6 +415,47 @@ def _check_rng(own_file: Reader | None) -> None:
     for name in ("rng.cpu", "rng.cuda"):
         if name in own_file.entries and own_file.entry(name).dtype is not torch.uint8:
             raise CheckpointError(f"{own_file.path}: {name!r} is not a byte tensor")
+
+
+def _read_model_state(engine, manifest: dict, reader: Reader) -> dict[str, object]:
+    """The buffers and extra states ``reader`` (this rank's file, or rank 0's at another world
+    size) and the manifest hold, by state-dict key, read and checked against the model's
+    before anything is stored. A checkpoint without them (saved before they were) has none."""
+    out: dict[str, object] = {}
+    for name, buffer in persistent_buffers(engine.module, engine.state_dict_keys).items():
+        entry = f"buffer.{name}"
+        if entry in reader.entries:
+            out[name] = _read_like(reader, entry, buffer.dtype, tuple(buffer.shape))
+    saved_objects = manifest.get("extra_states", {})
+    for key, value in _extra_states(engine).items():
+        entry = f"extra.{key}"
+        if entry in reader.entries:
+            out[key] = _read_whole(reader, entry)
+        elif key in saved_objects:
+            out[key] = saved_objects[key]
+    return out
+
+
+def _read_like(reader: Reader, name: str, dtype: torch.dtype,
+               shape: tuple[int, ...]) -> torch.Tensor:
+    entry = reader.entry(name)
+    if entry.dtype is not dtype or entry.shape != shape:
+        raise CheckpointError(f"{reader.path}: {name!r} is {entry.dtype} {list(entry.shape)}, "
+                              f"the model's is {dtype} {list(shape)}")
+    return _read_whole(reader, name)
+
+
+@torch.no_grad()
+def _store_model_state(engine, values: dict[str, object]) -> None:
+    """Copy what :func:`_read_model_state` read into the model's buffers (where they are now)
+    and its modules' extra states."""
+    model = engine.module
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    for key, value in values.items():
+        if key.endswith(EXTRA_STATE):
+            model.get_submodule(key[:-len(EXTRA_STATE)].rstrip(".")).set_extra_state(value)
+        else:
+            buffers[key].copy_(value)
 
 
 def _load_states(engine, manifest: dict, reads: dict[tuple[int, StateKind], layout.Read],

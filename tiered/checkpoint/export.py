@@ -6,12 +6,14 @@ Files are ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` with a
 gathering one unit at a time; rank 0 writes it and drops it, so no rank holds the whole model
 (only a TiledLinear's tiles wait for each other, to be written as the one layer they are). Names
 and shapes are those of the original ``model.state_dict()``; tied parameters are written under
-each of their names.
+each of their names. The files of an earlier export into the same folder that this one does
+not write again are removed (see _remove_stale).
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 
 import torch
@@ -20,6 +22,8 @@ from ..ops.tiled_linear import TiledLinear, layer_of_tile, merge_layer_tiles, ti
 from .format import CheckpointError, Entry, Writer
 
 INDEX = "model.safetensors.index.json"
+SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+"""A shard's name, as _assign names them (and Hugging Face does)."""
 
 
 def save_pretrained(engine, directory: str, dtype: torch.dtype = torch.float32,
@@ -71,6 +75,7 @@ def save_pretrained(engine, directory: str, dtype: torch.dtype = torch.float32,
             for writer in writers.values():
                 writer.close()
             _write_index(directory, plan, files)
+            _remove_stale(directory, set(writers))
         except Exception as error:
             failure = error
     if not group.agree(failure is None):
@@ -144,6 +149,17 @@ def _assign(plan: list[Entry], max_shard_bytes: int) -> dict[str, str]:
     total = len(groups)
     return {name: f"model-{i + 1:05d}-of-{total:05d}.safetensors"
             for i, names in enumerate(groups) for name in names}
+
+
+def _remove_stale(directory: str, written: set[str]) -> None:
+    """Remove what an earlier export into ``directory`` left and this one did not write: an
+    index beside a new single file makes readers of the index (tiered's among them) load the
+    old shards, and an old ``model.safetensors`` beside a new index is what ``from_pretrained``
+    reads first."""
+    kept = written | ({INDEX} if len(written) > 1 else set())  # a single file has no index
+    for name in os.listdir(directory):
+        if name not in kept and (name in ("model.safetensors", INDEX) or SHARD.fullmatch(name)):
+            os.remove(os.path.join(directory, name))
 
 
 def _write_index(directory: str, plan: list[Entry], files: dict[str, str]) -> None:

@@ -24,7 +24,11 @@ from ..tiers.aio import host_buffer
 
 DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
           torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
-          torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+          torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL", torch.uint16: "U16",
+          torch.uint32: "U32", torch.uint64: "U64", torch.float8_e4m3fn: "F8_E4M3",
+          torch.float8_e5m2: "F8_E5M2", torch.complex64: "C64"}
+"""safetensors' names: a model's buffers may be any of these (a complex rotary table, fp8
+scales), and a checkpoint or an export holds its buffers."""
 NAMES = {name: dtype for dtype, name in DTYPES.items()}
 
 
@@ -54,6 +58,9 @@ class Writer:
         self.path = path
         header, offset = {}, 0
         for entry in entries:
+            if entry.dtype not in DTYPES:  # before the file is created
+                raise CheckpointError(f"{path}: {entry.name} is {entry.dtype}, which the "
+                                      f"safetensors layout does not hold")
             header[entry.name] = {"dtype": DTYPES[entry.dtype], "shape": list(entry.shape),
                                   "data_offsets": [offset, offset + entry.nbytes]}
             offset += entry.nbytes

@@ -29,8 +29,12 @@ from torch import nn
 
 from ..errors import TieredError
 from ..ops.tiled_linear import TiledLinear, layer_of_tile, tiled_layers
-from .format import CheckpointError
+from .format import DTYPES, CheckpointError
 from .sources import WeightSource, open_source
+
+PARAMETER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+"""What a parameter loads from, rounded to its own dtype as torch's load_state_dict rounds. An
+export holds buffers of any dtype (format.DTYPES), but an F8 or complex tensor is no weight."""
 
 
 EXTRA_STATE = "_extra_state"
@@ -160,9 +164,12 @@ class PretrainedWeights:
         if tuple(have) != shape:
             raise CheckpointError(f"{self.source.where}: {name} has shape {list(have)}, the "
                                   f"model's is {list(shape)}")
-        if floating and not dtype.is_floating_point:
-            raise CheckpointError(f"{self.source.where}: {name} is {dtype}; a parameter loads "
-                                  f"from a floating-point tensor")
+        if floating and dtype not in PARAMETER_DTYPES:
+            stored_as = DTYPES.get(dtype, "no safetensors dtype")
+            raise CheckpointError(
+                f"{self.source.where}: {name} is {dtype} ({stored_as}); a parameter loads from "
+                f"a floating-point tensor of F32, BF16, F16 or F64 (F8 weights are quantized: "
+                f"their scales are not applied here)")
 
     def _read_whole(self, flats) -> list[bool]:
         """Per unit, whether ``initialize`` builds it from the weights alone: they hold all of
