@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import tiered
+from tiered.limits import usable_cores
 from gpt import GPT, next_token_loss
 
 VOCAB, DIM, SEQ, ROWS = 64, 32, 16, 4
@@ -28,13 +29,15 @@ def make_model(seed: int = 0, **kwargs) -> GPT:
 
 
 def new_engine(model: nn.Module | None = None, **overrides):
-    # One optimizer thread in every process: the two-rank test compares with the one-rank run
-    # bit for bit, and two ranks on the node's cores would each take half of them. (Measured:
-    # ranks on 1 thread against a reference on 2 differ in the last bit of the LayerNorm
-    # parameters after one step; the same count on both sides, 1 or 2, agrees.)
+    # As many optimizer threads in every process as one rank takes by default: the two-rank
+    # test compares with the one-rank run bit for bit, and two ranks would each take half the
+    # cores. torch.set_num_threads, which the worker calls, also sets MKL's threads for the
+    # whole process, so the training thread's matrix products (and their last bits) follow
+    # the worker's count: ranks on 1 thread against a reference on 2 differed in the
+    # LayerNorm parameters after one step, and a later test in the same process on 2.
     return tiered.initialize(make_model() if model is None else model, device="cpu",
                              compute_dtype="fp32", optimizer={"lr": 1e-2},
-                             cpu={"optimizer_threads": 1}, **overrides)
+                             cpu={"optimizer_threads": usable_cores()}, **overrides)
 
 
 def batch(seed: int) -> torch.Tensor:
