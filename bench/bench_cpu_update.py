@@ -47,7 +47,8 @@ class Copier:
 
     def __init__(self, direction: str, nbytes: int = 1 << 30):
         self.direction = direction
-        self.host = PinnedSlabSource()(nbytes)
+        self.source = PinnedSlabSource()
+        self.host = self.source(nbytes)
         self.device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
         self.copied = 0
         self._stop = threading.Event()
@@ -62,6 +63,10 @@ class Copier:
         self._stop.set()
         self._thread.join()
         self.gbps = self.copied / (time.perf_counter() - self._started) / 1e9
+        # Unregistered before it is freed: a later slab mapped over a still-registered range
+        # fails to pin (cudaErrorHostMemoryAlreadyRegistered).
+        torch.cuda.synchronize()
+        self.source.release(self.host)
 
     def _run(self) -> None:
         stream = torch.cuda.Stream()

@@ -74,6 +74,7 @@ lora)  # frozen units: LoRA rank 16 fine-tuning of the 2.78 B GPT, batch 8, agai
         --modes gpu,fsdp2_offload,tiered:cpu,tiered:cpu+arrive \
         2>&1 | grep -v -e Warning -e _conversion | tee "$out/lora.log" ;;
 load)  # pretrained weights: the 2.78 B GPT's bf16 safetensors into a model ready to train
+    mkdir -p "$nvme"
     python bench/bench_load.py --layers 32 --dim 2560 --nvme "$nvme" \
         --modes read,torch,tiered:cpu,tiered:nvme \
         2>&1 | grep -v -e Warning -e _conversion | tee "$out/load.log" ;;

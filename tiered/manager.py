@@ -78,7 +78,10 @@ class TierManager:
         HBM default, the device's capacity, is agreed the same way, for devices that differ.)"""
         self.policy = policy
         self.hbm = HbmTier(device, policy.hbm.budget)
-        source = dram_source or PinnedSlabSource(huge_pages=policy.dram.huge_pages)
+        # Pinned only for a GPU's copies: a CPU engine on a machine with CUDA (a benchmark's
+        # writer, a test) would register every slab (0.6 s/GiB) and start a CUDA context.
+        source = dram_source or PinnedSlabSource(pin=device.type == "cuda",
+                                                 huge_pages=policy.dram.huge_pages)
         self.dram = DramTier(policy.dram.budget, source, ranks)
         io = IoSettings(policy.nvme.block_size, policy.nvme.queue_depth)
         self.nvme = (NvmeTier(policy.nvme.path, policy.nvme.budget, rank, io, ranks)

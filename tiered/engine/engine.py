@@ -446,6 +446,10 @@ def _shut_down(runtime: UnitRuntime) -> None:
     if runtime.readahead is not None:
         runtime.readahead.close()
     runtime.timeline.close()
+    if runtime.group.device.type == "cuda":
+        # An engine collected without close(): a prefetch or a gradient's copy off the device
+        # may still read or write the pinned slabs the manager is about to free.
+        torch.cuda.synchronize(runtime.group.device)
     runtime.manager.close()
 
 
