@@ -340,10 +340,24 @@ def flat_units(model: nn.Module, policy: Policy, rank: int, world_size: int,
     """The model's units as the policy cuts it (units.py), each a flat parameter partitioned
     over ``world_size`` ranks (still released: nothing is allocated)."""
     units = policy.units
+    _refuse_renormalized_embeddings(model)
     specs = find_units(model, units.classes, units.split_large, units.split_frozen)
     _refuse_non_floating(specs)
     return [FlatParam(spec, rank, world_size, policy.compute_dtype.torch_dtype, device)
             for spec in specs]
+
+
+def _refuse_renormalized_embeddings(model: nn.Module) -> None:
+    """An embedding with ``max_norm`` renormalizes its weight in place in forward: here that
+    would write a gathered copy, never the master weights (and autograd refuses a view changed
+    in place), so the model would part from PyTorch's without a word."""
+    found = [name or "<root>" for name, module in model.named_modules()
+             if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None]
+    if found:
+        raise TieredError(f"{', '.join(found)}: an embedding with max_norm renormalizes its "
+                          f"weight in place during forward, which tiered cannot carry into the "
+                          f"master weights; drop max_norm, or renormalize the looked-up rows out "
+                          f"of place in forward")
 
 
 def _refuse_non_floating(specs: list[UnitSpec]) -> None:
@@ -409,9 +423,11 @@ def _partition(flats: list[FlatParam], materializer: Materializer, manager: Tier
             weights.fill(flat, shard)
         manager.store_weights(flat.spec.index, shard)
         del shard
-    for param in (param for flat in flats for param in flat.spec.params):
-        for module, attr in param.holders:
-            module._parameters.pop(attr, None)
+    for flat in flats:
+        for param in flat.spec.params:
+            for module, attr in param.holders:
+                module._parameters.pop(attr, None)
+        flat.bind_placeholders()  # what a module holds while its unit is released
     manager.hbm.usage.release(building)
 
 

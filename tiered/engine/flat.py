@@ -57,6 +57,11 @@ class FlatParam:
         self._writer = self.full.data  # see [Note: gathered storage]
         self._storage_bytes = self.padded_numel * dtype.itemsize
         self.residency = Residency.RELEASED
+        self._placeholders = [torch.empty(p.shape, dtype=dtype, device="meta")
+                              for p in spec.params]
+        """What the modules hold while the unit is released: the views of ``full`` would read
+        freed memory (a crash, where a user's code reads a weight after a step), a meta tensor
+        keeps its shape and dtype and refuses its values."""
 
     @property
     def name(self) -> str:
@@ -82,7 +87,12 @@ class FlatParam:
     def free(self) -> None:
         assert self.residency is Residency.GATHERED, f"unit {self.name} is not gathered"
         self.full.untyped_storage().resize_(0)
+        self.bind_placeholders()
         self.residency = Residency.RELEASED
+
+    def bind_placeholders(self) -> None:
+        """Point every holder at its parameter's placeholder (the unit is released)."""
+        self._bind(self._placeholders)
 
     def own_shard(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a padded flat tensor."""
@@ -97,10 +107,15 @@ class FlatParam:
         """
         pad = self.padded_numel - self.numel
         pieces = self.full.split(self.numels + [pad] if pad else self.numels)
-        for param, piece in zip(self.spec.params, pieces):
-            view = piece.view(param.shape) if param.trainable else piece.detach().view(param.shape)
+        self._bind([piece.view(param.shape) if param.trainable
+                    else piece.detach().view(param.shape)
+                    for param, piece in zip(self.spec.params, pieces)])
+
+    def _bind(self, tensors: list[torch.Tensor]) -> None:
+        """Point every holder of each parameter at its tensor (one per parameter)."""
+        for param, tensor in zip(self.spec.params, tensors):
             for module, attr in param.holders:
-                module.__dict__[attr] = view
+                module.__dict__[attr] = tensor
 
     def flatten(self, tensors: list[torch.Tensor], out: torch.Tensor) -> None:
         """Copy original-layout tensors (one per parameter) into a padded flat ``out``."""

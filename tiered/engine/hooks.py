@@ -82,18 +82,22 @@ class UnitHooks:
         """Frozen halves whose forward since the last backward hooked no input: released with
         their trainable half's gradient (see [Note: frozen units])."""
         self._whole_forward = [flat for flat in runtime.flats if flat.spec.whole_forward]
-        self._handles = [
-            model.register_forward_pre_hook(self._start_forward, with_kwargs=True),
-            model.register_forward_hook(self._end_forward, always_call=True),
-        ]
+        self._handles = [model.register_forward_hook(self._end_forward, always_call=True)]
         for flat in runtime.flats:
-            module = flat.spec.module
             self._handles += [
-                module.register_forward_pre_hook(partial(self._pre_forward, flat),
-                                                 with_kwargs=True),
-                module.register_forward_hook(partial(self._post_forward, flat), always_call=True),
+                flat.spec.module.register_forward_hook(partial(self._post_forward, flat),
+                                                       always_call=True),
                 flat.full.register_post_accumulate_grad_hook(partial(self._post_backward, flat)),
             ]
+        # Pre-hooks go before the model's own (prepended; in reverse, so that the halves of a
+        # split module keep their order): those may read the weights (spectral_norm's, a
+        # user's logging hook), which a unit binds in its pre-hook. The model's pre-hook goes
+        # before them all: its recovery from a backward that raised comes first.
+        for flat in reversed(runtime.flats):
+            self._handles.append(flat.spec.module.register_forward_pre_hook(
+                partial(self._pre_forward, flat), with_kwargs=True, prepend=True))
+        self._handles.append(model.register_forward_pre_hook(self._start_forward,
+                                                             with_kwargs=True, prepend=True))
 
     def remove(self) -> None:
         for handle in self._handles:
