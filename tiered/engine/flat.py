@@ -27,6 +27,7 @@ import enum
 
 import torch
 
+from .released import ReleasedWeight
 from .units import UnitSpec
 
 
@@ -57,11 +58,9 @@ class FlatParam:
         self._writer = self.full.data  # see [Note: gathered storage]
         self._storage_bytes = self.padded_numel * dtype.itemsize
         self.residency = Residency.RELEASED
-        self._placeholders = [torch.empty(p.shape, dtype=dtype, device="meta")
+        self._placeholders = [ReleasedWeight(p.shape, dtype, p.names[0], self.name)
                               for p in spec.params]
-        """What the modules hold while the unit is released: the views of ``full`` would read
-        freed memory (a crash, where a user's code reads a weight after a step), a meta tensor
-        keeps its shape and dtype and refuses its values."""
+        """What the modules hold while the unit is released ([Note: released weights])."""
 
     @property
     def name(self) -> str:

@@ -1,0 +1,46 @@
+"""What a module holds in place of a parameter while the parameter's unit is released.
+
+[Note: released weights]
+A unit's parameters are views of its gathered buffer only while the unit runs (flat.py). In
+between, the buffer's storage is freed, and a view of it would read freed memory: a user's code
+(or a debugger, or a traceback's repr) reading ``model.head.weight`` after a step crashed the
+process. The module holds a ``ReleasedWeight`` instead: a meta tensor of the parameter's shape
+and dtype, so ``.shape``, ``.dtype`` and ``repr`` work, while any use of its values (an
+operation, a copy) raises a TieredError that names the parameter and its unit. Such a use is
+a module reading a unit's weights without calling that unit's module (a parent's
+``F.linear(x, child.weight)``): the unit is gathered only around its module's call.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from ..errors import TieredError
+
+_METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.stride,
+             torch.Tensor.element_size, torch.Tensor.is_floating_point, torch.Tensor.__repr__,
+             torch.Tensor.__format__, torch.Tensor.__len__}
+"""Tensor methods that read no values (besides property getters, which all pass)."""
+
+
+class ReleasedWeight(torch.Tensor):
+    """See [Note: released weights]."""
+
+    @staticmethod
+    def __new__(cls, shape: torch.Size, dtype: torch.dtype, name: str, unit: str):
+        weight = torch.Tensor._make_subclass(cls, torch.empty(shape, dtype=dtype, device="meta"))
+        weight.released_from = (name, unit)
+        return weight
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _METADATA or getattr(func, "__name__", None) == "__get__":
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        name, unit = next(leaf.released_from for leaf in tree_leaves((args, kwargs))
+                          if isinstance(leaf, ReleasedWeight))
+        raise TieredError(
+            f"{name} was used outside the forward of its unit {unit}: a unit holds its weights "
+            f"only while its module runs (or its backward needs them). Call the module instead "
+            f"of reading its weights, or make the module that reads them the unit "
+            f"(policy units.classes)")
