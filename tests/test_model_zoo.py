@@ -340,6 +340,7 @@ def legacy(fn):
     return lambda: nn.Sequential(fn(nn.Linear(8, 16)), nn.Tanh(), fn(nn.Linear(16, 8)))
 
 
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")
 @pytest.mark.parametrize("make", [PreHooked, legacy(nn.utils.spectral_norm),
                                   legacy(nn.utils.weight_norm)],
                          ids=["user_pre_hook", "legacy_spectral_norm", "legacy_weight_norm"])

@@ -420,7 +420,12 @@ def _partition(flats: list[FlatParam], materializer: Materializer, manager: Tier
         else:
             shard = pretrained.shard_buffer(flat)  # every parameter's elements are read
         if weights is not None:
-            weights.fill(flat, shard)
+            if shard.device.type == "cuda":  # one copy each way, not one per run of elements
+                on_host = shard.cpu()  # (a tiled layer's tile is a run per row)
+                weights.fill(flat, on_host)
+                shard.copy_(on_host)
+            else:
+                weights.fill(flat, shard)
         manager.store_weights(flat.spec.index, shard)
         del shard
     for flat in flats:
