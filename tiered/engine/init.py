@@ -9,9 +9,16 @@ parameters, initialization, partitioning, each shard sent to its tier, the unit 
 Initialization runs ``param_init_fn(module)`` (default: the module's ``reset_parameters``) for
 every module that holds parameters, children before parents as in eager construction, so a parent
 that re-initializes a child's parameter (``nn.MultiheadAttention`` zeroing ``out_proj.bias``) wins.
-A module whose parameter has already been initialized through another holder (tied weights) is
-not run again. Initialization that a model runs after its modules are built (``self.apply(...)``
-at the end of ``__init__``) sees meta tensors and does nothing: put it in ``param_init_fn``.
+A tied parameter takes the init of the module that created it (the embedding, not the head tied
+to it afterwards), as in eager construction: every holder of a tied parameter is initialized
+with it, the others first. A parameter no init writes (a ``torch.ones`` one its module's
+``reset_parameters`` forgets) is refused by name, since its constructor value was never kept.
+Initialization that a model runs after its modules are built (``self.apply(...)`` at the end of
+``__init__``) sees meta tensors and does nothing: put it in ``param_init_fn``. A buffer computed
+from a parameter in ``__init__`` would be a meta tensor, and is refused when registered.
+
+Values equal eager construction's for deterministic inits; random ones draw from the generator
+in unit order, not construction order, so they differ from an eager model's under the same seed.
 """
 from __future__ import annotations
 
@@ -20,12 +27,16 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import TieredError
 from ..policy import Policy, resolve
 from .units import ParamSpec, UnitSpec
 
 _built_under: "weakref.WeakKeyDictionary[nn.Module, init]" = weakref.WeakKeyDictionary()
+# The module that first registered each meta parameter: in eager construction its init gives a
+# tied parameter's value. Weak both ways, so neither keeps a model alive.
+_creator: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 class init:
@@ -39,25 +50,50 @@ class init:
                  **overrides):
         self.policy: Policy = resolve(policy, overrides)
         self.param_init_fn = param_init_fn
-        self._saved = None
+        # One (register_parameter, register_buffer) pair per entry: the same context may be
+        # entered again inside itself, and each exit restores what its entry found.
+        self._saved: list[tuple[Callable, Callable]] = []
 
     def __enter__(self) -> "init":
-        original = nn.Module.register_parameter
+        original, original_buffer = nn.Module.register_parameter, nn.Module.register_buffer
         context = self
+        # A real parameter registered on several modules (tied at construction) gets one meta
+        # replacement, so it stays one parameter.
+        meta_of: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
         def register_parameter(module, name, param):
             original(module, name, param)
             if param is not None and not param.is_meta:
-                module._parameters[name] = nn.Parameter(
-                    torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+                if param not in meta_of:
+                    meta_of[param] = nn.Parameter(torch.empty_like(param, device="meta"),
+                                                  requires_grad=param.requires_grad)
+                module._parameters[name] = meta_of[param]
+            if param is not None and module._parameters[name] not in _creator:
+                _creator[module._parameters[name]] = weakref.ref(module)
             _built_under[module] = context
 
-        self._saved = original
+        def register_buffer(module, name, tensor, persistent=True):
+            _refuse_meta_buffer(module, name, tensor)
+            original_buffer(module, name, tensor, persistent)
+
+        self._saved.append((original, original_buffer))
         nn.Module.register_parameter = register_parameter
+        nn.Module.register_buffer = register_buffer
         return self
 
     def __exit__(self, *exc) -> None:
-        nn.Module.register_parameter = self._saved
+        nn.Module.register_parameter, nn.Module.register_buffer = self._saved.pop()
+
+
+def _refuse_meta_buffer(module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
+    """Buffers stay real under tiered.init; one on the meta device was computed from a
+    parameter (which has no values yet) and would fail far from here, at initialize."""
+    if tensor is not None and tensor.is_meta:
+        raise TieredError(
+            f"{type(module).__name__} registers buffer {name!r} on the meta device under "
+            f"tiered.init, computed from a parameter that has no values yet; register it as "
+            f"None and compute it in reset_parameters (or param_init_fn), or build the module "
+            f"outside tiered.init")
 
 
 def init_context_of(model: nn.Module) -> init | None:
@@ -96,6 +132,9 @@ class Materializer:
         self.init_fn = param_init_fn or reset_module
         self.spec_of = {id(_current(p)): p for u in units for p in u.params}
         self.post_order = {id(m): i for i, m in enumerate(_post_order(model))}
+        # Keyed by spec: specs live as long as this object, so their ids stay unique (a freed
+        # parameter's id is soon reused by the next unit's).
+        self.initializer = {id(p): self._initializer(p) for u in units for p in u.params}
         self.initialized: set[int] = set()
 
     def device_bytes(self, units: list[UnitSpec]) -> int:
@@ -117,41 +156,90 @@ class Materializer:
         self.materialize([unit])
         return [_current(p) for p in unit.params]
 
+    def _initializer(self, spec: ParamSpec) -> nn.Module:
+        """The holder whose init gives the parameter its value: the module that created it
+        (eager construction ran its init before any tying), else the first in post order."""
+        modules = [module for module, _ in spec.holders]
+        ref = _creator.get(_current(spec))
+        creator = ref() if ref is not None else None
+        if any(creator is module for module in modules):
+            return creator
+        return min(modules, key=lambda m: self.post_order[id(m)])
+
     def _to_materialize(self, specs: list[ParamSpec]) -> dict[int, nn.Parameter]:
-        """The meta parameters that get storage with ``specs``: theirs, and every other one of
-        the modules holding them (a module's init may touch all of its parameters)."""
-        chosen = {id(_current(spec)): _current(spec) for spec in specs}
-        for module in _holders(specs):
-            for param in module._parameters.values():
-                if param is not None and param.is_meta:
-                    chosen.setdefault(id(param), param)
+        """The meta parameters that get storage with ``specs``: theirs, every other one of the
+        modules holding them (a module's init may touch all of its parameters), and so on
+        through tied parameters, so that every holder of each is initialized with it."""
+        chosen: dict[int, nn.Parameter] = {}
+        todo = [_current(spec) for spec in specs]
+        while todo:
+            param = todo.pop()
+            if id(param) in chosen:
+                continue
+            chosen[id(param)] = param
+            for module, _ in self.spec_of[id(param)].holders:
+                todo += [p for p in _own(module) if p.is_meta]
         return chosen
 
     def _materialize(self, specs: list[ParamSpec]) -> None:
         # All of the unit's parameters get storage before any init runs, so a module's init may
         # touch a child's parameter of the same unit (MultiheadAttention does).
-        for param in self._to_materialize(specs).values():
-            self._give_storage(param)
+        chosen = [self.spec_of[key] for key in self._to_materialize(specs)]
+        for spec in chosen:
+            self._give_storage(_current(spec))
         with torch.no_grad():
-            for module in sorted(_holders(specs), key=lambda m: self.post_order[id(m)]):
-                # Keyed by spec: specs live as long as this object, so their ids stay unique
-                # (a freed parameter's id is soon reused by the next unit's).
-                own = [id(self.spec_of[id(p)]) for p in module._parameters.values()
-                       if p is not None]
-                if all(key in self.initialized for key in own):
+            for module in sorted(_holders(chosen), key=self._init_rank):
+                # A module runs for the parameters it initializes: not for tied ones another
+                # holder initializes (a head's init would be discarded by the tying in eager
+                # construction), nor again for ones an earlier unit initialized.
+                keys = [id(self.spec_of[id(param)]) for param in _own(module)]
+                mine = [key for key in keys if self.initializer[key] is module]
+                if all(key in self.initialized for key in mine):
                     continue
                 self.init_fn(module)
-                self.initialized.update(own)
+                self.initialized.update(mine)
+        _refuse_unwritten(chosen)
+
+    def _init_rank(self, module: nn.Module) -> float:
+        """Post order (children before parents), except that a module holding a tied parameter
+        another module creates runs just before that one, whose init then has the last word."""
+        rank = float(self.post_order[id(module)])
+        for param in _own(module):
+            creator = self.initializer[id(self.spec_of[id(param)])]
+            if creator is not module:
+                rank = min(rank, self.post_order[id(creator)] - 0.5)
+        return rank
 
     def _give_storage(self, meta: nn.Parameter) -> None:
         if not meta.is_meta:
             return
         spec = self.spec_of[id(meta)]
-        real = nn.Parameter(torch.empty_like(meta, device=self.device),
+        # NaN until an init writes it: what no init writes is refused (_refuse_unwritten)
+        # rather than trained from whatever the allocator held.
+        real = nn.Parameter(torch.full_like(meta, float("nan"), device=self.device),
                             requires_grad=meta.requires_grad)
         self.spec_of[id(real)] = spec
         for module, attr in spec.holders:
             module._parameters[attr] = real
+
+
+def _refuse_unwritten(specs: list[ParamSpec]) -> None:
+    """Under tiered.init a parameter's constructor value is never kept: a parameter its
+    module's init leaves (NaN still, see _give_storage) would start from no value at all."""
+    unwritten = [spec for spec in specs
+                 if spec.numel and torch.isnan(_current(spec).detach().amax())]
+    if unwritten:
+        names = ", ".join(f"{spec.names[0]} ({type(spec.holders[0][0]).__name__})"
+                          for spec in unwritten)
+        raise TieredError(
+            f"{names}: built under tiered.init, not written by the module's reset_parameters "
+            f"(or param_init_fn), so it has no value (its constructor's value is never "
+            f"allocated); initialize it in reset_parameters, or pass "
+            f"tiered.init(param_init_fn=fn)")
+
+
+def _own(module: nn.Module) -> list[nn.Parameter]:
+    return [param for param in module._parameters.values() if param is not None]
 
 
 def _meta(units: list[UnitSpec]) -> list[ParamSpec]:

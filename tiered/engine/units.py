@@ -2,8 +2,9 @@
 
 A unit is a module whose parameters are gathered and released together. By default every
 repeated block is a unit (the children of a ``ModuleList``/``Sequential`` that holds two or more
-modules of one class with parameters, outermost lists only), and the root module is one more unit
-for all remaining parameters. ``units.classes`` in the policy names the classes instead.
+modules of one class with parameters, outermost lists only; a lone module beside such blocks is
+searched too), and the root module is one more unit for all remaining parameters.
+``units.classes`` in the policy names the classes instead.
 ``units.split_large`` (on by default) also makes a unit of every module outside them whose own
 parameters are as large as the largest of them (a language model's untied token embedding and
 output head): gathered through the whole forward like the root, but with a gradient of its own
@@ -83,8 +84,11 @@ def _repeated_blocks(model: nn.Module) -> list[str]:
                             if any(True for _ in child.parameters()))
             if any(count >= 2 for count in kinds.values()):
                 for name, child in module.named_children():
+                    child_path = f"{path}.{name}" if path else name
                     if kinds.get(type(child), 0) >= 2:
-                        found.append(f"{path}.{name}" if path else name)
+                        found.append(child_path)
+                    else:  # a lone module beside the blocks may hold blocks of its own
+                        visit(child, child_path)
                 return
         for name, child in module.named_children():
             visit(child, f"{path}.{name}" if path else name)
