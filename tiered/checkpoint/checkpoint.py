@@ -58,7 +58,9 @@ no moments, and where it keeps no fp32 masters its compute-dtype weights are sav
 (plan.unit_state_kinds); each unit lists its parameters, so a load maps them by name into
 units cut otherwise (layout.py). Buffers and extra states were added within 3 (``buffer.*``
 and ``extra.*`` entries, the manifest's ``extra_states``): a reader of 3 ignores them, and a
-checkpoint without them leaves the model's as they are."""
+checkpoint without them leaves the model's as they are. So was ``tiles``, each tiled layer's
+cut (layout.tile_grids), which a load under another tiling reads; without it the cut is
+inferred from the tiles' sizes, and refused where that is ambiguous."""
 READABLE_FORMATS = (1, 2, 3)
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -108,6 +110,7 @@ def save(engine, directory: str, tag: str | None) -> str:
                       for f in runtime.flats],
             "frozen": [p.names[0] for f in runtime.flats for p in f.spec.params
                        if not p.trainable],
+            "tiles": layout.tile_grids(runtime.flats),
             "extra_states": _json_extra_states(engine),
             "optimizer": state,
             "files": {rank_file(r): {"size": sizes[r], "sha256": digests[r]}
@@ -275,7 +278,7 @@ def load(engine, directory: str, tag: str | None) -> str:
         tag = tag or _latest(directory)
         folder = _complete_folder(directory, tag)
         manifest = _read_manifest(folder)
-        runs = layout.segments(engine.runtime.flats, manifest["units"])
+        runs = layout.segments(engine.runtime.flats, manifest["units"], manifest.get("tiles"))
         _check_param_groups(manifest, engine)
         steps = layout.unit_steps(engine.runtime.flats, runs, manifest["units"],
                                   manifest["optimizer"]["unit_steps"],

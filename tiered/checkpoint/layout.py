@@ -4,9 +4,10 @@ A saved unit is a padded flat of its parameters, cut into one shard per rank tha
 (flat.py). The engine loading it may cut the model differently: other ranks (other shards of the
 same units), or other units: ``units.split_frozen`` makes two units of a partly frozen one, so a
 resume that freezes or unfreezes parameters moves them between units. Since format 3 the
-manifest lists each unit's parameters, and a load maps every parameter by name: a *segment* is a
-run of a new unit's flat that lies contiguous in one saved unit's flat. Without that list (formats
-1 and 2) the units must be the same.
+manifest lists each unit's parameters, and a load maps every parameter by name (a tiled layer's
+tiles by where they lie in the layer: [Note: tiles in checkpoints]): a *segment* is a run of a
+new unit's flat that lies contiguous in one saved unit's flat. Without that list (formats 1 and
+2) the units must be the same.
 
 What a state's segment is read from depends on what the saved unit has (plan.unit_state_kinds):
 a unit of frozen parameters only was saved without moments (they load as zeros, which is
@@ -15,10 +16,14 @@ kept no masters, with its compute-dtype weights, which then stand for the master
 """
 from __future__ import annotations
 
+import bisect
+import re
 from dataclasses import dataclass
 
 import torch
 
+from ..engine.units import ParamSpec
+from ..ops.tiled_linear import LinearTile
 from ..plan import StateKind
 from .format import CheckpointError, Reader
 
@@ -38,27 +43,231 @@ def saved_params(unit: dict) -> list[tuple[str, int]]:
     return [(name, numel) for name, numel in unit["params"]]
 
 
-def _places(saved_units: list[dict]) -> dict[str, tuple[int, int, int]]:
-    """Parameter name -> (saved unit, first element in its flat, elements), where the manifest
-    lists them (format 3)."""
-    places = {}
-    for index, unit in enumerate(saved_units):
-        offset = 0
-        for name, numel in saved_params(unit) if "params" in unit else []:
-            places[name] = (index, offset, numel)
-            offset += numel
-    return places
-
-
 def unchanged(runs: list[list[Segment]], flats) -> bool:
     """Whether every unit is the saved unit of its index, whole."""
     return all(unit_runs == [Segment(0, flat.numel, index, 0)]
                for index, (unit_runs, flat) in enumerate(zip(runs, flats)))
 
 
-def segments(flats, saved_units: list[dict]) -> list[list[Segment]]:
+# [Note: tiles in checkpoints]
+# A TiledLinear's tiles are parameters named ``<layer>.tiles.<k>.weight`` (and ``.bias``), each
+# a block of the layer's weight; the cut into tiles is the policy's (tiling.max_unit_bytes, in
+# compute-dtype bytes), so a load under another limit, another compute dtype or no tiling
+# finds other names and other blocks. Parameters are therefore mapped by where their elements
+# lie in the model's state-dict tensors (``<layer>.weight``, row-major), not by name.
+
+_TILE = re.compile(r"^(?P<layer>(?:.*\.)?)tiles\.(?P<k>\d+)\.(?P<leaf>weight|bias)$")
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """A tiled layer's cut: the row counts of its rows of tiles, the column counts of its
+    columns of tiles; tile k is (k // columns, k % columns), as TiledLinear orders them."""
+
+    rows: tuple[int, ...]
+    cols: tuple[int, ...]
+
+    def runs(self, k: int, leaf: str) -> list[tuple[int, int]]:
+        """(first element in the layer's tensor, elements) of tile ``k``'s ``leaf``, in the
+        tile's own element order."""
+        i, j = divmod(k, len(self.cols))
+        first_row, first_col = sum(self.rows[:i]), sum(self.cols[:j])
+        if leaf == "bias":
+            return [(first_row, self.rows[i])]
+        width = sum(self.cols)
+        if self.cols[j] == width:  # whole rows: one run
+            return [(first_row * width, self.rows[i] * width)]
+        return [((first_row + row) * width + first_col, self.cols[j])
+                for row in range(self.rows[i])]
+
+
+def _near_equal(total: int, parts: int) -> tuple[int, ...]:
+    """TiledLinear's cut of ``total`` in ``parts``: near-equal, the larger ones first."""
+    base, extra = divmod(total, parts)
+    return tuple(base + (i < extra) for i in range(parts))
+
+
+def tile_grids(flats) -> dict[str, dict[str, list[int]]]:
+    """Per tiled layer (its prefix), its cut as the manifest records it: a load under another
+    cut then reads the saved one instead of inferring it from the tiles' sizes."""
+    return {layer: {"rows": list(grid.rows), "cols": list(grid.cols)}
+            for layer, grid in _model_grids(flats).items()}
+
+
+def _model_grids(flats) -> dict[str, _Grid]:
+    """Per tiled layer of the engine (its prefix), its cut, from its tiles' shapes and their
+    layer's input size (each tile keeps it for its initialization)."""
+    tiles: dict[str, dict[int, ParamSpec]] = {}
+    for flat in flats:
+        for param in flat.spec.params:
+            match = _TILE.match(param.names[0])
+            if match and match["leaf"] == "weight" and isinstance(param.holders[0][0],
+                                                                  LinearTile):
+                tiles.setdefault(match["layer"], {})[int(match["k"])] = param
+    grids = {}
+    for layer, by_index in tiles.items():
+        shapes = [by_index[k].shape for k in range(len(by_index))]
+        width, columns = by_index[0].holders[0][0].fan_in, 0
+        while columns < len(shapes) and sum(shape[1] for shape in shapes[:columns]) < width:
+            columns += 1
+        grids[layer] = _Grid(tuple(shape[0] for shape in shapes[::columns]),
+                             tuple(shape[1] for shape in shapes[:columns]))
+    return grids
+
+
+def _saved_grid(layer: str, out_features: int, in_features: int,
+                saved: dict[str, int]) -> _Grid | None:
+    """The cut a checkpoint without recorded cuts gave a layer of this shape, from its tiles'
+    sizes (``saved``: name -> elements), or None if no cut gives them. Where several would
+    (a bias-free layer's 2 x 2 tiles have the sizes of 4 x 1 ones), the checkpoint is refused:
+    a wrong guess would load the blocks to the wrong places."""
+    count = sum(1 for name in saved if name.endswith(".weight"))
+    fitting = []
+    for columns in (c for c in range(1, count + 1) if count % c == 0):
+        if count // columns > out_features or columns > in_features:
+            continue
+        grid = _Grid(_near_equal(out_features, count // columns),
+                     _near_equal(in_features, columns))
+        if all(_fits(name, numel, grid) for name, numel in saved.items()):
+            fitting.append(grid)
+    if len(fitting) > 1:
+        raise CheckpointError(
+            f"the checkpoint does not record how layer {layer.rstrip('.') or '<root>'} was cut "
+            f"into tiles, and {len(fitting)} cuts fit its tiles' sizes; load it with the "
+            f"tiling it was saved with")
+    return fitting[0] if fitting else None
+
+
+def _fits(name: str, numel: int, grid: _Grid) -> bool:
+    """Whether tile parameter ``name`` of ``numel`` elements can be in ``grid`` (a bias only
+    in the first column of tiles)."""
+    match = _TILE.match(name)
+    k = int(match["k"])
+    return (k < len(grid.rows) * len(grid.cols)
+            and (match["leaf"] == "weight" or k % len(grid.cols) == 0)
+            and sum(count for _, count in grid.runs(k, match["leaf"])) == numel)
+
+
+def _saved_grids(saved: dict[str, int], model: dict[str, ParamSpec],
+                 grids: dict[str, _Grid]) -> dict[str, _Grid]:
+    """The cut of each layer the checkpoint holds as tiles: the engine's where it has the
+    same tiles, else the one their sizes give for the layer's shape (from the engine's tiles,
+    or its untiled weight)."""
+    tiles: dict[str, dict[str, int]] = {}
+    for name, numel in saved.items():
+        match = _TILE.match(name)
+        if match:
+            tiles.setdefault(match["layer"], {})[name] = numel
+    out = {}
+    for layer, names in tiles.items():
+        if layer in grids:
+            ours = {name: model[name].numel for name in model
+                    if (match := _TILE.match(name)) and match["layer"] == layer}
+            if names == ours:
+                out[layer] = grids[layer]
+                continue
+            shape = (sum(grids[layer].rows), sum(grids[layer].cols))
+        elif f"{layer}weight" in model and len(model[f"{layer}weight"].shape) == 2:
+            shape = tuple(model[f"{layer}weight"].shape)
+        else:
+            continue  # not a layer of this model: segments refuses its names
+        grid = _saved_grid(layer, *shape, names)
+        if grid is not None:
+            out[layer] = grid
+    return out
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Elements of a parameter that lie contiguous in a state-dict tensor."""
+
+    tensor: str
+    offset: int
+    """First element in the tensor."""
+    count: int
+
+
+def _pieces(name: str, numel: int, grids: dict[str, _Grid]) -> list[_Piece]:
+    """Where parameter ``name``'s elements lie, in its own order: a tile's in its layer's
+    weight or bias under ``grids``, any other parameter's in the tensor of its name."""
+    match = _TILE.match(name)
+    if match and match["layer"] in grids:
+        tensor = f"{match['layer']}{match['leaf']}"
+        return [_Piece(tensor, at, count)
+                for at, count in grids[match["layer"]].runs(int(match["k"]), match["leaf"])]
+    return [_Piece(name, 0, numel)]
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Elements of a state-dict tensor that lie contiguous in a saved unit's flat."""
+
+    offset: int
+    """First element in the tensor."""
+    count: int
+    unit: int
+    start: int
+    """First element in the saved unit's flat."""
+
+
+def _sources(saved_units: list[dict], grids: dict[str, _Grid],
+             ours: dict[str, int]) -> dict[str, list[_Source]]:
+    """Per state-dict tensor, where the saved units hold its elements, in the tensor's order;
+    raises a CheckpointError for a saved parameter that is not the model's (``ours``: the
+    model's tensors and their elements)."""
+    out: dict[str, list[_Source]] = {}
+    for index, unit in enumerate(saved_units):
+        at = 0
+        for name, numel in saved_params(unit):
+            for piece in _pieces(name, numel, grids):
+                out.setdefault(piece.tensor, []).append(
+                    _Source(piece.offset, piece.count, index, at))
+                at += piece.count
+    for tensor, held in out.items():
+        held.sort(key=lambda source: source.offset)
+        if sum(source.count for source in held) != ours.get(tensor):
+            _refuse_saved(tensor, sum(source.count for source in held), ours, saved_units,
+                          grids)
+    return out
+
+
+def _refuse_saved(tensor: str, saved: int, ours: dict[str, int], saved_units: list[dict],
+                  grids: dict[str, _Grid]) -> None:
+    """Raise the CheckpointError for a saved tensor of ``saved`` elements that the model has
+    not, or not of that size: by the name of its first saved parameter."""
+    name, numel = next((name, numel) for unit in saved_units
+                       for name, numel in saved_params(unit)
+                       if _pieces(name, numel, grids)[0].tensor == tensor)
+    where = ("not in" if tensor not in ours else f"{ours[tensor]} elements in" if name == tensor
+             else f"of {tensor}, which has {saved} elements saved and {ours[tensor]} in")
+    raise CheckpointError(f"the checkpoint is of another model: its parameter {name} "
+                          f"({numel} elements) is {where} the model")
+
+
+def _find(name: str, piece: _Piece, sources: dict[str, list[_Source]],
+          starts: dict[str, list[int]]):
+    """(elements, saved unit, first element in its flat) covering ``piece``, in order
+    (``starts``: each tensor's sources' first elements); raises a CheckpointError where the
+    checkpoint lacks some of them."""
+    held = sources.get(piece.tensor, [])
+    index = bisect.bisect_right(starts.get(piece.tensor, []), piece.offset) - 1
+    at, end = piece.offset, piece.offset + piece.count
+    while at < end:
+        source = held[index] if 0 <= index < len(held) else None
+        if source is None or not source.offset <= at < source.offset + source.count:
+            raise CheckpointError(f"the checkpoint is of another model: it has no parameter "
+                                  f"{name}")
+        count = min(end, source.offset + source.count) - at
+        yield count, source.unit, source.start + at - source.offset
+        at, index = at + count, index + 1
+
+
+def segments(flats, saved_units: list[dict],
+             saved_tiles: dict[str, dict[str, list[int]]] | None = None) -> list[list[Segment]]:
     """Per unit of the engine, where its parameters lie in the saved units; raises a
-    CheckpointError naming the first difference when they are not the same parameters."""
+    CheckpointError naming the first difference when they are not the same parameters.
+    ``saved_tiles``: the saving engine's tile_grids (checkpoints written before they were
+    recorded have none: the cut is then inferred from the tiles' sizes, _saved_grids)."""
     if not all("params" in unit for unit in saved_units):  # formats 1 and 2
         ours = [(f.spec.path, f.numel) for f in flats]
         saved = [(u["path"], u["numel"]) for u in saved_units]
@@ -71,30 +280,38 @@ def segments(flats, saved_units: list[dict]) -> list[list[Segment]]:
             f"the checkpoint is of another model: {differ} (path, elements); checkpoints "
             f"before format 3 load only into the units they were saved from (a partly frozen "
             f"model saved by them: set units.split_frozen: false)")
-    where = _places(saved_units)
-    model = {p.names[0]: p.numel for f in flats for p in f.spec.params}
-    for name, (_, _, numel) in where.items():
-        if model.get(name) != numel:
-            raise CheckpointError(
-                f"the checkpoint is of another model: its parameter {name} ({numel} elements) "
-                f"is {'not in' if name not in model else f'{model[name]} elements in'} the "
-                f"model")
+    model = {p.names[0]: p for f in flats for p in f.spec.params}
+    grids = _model_grids(flats)
+    pieces = {name: _pieces(name, spec.numel, grids) for name, spec in model.items()}
+    ours: dict[str, int] = {}
+    for name, held in pieces.items():
+        for piece in held:
+            ours[piece.tensor] = ours.get(piece.tensor, 0) + piece.count
+    saved = {name: numel for unit in saved_units for name, numel in saved_params(unit)}
+    if saved_tiles is None:
+        saved_grids = _saved_grids(saved, model, grids)
+    else:
+        saved_grids = {layer: _Grid(tuple(cut["rows"]), tuple(cut["cols"]))
+                       for layer, cut in saved_tiles.items()}
+    sources = _sources(saved_units, saved_grids, ours)
+    starts = {tensor: [source.offset for source in held] for tensor, held in sources.items()}
     out = []
     for flat in flats:
         runs: list[Segment] = []
         offset = 0
         for param in flat.spec.params:
             name = param.names[0]
-            if name not in where:
+            if any(piece.tensor not in sources for piece in pieces[name]):
                 raise CheckpointError(f"the checkpoint is of another model: it has no "
                                       f"parameter {name}")
-            unit, start, _ = where[name]
-            last = runs[-1] if runs else None
-            if last and last.unit == unit and last.start + last.count == start:
-                runs[-1] = Segment(last.at, last.count + param.numel, unit, last.start)
-            else:
-                runs.append(Segment(offset, param.numel, unit, start))
-            offset += param.numel
+            for piece in pieces[name]:
+                for count, unit, start in _find(name, piece, sources, starts):
+                    last = runs[-1] if runs else None
+                    if last and last.unit == unit and last.start + last.count == start:
+                        runs[-1] = Segment(last.at, last.count + count, unit, last.start)
+                    else:
+                        runs.append(Segment(offset, count, unit, start))
+                    offset += count
         out.append(runs)
     return out
 
@@ -188,6 +405,36 @@ def plan_read(readers: dict[str, Reader], rank_file, saved_units: list[dict],
     return Read(dtype, end - start, tuple(pieces))
 
 
+def _origins(flat, unit_runs: list[Segment],
+             saved_units: list[dict]) -> list[set[tuple[int, str]]]:
+    """Per parameter of a new unit, the (saved unit, saved parameter) its elements come from:
+    by its name before format 3 (the units are the saved ones), else found through
+    ``unit_runs`` (a tile of another cut comes from several saved tiles)."""
+    if not all("params" in unit for unit in saved_units):
+        return [{(unit_runs[0].unit, p.names[0])} for p in flat.spec.params]
+    out, offset = [], 0
+    for param in flat.spec.params:
+        found = set()
+        for run in unit_runs:
+            first, stop = max(offset, run.at), min(offset + param.numel, run.at + run.count)
+            if first < stop:
+                found |= _saved_names(saved_units[run.unit], run.unit,
+                                      run.start + first - run.at, run.start + stop - run.at)
+        out.append(found)
+        offset += param.numel
+    return out
+
+
+def _saved_names(unit: dict, index: int, first: int, stop: int) -> set[tuple[int, str]]:
+    """The parameters of saved unit ``index`` with elements in ``[first, stop)`` of its flat."""
+    found, offset = set(), 0
+    for name, numel in saved_params(unit):
+        if offset < stop and first < offset + numel:
+            found.add((index, name))
+        offset += numel
+    return found
+
+
 def unit_steps(flats, runs: list[list[Segment]], saved_units: list[dict],
                saved_steps: list[float], saved_frozen: set[str]) -> list[float]:
     """Each new unit's AdamW step count, from the saved units its parameters come from.
@@ -197,29 +444,27 @@ def unit_steps(flats, runs: list[list[Segment]], saved_units: list[dict],
     and trainable now starts at 1 in PyTorch, which is exact only in a unit whose count is 0. A
     frozen unit takes the largest count among its sources, so unfreezing it later is refused
     if any of them stepped."""
-    owner = {name: place[0] for name, place in _places(saved_units).items()}
     out = []
     for flat, unit_runs in zip(flats, runs):
-        def source(param) -> int:
-            return owner.get(param.names[0], unit_runs[0].unit)  # one run when unmapped
-
-        trained = {saved_steps[source(p)] for p in flat.spec.params
-                   if p.trainable and p.names[0] not in saved_frozen}
-        unfrozen = [p.names[0] for p in flat.spec.params
-                    if p.trainable and p.names[0] in saved_frozen]
+        origins = _origins(flat, unit_runs, saved_units)
+        trained = {saved_steps[unit] for p, found in zip(flat.spec.params, origins)
+                   if p.trainable for unit, name in found if name not in saved_frozen}
+        unfrozen = [p.names[0] for p, found in zip(flat.spec.params, origins)
+                    if p.trainable and any(name in saved_frozen for _, name in found)]
         if len(trained) > 1:
             raise CheckpointError(
                 f"the parameters of unit {flat.name} come from units that took different "
                 f"numbers of AdamW steps ({', '.join(str(int(s)) for s in sorted(trained))}); "
                 f"tiered counts steps per unit: resume with the units cut as when saved")
         if not flat.has_trainable:
-            out.append(max((saved_steps[source(p)] for p in flat.spec.params), default=0.0))
+            out.append(max((saved_steps[unit] for found in origins for unit, _ in found),
+                           default=0.0))
             continue
         steps = trained.pop() if trained else 0.0
         # Their own saved unit may have stepped too (frozen after training, or beside
         # trainable parameters in an unsplit unit): their moments then did not start at 1.
-        before = max((saved_steps[source(p)] for p in flat.spec.params
-                      if p.names[0] in unfrozen), default=0.0)
+        before = max((saved_steps[unit] for p, found in zip(flat.spec.params, origins)
+                      if p.names[0] in unfrozen for unit, _ in found), default=0.0)
         if unfrozen and max(steps, before) > 0:
             raise CheckpointError(
                 f"{', '.join(unfrozen[:3])}{' ...' if len(unfrozen) > 3 else ''} of unit "

@@ -1,0 +1,187 @@
+"""A checkpoint mapped onto an engine cut otherwise (layout.py): other world sizes, unit cuts,
+tilings, compute dtypes and tiers. Every leg's loaded fp32 masters and Adam moments must be
+the saved ones element for element, and training on must match a run that never stopped."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import tiered
+from distributed import run_ranks
+from tiered.ops.tiled_linear import TiledLinear
+from gpt import next_token_loss
+from test_engine import assert_same
+from test_lora import _states_by_name, lora_model
+from test_parity import OPTIM, REPO, make_model, token_batches
+
+STATES = ("master", "exp_avg", "exp_avg_sq")  # fp32 whatever the compute dtype
+GROUPS = [{"match": ["*.bias"], "lr": 3e-2, "weight_decay": 0.0},  # parts of most units
+          {"match": ["blocks.1.*"], "betas": [0.8, 0.9]}]
+
+
+def build(cfg: dict, folder: str):
+    """An engine of the parity GPT (with LoRA adapters, the rest frozen: ``lora``) as ``cfg``
+    says: policy, dtype, delayed, units, tiling."""
+    model = lora_model() if cfg.get("lora") else make_model()
+    return tiered.initialize(
+        model, os.path.join(REPO, "configs", f"{cfg.get('policy', 'cpu')}.yaml"),
+        compute_dtype=cfg.get("dtype", "fp32"), device="cpu",
+        nvme={"path": os.path.join(folder, "nvme")},
+        optimizer=dict(OPTIM, max_grad_norm=0.5, param_groups=GROUPS, delayed_update={
+            "enabled": cfg.get("delayed", False), "warmup_steps": 1}),
+        units=cfg.get("units", {}), tiling=cfg.get("tiling", {}))
+
+
+def train(engine, optimizer, steps: tuple, rank: int, world: int) -> None:
+    """Batches ``steps`` of six rows, which 1, 2 and 3 ranks split evenly: DDP's mean of the
+    ranks' means is then the mean over the batch at every world size."""
+    for idx in token_batches(5)[slice(*steps)]:
+        rows = idx[:6].chunk(world)[rank]
+        next_token_loss(engine(rows), rows).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _leg(rank: int, world: int, folder: str, cfg: dict, load: str | None, steps: tuple,
+         save: str | None, final: str) -> None:
+    """Load ``load`` (if any), train ``steps`` (a range of batches), save ``save``; the states
+    by name after the load and at the save, and the final weights, go to files."""
+    os.makedirs(os.path.join(folder, "nvme"), exist_ok=True)
+    engine, optimizer = build(cfg, folder)
+    ckpt = os.path.join(folder, "ckpt")
+    try:
+        if load:
+            engine.load_checkpoint(ckpt, load)
+            # full_state_dict would make a pending delayed update current (synchronize).
+            full = {} if cfg.get("delayed") else engine.full_state_dict()
+            loaded = _states_by_name(engine), full
+            torch.save(loaded, os.path.join(folder, f"{load}-loaded{rank}.pt"))
+        train(engine, optimizer, steps, rank, world)
+        if save:
+            engine.save_checkpoint(ckpt, save)
+            saved = _states_by_name(engine), engine.full_state_dict()
+            torch.save(saved, os.path.join(folder, f"{save}-saved{rank}.pt"))
+        state = engine.full_state_dict()
+        if rank == 0:
+            torch.save(state, os.path.join(folder, f"{final}.pt"))
+    finally:
+        engine.close()
+
+
+def run(world: int, folder: str, cfg: dict, load: str | None = None, steps: tuple = (0, 5),
+        save: str | None = None, final: str = "final") -> None:
+    if world == 1:
+        _leg(0, 1, folder, cfg, load, steps, save, final)
+    else:
+        run_ranks(world, _leg, folder, cfg, load, steps, save, final)
+
+
+def joined(folder: str, prefix: str, world: int) -> tuple[dict, dict]:
+    """Every state of every parameter (name, kind) over the ranks, and full_state_dict."""
+    parts = [torch.load(os.path.join(folder, f"{prefix}{rank}.pt")) for rank in range(world)]
+    states: dict[tuple[str, str], list] = {}
+    for by_name, _ in parts:
+        for key, piece in by_name.items():
+            states.setdefault(key, []).append(piece)
+    return ({key: torch.cat([values for _, values in sorted(pieces, key=lambda p: p[0])])
+             for key, pieces in states.items()}, parts[0][1])
+
+
+def assert_loaded_as_saved(folder: str, tag: str, saved_world: int, loaded_world: int,
+                           same_names: bool = True) -> None:
+    """The loaded masters and moments are the saved ones, by parameter name; under another
+    tiling a tile's name is another block of its layer: full_state_dict, and training on, tell
+    whether the tiles' states moved with their elements."""
+    saved, saved_full = joined(folder, f"{tag}-saved", saved_world)
+    loaded, loaded_full = joined(folder, f"{tag}-loaded", loaded_world)
+    for name in loaded_full:
+        assert torch.equal(loaded_full[name], saved_full[name]), name
+    for (name, kind), values in saved.items():
+        if kind not in STATES or not same_names and (".tiles." in name
+                                                     or (name, "param") not in loaded):
+            continue
+        if (name, kind) in loaded:
+            assert torch.equal(loaded[(name, kind)], values), (name, kind)
+        elif kind == "master":  # frozen now, kept as its weights alone (fp32 here)
+            assert torch.equal(loaded[(name, "param")], values), name
+        else:  # frozen now: never stepped, so its moments were zeros
+            assert not values.any(), (name, kind)
+
+
+FP32, BF16, NVME = {}, {"dtype": "bf16"}, {"policy": "nvme"}
+DELAYED = {"delayed": True}
+LORA = {"lora": True, "delayed": True}
+ROOT, LINEAR = {"units": {"classes": ["GPT"]}}, {"units": {"classes": ["Linear"]}}
+CHAINS = {
+    "worlds": [(1, FP32), (2, FP32), (3, FP32), (1, FP32)],
+    "cuts": [(1, FP32), (2, ROOT), (3, LINEAR), (1, {"units": {"split_large": False}})],
+    "tiers": [(2, NVME), (3, FP32), (1, NVME), (2, FP32)],
+    "delayed": [(1, DELAYED), (2, DELAYED), (3, dict(DELAYED, **NVME)), (1, DELAYED)],
+    "dtypes": [(1, BF16), (2, FP32), (3, BF16), (1, FP32)],
+    # Adapters trained, the rest frozen: frozen halves of their own, then in one unit with
+    # the adapters (with masters and moments), with a delayed update pending at every save.
+    "lora": [(2, LORA), (3, dict(LORA, units={"split_frozen": False})), (1, LORA),
+             (2, dict(LORA, units={"split_frozen": False}))],
+}
+TILED = {
+    # Another limit, no tiling, and fp32 against bf16 (the limit is in compute-dtype bytes)
+    # cut the blocks' linear layers into other tiles: other units and other parameter names.
+    "tiled": [(2, {"tiling": {"max_unit_bytes": 2048}}), (3, {"tiling": {"max_unit_bytes": 4096}}),
+              (1, FP32), (2, {"tiling": {"max_unit_bytes": 2048}})],
+    "tiled-dtypes": [(1, {"tiling": {"max_unit_bytes": 2048}}),
+                     (2, dict(BF16, tiling={"max_unit_bytes": 2048})), (1, FP32),
+                     (3, dict(BF16, tiling={"max_unit_bytes": 512}))],
+}
+
+
+def run_chain(legs: list, folder: str) -> None:
+    """Train two steps, then each further leg loads the last save (checked against what was
+    saved) and trains one step; with fp32 throughout, the end must be a run that never
+    stopped. Unit sizes here are not multiples of 2 or 3: each leg pads the last shard."""
+    run(legs[0][0], folder, legs[0][1], None, (0, 2), "a")
+    for index, (tag, steps) in enumerate(zip("abc", [(2, 3), (3, 4), (4, 5)])):
+        saved_world, (world, cfg) = legs[index][0], legs[index + 1]
+        run(world, folder, cfg, tag, steps, "bc"[index] if index < 2 else None)
+        assert_loaded_as_saved(folder, tag, saved_world, world,
+                               "tiling" not in legs[index][1] and "tiling" not in cfg)
+    if all(cfg.get("dtype", "fp32") == "fp32" for _, cfg in legs):
+        run(1, folder, legs[0][1], final="continued")
+        assert_same(torch.load(os.path.join(folder, "final.pt")),
+                    torch.load(os.path.join(folder, "continued.pt")))
+
+
+@pytest.mark.parametrize("chain", CHAINS)
+def test_a_chain_of_resharded_loads_keeps_every_state_and_trains_on(chain, tmp_path):
+    run_chain(CHAINS[chain], str(tmp_path))
+
+
+@pytest.mark.parametrize("chain", TILED)
+def test_a_checkpoint_loads_into_tiles_cut_otherwise(chain, tmp_path):
+    # README: a load may be under another policy, with the model cut into other units. The
+    # tiles' parameters were mapped by name, so "blocks.0.qkv.tiles.0.weight" of 512 elements
+    # was refused as "another model" (1024 elements under the load's limit), and a tiled
+    # checkpoint could not load untiled (or at another compute dtype) at all.
+    run_chain(TILED[chain], str(tmp_path))
+
+
+def test_a_hand_tiled_layer_loads_into_the_untiled_layer_by_its_recorded_cut(tmp_path):
+    """2 x 2 tiles of a bias-free 8 x 8 layer have the sizes of 4 x 1 tiles: the sizes alone
+    cannot say which (an inference would take 4 x 1, the automatic tiling's, and load the
+    blocks to the wrong places). The manifest records each tiled layer's cut."""
+    torch.manual_seed(0)
+    tiled = nn.Sequential(TiledLinear.from_linear(nn.Linear(8, 8, bias=False), in_splits=2,
+                                                  out_splits=2))
+    policy = os.path.join(REPO, "configs", "cpu.yaml")
+    engine, _ = tiered.initialize(tiled, policy, compute_dtype="fp32", device="cpu")
+    saved = engine.full_state_dict()
+    engine.save_checkpoint(str(tmp_path))
+    engine.close()
+    engine, _ = tiered.initialize(nn.Sequential(nn.Linear(8, 8, bias=False)), policy,
+                                  compute_dtype="fp32", device="cpu")
+    engine.load_checkpoint(str(tmp_path))
+    assert list(saved) == ["0.weight"]
+    assert torch.equal(engine.full_state_dict()["0.weight"], saved["0.weight"])
+    engine.close()
