@@ -41,23 +41,47 @@ def adamw_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     ``grad_divisor`` (a scalar tensor) divides the gradient inside the kernel: the loss scale
     and the clipping factor applied without a separate pass over the gradient.
     """
+    _require_contiguous(master, grad, exp_avg, exp_avg_sq)
     torch._fused_adamw_(
         [master], [grad], [exp_avg], [exp_avg_sq], [], [step],
         lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2, weight_decay=hyper.weight_decay,
         eps=hyper.eps, amsgrad=False, maximize=False, grad_scale=grad_divisor, found_inf=None)
 
 
+def _require_contiguous(*tensors: torch.Tensor) -> None:
+    """Refuse strided views: torch's fused CPU kernel walks ``numel`` elements from a tensor's
+    first one as if it were contiguous (torch 2.13), so on ``x[::2]`` it steps the wrong half
+    and overwrites the elements between; ``_alone`` would cover the same wrong memory."""
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError("tiered: the AdamW kernels need contiguous tensors, got strides "
+                         f"{[t.stride() for t in tensors]}")
+
+
 def _adamw_one_pass(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                     exp_avg_sq: torch.Tensor, weights: torch.Tensor,
                     scalars: torch.Tensor) -> None:
-    """AdamW as torch.optim.AdamW computes it, plus the cast of the result, in one pass."""
-    lr, beta1, beta2, eps, weight_decay, step_size, bias2_sqrt, divisor = scalars.unbind()
+    """AdamW as torch.optim.AdamW computes it, plus the cast of the result, in one pass.
+
+    ``scalars`` comes from :func:`_one_pass_scalars`: each coefficient as torch's fused kernel
+    uses it, computed in fp64 and rounded once to fp32."""
+    decay, beta2, avg_weight, sq_weight, eps, step_size, bias2_sqrt, divisor = scalars.unbind()
     g = grad.float() / divisor
-    master.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(g, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g * (1 - beta2))
+    master.mul_(decay)
+    exp_avg.lerp_(g, avg_weight)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g * sq_weight)
     master.sub_(step_size * exp_avg / (exp_avg_sq.sqrt() / bias2_sqrt + eps))
     weights.copy_(master)
+
+
+def _one_pass_scalars(hyper: AdamWHyper, step: float, grad_divisor: float) -> torch.Tensor:
+    """The kernel's coefficients, as torch's fused AdamW computes them: in fp64 from the
+    hyperparameters, then rounded to fp32. Forming ``1 - beta2`` in the kernel from the fp32
+    ``beta2`` instead is off by 1.3e-5 relative for 0.999 (fp32(0.999) is not 0.999), which
+    biased every second moment by that much, and ``1 - beta1`` and ``1 - lr * wd`` likewise."""
+    return torch.tensor(
+        [1 - hyper.lr * hyper.weight_decay, hyper.beta2, 1 - hyper.beta1, 1 - hyper.beta2,
+         hyper.eps, hyper.lr / (1 - hyper.beta1 ** step), math.sqrt(1 - hyper.beta2 ** step),
+         grad_divisor], dtype=torch.float64).float()
 
 
 WARM_UP_NUMEL = 1 << 22
@@ -130,11 +154,9 @@ class OnePassAdamW:
     def step(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
              exp_avg_sq: torch.Tensor, weights: torch.Tensor, step: torch.Tensor,
              hyper: AdamWHyper, grad_divisor: float) -> None:
-        t = float(step)
-        scalars = torch.tensor(
-            [hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay,
-             hyper.lr / (1 - hyper.beta1 ** t), math.sqrt(1 - hyper.beta2 ** t), grad_divisor],
-            dtype=torch.float64).float()
+        # Before the try: a caller's mistake must not disable the compiled kernel for the run.
+        _require_contiguous(master, grad, exp_avg, exp_avg_sq, weights)
+        scalars = _one_pass_scalars(hyper, float(step), grad_divisor)
         if not self._failed:
             try:
                 if self._compiled is None:

@@ -402,6 +402,8 @@ class TieredAdamW(torch.optim.Optimizer):
         update.norm = norm
         if self._max_grad_norm is not None:
             clip = self._max_grad_norm / (norm + 1e-6)
+            if math.isnan(clip):  # clip_grad_norm_ clamps nan to nan: every gradient is nan
+                return math.nan
             if clip < 1.0:
                 # An infinite norm clips to zero, as clip_grad_norm_ multiplies by 0 then.
                 return update.loss_scale / clip if clip > 0.0 else math.inf
