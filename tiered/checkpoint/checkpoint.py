@@ -59,8 +59,8 @@ no moments, and where it keeps no fp32 masters its compute-dtype weights are sav
 units cut otherwise (layout.py). Buffers and extra states were added within 3 (``buffer.*``
 and ``extra.*`` entries, the manifest's ``extra_states``): a reader of 3 ignores them, and a
 checkpoint without them leaves the model's as they are. So was ``tiles``, each tiled layer's
-cut (layout.tile_grids), which a load under another tiling reads; without it the cut is
-inferred from the tiles' sizes, and refused where that is ambiguous."""
+cut (layout.tile_grids), which a load under another tiling reads; without it a tiled layer
+loads into the same tiles only."""
 READABLE_FORMATS = (1, 2, 3)
 MANIFEST = "manifest.json"
 LATEST = "latest"

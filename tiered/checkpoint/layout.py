@@ -81,15 +81,9 @@ class _Grid:
                 for row in range(self.rows[i])]
 
 
-def _near_equal(total: int, parts: int) -> tuple[int, ...]:
-    """TiledLinear's cut of ``total`` in ``parts``: near-equal, the larger ones first."""
-    base, extra = divmod(total, parts)
-    return tuple(base + (i < extra) for i in range(parts))
-
-
 def tile_grids(flats) -> dict[str, dict[str, list[int]]]:
     """Per tiled layer (its prefix), its cut as the manifest records it: a load under another
-    cut then reads the saved one instead of inferring it from the tiles' sizes."""
+    cut then reads the saved one (sizes alone do not tell it: _unrecorded_grids)."""
     return {layer: {"rows": list(grid.rows), "cols": list(grid.cols)}
             for layer, grid in _model_grids(flats).items()}
 
@@ -115,65 +109,27 @@ def _model_grids(flats) -> dict[str, _Grid]:
     return grids
 
 
-def _saved_grid(layer: str, out_features: int, in_features: int,
-                saved: dict[str, int]) -> _Grid | None:
-    """The cut a checkpoint without recorded cuts gave a layer of this shape, from its tiles'
-    sizes (``saved``: name -> elements), or None if no cut gives them. Where several would
-    (a bias-free layer's 2 x 2 tiles have the sizes of 4 x 1 ones), the checkpoint is refused:
-    a wrong guess would load the blocks to the wrong places."""
-    count = sum(1 for name in saved if name.endswith(".weight"))
-    fitting = []
-    for columns in (c for c in range(1, count + 1) if count % c == 0):
-        if count // columns > out_features or columns > in_features:
-            continue
-        grid = _Grid(_near_equal(out_features, count // columns),
-                     _near_equal(in_features, columns))
-        if all(_fits(name, numel, grid) for name, numel in saved.items()):
-            fitting.append(grid)
-    if len(fitting) > 1:
-        raise CheckpointError(
-            f"the checkpoint does not record how layer {layer.rstrip('.') or '<root>'} was cut "
-            f"into tiles, and {len(fitting)} cuts fit its tiles' sizes; load it with the "
-            f"tiling it was saved with")
-    return fitting[0] if fitting else None
-
-
-def _fits(name: str, numel: int, grid: _Grid) -> bool:
-    """Whether tile parameter ``name`` of ``numel`` elements can be in ``grid`` (a bias only
-    in the first column of tiles)."""
-    match = _TILE.match(name)
-    k = int(match["k"])
-    return (k < len(grid.rows) * len(grid.cols)
-            and (match["leaf"] == "weight" or k % len(grid.cols) == 0)
-            and sum(count for _, count in grid.runs(k, match["leaf"])) == numel)
-
-
-def _saved_grids(saved: dict[str, int], model: dict[str, ParamSpec],
-                 grids: dict[str, _Grid]) -> dict[str, _Grid]:
-    """The cut of each layer the checkpoint holds as tiles: the engine's where it has the
-    same tiles, else the one their sizes give for the layer's shape (from the engine's tiles,
-    or its untiled weight)."""
+def _unrecorded_grids(saved: dict[str, int], model: dict[str, ParamSpec],
+                      grids: dict[str, _Grid]) -> dict[str, _Grid]:
+    """The cuts of a checkpoint written before they were recorded: a tiled layer loads into
+    the same tiles only (the engine's cut); into other tiles, or an untiled layer, it is
+    refused, since tiles' sizes alone do not tell the cut (a bias-free layer's 2 x 2 tiles
+    have the sizes of 4 x 1 ones)."""
     tiles: dict[str, dict[str, int]] = {}
     for name, numel in saved.items():
-        match = _TILE.match(name)
-        if match:
+        if match := _TILE.match(name):
             tiles.setdefault(match["layer"], {})[name] = numel
     out = {}
     for layer, names in tiles.items():
-        if layer in grids:
-            ours = {name: model[name].numel for name in model
-                    if (match := _TILE.match(name)) and match["layer"] == layer}
-            if names == ours:
-                out[layer] = grids[layer]
-                continue
-            shape = (sum(grids[layer].rows), sum(grids[layer].cols))
-        elif f"{layer}weight" in model and len(model[f"{layer}weight"].shape) == 2:
-            shape = tuple(model[f"{layer}weight"].shape)
-        else:
-            continue  # not a layer of this model: segments refuses its names
-        grid = _saved_grid(layer, *shape, names)
-        if grid is not None:
-            out[layer] = grid
+        ours = {name: spec.numel for name, spec in model.items()
+                if (match := _TILE.match(name)) and match["layer"] == layer}
+        if layer in grids and names == ours:
+            out[layer] = grids[layer]
+        elif layer in grids or f"{layer}weight" in model:
+            raise CheckpointError(
+                f"the checkpoint does not record how layer {layer.rstrip('.') or '<root>'} "
+                f"was cut into tiles (it was written before tiered recorded cuts); load it "
+                f"with the tiling it was saved with")
     return out
 
 
@@ -267,7 +223,7 @@ def segments(flats, saved_units: list[dict],
     """Per unit of the engine, where its parameters lie in the saved units; raises a
     CheckpointError naming the first difference when they are not the same parameters.
     ``saved_tiles``: the saving engine's tile_grids (checkpoints written before they were
-    recorded have none: the cut is then inferred from the tiles' sizes, _saved_grids)."""
+    recorded have none: see _unrecorded_grids)."""
     if not all("params" in unit for unit in saved_units):  # formats 1 and 2
         ours = [(f.spec.path, f.numel) for f in flats]
         saved = [(u["path"], u["numel"]) for u in saved_units]
@@ -289,7 +245,7 @@ def segments(flats, saved_units: list[dict],
             ours[piece.tensor] = ours.get(piece.tensor, 0) + piece.count
     saved = {name: numel for unit in saved_units for name, numel in saved_params(unit)}
     if saved_tiles is None:
-        saved_grids = _saved_grids(saved, model, grids)
+        saved_grids = _unrecorded_grids(saved, model, grids)
     else:
         saved_grids = {layer: _Grid(tuple(cut["rows"]), tuple(cut["cols"]))
                        for layer, cut in saved_tiles.items()}
