@@ -198,15 +198,6 @@ class TieredEngine:
         if self._closed:
             raise TieredError("this engine is closed; its weights were freed by close()")
 
-    def _release_gathered(self) -> None:
-        """Give back the units gathered now: those the trace kept or prefetched for a backward
-        that never came (a forward with grad enabled, then close()). Their storage is the HBM
-        tier's too, and the model's attributes (views of it) would keep it as long as the
-        model lives."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # a prefetch may still be writing into one
-        self.runtime.gatherer.release_all()
-
     def close(self) -> None:
         """Free every tier and remove this run's NVMe folder (also done at interpreter exit).
 
@@ -218,13 +209,10 @@ class TieredEngine:
             # say so (step() returns while it runs) is raised here, after cleaning up.
             if not self.runtime.worker.failure_reported:
                 self.optimizer.synchronize()
-        finally:
-            try:
-                self._release_gathered()
-            finally:  # the tiers go and the engine counts as closed whatever happened above
-                self._hooks.remove()
-                self._finalizer()
-                self._closed = True
+        finally:  # the tiers go and the engine counts as closed whatever happened above
+            self._hooks.remove()
+            self._finalizer()
+            self._closed = True
 
 
 def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = True,
@@ -468,9 +456,12 @@ def _shut_down(runtime: UnitRuntime) -> None:
         runtime.readahead.close()
     runtime.timeline.close()
     if runtime.group.device.type == "cuda":
-        # An engine collected without close(): a prefetch or a gradient's copy off the device
-        # may still read or write the pinned slabs the manager is about to free.
+        # A prefetch or a gradient's copy off the device may still read or write the units'
+        # storage and the pinned slabs freed below.
         torch.cuda.synchronize(runtime.group.device)
+    # Units a forward left gathered for a backward that never came: their storage is the HBM
+    # tier's, and the model's attributes would keep it as long as the model lives.
+    runtime.gatherer.release_all()
     runtime.manager.close()
 
 
