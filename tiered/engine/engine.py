@@ -90,6 +90,7 @@ class TieredEngine:
             loss.backward(**kwargs)
             return
         self._scaled_backward = True
+        self.optimizer.note_loss_scale(self.scaler.scale)
         try:
             (loss.float() * self.scaler.scale).backward(**kwargs)
         finally:

@@ -122,12 +122,8 @@ class TieredAdamW(torch.optim.Optimizer):
         self._overlap_forward = self.device.type == "cpu" and scaler is None
         """Ordinary updates return at once and overlap the next forward (see the class doc)."""
         self._last_grad_norm: float | None = None
-        self._backwards_before_zero_grad = 0
-        """``runtime.backwards_since_step`` when ``zero_grad()`` last ran: the backwards after
-        it made the gradients held now."""
         self._grads_loss_scale: float | None = None
-        """The loss scale the gradients held now were computed with, once finishing an update
-        has changed the scaler's since (see _keep_grads_loss_scale)."""
+        """The loss scale the gradients held now were computed with (see note_loss_scale)."""
         self._worker.on_failure(self._wake_norm_waiter)
         self.skipped_steps = 0
         """Updates skipped because fp16 gradients overflowed."""
@@ -168,7 +164,6 @@ class TieredAdamW(torch.optim.Optimizer):
         self._worker.submit(self._squares.clear)  # after any update that reads them
         self._grads.zero_grad(set_to_none)
         # Backwards from here on make the gradients; their loss scale is the scaler's then.
-        self._backwards_before_zero_grad = self._runtime.backwards_since_step
         self._grads_loss_scale = None
 
     @torch.no_grad()
@@ -206,7 +201,6 @@ class TieredAdamW(torch.optim.Optimizer):
         else:
             self.synchronize()  # the previous update, and this step's gradients, are all in
         self._runtime.step_taken()
-        self._backwards_before_zero_grad = 0  # the runtime counts backwards from 0 again
         self._grads_loss_scale = None  # this step takes the gradients
         rest = [i for i in units if i not in arrived]
         if rest:
@@ -240,20 +234,18 @@ class TieredAdamW(torch.optim.Optimizer):
         if update.norm is not None:
             self._last_grad_norm = update.norm
         if self.scaler is not None:
-            self._keep_grads_loss_scale()
             self.scaler.update(found_inf=update.overflowed)
             self.skipped_steps += update.overflowed
 
-    def _keep_grads_loss_scale(self) -> None:
-        """Before the scaler changes: remember the loss scale of the gradients held now, if a
-        backward made them. Under the delayed update step t+1's backward runs before update t
-        decides the scale; ``synchronize()`` (or ``engine.eval()``, ``full_state_dict()``)
-        between that backward and ``step()`` must not make the step unscale them by the new
-        one. (A backward after it, into the same gradients, used the new scale: the step can
+    def note_loss_scale(self, scale: float) -> None:
+        """``engine.backward`` under fp16: its loss is multiplied by ``scale``. The step unscales
+        by the scale the gradients were made with: under the delayed update, step t+1's
+        backward runs before update t decides the scale, and ``synchronize()`` (or
+        ``engine.eval()``, ``full_state_dict()``) between that backward and ``step()`` changes
+        the scaler's. (A later backward into the same gradients at another scale: the step can
         unscale by one of the two only, as GradScaler could.)"""
-        made_by_backward = self._runtime.backwards_since_step > self._backwards_before_zero_grad
-        if self._grads_loss_scale is None and made_by_backward:
-            self._grads_loss_scale = self.scaler.scale
+        if self._grads_loss_scale is None:
+            self._grads_loss_scale = scale
 
     def _loss_scale_of_grads(self) -> float:
         """What the gradients held now are divided by to unscale them (1 without fp16)."""
@@ -307,7 +299,6 @@ class TieredAdamW(torch.optim.Optimizer):
         self._ready = []
         self._squares.clear()
         self._runtime.step_taken()
-        self._backwards_before_zero_grad = 0
         self._grads_loss_scale = None  # the load dropped the gradients
 
     def _last_gradient_in(self, index: int, last: LastBackward) -> None:
