@@ -49,7 +49,7 @@ from .. import __version__
 from ..plan import OPTIMIZER_STATES, StateKind
 from . import layout
 from .format import CheckpointError, Entry, Reader, Writer, file_digest
-from .pretrained import EXTRA_STATE, persistent_buffers
+from .pretrained import EXTRA_STATE, extra_state_module, persistent_buffers, store_model_state
 
 FORMAT_VERSION = 3
 """2 added ``optimizer.group_hypers`` (the hyperparameters of each param group after group 0)
@@ -150,8 +150,7 @@ def _refuse_held_gradients(engine) -> None:
 
 def _extra_states(engine) -> dict[str, object]:
     """The model's modules' ``get_extra_state()``, by state-dict key."""
-    model = engine.module
-    return {key: model.get_submodule(key[:-len(EXTRA_STATE)].rstrip(".")).get_extra_state()
+    return {key: extra_state_module(engine.module, key).get_extra_state()
             for key in engine.state_dict_keys if key.endswith(EXTRA_STATE)}
 
 
@@ -297,7 +296,7 @@ def load(engine, directory: str, tag: str | None) -> str:
         _all_or_raise(group, failure, "another rank cannot use the checkpoint; nothing loaded")
         _load_states(engine, manifest, reads, steps,
                      readers[rank_file(group.rank)] if same_world else None)
-        _store_model_state(engine, model_state)
+        store_model_state(engine.module, model_state)
     finally:
         for reader in readers.values():
             reader.close()
@@ -423,7 +422,8 @@ def _check_rng(own_file: Reader | None) -> None:
 def _read_model_state(engine, manifest: dict, reader: Reader) -> dict[str, object]:
     """The buffers and extra states ``reader`` (this rank's file, or rank 0's at another world
     size) and the manifest hold, by state-dict key, read and checked against the model's
-    before anything is stored. A checkpoint without them (saved before they were) has none."""
+    before anything is stored (pretrained.store_model_state). A checkpoint without them
+    (saved before they were) has none."""
     out: dict[str, object] = {}
     for name, buffer in persistent_buffers(engine.module, engine.state_dict_keys).items():
         entry = f"buffer.{name}"
@@ -446,19 +446,6 @@ def _read_like(reader: Reader, name: str, dtype: torch.dtype,
         raise CheckpointError(f"{reader.path}: {name!r} is {entry.dtype} {list(entry.shape)}, "
                               f"the model's is {dtype} {list(shape)}")
     return _read_whole(reader, name)
-
-
-@torch.no_grad()
-def _store_model_state(engine, values: dict[str, object]) -> None:
-    """Copy what :func:`_read_model_state` read into the model's buffers (where they are now)
-    and its modules' extra states."""
-    model = engine.module
-    buffers = dict(model.named_buffers(remove_duplicate=False))
-    for key, value in values.items():
-        if key.endswith(EXTRA_STATE):
-            model.get_submodule(key[:-len(EXTRA_STATE)].rstrip(".")).set_extra_state(value)
-        else:
-            buffers[key].copy_(value)
 
 
 def _load_states(engine, manifest: dict, reads: dict[tuple[int, StateKind], layout.Read],

@@ -95,6 +95,23 @@ def _candidates(names: tuple[str, ...], shape: torch.Size,
     return out
 
 
+def extra_state_module(model: nn.Module, key: str) -> nn.Module:
+    """The module whose ``get_extra_state()`` is the state dict's ``key``."""
+    return model.get_submodule(key[:-len(EXTRA_STATE)].rstrip("."))
+
+
+@torch.no_grad()
+def store_model_state(model: nn.Module, values: dict[str, object]) -> None:
+    """Copy buffers (by state-dict name, into them wherever they are now) and set extra
+    states (``<module>._extra_state``): the model's state outside the units."""
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    for key, value in values.items():
+        if key.endswith(EXTRA_STATE):
+            extra_state_module(model, key).set_extra_state(value)
+        else:
+            buffers[key].copy_(value)
+
+
 def persistent_buffers(model: nn.Module, state_dict_keys) -> dict[str, torch.Tensor]:
     """The model's buffers that its state dict holds, by state-dict name."""
     keys = set(state_dict_keys)
@@ -229,21 +246,16 @@ class PretrainedWeights:
         self.fill(flat, values)
         manager.store_weights(index, values)
 
-    @torch.no_grad()
     def load_buffers(self, model: nn.Module) -> None:
-        """Copy the source's values into the model's buffers (wherever they are now), and its
-        modules' extra states."""
-        buffers = dict(model.named_buffers(remove_duplicate=False))
-        for name in self.buffer_names:
-            buffer = buffers[name]
-            buffer.copy_(self.source.read(name, 0, buffer.numel()).view(buffer.shape))
-        for key in self.extra_names:
+        """Copy the source's values into the model's buffers and its modules' extra states."""
+        values: dict[str, object] = {}
+        for key in (*self.buffer_names, *self.extra_names):
             if key in self.source.objects:
-                value = self.source.objects[key]
+                values[key] = self.source.objects[key]
             else:
                 shape, _ = self.source.tensors[key]
-                value = self.source.read(key, 0, math.prod(shape)).view(shape)
-            model.get_submodule(key[:-len(EXTRA_STATE)].rstrip(".")).set_extra_state(value)
+                values[key] = self.source.read(key, 0, math.prod(shape)).view(shape)
+        store_model_state(model, values)
 
     def close(self) -> None:
         self.source.close()
