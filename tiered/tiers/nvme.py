@@ -19,6 +19,7 @@ systems without O_DIRECT fall back to buffered I/O with a warning.
 from __future__ import annotations
 
 import errno as errno_codes
+import fcntl
 import os
 import secrets
 import shutil
@@ -66,6 +67,23 @@ def nvme_bytes(state_sizes: list[int]) -> int:
     return sum(sizes) + SPARE_EXTENTS * sum(set(sizes))
 
 
+def _reserve(fd: int, nbytes: int, direct: bool) -> None:
+    """``posix_fallocate``. Where the file system has no fallocate (ext2, ext3 without
+    extents), glibc writes one byte per block instead, which O_DIRECT refuses with EINVAL:
+    there the reserving writes go through the page cache, on the same descriptor."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if not direct or e.errno != errno_codes.EINVAL:
+            raise
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        finally:
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+
+
 class Extent:
     """A preallocated file of ``nbytes`` (a multiple of BLOCK_ALIGN), open for the run."""
 
@@ -83,7 +101,7 @@ class Extent:
             raise NvmeError(f"NVMe file {path}: cannot create it: {e.strerror}{hint}",
                             errno=e.errno, path=path) from None
         try:
-            os.posix_fallocate(self.fd, 0, nbytes)
+            _reserve(self.fd, nbytes, direct)
         except OSError as e:
             os.close(self.fd)
             self.fd = -1
@@ -260,6 +278,7 @@ class NvmeTier:
                  ranks: int = 1):
         """``budget`` None: one of ``ranks`` equal shares (the ranks on this node, whose run
         folders share ``root``) of the free space there."""
+        root = os.path.abspath(root)  # the run folder is removed at close, whatever the cwd
         check_nvme_path(root)
         self.root = root
         self.usage = TierUsage("nvme", free_bytes(root) // max(1, ranks) if budget is None
