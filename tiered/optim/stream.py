@@ -66,7 +66,6 @@ class StateStream:
         reads: dict[int, Transfer] = {}
         writes: dict[int, Transfer] = {}
         versions: dict[int, list] = {}
-        committed = []
 
         def start_read(i: int) -> None:
             slot = i % STAGING_SETS
@@ -99,7 +98,11 @@ class StateStream:
                 if piece.last:
                     group = versions.pop(piece.unit)
                     group.commit()
-                    committed.append(group)
+                    # unit_done announces the unit's new weights to readers (the next
+                    # forward may overlap this update): only once its states are written, so
+                    # a failed write leaves no reader computing on weights it did not keep.
+                    # The next piece's read is already in flight meanwhile.
+                    group.wait()
                     unit_done(piece.unit)
         finally:
             # On a failure, unfinished units keep their old versions: their spares go back.
@@ -107,8 +110,6 @@ class StateStream:
                 group.abandon()
             for transfer in (*reads.values(), *writes.values()):
                 transfer.settle()  # no I/O thread may still use a staging set after this
-        for group in committed:
-            group.wait()
 
     def _span(self, piece: Piece) -> tuple[int, int]:
         return piece.start * 4, align_up(piece.numel * 4, BLOCK_ALIGN)
