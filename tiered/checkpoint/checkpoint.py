@@ -294,9 +294,10 @@ def load(engine, directory: str, tag: str | None) -> str:
         failure = error
     try:
         _all_or_raise(group, failure, "another rank cannot use the checkpoint; nothing loaded")
-        _load_states(engine, manifest, reads, steps,
-                     readers[rank_file(group.rank)] if same_world else None)
-        store_model_state(engine.module, model_state)
+        with engine.replacing_states(f"loading checkpoint {folder}"):
+            _load_states(engine, manifest, reads, steps,
+                         readers[rank_file(group.rank)] if same_world else None)
+            store_model_state(engine.module, model_state)
     finally:
         for reader in readers.values():
             reader.close()

@@ -313,16 +313,17 @@ def load(engine, weights, strict: bool) -> LoadResult:
     matched = open_weights(weights, runtime.flats, engine.module, engine.state_dict_keys,
                            strict, runtime.group)
     failure = None
-    try:
-        for flat in runtime.flats:
-            matched.load_unit(runtime.manager, flat)
-        matched.load_buffers(engine.module)
-    except Exception as error:  # a read failing on one rank: every rank says so
-        failure = error
-    finally:
-        matched.close()
-    if not runtime.group.agree(failure is None):
-        raise failure or CheckpointError(
-            "another rank failed while reading the weights: they are partly loaded there; "
-            "load them again")
+    with engine.replacing_states("loading weights"):
+        try:
+            for flat in runtime.flats:
+                matched.load_unit(runtime.manager, flat)
+            matched.load_buffers(engine.module)
+        except Exception as error:  # a read failing on one rank: every rank says so
+            failure = error
+        finally:
+            matched.close()
+        if not runtime.group.agree(failure is None):
+            raise failure or CheckpointError(
+                "another rank failed while reading the weights: they are partly loaded "
+                "there; load them again")
     return matched.result

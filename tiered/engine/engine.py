@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import sys
@@ -58,6 +59,8 @@ class TieredEngine:
         """The names of the original ``model.state_dict()``, in its order."""
         self._scaled_backward = False
         self._closed = False
+        self._half_loaded: str | None = None
+        """Why the tiers hold a mix of loaded and older states (see :meth:`replacing_states`)."""
         self._hooks = UnitHooks(module, runtime, policy.compute_dtype.torch_dtype,
                                 on_backward_start=self._check_backward)
         self._finalizer = weakref.finalize(self, _shut_down, runtime)
@@ -78,6 +81,7 @@ class TieredEngine:
 
     def __call__(self, *args, **kwargs):
         self._refuse_if_closed()
+        self._refuse_if_half_loaded()
         # An update that failed part-way may have written some of its new weights (those
         # written in place, or before another state's write failed): compute on none of them.
         self.runtime.worker.raise_if_failed()
@@ -128,6 +132,7 @@ class TieredEngine:
         ``model.state_dict()``, on every rank; tied parameters share one tensor, as in torch.
         A module's extra state is there as its ``get_extra_state()`` gives it."""
         self._refuse_if_closed()
+        self._refuse_if_half_loaded()
         values = {name: value.detach().cpu() if isinstance(value, torch.Tensor) else value
                   for name, value in self.module.state_dict().items()}
         for flat, full in self.consolidated_units():
@@ -141,6 +146,7 @@ class TieredEngine:
         copy is counted against the HBM budget while it exists), after any pending update.
         Every rank must iterate to the end: each unit is a collective."""
         self._refuse_if_closed()
+        self._refuse_if_half_loaded()
         self.optimizer.synchronize()
         group, usage = self.runtime.group, self.manager.hbm.usage
         for flat in self.runtime.flats:
@@ -162,6 +168,7 @@ class TieredEngine:
         """Save every tier's state under ``directory/tag`` (default tag: ``step<N>``), atomically,
         each rank its own part; returns the folder. Call it on every rank."""
         self._refuse_if_closed()
+        self._refuse_if_half_loaded()
         return checkpoint.save(self, directory, tag)
 
     def load_checkpoint(self, directory: str, tag: str | None = None) -> str:
@@ -176,6 +183,7 @@ class TieredEngine:
         Face's ``from_pretrained`` reads, streamed unit by unit; ``dtype`` is fp32 (the master
         weights) or the dtype to cast them to. Call it on every rank; rank 0 writes."""
         self._refuse_if_closed()
+        self._refuse_if_half_loaded()
         return export.save_pretrained(self, directory, dtype, max_shard_bytes)
 
     def load_state_dict(self, state_dict, strict: bool = True) -> pretrained.LoadResult:
@@ -198,6 +206,24 @@ class TieredEngine:
         the shards are gone, and otherwise it fails with a KeyError deep in the tier manager."""
         if self._closed:
             raise TieredError("this engine is closed; its weights were freed by close()")
+
+    @contextlib.contextmanager
+    def replacing_states(self, what: str):
+        """Around the part of a load that writes the tiers' states (and the model's buffers),
+        once every check has passed. If it fails there, the engine holds some loaded states
+        and some older ones (a unit's master weights from one, its moments from the other):
+        computing on them, or saving them, is refused until a load succeeds."""
+        self._half_loaded = None
+        try:
+            yield
+        except BaseException as error:
+            self._half_loaded = f"{what} failed part-way ({error})"
+            raise
+
+    def _refuse_if_half_loaded(self) -> None:
+        if self._half_loaded is not None:
+            raise TieredError(f"{self._half_loaded}: this engine holds some loaded states and "
+                              f"some older ones; load a checkpoint or weights again")
 
     def close(self) -> None:
         """Free every tier and remove this run's NVMe folder (also done at interpreter exit).
