@@ -314,6 +314,7 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
             for name, buffer in module._buffers.items():
                 if buffer is not None:
                     module._buffers[name] = buffer.to(device)
+        _broadcast_buffers(model, group)
         if start_weights is not None:
             start_weights.load_buffers(model)
             _warn_unmatched(start_weights.result, start_weights.source.where)
@@ -404,6 +405,23 @@ def memory_plan(policy: Policy, device: torch.device, flats: list[FlatParam],
 def _built_together(flats: list[FlatParam]) -> list[list[FlatParam]]:
     """The units in order, those of one module (the halves of a split one) in one list."""
     return by_module(flats, module_groups([f.spec for f in flats]))
+
+
+@torch.no_grad()
+def _broadcast_buffers(model: nn.Module, group: ProcessGroup) -> None:
+    """Rank 0's buffers on every rank, as its parameters are (``_partition``), and as DDP and
+    FSDP's ``sync_module_states`` do: buffers each rank built from its own random state (a
+    fixed random projection, under ``tiered.init`` too) would make the ranks train different
+    models."""
+    if group.world_size == 1:
+        return
+    for buffer in model.buffers():  # a buffer shared by several modules once
+        if buffer.is_contiguous():
+            group.broadcast(buffer)
+        else:
+            contiguous = buffer.contiguous()
+            group.broadcast(contiguous)
+            buffer.copy_(contiguous)
 
 
 @torch.no_grad()
