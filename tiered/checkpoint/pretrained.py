@@ -326,4 +326,7 @@ def load(engine, weights, strict: bool) -> LoadResult:
             raise failure or CheckpointError(
                 "another rank failed while reading the weights: they are partly loaded "
                 "there; load them again")
+    # What is still gathered or read ahead holds the old weights, and a graph kept past its
+    # backward (retain_graph) saved them: its next backward refuses them, as torch's would.
+    runtime.drop_gathered()
     return matched.result

@@ -65,6 +65,12 @@ class TieredEngine:
                                 on_backward_start=self._check_backward)
         self._finalizer = weakref.finalize(self, _shut_down, runtime)
         _engines.add(self)
+        # The model has no parameters left: its own zero_grad() would clear nothing.
+        module.zero_grad = optimizer.zero_grad
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``optimizer.zero_grad``, as ``model.zero_grad`` is in PyTorch."""
+        self.optimizer.zero_grad(set_to_none)
 
     @property
     def closed(self) -> bool:
@@ -85,7 +91,11 @@ class TieredEngine:
         # An update that failed part-way may have written some of its new weights (those
         # written in place, or before another state's write failed): compute on none of them.
         self.runtime.worker.raise_if_failed()
-        return self.module(*args, **kwargs)
+        try:
+            return self.module(*args, **kwargs)
+        except BaseException:
+            self._hooks.unwind_forward()  # a KeyboardInterrupt skips torch's always_call hooks
+            raise
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """``loss.backward(**kwargs)``, multiplied by the loss scale under fp16 compute."""
@@ -238,6 +248,7 @@ class TieredEngine:
                 self.optimizer.synchronize()
         finally:  # the tiers go and the engine counts as closed whatever happened above
             self._hooks.remove()
+            self.module.__dict__.pop("zero_grad", None)
             self._finalizer()
             self._closed = True
 
@@ -310,10 +321,15 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
         for built in _built_together(flats):
             with timeline.span(f"build unit {built[-1].name}", "setup"):
                 _partition(built, materializer, manager, group, start_weights)
+        compute = policy.compute_dtype.torch_dtype
         for module in model.modules():
+            # BatchNorm's kernel takes its running stats in its weights' dtype (as after
+            # model.to(dtype)); other buffers keep theirs.
+            cast = isinstance(module, nn.modules.batchnorm._NormBase)
             for name, buffer in module._buffers.items():
                 if buffer is not None:
-                    module._buffers[name] = buffer.to(device)
+                    module._buffers[name] = buffer.to(
+                        device, compute if cast and buffer.is_floating_point() else None)
         _broadcast_buffers(model, group)
         if start_weights is not None:
             start_weights.load_buffers(model)

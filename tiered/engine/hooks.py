@@ -51,6 +51,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from ..errors import TieredError
 from .flat import FlatParam
 from .runtime import UnitRuntime
 
@@ -83,12 +84,17 @@ class UnitHooks:
         their trainable half's gradient (see [Note: frozen units])."""
         self._whole_forward = [flat for flat in runtime.flats if flat.spec.whole_forward]
         self._handles = [model.register_forward_hook(self._end_forward, always_call=True)]
+        self._end_forward_id = self._handles[0].id
+        self._post_forward_ids: list[int] = []
+        """Each unit's post-hook on its module: moved after hooks registered since at every
+        forward, so that a user's forward hook sees the weights whenever it was registered."""
         for flat in runtime.flats:
             self._handles += [
                 flat.spec.module.register_forward_hook(partial(self._post_forward, flat),
                                                        always_call=True),
                 flat.full.register_post_accumulate_grad_hook(partial(self._post_backward, flat)),
             ]
+            self._post_forward_ids.append(self._handles[-2].id)
         # Pre-hooks go before the model's own (prepended; in reverse, so that the halves of a
         # split module keep their order): those may read the weights (spectral_norm's, a
         # user's logging hook), which a unit binds in its pre-hook. The model's pre-hook goes
@@ -98,6 +104,12 @@ class UnitHooks:
                 partial(self._pre_forward, flat), with_kwargs=True, prepend=True))
         self._handles.append(model.register_forward_pre_hook(self._start_forward,
                                                              with_kwargs=True, prepend=True))
+
+    def unwind_forward(self) -> None:
+        """Pop the saved-tensor hooks of unit forwards a BaseException other than an Exception
+        left (torch runs ``always_call`` hooks for an Exception only: a KeyboardInterrupt)."""
+        while self._saved_hooks:
+            self._saved_hooks.pop().__exit__(None, None, None)
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -109,6 +121,7 @@ class UnitHooks:
         forward may read, and cast floating inputs to the compute dtype, as the weights have."""
         if self._in_backward and not _in_backward_pass():
             self._end_backward()  # a backward that raised never reached its end callback
+        module._forward_hooks.move_to_end(self._end_forward_id)  # after the user's
         if not _in_backward_pass():
             for flat in self._whole_forward:
                 self.runtime.use(flat)
@@ -125,13 +138,14 @@ class UnitHooks:
             return
         for flat in self._whole_forward:
             self.runtime.done(flat)
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or _no_backward_from(output):
             self.runtime.end_iteration()
 
     def _pre_forward(self, flat: FlatParam, module, args, kwargs) -> None:
         # Pushed first: the post-hook pops it even when what follows raises. Only the innermost
         # saved-tensor hooks run, so ours pass what is not a unit's weights on to the ones they
         # cover (see [Note: outer saved-tensor hooks]).
+        module._forward_hooks.move_to_end(self._post_forward_ids[flat.spec.index])
         outer = _outer_saved_hooks()
         hooks = torch.autograd.graph.saved_tensors_hooks(partial(self._pack, outer),
                                                          partial(self._unpack, outer))
@@ -169,15 +183,26 @@ class UnitHooks:
     def _pack(self, outer: _SavedHooks | None, tensor: torch.Tensor):
         flat = self.runtime.owner_of(tensor)
         if flat is not None:
-            return _UnitView(flat, tensor)
+            return _UnitView(flat, tensor, self.runtime.weights_epoch)
         return tensor if outer is None else outer[0](tensor)
 
     def _unpack(self, outer: _SavedHooks | None, packed):
         if isinstance(packed, _UnitView):
             flat = packed.flat
+            if packed.epoch != self.runtime.weights_epoch:
+                raise TieredError(
+                    f"this backward needs weights of unit {flat.name} as its forward read them, "
+                    f"but optimizer.step() (or a checkpoint load) changed them since; PyTorch "
+                    f"refuses this too (a variable modified by an inplace operation): call "
+                    f"backward before optimizer.step()")
             self._enter_backward()
             self._use_in_backward(flat)
             self._started.setdefault(flat.spec.index, self.runtime.timeline.mark())
+            if torch.is_grad_enabled():
+                # A backward with create_graph=True: the graph it builds keeps this tensor, and
+                # reads it after the unit is released; a copy of its own (autograd links it to
+                # the unit as it linked the view) stays valid.
+                return packed.tensor.clone()
             return packed.tensor
         return packed if outer is None else outer[1](packed)
 
@@ -252,6 +277,16 @@ class _UnitView(NamedTuple):
 
     flat: FlatParam
     tensor: torch.Tensor
+    epoch: int
+    """``runtime.weights_epoch`` when it was saved: the weights it holds are the ones then."""
+
+
+def _no_backward_from(output) -> bool:
+    """Whether nothing in a forward's output can start a backward: every leaf is a tensor that
+    needs no gradient, or a plain value (an object torch cannot look into may hide one)."""
+    return all(not leaf.requires_grad if isinstance(leaf, torch.Tensor)
+               else leaf is None or isinstance(leaf, (bool, int, float, str))
+               for leaf in tree_leaves(output))
 
 
 def _outer_saved_hooks() -> _SavedHooks | None:

@@ -19,16 +19,20 @@ from ..errors import TieredError
 
 _METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.stride,
              torch.Tensor.element_size, torch.Tensor.is_floating_point, torch.Tensor.__repr__,
-             torch.Tensor.__format__, torch.Tensor.__len__}
+             torch.Tensor.__format__, torch.Tensor.__len__, torch.Tensor.__hash__}
 """Tensor methods that read no values (besides property getters, which all pass)."""
+_REQUIRES_GRAD = torch._C.TensorBase.__dict__["requires_grad"]
+"""The ``requires_grad`` descriptor: its ``__set__`` is what ``p.requires_grad = x`` calls."""
 
 
 class ReleasedWeight(torch.Tensor):
     """See [Note: released weights]."""
 
     @staticmethod
-    def __new__(cls, shape: torch.Size, dtype: torch.dtype, name: str, unit: str):
-        weight = torch.Tensor._make_subclass(cls, torch.empty(shape, dtype=dtype, device="meta"))
+    def __new__(cls, shape: torch.Size, dtype: torch.dtype, name: str, unit: str,
+                requires_grad: bool = False):
+        weight = torch.Tensor._make_subclass(cls, torch.empty(shape, dtype=dtype, device="meta"),
+                                             requires_grad)
         weight.released_from = (name, unit)
         return weight
 
@@ -39,6 +43,10 @@ class ReleasedWeight(torch.Tensor):
                 return func(*args, **(kwargs or {}))
         name, unit = next(leaf.released_from for leaf in tree_leaves((args, kwargs))
                           if isinstance(leaf, ReleasedWeight))
+        if func is torch.Tensor.requires_grad_ or getattr(func, "__self__", None) is _REQUIRES_GRAD:
+            raise TieredError(
+                f"{name}: requires_grad cannot change after tiered.initialize, which fixed "
+                f"which parameters train (unit {unit}); set requires_grad before initialize")
         raise TieredError(
             f"{name} was used outside the forward of its unit {unit}: a unit holds its weights "
             f"only while its module runs (or its backward needs them). Call the module instead "

@@ -54,6 +54,9 @@ class UnitRuntime:
         self.current_hypers: Callable[[], tuple[AdamWHyper, ...]] | None = None
         """The optimizer's hyperparameters as they are now, per param group (set by the
         optimizer)."""
+        self.weights_epoch = 0
+        """Counts the times the weights may have changed (optimizer.step(), a checkpoint's
+        optimizer state restored): a backward refuses weights saved in an earlier epoch."""
         self.stepped_on_arrival: set[int] = set()
         """Units whose gradient came in the backward that steps them on arrival: the worker
         steps each (the view of the thread running backward, complete once backward returns)."""
@@ -174,6 +177,7 @@ class UnitRuntime:
         with grad enabled whose backward never comes (a metric computed after the backward, a
         forward that raised) leaves the ones the trace kept or prefetched for that backward
         gathered; the next forward would compute on them, not on the new weights."""
+        self.weights_epoch += 1
         self.prefetcher.drop_ahead()
         if self.readahead is not None:
             self.readahead.discard()

@@ -11,6 +11,7 @@ import torch
 
 from ..errors import TieredError
 from ..engine.gradients import LastBackward
+from ..engine.released import ReleasedWeight
 from ..plan import optimizer_device
 from ..policy import Policy
 from .adamw import AdamWHyper, OnePassAdamW
@@ -42,8 +43,8 @@ class _Update:
 class TieredAdamW(torch.optim.Optimizer):
     """AdamW with ``torch.optim.AdamW``'s semantics, stepped where the optimizer states live.
 
-    ``param_groups[0]["params"]`` are the units' flat parameters (one per unit, as FSDP's flat
-    parameters). Each of the policy's ``optimizer.param_groups`` is one more group, whose
+    ``param_groups[0]["params"]`` stand for the units' flat parameters (one per unit, as FSDP's
+    flat parameters): shape and dtype only, since the values live in the tiers. Each of the policy's ``optimizer.param_groups`` is one more group, whose
     ``match`` says which parameters it steps, inside those flat parameters (its ``params`` is
     empty); the rest are group 0's. Which parameters a group holds is fixed at ``initialize``
     (editing ``match`` later changes nothing). Each group's ``lr``, ``betas``, ``eps`` and
@@ -88,7 +89,11 @@ class TieredAdamW(torch.optim.Optimizer):
         every unit takes torch's fused kernel."""
         opt = policy.optimizer
         defaults = dict(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
-        super().__init__([flat.full for flat in runtime.flats], defaults)
+        # Placeholders of the units' flat parameters, not ``flat.full``: its storage is zero
+        # bytes while the unit is released, and printing it read freed memory (SIGSEGV).
+        super().__init__([ReleasedWeight(flat.full.shape, flat.full.dtype,
+                                         f"optimizer.param_groups[0]['params'][{i}]", flat.name)
+                          for i, flat in enumerate(runtime.flats)], defaults)
         for group in opt.param_groups:
             given = {key: getattr(group, key) for key in defaults
                      if getattr(group, key) is not None}
