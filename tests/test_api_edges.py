@@ -650,3 +650,52 @@ def test_freezing_after_initialize_is_refused_saying_to_freeze_before():
     with pytest.raises(tiered.TieredError, match=r"blocks\.0\.fc\.weight.*before.*initialize"):
         model.blocks[0].fc.weight.requires_grad = False
     engine.close()
+
+
+def test_the_models_state_dict_and_load_state_dict_act_on_the_engines_weights(tmp_path):
+    """``torch.save(model.state_dict(), path)`` is PyTorch's idiom for saving a model. The
+    model has no parameters after initialize, so it saved the buffers alone, silently, and
+    ``model.load_state_dict(sd, strict=False)`` loaded no weights. Both now act on the
+    engine's weights (model.state_dict() is full_state_dict, as FSDP's full state dict), also
+    for a model inside another module, until close()."""
+    engine, optimizer, reference, ref_optimizer = engine_and_reference(make_gpt())
+    model = engine.module
+    for step in range(2):
+        for trained, opt in ((engine, optimizer), (reference, ref_optimizer)):
+            lm_loss(trained, step).backward()
+            opt.step()
+            opt.zero_grad()
+    path = tmp_path / "model.pt"
+    torch.save(model.state_dict(), path)
+    saved = torch.load(path)
+    assert list(saved) == list(reference.state_dict())
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(saved[name], value, rtol=1e-5, atol=1e-6)
+
+    class Wrapper(nn.Module):  # a model inside another: its keys under the attribute's name
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+    assert list(Wrapper(model).state_dict()) == [f"inner.{key}" for key in saved]
+
+    torch.manual_seed(3)
+    other = GPT(VOCAB, 32, 2, 2, max_seq=SEQ, tied=True, qkv_bias=False).state_dict()
+    result = model.load_state_dict(other)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    assert_equal_weights(engine.full_state_dict(), other)
+    with pytest.raises(tiered.TieredError, match="assign"):
+        model.load_state_dict(other, assign=True)
+    with torch.no_grad():
+        reference.load_state_dict(other)
+        torch.testing.assert_close(engine(batch(5)), reference(batch(5)), rtol=1e-5, atol=1e-6)
+
+    engine.close()
+    assert "state_dict" not in model.__dict__ and "zero_grad" not in model.__dict__
+    assert all(not key.endswith("weight") for key in model.state_dict())  # torch's own again
+
+
+def assert_equal_weights(state: dict, expected: dict) -> None:
+    assert list(state) == list(expected)
+    different = [name for name in expected if not torch.equal(state[name], expected[name])]
+    assert not different, f"not bit for bit: {different}"

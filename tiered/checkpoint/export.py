@@ -17,6 +17,7 @@ import re
 import warnings
 
 import torch
+from torch import nn
 
 from ..ops.tiled_linear import TiledLinear, layer_of_tile, merge_layer_tiles, tiled_layers
 from .format import CheckpointError, Entry, Writer
@@ -35,7 +36,7 @@ def save_pretrained(engine, directory: str, dtype: torch.dtype = torch.float32,
     tiled = tiled_layers(model)
     tile_names = _tile_names(engine, tiled)
     buffers = {}  # and extra states that are tensors: safetensors holds nothing else
-    for name, value in model.state_dict().items():
+    for name, value in nn.Module.state_dict(model).items():  # the buffers' own
         if isinstance(value, torch.Tensor):
             buffers[name] = value
         elif group.rank == 0:

@@ -9,6 +9,7 @@ import sys
 import threading
 import warnings
 import weakref
+from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
@@ -65,8 +66,12 @@ class TieredEngine:
                                 on_backward_start=self._check_backward)
         self._finalizer = weakref.finalize(self, _shut_down, runtime)
         _engines.add(self)
-        # The model has no parameters left: its own zero_grad() would clear nothing.
+        # The model has no parameters left: its own zero_grad(), state_dict() and
+        # load_state_dict() would clear, save and load no weights (torch.save of its state
+        # dict would keep only the buffers). They act on the engine's instead, until close().
         module.zero_grad = optimizer.zero_grad
+        module.state_dict = self._model_state_dict
+        module.load_state_dict = self.load_state_dict
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``optimizer.zero_grad``, as ``model.zero_grad`` is in PyTorch."""
@@ -144,11 +149,21 @@ class TieredEngine:
         self._refuse_if_closed()
         self._refuse_if_half_loaded()
         values = {name: value.detach().cpu() if isinstance(value, torch.Tensor) else value
-                  for name, value in self.module.state_dict().items()}
+                  for name, value in nn.Module.state_dict(self.module).items()}
         for flat, full in self.consolidated_units():
             values.update(flat.by_name(full))
         merge_tiles(self.module, values)
         return {key: values[key] for key in self.state_dict_keys}
+
+    def _model_state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False):
+        """``model.state_dict()`` after initialize: :meth:`full_state_dict` (so every rank must
+        call it, as FSDP's full state dict), put under ``prefix`` into ``destination`` as
+        ``nn.Module.state_dict`` puts them when the model is a submodule of another."""
+        if destination is None:
+            destination = OrderedDict()
+        for key, value in self.full_state_dict().items():
+            destination[prefix + key] = value
+        return destination
 
     def consolidated_units(self):
         """Each unit's fp32 master weights (a frozen unit's weights, where it keeps no masters)
@@ -196,12 +211,17 @@ class TieredEngine:
         self._refuse_if_half_loaded()
         return export.save_pretrained(self, directory, dtype, max_shard_bytes)
 
-    def load_state_dict(self, state_dict, strict: bool = True) -> pretrained.LoadResult:
+    def load_state_dict(self, state_dict, strict: bool = True,
+                        assign: bool = False) -> pretrained.LoadResult:
         """Replace the weights and persistent buffers with ``state_dict``'s (the keys
         ``full_state_dict`` gives; any floating dtype); returns the missing and unexpected keys
         as ``nn.Module.load_state_dict`` does, which ``strict`` refuses. The optimizer's moments
         and step counts stay (see [Note: what a load replaces] in checkpoint/pretrained.py).
         Call it on every rank, each with the whole state dict: each reads its own shards."""
+        if assign:
+            raise TieredError("load_state_dict(assign=True) would make the given tensors the "
+                              "parameters; the engine's weights live in its tiers, so a load "
+                              "copies into them: call it without assign")
         return pretrained.load(self, state_dict, strict)
 
     def load_pretrained(self, path: str, strict: bool = True) -> pretrained.LoadResult:
@@ -248,7 +268,8 @@ class TieredEngine:
                 self.optimizer.synchronize()
         finally:  # the tiers go and the engine counts as closed whatever happened above
             self._hooks.remove()
-            self.module.__dict__.pop("zero_grad", None)
+            for name in ("zero_grad", "state_dict", "load_state_dict"):
+                self.module.__dict__.pop(name, None)
             self._finalizer()
             self._closed = True
 
