@@ -22,21 +22,12 @@ from torch import nn
 
 import tiered
 from gpt import GPT, next_token_loss
+from test_control_flow import SEQ, VOCAB, batch, make_gpt
 from tiered.engine.flat import Residency
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_YAML = os.path.join(REPO, "configs", "cpu.yaml")
 OPTIM = dict(lr=1e-2, weight_decay=0.1)
-VOCAB, SEQ = 64, 16
-
-
-def make_gpt(layers: int = 2) -> GPT:
-    torch.manual_seed(0)
-    return GPT(VOCAB, 32, layers, 2, max_seq=SEQ, tied=True, qkv_bias=False)
-
-
-def batch(seed: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
 def lm_loss(model, seed: int) -> torch.Tensor:
@@ -98,7 +89,7 @@ def vectors(count: int, seed: int = 1) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
 def test_forwards_without_grad_between_steps_match_pytorch(context):
-    engine, optimizer, reference, ref_optimizer = engine_and_reference(make_gpt())
+    engine, optimizer, reference, ref_optimizer = engine_and_reference(make_gpt(2))
     for step in range(3):
         with context():
             out, ref_out = engine(batch(100 + step)), reference(batch(100 + step))
@@ -176,7 +167,7 @@ def closure_steps(model, opt, step):
                                   step_twice_then_accumulate, closure_steps],
                          ids=lambda f: f.__name__)
 def test_training_loop_shapes_match_pytorch(body):
-    engine, optimizer, reference, ref_optimizer = engine_and_reference(make_gpt())
+    engine, optimizer, reference, ref_optimizer = engine_and_reference(make_gpt(2))
     step_both(((engine, optimizer), (reference, ref_optimizer)), body)
     assert_same(engine, reference)
     assert all_released(engine)
@@ -186,7 +177,7 @@ def test_training_loop_shapes_match_pytorch(body):
 def test_one_cycle_schedule_cycling_lr_and_betas_and_step_hooks():
     """OneCycleLR writes each group's ``lr`` and ``betas`` (cycle_momentum): both are read at
     every step. Optimizer step hooks run as on any torch optimizer."""
-    engine, optimizer, reference, ref_optimizer = engine_and_reference(make_gpt())
+    engine, optimizer, reference, ref_optimizer = engine_and_reference(make_gpt(2))
     schedules = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-2, total_steps=10)
                  for o in (optimizer, ref_optimizer)]
     calls = []
@@ -464,7 +455,7 @@ def test_a_backward_after_optimizer_step_is_refused_as_in_pytorch():
     """PyTorch refuses a backward whose forward saved weights that optimizer.step() changed
     since (their version moved); the engine gathered the new weights for that backward and
     computed a gradient mixing two sets of weights, silently."""
-    engine, optimizer, reference, ref_optimizer = engine_and_reference(make_gpt())
+    engine, optimizer, reference, ref_optimizer = engine_and_reference(make_gpt(2))
     for model, opt in ((engine, optimizer), (reference, ref_optimizer)):
         lm_loss(model, 0).backward()
         opt.step()
@@ -489,7 +480,7 @@ def test_a_retained_graphs_backward_after_a_weights_load_is_refused_as_in_pytorc
     """``load_state_dict`` between two backwards of a graph kept with ``retain_graph``: PyTorch
     refuses the second (the load copied into the saved weights); the engine gathered the loaded
     weights for it and mixed them with the first weights' activations."""
-    engine, optimizer, reference, ref_optimizer = engine_and_reference(make_gpt())
+    engine, optimizer, reference, ref_optimizer = engine_and_reference(make_gpt(2))
     wanted = {key: value + 0.01 for key, value in reference.state_dict().items()}
     ref_loss = lm_loss(reference, 0)
     ref_loss.backward(retain_graph=True)
@@ -508,7 +499,7 @@ def test_model_zero_grad_clears_the_gradients_as_optimizer_zero_grad_does():
     """``model.zero_grad()`` is PyTorch's other way to clear gradients (tutorials use it).
     The model has no parameters left after initialize, so it did nothing, and every step's
     gradient added to all earlier ones, silently."""
-    engine, optimizer, reference, ref_optimizer = engine_and_reference(make_gpt())
+    engine, optimizer, reference, ref_optimizer = engine_and_reference(make_gpt(2))
     for step in range(3):
         for model, module, opt in ((engine, engine.module, optimizer),
                                    (reference, reference, ref_optimizer)):
@@ -566,7 +557,7 @@ def test_forward_hooks_registered_after_initialize_see_the_weights():
     the unit, and one registered before initialize runs before it, but one registered after
     ran after the release and was refused (TieredError: "used outside the forward of its
     unit"), where pre-hooks work in either order."""
-    model = make_gpt()
+    model = make_gpt(2)
     engine, optimizer, reference, ref_optimizer = engine_and_reference(model)
     seen = {"engine": [], "torch": []}
     for key, m in (("engine", model), ("torch", reference)):
@@ -623,7 +614,7 @@ def test_a_frozen_models_forward_with_grad_enabled_ends_its_iteration():
     its output needs no gradient, so no backward can come. The iteration it started never
     ended: its needs piled up forever (no trace, so never a prefetch) and load_state_dict
     refused as if "between a forward run with grad enabled and its backward"."""
-    model = make_gpt()
+    model = make_gpt(2)
     for param in model.parameters():
         param.requires_grad_(False)
     engine, _ = tiered.initialize(model, CPU_YAML, compute_dtype="fp32", device="cpu")
@@ -640,7 +631,7 @@ def test_freezing_after_initialize_is_refused_saying_to_freeze_before():
     it was refused with the message for reading weights outside a unit's forward ("Call the
     module instead of reading its weights, or ... units.classes"), advice that does not
     apply: frozen parameters are fixed at initialize."""
-    model = make_gpt()
+    model = make_gpt(2)
     model.blocks[1].fc.requires_grad_(False)
     engine, _ = tiered.initialize(model, CPU_YAML, compute_dtype="fp32", device="cpu")
     assert model.blocks[0].fc.weight.requires_grad
@@ -658,7 +649,7 @@ def test_the_models_state_dict_and_load_state_dict_act_on_the_engines_weights(tm
     ``model.load_state_dict(sd, strict=False)`` loaded no weights. Both now act on the
     engine's weights (model.state_dict() is full_state_dict, as FSDP's full state dict), also
     for a model inside another module, until close()."""
-    engine, optimizer, reference, ref_optimizer = engine_and_reference(make_gpt())
+    engine, optimizer, reference, ref_optimizer = engine_and_reference(make_gpt(2))
     model = engine.module
     for step in range(2):
         for trained, opt in ((engine, optimizer), (reference, ref_optimizer)):

@@ -140,6 +140,17 @@ def train_step(engine, optimizer, idx) -> None:
     optimizer.synchronize()
 
 
+def trained_in_dram(root, batches: list[torch.Tensor]) -> dict:
+    """The weights after ``batches`` with every state in DRAM: what NVMe must match."""
+    engine, optimizer = tiered.initialize(
+        gpt(), nvme_policy(root, params={"tier": "dram"}, optimizer={"tier": "dram"}))
+    for idx in batches:
+        train_step(engine, optimizer, idx)
+    weights = engine.full_state_dict()
+    engine.close()
+    return weights
+
+
 def close_quietly(engine) -> None:
     """close(), which re-raises a worker failure nobody was told of yet."""
     try:
@@ -283,12 +294,7 @@ def test_a_read_error_in_a_forward_leaves_the_engine_usable(tmp_path):
     """A unit's weights fail to read in a forward: that forward raises the NvmeError, nothing
     is changed, and the run goes on exactly as a run that never saw the error."""
     batches = token_batches(3)
-    reference_engine, reference_optimizer = tiered.initialize(
-        gpt(), nvme_policy(tmp_path, params={"tier": "dram"}, optimizer={"tier": "dram"}))
-    for idx in batches:
-        train_step(reference_engine, reference_optimizer, idx)
-    reference = reference_engine.full_state_dict()
-    reference_engine.close()
+    reference = trained_in_dram(tmp_path, batches)
 
     engine, optimizer = tiered.initialize(gpt(), nvme_policy(tmp_path))
     try:
@@ -454,12 +460,7 @@ def test_the_run_folder_removed_mid_run_changes_nothing_and_close_spares_user_fi
     bit for bit; close() (twice) removes only what is its own, never the user's file beside
     it."""
     batches = token_batches(3)
-    reference_engine, reference_optimizer = tiered.initialize(
-        gpt(), nvme_policy(tmp_path, params={"tier": "dram"}, optimizer={"tier": "dram"}))
-    for idx in batches:
-        train_step(reference_engine, reference_optimizer, idx)
-    reference = reference_engine.full_state_dict()
-    reference_engine.close()
+    reference = trained_in_dram(tmp_path, batches)
 
     user = tmp_path / "user.bin"
     user.write_bytes(b"the user's")
