@@ -18,7 +18,7 @@ from gpt import next_token_loss
 from test_delayed_update import WARMUP
 from test_memory import dram_block, make_gpt, shard_numels, train_step
 from test_parity import BATCH, OPTIM, POLICIES, REPO, make_model, token_batches
-from tiered.engine.engine import memory_plan
+from tiered.engine.build import memory_plan
 from tiered.plan import StateKind
 from tiered.policy import ComputeDtype, Policy, Tier
 

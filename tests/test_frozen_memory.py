@@ -15,7 +15,7 @@ from gpt import next_token_loss
 from test_frozen import (assert_same_states, engine_for, frozen_model, is_frozen, resumed,
                          train, train_reference)
 from test_parity import OPTIM, REPO, batches
-from tiered.engine.engine import flat_units, memory_plan
+from tiered.engine.build import flat_units, memory_plan
 from tiered.plan import StateKind, state_kinds
 from tiered.policy import Policy, Tier
 from tiered.sizes import align_up

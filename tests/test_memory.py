@@ -9,7 +9,7 @@ from torch import nn
 
 import tiered
 from gpt import GPT, next_token_loss
-from tiered.engine.engine import memory_plan
+from tiered.engine.build import memory_plan
 from tiered.plan import GRAD_LANDING_SLOTS
 from tiered.policy import Policy, Tier
 from tiered.sizes import align_up

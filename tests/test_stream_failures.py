@@ -14,7 +14,7 @@ from torch import nn
 
 import tiered
 from gpt import GPT, add_lora, next_token_loss
-from tiered.engine.engine import flat_units, memory_plan
+from tiered.engine.build import flat_units, memory_plan
 from tiered.plan import StateKind, hbm_working_set
 from tiered.engine.units import module_groups
 from tiered.policy import resolve

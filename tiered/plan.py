@@ -159,7 +159,9 @@ def read_ahead_slots(policy: Policy, max_shard: int) -> int:
     (two of the largest shard when null)."""
     if not policy.prefetch.enabled:
         return 1
-    shard_bytes = max(1, max_shard * policy.compute_dtype.torch_dtype.itemsize)
+    # Each buffer holds whole O_DIRECT blocks (Buffer.nbytes): counted so, they fit the limit.
+    shard_bytes = align_up(max(1, max_shard * policy.compute_dtype.torch_dtype.itemsize),
+                           BLOCK_ALIGN)
     if policy.prefetch.dram_bytes is None:
         return 2
     return max(1, policy.prefetch.dram_bytes // shard_bytes)
@@ -200,7 +202,7 @@ def grad_dtypes(policy: Policy, world_size: int) -> set[torch.dtype]:
 
 def hbm_working_set(policy: Policy, full_numels: list[int], unit_paths: list[str],
                     world_size: int, groups: list[int] | None = None,
-                    trained: list[bool] | None = None) -> int:
+                    trained: list[bool] | None = None, building: int | None = None) -> int:
     """Peak bytes of the engine's transient device buffers; ``unit_paths`` are the units' module
     paths, "" for the root and for the units gathered with it through the whole forward;
     ``groups``: units.module_groups (the halves of a split module), by default a unit each;
@@ -216,7 +218,9 @@ def hbm_working_set(policy: Policy, full_numels: list[int], unit_paths: list[str
     ``prefetch.hbm_bytes`` of units gathered ahead of need. Building a unit at start-up needs
     its fp32 flat copy and, for a model built under ``tiered.init``, the unit's parameters
     materialized on the device (fp32 at most): those of all the units built with it, which
-    are materialized at once.
+    are materialized at once. ``building`` is that peak as the engine measures it on the
+    model (a parameter tied across units materializes every module holding it); without it,
+    each module's own units are assumed.
     """
     compute = policy.compute_dtype.torch_dtype.itemsize
     root = sum(n for n, path in zip(full_numels, unit_paths) if path == "")
@@ -233,8 +237,8 @@ def hbm_working_set(policy: Policy, full_numels: list[int], unit_paths: list[str
     if world_size > 1:
         grad += largest * 4 * (compute != 4) + largest // world_size * 4
     grad *= GRAD_LANDING_SLOTS
-    startup = max(((sum(sizes) + max(sizes)) * 4
-                   for sizes in by_module(full_numels, groups)), default=0)
+    startup = building if building is not None else max(
+        ((sum(sizes) + max(sizes)) * 4 for sizes in by_module(full_numels, groups)), default=0)
     return max(gathered + grad + prefetch_limit(policy, full_numels, groups), startup)
 
 
@@ -282,7 +286,8 @@ class Placement:
 
 
 def _plan(policy: Policy, device: torch.device, placement: Placement, full_numels: list[int],
-          unit_paths: list[str], world_size: int, groups: list[int] | None) -> MemoryPlan:
+          unit_paths: list[str], world_size: int, groups: list[int] | None,
+          building: int | None) -> MemoryPlan:
     shards = {(unit, kind): Buffer(f"unit {unit} {kind.value}", tier,
                                    placement.shard_numels[unit], state_dtype(policy, kind))
               for (unit, kind), tier in placement.tiers.items()}
@@ -291,16 +296,16 @@ def _plan(policy: Policy, device: torch.device, placement: Placement, full_numel
         staging=staging_buffers(policy, device, placement, world_size),
         working_set=hbm_working_set(policy, full_numels, unit_paths, world_size, groups,
                                     [(unit, StateKind.GRAD) in placement.tiers
-                                     for unit in range(len(full_numels))]))
+                                     for unit in range(len(full_numels))], building))
 
 
 def build_plan(policy: Policy, device: torch.device, shard_numels: list[int],
                full_numels: list[int], unit_paths: list[str], world_size: int,
                dram_available: int | None = None,
                unit_kinds: list[list[StateKind]] | None = None,
-               groups: list[int] | None = None) -> MemoryPlan:
+               groups: list[int] | None = None, building: int | None = None) -> MemoryPlan:
     """The plan of ``policy``; ``unit_kinds``: the states of each unit (unit_state_kinds), by
-    default all of the policy's; ``groups``: see hbm_working_set. With ``dram.spill: nvme``,
+    default all of the policy's; ``groups`` and ``building``: see hbm_working_set. With ``dram.spill: nvme``,
     states placed in DRAM move to NVMe until what stays fits ``dram_available``: the optimizer
     states of the largest units first (read and written once per step), then their weights
     (read twice per step), never the gradients. Staging buffers for what moved are counted as
@@ -310,7 +315,8 @@ def build_plan(policy: Policy, device: torch.device, shard_numels: list[int],
     tiers = {(unit, kind): state_tier(policy, kind)
              for unit, kinds in enumerate(unit_kinds) for kind in kinds}
     placement = Placement(tiers, shard_numels)
-    plan = _plan(policy, device, placement, full_numels, unit_paths, world_size, groups)
+    plan = _plan(policy, device, placement, full_numels, unit_paths, world_size, groups,
+                 building)
     if policy.dram.spill is not Tier.NVME or dram_available is None:
         return plan
     weights = (StateKind.PARAM, StateKind.PARAM_NEXT)  # a unit's own, as below
@@ -323,5 +329,5 @@ def build_plan(policy: Policy, device: torch.device, shard_numels: list[int],
             if present and all(placement.tiers[(unit, k)] is Tier.DRAM for k in present):
                 placement = placement.moved(unit, present, Tier.NVME)
                 plan = _plan(policy, device, placement, full_numels, unit_paths, world_size,
-                             groups)
+                             groups, building)
     return plan

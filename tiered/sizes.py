@@ -27,7 +27,10 @@ def parse_size(value: object) -> int:
         if match and match.group(2).lower() in _UNITS:
             # Decimal, not float: float("8.2") * 10**6 is 8199999.999..., which int() truncated
             # to 8199999 bytes; decimal arithmetic gives the exact 8200000.
-            return int(Decimal(match.group(1)) * _UNITS[match.group(2).lower()])
+            number, unit = Decimal(match.group(1)), _UNITS[match.group(2).lower()]
+            if unit == 1 and number != number.to_integral_value():  # "0.5B" is no size
+                raise ValueError(f"a byte size is a whole number of bytes, got {value!r}")
+            return int(number * unit)
     raise ValueError(
         f"expected a byte size such as 4096, \"512MiB\" or \"1.5GB\", got {value!r} "
         f"(units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")

@@ -1,0 +1,153 @@
+"""Cutting a model into units and building them at ``initialize``: each unit's fp32 flat
+copy made (materialized and initialized under ``tiered.init``), broadcast from rank 0 and
+stored shard by shard in the tiers; and the memory plan those units need."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..checkpoint import pretrained
+from ..checkpoint.pretrained import PretrainedWeights
+from ..errors import TieredError
+from ..manager import TierManager
+from ..plan import MemoryPlan, build_plan, by_module, unit_state_kinds
+from ..policy import Policy
+from .collectives import ProcessGroup
+from .flat import FlatParam
+from .init import Materializer
+from .units import UnitSpec, find_units, module_groups
+
+
+def flat_units(model: nn.Module, policy: Policy, rank: int, world_size: int,
+               device: torch.device) -> list[FlatParam]:
+    """The model's units as the policy cuts it (units.py), each a flat parameter partitioned
+    over ``world_size`` ranks (still released: nothing is allocated)."""
+    units = policy.units
+    _refuse_renormalized_embeddings(model)
+    specs = find_units(model, units.classes, units.split_large, units.split_frozen)
+    _refuse_non_floating(specs)
+    return [FlatParam(spec, rank, world_size, policy.compute_dtype.torch_dtype, device)
+            for spec in specs]
+
+
+def _refuse_renormalized_embeddings(model: nn.Module) -> None:
+    """An embedding with ``max_norm`` renormalizes its weight in place in forward: here that
+    would write a gathered copy, never the master weights (and autograd refuses a view changed
+    in place), so the model would part from PyTorch's without a word."""
+    found = [name or "<root>" for name, module in model.named_modules()
+             if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None]
+    if found:
+        raise TieredError(f"{', '.join(found)}: an embedding with max_norm renormalizes its "
+                          f"weight in place during forward, which tiered cannot carry into the "
+                          f"master weights; drop max_norm, or renormalize the looked-up rows out "
+                          f"of place in forward")
+
+
+def _refuse_non_floating(specs: list[UnitSpec]) -> None:
+    """A parameter becomes part of a flat buffer in the compute dtype: an integer or bool one
+    (frozen: only floating tensors take gradients) would come back as floats, failing far from
+    here (an index table) or rounding silently (bf16 holds integers exactly only to 256)."""
+    wrong = [f"{param.names[0]} ({param.dtype})" for spec in specs for param in spec.params
+             if not param.dtype.is_floating_point]
+    if wrong:
+        raise TieredError(f"tiered keeps parameters as floating-point shards in the compute "
+                          f"dtype; these are not floating point: {', '.join(wrong)}. Register "
+                          f"them as buffers (module.register_buffer), which stay as they are")
+
+
+def memory_plan(policy: Policy, device: torch.device, flats: list[FlatParam],
+                dram_available: int | None = None, building: int | None = None) -> MemoryPlan:
+    """What ``policy`` places in each tier for these units, before anything is allocated
+    (with ``dram.spill: nvme``, given the DRAM available); ``building``: see
+    plan.hbm_working_set."""
+    # Units gathered through the whole forward are gathered as long as the root is.
+    paths = ["" if f.spec.whole_forward else f.spec.path for f in flats]
+    kinds = [unit_state_kinds(policy, f.has_trainable, [p.dtype for p in f.spec.params])
+             for f in flats]
+    return build_plan(policy, device, [f.shard_numel for f in flats],
+                      [f.padded_numel for f in flats], paths, flats[0].world_size,
+                      dram_available=dram_available, unit_kinds=kinds,
+                      groups=module_groups([f.spec for f in flats]), building=building)
+
+
+def built_together(flats: list[FlatParam]) -> list[list[FlatParam]]:
+    """The units in order, those of one module (the halves of a split one) in one list."""
+    return by_module(flats, module_groups([f.spec for f in flats]))
+
+
+@torch.no_grad()
+def place_buffers(model: nn.Module, compute_dtype: torch.dtype, group: ProcessGroup) -> None:
+    """Move the buffers to the compute device, with rank 0's values on every rank, as its
+    parameters have (:func:`partition`) and as DDP and FSDP's ``sync_module_states`` give:
+    buffers each rank built from its own random state (a fixed random projection, under
+    ``tiered.init`` too) would make the ranks train different models. BatchNorm's running
+    stats take the compute dtype (its kernel wants them in its weights' dtype, as after
+    ``model.to(dtype)``); other buffers keep theirs."""
+    for module in model.modules():
+        norm = isinstance(module, nn.modules.batchnorm._NormBase)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                dtype = compute_dtype if norm and buffer.is_floating_point() else None
+                module._buffers[name] = buffer.to(group.device, dtype)
+    if group.world_size == 1:
+        return
+    for buffer in model.buffers():  # a buffer shared by several modules once
+        if buffer.is_contiguous():
+            group.broadcast(buffer)
+        else:
+            contiguous = buffer.contiguous()
+            group.broadcast(contiguous)
+            buffer.copy_(contiguous)
+
+
+def building_bytes(built: list[FlatParam], materializer: Materializer) -> int:
+    """Device bytes while building these units (one module's): the parameters tiered.init
+    materializes for them on the device (through a tied parameter, other modules' too), and
+    one fp32 flat copy at a time, until the last shard is stored and the parameters dropped.
+    The first build bounds the later ones: those find some parameters materialized already."""
+    if not built:
+        return 0
+    return (max(f.padded_numel for f in built) * 4
+            + materializer.device_bytes([f.spec for f in built]))
+
+
+@torch.no_grad()
+def partition(flats: list[FlatParam], materializer: Materializer, manager: TierManager,
+               group: ProcessGroup, weights: PretrainedWeights | None) -> None:
+    """Build the units of one module (two halves when split), each an fp32 flat copy of which
+    this rank's shard is kept in the tiers; then drop the module's parameters.
+
+    Rank 0's values are broadcast, so every rank starts from the same model (as DDP does) even
+    when ranks built or initialized it with different random states. A unit ``weights`` build
+    alone (PretrainedWeights.reads_whole) is neither materialized nor broadcast: each rank
+    reads its own shard from them. In any other unit they overwrite what initialization gave.
+    """
+    built = [flat for flat in flats if weights is None or not weights.reads_whole(flat)]
+    specs = [flat.spec for flat in built]
+    building = building_bytes(built, materializer)
+    manager.hbm.usage.acquire(building, f"building unit {flats[-1].name}")
+    materializer.materialize(specs)
+    for flat in flats:
+        if flat in built:
+            full = torch.empty(flat.padded_numel, dtype=torch.float32, device=group.device)
+            flat.flatten(materializer.values(flat.spec), full)
+            group.broadcast(full)
+            shard = flat.own_shard(full)
+            del full
+        else:
+            shard = pretrained.shard_buffer(flat)  # every parameter's elements are read
+        if weights is not None:
+            if shard.device.type == "cuda":  # one copy each way, not one per run of elements
+                on_host = shard.cpu()  # (a tiled layer's tile is a run per row)
+                weights.fill(flat, on_host)
+                shard.copy_(on_host)
+            else:
+                weights.fill(flat, shard)
+        manager.store_weights(flat.spec.index, shard)
+        del shard
+    for flat in flats:
+        for param in flat.spec.params:
+            for module, attr in param.holders:
+                module._parameters.pop(attr, None)
+        flat.bind_placeholders()  # what a module holds while its unit is released
+    manager.hbm.usage.release(building)
