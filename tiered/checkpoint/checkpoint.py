@@ -73,7 +73,7 @@ def rank_file(rank: int) -> str:
 def save(engine, directory: str, tag: str | None) -> str:
     """Write a checkpoint of ``engine`` under ``directory`` (see the module note); returns its
     folder. Every rank must call it; a failure on any rank raises on every rank."""
-    runtime, group = engine.runtime, engine.runtime.group
+    group = engine.runtime.group
     _refuse_held_gradients(engine)
     state = engine.optimizer.checkpoint_state()
     tag = tag or f"step{state['steps_called']:08d}"
@@ -88,6 +88,21 @@ def save(engine, directory: str, tag: str | None) -> str:
         except OSError as error:
             failure = CheckpointError(f"cannot create {staging}: {error.strerror}")
     _all_or_raise(group, failure, f"rank 0 could not create {staging}")
+    try:
+        return _save_staged(engine, state, staging, directory, tag)
+    except BaseException:
+        # Interrupted (SIGTERM's SystemExit, Ctrl-C's KeyboardInterrupt; torchrun signals
+        # every rank) or failed part-way: what was staged is no checkpoint. Rank 0 alone
+        # removes it, as rank 0 alone commits it (a no-op once _commit has renamed it).
+        if group.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _save_staged(engine, state: dict, staging: str, directory: str, tag: str) -> str:
+    """Each rank writes its part into ``staging``; rank 0 commits it as ``directory/tag``."""
+    runtime, group = engine.runtime, engine.runtime.group
+    failure = None
     pending = set(state["pending"]["written"]) if state["pending"] else set()
     try:
         size, digest = _write_rank(engine, os.path.join(staging, rank_file(group.rank)), pending)
