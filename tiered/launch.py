@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 from .engine.engine import LAUNCHED_ENV
-from .errors import TieredError, UsageError
+from .errors import NvmeError, TieredError, UsageError
 from .limits import usable_cores
 from .policy import POLICY_ENV, Policy, resolve
 from .tiers.nvme import check_nvme_path
@@ -44,7 +45,13 @@ def policy_from_args(policy_file: str | None, nvme: str | None):
     overrides = {"nvme": {"path": os.path.abspath(nvme)}} if nvme else {}
     policy = resolve(policy_file, overrides)
     if policy.uses_nvme:
-        check_nvme_path(policy.nvme.path)
+        try:
+            check_nvme_path(policy.nvme.path)
+        except NvmeError as e:
+            if nvme or not policy_file:
+                raise
+            raise NvmeError(f"{policy_file}: nvme.path: {e}", errno=e.errno,
+                            path=e.path) from None
     return policy
 
 
@@ -133,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     if _single_node_without_rendezvous(args):
         args.standalone = True
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
@@ -143,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tiered-launch: {args.training_script} failed on {len(e.failures)} rank(s) "
               f"with exit code(s) {codes}; see the rank's error above", file=sys.stderr)
         return next((c for c in codes if c > 0), 1)
+    except SignalException as e:
+        # Ctrl-C or a scheduler's SIGTERM: torchrun has already stopped the ranks with it.
+        print(f"tiered-launch: stopped by {signal.Signals(e.sigval).name}; the ranks were "
+              f"stopped with it", file=sys.stderr)
+        return 128 + int(e.sigval)
     except (ValueError, AssertionError) as e:
         # The flags torchrun checks only as it starts, before any rank (the rendezvous backend,
         # --redirects, --local-ranks-filter, ...): its message is the clue, its stack is not.
