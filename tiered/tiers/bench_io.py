@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..report import format_table
-from ..sizes import align_up
+from ..sizes import align_up, format_size
 from .aio import IoEngine, IoSettings, host_buffer
 from .dram import BLOCK_ALIGN, PinnedSlabSource
 from .nvme import Extent, check_nvme_path
@@ -124,7 +124,7 @@ def _measure_single_stream(folder: str, size: int, buffer: torch.Tensor) -> Poin
     finally:
         extent.close()
         os.unlink(extent.path)
-    return Point("single stream, 8 MiB, 1 in flight", request, 1, write, read)
+    return Point(f"single stream, {format_size(request)}, 1 in flight", request, 1, write, read)
 
 
 def table(result: dict) -> str:
