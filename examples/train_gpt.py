@@ -59,6 +59,17 @@ def main() -> None:
     parser.add_argument("--save-pretrained", default=None, metavar="DIR",
                         help="export the trained weights as safetensors at the end")
     args = parser.parse_args()
+    for flag, value, least in (("--steps", args.steps, 0), ("--batch", args.batch, 1),
+                               ("--seq", args.seq, 2), ("--vocab", args.vocab, 1),
+                               ("--dim", args.dim, 1), ("--layers", args.layers, 1),
+                               ("--heads", args.heads, 1), ("--save-every", args.save_every, 0),
+                               ("--lora", args.lora, 0)):
+        if value < least:
+            parser.error(f"{flag} must be >= {least}, got {value}")
+    if args.dim % args.heads:
+        parser.error(f"--heads {args.heads} must divide --dim {args.dim}")
+    if (args.resume or args.save_every) and not args.checkpoint:
+        parser.error("--resume and --save-every need --checkpoint DIR")
 
     torch.manual_seed(0)
     with tiered.init(optimizer={"lr": args.lr}):
@@ -70,6 +81,8 @@ def main() -> None:
                                           strict=not args.lora)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if args.batch % world:
+        parser.error(f"--batch {args.batch} must be a multiple of the world size {world}")
     per_rank = args.batch // world
 
     def log(*parts):
