@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from test_launch import finish
 from tiered.engine.engine import LAUNCHED_ENV
 from tiered.policy import POLICY_ENV
 from tiered.sizes import parse_size
@@ -55,18 +56,8 @@ def launch(*args, env: dict[str, str] | None = None, **popen) -> subprocess.Pope
     return start(["-m", "tiered.launch", *args], env, **popen)
 
 
-def finish(process: subprocess.Popen, timeout: float = 180) -> subprocess.CompletedProcess:
-    with process:
-        try:
-            stdout, stderr = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            raise
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
-
-
 def finish_ok(process: subprocess.Popen) -> subprocess.CompletedProcess:
-    result = finish(process)
+    result = finish(process, timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -206,7 +197,8 @@ def interrupted(request, tmp_path_factory):
             time.sleep(0.002)
         else:
             process.kill()
-            pytest.fail(f"no save in progress seen: {finish(process).stderr[-2000:]}")
+            stderr = finish(process, timeout=180).stderr
+            pytest.fail(f"no save in progress seen: {stderr[-2000:]}")
         process.send_signal(getattr(signal, name))
     except BaseException:
         process.kill()
@@ -272,7 +264,7 @@ def bad_flag_runs():
     command line, side by side."""
     started = {key: start([EXAMPLE, *SMALL, "--steps", "1", *flags])
                for key, (flags, _) in BAD_EXAMPLE_FLAGS.items()}
-    return {key: finish(process) for key, process in started.items()}
+    return {key: finish(process, timeout=180) for key, process in started.items()}
 
 
 @pytest.mark.parametrize("case", list(BAD_EXAMPLE_FLAGS))
@@ -304,7 +296,7 @@ def test_check_policy_prints_every_config_as_a_policy_that_checks_to_itself(tmp_
                                            if f.name == "nvme.yaml" else [])) for f in files}
     tiers = {}
     for f, process in started.items():
-        result = finish(process)
+        result = finish(process, timeout=180)
         assert result.returncode == 0 and result.stderr == "", (f, result.stderr)
         printed = tmp_path / f"resolved-{f.name}"
         printed.write_text(result.stdout)
