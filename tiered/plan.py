@@ -305,11 +305,11 @@ def build_plan(policy: Policy, device: torch.device, shard_numels: list[int],
                unit_kinds: list[list[StateKind]] | None = None,
                groups: list[int] | None = None, building: int | None = None) -> MemoryPlan:
     """The plan of ``policy``; ``unit_kinds``: the states of each unit (unit_state_kinds), by
-    default all of the policy's; ``groups`` and ``building``: see hbm_working_set. With ``dram.spill: nvme``,
-    states placed in DRAM move to NVMe until what stays fits ``dram_available``: the optimizer
-    states of the largest units first (read and written once per step), then their weights
-    (read twice per step), never the gradients. Staging buffers for what moved are counted as
-    it moves."""
+    default all of the policy's; ``groups`` and ``building``: see hbm_working_set. With
+    ``dram.spill: nvme``, states placed in DRAM move to NVMe until what stays fits
+    ``dram_available``: the optimizer states of the largest units first (read and written once
+    per step), then their weights (read twice per step), never the gradients. Staging buffers
+    for what moved are counted as it moves."""
     if unit_kinds is None:
         unit_kinds = [state_kinds(policy)] * len(shard_numels)
     tiers = {(unit, kind): state_tier(policy, kind)

@@ -89,8 +89,7 @@ class TieredEngine:
         return self.runtime.manager
 
     def __call__(self, *args, **kwargs):
-        self._refuse_if_closed()
-        self._refuse_if_half_loaded()
+        self._refuse_unless_whole()
         # An update that failed part-way may have written some of its new weights (those
         # written in place, or before another state's write failed): compute on none of them.
         self.runtime.worker.raise_if_failed()
@@ -144,8 +143,7 @@ class TieredEngine:
         """Consolidated fp32 weights (and buffers) as CPU tensors under the keys of the original
         ``model.state_dict()``, on every rank; tied parameters share one tensor, as in torch.
         A module's extra state is there as its ``get_extra_state()`` gives it."""
-        self._refuse_if_closed()
-        self._refuse_if_half_loaded()
+        self._refuse_unless_whole()
         values = {name: value.detach().cpu() if isinstance(value, torch.Tensor) else value
                   for name, value in nn.Module.state_dict(self.module).items()}
         for flat, full in self.consolidated_units():
@@ -168,8 +166,7 @@ class TieredEngine:
         gathered from every rank, one unit at a time, as a CPU tensor on every rank (the device
         copy is counted against the HBM budget while it exists), after any pending update.
         Every rank must iterate to the end: each unit is a collective."""
-        self._refuse_if_closed()
-        self._refuse_if_half_loaded()
+        self._refuse_unless_whole()
         self.optimizer.synchronize()
         group, usage = self.runtime.group, self.manager.hbm.usage
         for flat in self.runtime.flats:
@@ -190,8 +187,7 @@ class TieredEngine:
     def save_checkpoint(self, directory: str, tag: str | None = None) -> str:
         """Save every tier's state under ``directory/tag`` (default tag: ``step<N>``), atomically,
         each rank its own part; returns the folder. Call it on every rank."""
-        self._refuse_if_closed()
-        self._refuse_if_half_loaded()
+        self._refuse_unless_whole()
         return checkpoint.save(self, directory, tag)
 
     def load_checkpoint(self, directory: str, tag: str | None = None) -> str:
@@ -205,8 +201,7 @@ class TieredEngine:
         """Consolidated weights as (sharded) safetensors with an index, in the layout Hugging
         Face's ``from_pretrained`` reads, streamed unit by unit; ``dtype`` is fp32 (the master
         weights) or the dtype to cast them to. Call it on every rank; rank 0 writes."""
-        self._refuse_if_closed()
-        self._refuse_if_half_loaded()
+        self._refuse_unless_whole()
         return export.save_pretrained(self, directory, dtype, max_shard_bytes)
 
     def load_state_dict(self, state_dict, strict: bool = True,
@@ -248,7 +243,10 @@ class TieredEngine:
             self._half_loaded = f"{what} failed part-way ({error})"
             raise
 
-    def _refuse_if_half_loaded(self) -> None:
+    def _refuse_unless_whole(self) -> None:
+        """What computes on, reads or saves the states refuses after ``close()`` and after a
+        load that failed part-way (a new load is what may follow that)."""
+        self._refuse_if_closed()
         if self._half_loaded is not None:
             raise TieredError(f"{self._half_loaded}: this engine holds some loaded states and "
                               f"some older ones; load a checkpoint or weights again")

@@ -192,7 +192,7 @@ class UnitHooks:
             if packed.epoch != self.runtime.weights_epoch:
                 raise TieredError(
                     f"this backward needs weights of unit {flat.name} as its forward read them, "
-                    f"but optimizer.step() (or a checkpoint load) changed them since; PyTorch "
+                    f"but optimizer.step() or a load changed them since; PyTorch "
                     f"refuses this too (a variable modified by an inplace operation): call "
                     f"backward before optimizer.step()")
             self._enter_backward()

@@ -43,7 +43,8 @@ class ReleasedWeight(torch.Tensor):
                 return func(*args, **(kwargs or {}))
         name, unit = next(leaf.released_from for leaf in tree_leaves((args, kwargs))
                           if isinstance(leaf, ReleasedWeight))
-        if func is torch.Tensor.requires_grad_ or getattr(func, "__self__", None) is _REQUIRES_GRAD:
+        freezing = getattr(func, "__self__", None) is _REQUIRES_GRAD  # p.requires_grad = x
+        if func is torch.Tensor.requires_grad_ or freezing:
             raise TieredError(
                 f"{name}: requires_grad cannot change after tiered.initialize, which fixed "
                 f"which parameters train (unit {unit}); set requires_grad before initialize")

@@ -44,9 +44,10 @@ class TieredAdamW(torch.optim.Optimizer):
     """AdamW with ``torch.optim.AdamW``'s semantics, stepped where the optimizer states live.
 
     ``param_groups[0]["params"]`` stand for the units' flat parameters (one per unit, as FSDP's
-    flat parameters): shape and dtype only, since the values live in the tiers. Each of the policy's ``optimizer.param_groups`` is one more group, whose
-    ``match`` says which parameters it steps, inside those flat parameters (its ``params`` is
-    empty); the rest are group 0's. Which parameters a group holds is fixed at ``initialize``
+    flat parameters): shape and dtype only, since the values live in the tiers. Each of the
+    policy's ``optimizer.param_groups`` is one more group, whose ``match`` says which
+    parameters it steps, inside those flat parameters (its ``params`` is empty); the rest are
+    group 0's. Which parameters a group holds is fixed at ``initialize``
     (editing ``match`` later changes nothing). Each group's ``lr``, ``betas``, ``eps`` and
     ``weight_decay`` are read when a step is taken, so assigning ``param_groups[g]["lr"]`` or
     using a torch LR scheduler works as in PyTorch.
