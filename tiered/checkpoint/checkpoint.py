@@ -80,15 +80,15 @@ def save(engine, directory: str, tag: str | None) -> str:
     _check_tag(tag)
     staging = os.path.join(directory, f".{tag}.tmp")
     failure = None
-    if group.rank == 0:
-        try:
-            os.makedirs(directory, exist_ok=True)
-            shutil.rmtree(staging, ignore_errors=True)  # left by a save that crashed
-            os.mkdir(staging)
-        except OSError as error:
-            failure = CheckpointError(f"cannot create {staging}: {error.strerror}")
-    _all_or_raise(group, failure, f"rank 0 could not create {staging}")
-    try:
+    try:  # from the folder's creation on: a signal may come at any point of it
+        if group.rank == 0:
+            try:
+                os.makedirs(directory, exist_ok=True)
+                shutil.rmtree(staging, ignore_errors=True)  # left by a save that crashed
+                os.mkdir(staging)
+            except OSError as error:
+                failure = CheckpointError(f"cannot create {staging}: {error.strerror}")
+        _all_or_raise(group, failure, f"rank 0 could not create {staging}")
         return _save_staged(engine, state, staging, directory, tag)
     except BaseException:
         # Interrupted (SIGTERM's SystemExit, Ctrl-C's KeyboardInterrupt; torchrun signals
