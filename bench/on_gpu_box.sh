@@ -2,12 +2,11 @@
 # The GPU-box checks, one stage per call so each fits the box's 10-minute command limit:
 #   bash bench/on_gpu_box.sh tests|offload|variants|hbm|tiled|io|nvme|large|clip|cpu|lora|load [OUT]
 # Each stage prints its table last and keeps logs and timelines in OUT (default ./gpu-out).
-# Stage times measured on the H100 box (16 cores, 125 GiB, 64 GiB free disk): tests 1.8 min,
-# offload 8.4 min, nvme 3.6 min, large 6.1 min; tests+tiled+io together 5.8 min. Estimated:
-# variants 7 min, hbm 5 min, clip 4 min, cpu 4 min, lora 6 min, load 8 min. Every tiered process spends
-# about 100 s in setup there, 57-72 s of it compiling the one-pass AdamW: inductor's on-disk
-# cache did not spare the later processes (on the development machine, torch 2.13, a second
-# process compiles in 2.4 s; the cpu stage checks it on the box).
+# Stage times measured on the H100 box (16 cores, 125 GiB, 64 GiB free disk), tenth session:
+# tests 2.7 min, cpu 1.6 min, offload 6.3 min, lora 5 min, tiled 1.4 min, io 1.7 min; fourth
+# session: nvme 3.6 min, large 6.1 min. Estimated: variants 5 min, hbm 5 min, clip 4 min, load
+# 8 min. Every tiered process spends 50-95 s in setup there, 25-36 s of it compiling the one-pass
+# AdamW (inductor's cache hits, yet the compile stays 25 s; 2.4 s on the development machine).
 set -o pipefail
 stage=${1:?stage: tests, offload, variants, hbm, tiled, io, nvme, large, clip, cpu, lora or load}
 out=${2:-gpu-out}
@@ -27,11 +26,10 @@ offload)  # issue 3: batch 4 and 8, DPU off and on, beside the GPU-resident and 
     for trace in "$out"/trace_*.json; do  # what limits each step (bench/trace_summary.py)
         echo "== $trace"; python bench/trace_summary.py "$trace"
     done | tee "$out/traces.txt" ;;
-variants)  # issue 3: the CPU update on huge pages, and on 14 threads (OpenMP's static
-    # schedule waits for its slowest thread: 15 beside the training thread fill the 16 cores,
-    # so any other thread delays a whole unit), end to end (run the cpu stage first)
+variants)  # issue 3: the CPU update's thread count end to end: the default (14 of 16 cores
+    # with a GPU since the tenth session, 0.693 s against 0.802 s on 15) against 13 and 15
     python bench/bench_offload.py --batches 8 --steps 7 --warmup 3 --out "$out/variants.json" \
-        --modes tiered:cpu+dpu,tiered:cpu+dpu+thp,tiered:cpu+dpu+threads14,tiered:cpu+arrive+thp \
+        --modes tiered:cpu+dpu,tiered:cpu+dpu+threads13,tiered:cpu+dpu+threads15 \
         2>&1 | grep -v -e Warning -e _conversion | tee "$out/variants.log" ;;
 hbm)  # issue 3: what sets peak HBM at batch 8 (units.split_large off, prefetch depth 1)
     python bench/bench_offload.py --batches 8 --steps 7 --warmup 3 --out "$out/hbm.json" \

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from tiered import TieredError
+from tiered.optim import workers
 from tiered.optim.workers import CpuWorker
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -104,3 +105,17 @@ def test_a_compile_setting_that_cannot_be_copied_costs_a_warning_not_the_worker(
     worker.drain()
     worker.close()
     assert done == [True]
+
+
+@pytest.mark.parametrize("cores, ranks, drives_gpu, expected", [
+    (16, 1, True, 14),    # the H100 box: 14 threads measured faster than 15 (bench/RESULTS.md)
+    (16, 1, False, 16),   # on the CPU the training thread takes turns with the worker
+    (16, 8, True, 1),     # a share of 2 cores still gets one optimizer thread
+    (16, 4, True, 2),
+    (3, 1, True, 1),
+])
+def test_the_default_pool_leaves_a_gpu_rank_two_cores_of_its_share(
+        monkeypatch, cores, ranks, drives_gpu, expected):
+    monkeypatch.setattr(workers, "usable_cores", lambda: cores)
+    assert workers.optimizer_threads(None, drives_gpu, ranks) == expected
+    assert workers.optimizer_threads(5, drives_gpu, ranks) == min(5, cores)

@@ -237,7 +237,8 @@ class LossScalePolicy:
 class CpuPolicy:
     optimizer_threads: int | None = field(default=None, metadata=optional(as_whole_number))
     """Threads of the CPU optimizer worker; null = the cores this rank may use (affinity and
-    cgroup quota), less one for the training thread when it drives a GPU."""
+    cgroup quota), less two when it drives a GPU (the training thread's and the driver's; see
+    optim.workers.optimizer_threads)."""
 
     def __post_init__(self):
         if self.optimizer_threads is not None and self.optimizer_threads < 1:

@@ -23,14 +23,23 @@ from ..limits import usable_cores
 def optimizer_threads(requested: int | None, drives_gpu: bool, ranks_on_node: int) -> int:
     """The worker's intra-op threads: as asked (at most the usable cores), else this rank's
     share of the usable cores, which the node's ranks share (as tiered-launch shares them for
-    OMP_NUM_THREADS), but the one the training thread needs to keep a GPU fed (on the CPU the
-    two take turns with the same cores). Without the share, every rank's worker took every
-    core: 8 ranks ran 8 threads per core."""
+    OMP_NUM_THREADS), less two cores when the rank drives a GPU: one for the training thread
+    that keeps the GPU fed, one for the CUDA driver's and the copy streams' host threads. The
+    one-pass AdamW's loop has OpenMP's static schedule, so a unit's step waits for its slowest
+    thread: when the optimizer fills every other core, whichever thread the driver preempts
+    delays the whole unit. On the H100 box (16 cores) 14 threads ran the delayed update's
+    step in 0.693 s against 0.802 s on 15 (bench/RESULTS.md, tenth session). On the CPU the
+    training thread and the worker take turns with the same cores. Without the share, every
+    rank's worker took every core: 8 ranks ran 8 threads per core."""
     cores = usable_cores()
     if requested is not None:
         return min(requested, cores)
     share = max(1, cores // ranks_on_node)
-    return max(1, share - 1) if drives_gpu else share
+    return max(1, share - GPU_RESERVED_CORES) if drives_gpu else share
+
+
+GPU_RESERVED_CORES = 2
+"""Cores of a GPU rank's share left to the training thread and the driver (see above)."""
 
 
 class CpuWorker:
