@@ -478,8 +478,16 @@ def test_a_failed_write_in_optimizer_step_keeps_the_last_good_state(tmp_path):
         # (the first one stepped, written before the failure) advanced in all three.
         changed = {i for i in units if not torch.equal(read_state(manager, i, StateKind.MASTER),
                                                        good[(i, StateKind.MASTER)])}
-        first = engine.runtime.forward_order(list(units))[0]  # the first the forward needs
+        # Units are stepped in the order the forward needs them: the first one's writes went
+        # through, the second one's master write is the one that failed.
+        first, failing = engine.runtime.forward_order(list(units))[:2]
         assert first in changed, "the first unit's step was lost"
+        # The failing unit holds, byte for byte and on the same extents, what it held before
+        # the step: a failed write (or its unit's other versions) must never become current.
+        for kind in OPTIMIZER_STATES:
+            assert torch.equal(read_state(manager, failing, kind).view(torch.uint8),
+                               good[(failing, kind)].view(torch.uint8)), (failing, kind)
+            assert manager.shards[(failing, kind)].file.extent is extents[(failing, kind)]
         assert len(changed) < len(units), "no unit kept its state"
         for i in units:
             for kind in OPTIMIZER_STATES:
