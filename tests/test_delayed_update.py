@@ -121,9 +121,20 @@ def test_eval_finishes_the_pending_update():
     optimizer.step()  # returns at once: the update runs behind
     with torch.no_grad():
         after = next_token_loss(engine.eval()(idx), idx).item()
-    before = next_token_loss(make_model()(idx), idx).item()
-    assert after != before, "eval ran on the weights from before the step"
+    state = engine.full_state_dict()
     engine.close()
+    # The rule's first step (a gradient at theta_0 applied to theta_0) is AdamW's own step:
+    # eval must run on all of theta_1, not on the weights of before it or a mix of the two.
+    model = make_model()
+    before = next_token_loss(model(idx), idx)
+    before.backward()
+    reference = torch.optim.AdamW(model.parameters(), **OPTIM)
+    reference.step()
+    with torch.no_grad():
+        expected = next_token_loss(model(idx), idx).item()
+    assert expected != pytest.approx(before.item(), rel=1e-6)  # the step shows in the loss
+    assert after == pytest.approx(expected, rel=1e-6), "eval ran on other weights than theta_1"
+    assert_matches(state, [], model.state_dict(), [], world=1)
 
 
 def test_fp16_overflow_under_delay_skips_that_update():
