@@ -221,7 +221,7 @@ def test_a_full_disk_during_save_keeps_the_previous_checkpoint(tmp_path):
         (disk / "filler").write_bytes(b"\0" * (free - 20_000))  # no room for another one
         with pytest.raises(tiered.CheckpointError, match="cannot write .*No space left"):
             engine.save_checkpoint(str(disk), "second")
-        assert sorted(os.listdir(disk)) == ["filler", "first", "latest"]
+        assert sorted(os.listdir(disk)) == [".owner.lock", "filler", "first", "latest"]
         assert (disk / "latest").read_text() == "first"
         engine.load_checkpoint(str(disk))
         loaded = engine.full_state_dict()

@@ -151,7 +151,7 @@ def test_a_save_between_backward_and_step_is_refused(accumulation_steps, tmp_pat
         (next_token_loss(engine(idx), idx) / 2).backward()
     with pytest.raises(tiered.CheckpointError, match="optimizer.step"):
         engine.save_checkpoint(str(tmp_path / "ckpt"), "mid")
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["good", "latest"]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == [".owner.lock", "good", "latest"]
     optimizer.step()  # the refusal changed nothing: the step goes on as usual
     optimizer.zero_grad()
     engine.save_checkpoint(str(tmp_path / "ckpt"), "after")  # after a step: allowed
@@ -261,7 +261,8 @@ def test_a_file_size_limit_during_save_keeps_the_previous_checkpoint(tmp_path):
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "refused:" in done.stdout and "File too large" in done.stdout, done.stdout
-    assert sorted(os.listdir(ckpt)) == ["first", "latest"]  # nothing half-written is left
+    # Nothing half-written is left (the lock file is the folder's owner's: folder.py).
+    assert sorted(os.listdir(ckpt)) == [".owner.lock", "first", "latest"]
     engine, _ = gpt_engine()
     engine.load_checkpoint(ckpt)
     assert_same_state(torch.load(first, weights_only=True), engine.full_state_dict())

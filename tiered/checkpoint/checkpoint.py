@@ -33,14 +33,22 @@ units: each rank saves its own, a load at the same world size restores each rank
 another rank 0's; an extra state that is not a tensor goes into the manifest as JSON (rank
 0's). Gradients are not saved, so a save between a backward and its ``optimizer.step()`` is
 refused (a load would resume without them). Saves
-and loads agree across ranks: a failure on one raises on all, and a load checks every file and
-entry it will read before it stores anything.
+and loads agree across ranks: a failure on one raises on all (agreement.py), and a load checks
+every file and entry it will read before it stores anything: the manifest's fields, their
+types and ranges (manifest.py), each rank file's kind and size before its hash.
+
+One job at a time writes into a folder: its first save or load there checks the folder
+(folder.check_folder) and takes it, refusing one a live job holds and removing what dead jobs
+staged ([Note: one job per checkpoint folder] in folder.py); the engine's close gives it back.
+A load without ``tag`` takes the one ``latest`` names, or the newest complete checkpoint where
+``latest`` is missing or empty ([Note: a load without 'latest'] in latest.py).
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import stat
 import warnings
 
 import torch
@@ -48,26 +56,14 @@ import torch
 from .. import __version__
 from ..plan import OPTIMIZER_STATES, StateKind
 from . import layout
+from .agreement import all_or_raise
+from .folder import check_folder, claim, release_folders
 from .format import CheckpointError, Entry, Reader, Writer, file_digest
+from .latest import LATEST, MANIFEST, check_tag, chosen_tag, complete_tags
+from .manifest import FORMAT_VERSION, rank_file, read_manifest
 from .pretrained import EXTRA_STATE, extra_state_module, persistent_buffers, store_model_state
 
-FORMAT_VERSION = 3
-"""2 added ``optimizer.group_hypers`` (the hyperparameters of each param group after group 0)
-and ``frozen`` (the names of the frozen parameters). 3: a unit of frozen parameters only has
-no moments, and where it keeps no fp32 masters its compute-dtype weights are saved instead
-(plan.unit_state_kinds); each unit lists its parameters, so a load maps them by name into
-units cut otherwise (layout.py). Buffers and extra states were added within 3 (``buffer.*``
-and ``extra.*`` entries, the manifest's ``extra_states``): a reader of 3 ignores them, and a
-checkpoint without them leaves the model's as they are. So was ``tiles``, each tiled layer's
-cut (layout.tile_grids), which a load under another tiling reads; without it a tiled layer
-loads into the same tiles only."""
-READABLE_FORMATS = (1, 2, 3)
-MANIFEST = "manifest.json"
-LATEST = "latest"
-
-
-def rank_file(rank: int) -> str:
-    return f"rank{rank:05d}.safetensors"
+__all__ = ["save", "load", "check_folder", "release_folders", "FORMAT_VERSION", "rank_file"]
 
 
 def save(engine, directory: str, tag: str | None) -> str:
@@ -77,18 +73,18 @@ def save(engine, directory: str, tag: str | None) -> str:
     _refuse_held_gradients(engine)
     state = engine.optimizer.checkpoint_state()
     tag = tag or f"step{state['steps_called']:08d}"
-    _check_tag(tag)
+    check_tag(tag)
     staging = os.path.join(directory, f".{tag}.tmp")
+    _own_folder(engine, directory, create=True)  # before the try: a live owner's staging stays
     failure = None
-    try:  # from the folder's creation on: a signal may come at any point of it
+    try:  # from the staging folder's creation on: a signal may come at any point of it
         if group.rank == 0:
             try:
-                os.makedirs(directory, exist_ok=True)
-                shutil.rmtree(staging, ignore_errors=True)  # left by a save that crashed
+                shutil.rmtree(staging, ignore_errors=True)  # left by a save that failed here
                 os.mkdir(staging)
             except OSError as error:
                 failure = CheckpointError(f"cannot create {staging}: {error.strerror}")
-        _all_or_raise(group, failure, f"rank 0 could not create {staging}")
+        all_or_raise(group, failure, f"rank 0 could not create {staging}")
         return _save_staged(engine, state, staging, directory, tag)
     except BaseException:
         # Interrupted (SIGTERM's SystemExit, Ctrl-C's KeyboardInterrupt; torchrun signals
@@ -135,19 +131,23 @@ def _save_staged(engine, state: dict, staging: str, directory: str, tag: str) ->
             _commit(staging, folder, manifest, directory, tag)
         except OSError as error:
             failure = CheckpointError(f"cannot complete {folder}: {error.strerror}")
-    _all_or_raise(group, failure, f"rank 0 could not complete {folder}")
+    all_or_raise(group, failure, f"rank 0 could not complete {folder}")
     return folder
 
 
-def _check_tag(tag: str) -> None:
-    """A tag is one folder's plain name, which ``latest`` gives back as written. Checked on
-    every rank alike, before anything is created: a name the OS refuses (a NUL byte raises
-    ValueError, not OSError) would fail on rank 0 alone, the others waiting in a collective."""
-    if (tag.startswith(".") or tag == LATEST or tag != tag.strip()  # _latest strips
-            or any(sep and sep in tag for sep in ("/", os.sep, os.altsep))
-            or any(ord(c) < 32 or c == "\x7f" for c in tag)):
-        raise CheckpointError(f"checkpoint tag {tag!r}: use a plain folder name (letters, "
-                              f"digits, '-' or '_'; not starting with '.', not {LATEST!r})")
+def _own_folder(engine, directory: str, create: bool) -> None:
+    """At every save and load, before anything is read or written: ``directory`` can hold
+    checkpoints, and this job owns it (folder.claim, on rank 0; the same error on every
+    rank)."""
+    group = engine.runtime.group
+    failure = None
+    try:
+        check_folder(directory)
+        if group.rank == 0:
+            claim(engine, directory, create, group.world_size)
+    except CheckpointError as error:
+        failure = error
+    all_or_raise(group, failure)
 
 
 def _refuse_held_gradients(engine) -> None:
@@ -184,12 +184,6 @@ def _json_extra_states(engine) -> dict[str, object]:
             continue
         out[key] = value
     return out
-
-
-def _all_or_raise(group, failure: BaseException | None, elsewhere: str) -> None:
-    """A collective: raise on every rank if any failed (its own error where it has one)."""
-    if not group.agree(failure is None):
-        raise failure or CheckpointError(elsewhere)
 
 
 def _write_rank(engine, path: str, pending: set[int]) -> tuple[int, str]:
@@ -279,19 +273,23 @@ def _fsync_dir(path: str) -> None:
 
 
 def load(engine, directory: str, tag: str | None) -> str:
-    """Load the checkpoint ``tag`` (default: ``latest``) of ``directory`` into ``engine``, which
-    may have another world size, policy or cut into units than the one that saved it, but the
-    same model, the same ``optimizer.param_groups``, one AdamW step count per unit and no
-    parameter unfrozen in a unit that has stepped (layout.unit_steps);
-    returns the tag. Every rank must call it: each checks what it will read first, and if any
-    rank cannot use the checkpoint, every rank raises before anything is changed."""
+    """Load the checkpoint ``tag`` (default: ``latest``, or where it is missing or empty the
+    newest complete one: latest.py) of ``directory`` into ``engine``, which may have another
+    world size, policy or cut into units than the one that saved it, but the same model, the
+    same ``optimizer.param_groups``, one AdamW step count per unit and no parameter unfrozen
+    in a unit that has stepped (layout.unit_steps); returns the tag. Every rank must call it:
+    each checks what it will read first, and if any rank cannot use the checkpoint, every
+    rank raises before anything is changed."""
     group = engine.runtime.group
     engine.runtime.worker.drain()  # a delayed update may still be writing the shards
+    if tag is not None:
+        check_tag(tag)
+    _own_folder(engine, directory, create=False)
     failure, readers = None, {}
     try:
-        tag = tag or _latest(directory)
+        tag = tag or chosen_tag(directory, _steps_of, say=group.rank == 0)
         folder = _complete_folder(directory, tag)
-        manifest = _read_manifest(folder)
+        manifest = read_manifest(folder)
         runs = layout.segments(engine.runtime.flats, manifest["units"], manifest.get("tiles"))
         _check_param_groups(manifest, engine)
         steps = layout.unit_steps(engine.runtime.flats, runs, manifest["units"],
@@ -305,10 +303,10 @@ def load(engine, directory: str, tag: str | None) -> str:
         _check_rng(readers[rank_file(group.rank)] if same_world else None)
         model_state = _read_model_state(
             engine, manifest, readers[rank_file(group.rank if same_world else 0)])
-    except CheckpointError as error:
+    except Exception as error:  # any, a bug's too: the other ranks wait in all_or_raise
         failure = error
     try:
-        _all_or_raise(group, failure, "another rank cannot use the checkpoint; nothing loaded")
+        all_or_raise(group, failure, "another rank cannot use the checkpoint; nothing loaded")
         with engine.replacing_states(f"loading checkpoint {folder}"):
             _load_states(engine, manifest, reads, steps,
                          readers[rank_file(group.rank)] if same_world else None)
@@ -319,12 +317,8 @@ def load(engine, directory: str, tag: str | None) -> str:
     return tag
 
 
-def _latest(directory: str) -> str:
-    try:
-        with open(os.path.join(directory, LATEST)) as f:
-            return f.read().strip()
-    except OSError:
-        raise CheckpointError(f"no checkpoint in {directory} (no '{LATEST}' file)") from None
+def _steps_of(folder: str) -> int:
+    return read_manifest(folder)["optimizer"]["steps_called"]
 
 
 def _complete_folder(directory: str, tag: str) -> str:
@@ -337,33 +331,8 @@ def _complete_folder(directory: str, tag: str) -> str:
         return aside
     if not os.path.isdir(folder):  # most likely a typo: say what there is
         raise CheckpointError(f"no checkpoint {tag!r} in {directory}; it holds "
-                              f"{', '.join(_tags(directory)) or 'none'}")
+                              f"{', '.join(complete_tags(directory)) or 'none'}")
     return folder
-
-
-def _tags(directory: str) -> list[str]:
-    """The complete checkpoints of ``directory`` (folders with a manifest), by name."""
-    try:
-        names = sorted(os.listdir(directory))
-    except OSError:
-        return []
-    return [name for name in names if not name.startswith(".")
-            and os.path.isfile(os.path.join(directory, name, MANIFEST))]
-
-
-def _read_manifest(folder: str) -> dict:
-    path = os.path.join(folder, MANIFEST)
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"{folder} is not a complete checkpoint (no {MANIFEST})") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot be read: {e}") from None
-    if manifest.get("format") not in READABLE_FORMATS:
-        raise CheckpointError(f"{path}: format {manifest.get('format')!r}; this tiered reads "
-                              f"formats {', '.join(map(str, READABLE_FORMATS))}")
-    return manifest
 
 
 def _check_param_groups(manifest: dict, engine) -> None:
@@ -381,21 +350,43 @@ def _check_param_groups(manifest: dict, engine) -> None:
 
 
 def _open_verified(folder: str, manifest: dict, names: list[str]) -> dict[str, Reader]:
+    """Open the rank files ``names``, each checked against the manifest first: its kind and
+    size before its hash (a link to ``/dev/zero`` would be hashed for ever), then its sha256.
+    Any that is not usable closes those opened."""
     readers = {}
-    for name in names:
-        path = os.path.join(folder, name)
-        expected = manifest["files"].get(name)
-        if expected is None or not os.path.exists(path):
-            raise CheckpointError(f"{path}: missing from the checkpoint")
-        size, digest = file_digest(path)
-        if size != expected["size"]:
-            raise CheckpointError(f"{path}: {size} bytes, the manifest says {expected['size']} "
-                                  f"(truncated?)")
-        if digest != expected["sha256"]:
-            raise CheckpointError(f"{path}: sha256 {digest} differs from the manifest's "
-                                  f"{expected['sha256']} (corrupted)")
-        readers[name] = Reader(path)
+    try:
+        for name in names:
+            readers[name] = _open_one(folder, manifest, name)
+    except BaseException:
+        for reader in readers.values():
+            reader.close()
+        raise
     return readers
+
+
+def _open_one(folder: str, manifest: dict, name: str) -> Reader:
+    path = os.path.join(folder, name)
+    expected = manifest["files"].get(name)
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        found = None
+    if expected is None or found is None:
+        raise CheckpointError(f"{path}: missing from the checkpoint")
+    if not stat.S_ISREG(found.st_mode):
+        kind = "a folder" if stat.S_ISDIR(found.st_mode) else "a device, FIFO or socket"
+        raise CheckpointError(f"{path}: is {kind}, not a regular file as a rank file is")
+    if found.st_size != expected["size"]:
+        raise CheckpointError(f"{path}: {found.st_size} bytes, the manifest says "
+                              f"{expected['size']} (truncated?)")
+    try:
+        _, digest = file_digest(path)
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot be read: {error.strerror}") from None
+    if digest != expected["sha256"]:
+        raise CheckpointError(f"{path}: sha256 {digest} differs from the manifest's "
+                              f"{expected['sha256']} (corrupted)")
+    return Reader(path)
 
 
 def _plan_reads(engine, manifest: dict, readers: dict[str, Reader],

@@ -268,6 +268,7 @@ class TieredEngine:
                 self.module.__dict__.pop(name, None)
             self._finalizer()
             self._closed = True
+            checkpoint.release_folders(self)  # the checkpoint folders it owns, for other jobs
 
 
 def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = True,
