@@ -128,8 +128,9 @@ def test_resume_at_another_world_size_saves_on_and_ends_where_an_uninterrupted_r
     # uninterrupted one-rank run prints it, up to the rounding that two ranks' bf16 sums bring.
     assert abs(float(other[20]) - float(losses(done["whole1"].stdout)[20])) < 0.02
     ck = root / "ck-other"
-    assert sorted(p.name for p in ck.iterdir()) == ["latest", "step00000007", "step00000010",
-                                                    "step00000015", "step00000020"]
+    assert sorted(p.name for p in ck.iterdir()) == [".owner.lock", "latest", "step00000007",
+                                                    "step00000010", "step00000015",
+                                                    "step00000020"]
     assert (ck / "latest").read_text().strip() == "step00000020"
     manifest = json.loads((ck / "step00000020" / "manifest.json").read_text())
     assert manifest["world_size"] == 1 and manifest["optimizer"]["steps_called"] == 20
@@ -236,7 +237,8 @@ def test_interrupted_save_leaves_no_partial_checkpoint(interrupted):
     not a crash: it unwinds through save_checkpoint, which can remove what it staged. What is
     left must be complete checkpoints, not a hidden folder with part of one."""
     _, _, _, _, ck, _ = interrupted
-    partial = sorted(n for n in os.listdir(ck) if n.startswith("."))
+    # The lock file is the job's claim on the folder (checkpoint/folder.py), not a checkpoint.
+    partial = sorted(n for n in os.listdir(ck) if n.startswith(".") and n != ".owner.lock")
     assert partial == [], [(n, sorted(os.listdir(ck / n))) for n in partial]
 
 
