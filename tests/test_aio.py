@@ -525,16 +525,15 @@ def bench_io_cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_bench_io_sweeps_every_point_with_repeats_and_leaves_nothing_behind(tmp_path):
     result = bench_io_cli("--nvme", str(tmp_path), "--size", "8MiB", "--sweep-size", "4MiB",
-                          "--repeats", "2")
+                          "--repeats", "2", "--json")
     assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = json.loads(result.stdout)
     assert report["repeats"] == 2 and report["size"] == 8 << 20
     labels = [point["label"] for point in report["sweep"]]
     assert len(labels) == 6 * 3 + 1 and labels[-1] == "policy settings, in the sweep"
     assert all(p["write_gbps"] > 0 and p["read_gbps"] > 0 for p in report["sweep"])
     best_read = max(p["read_gbps"] for p in report["sweep"][:-1])
     assert report["engine_vs_best_sweep"]["read"] == report["sweep"][-1]["read_gbps"] / best_read
-    assert "policy settings / best of sweep" in result.stdout
     assert list(tmp_path.iterdir()) == []  # its files and folder are removed
 
 

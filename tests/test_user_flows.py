@@ -323,9 +323,9 @@ def test_check_policy_names_the_file_and_key_of_a_missing_nvme_path(tmp_path):
 
 def test_bench_io_labels_the_single_stream_with_the_request_it_made(tmp_path):
     result = finish(cli("bench-io", "--nvme", tmp_path, "--size", "4MiB", "--sweep-size", "1MiB",
-                        "--repeats", "1"))
+                        "--repeats", "1", "--json"))
     assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = json.loads(result.stdout)
     single = report["single_stream"]
     assert single["block_size"] == 4 << 20  # min(8 MiB, the 4 MiB file)
     # The table prints the label only: its request size must be the one measured.

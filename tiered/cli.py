@@ -1,7 +1,8 @@
 """``tiered``: the project's own commands.
 
     tiered check-policy FILE [--nvme PATH]          validate a policy and print it resolved
-    tiered bench-io --nvme PATH [--size 4GiB] [--policy FILE]   NVMe engine bandwidth, and a sweep
+    tiered bench-io --nvme PATH [--size 4GiB] [--policy FILE] [--json]   NVMe engine bandwidth,
+                                                    and a sweep: a table, or JSON with --json
     tiered version
 """
 from __future__ import annotations
@@ -60,19 +61,26 @@ def _bench_io(args) -> int:
     except (TieredError, ValueError) as e:
         print(f"tiered: error: {e}", file=sys.stderr)
         return 2
-    print(bench_io.table(result))
-    print(json.dumps(result))
+    # JSON alone on standard output when asked, so that it pipes into jq; else the table.
+    print(json.dumps(result) if args.json else bench_io.table(result))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tiered", description=__doc__.split("\n")[0])
+    # Help is plain text: the module docstring's ``markup`` is for readers of the code.
+    parser = argparse.ArgumentParser(
+        prog="tiered", description="The project's own commands (training starts with "
+        "tiered-launch): check a policy, measure the NVMe I/O engine, print the version.")
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check-policy", help="validate a policy and print it resolved")
     check.add_argument("file", help="YAML policy file")
     check.add_argument("--nvme", default=None, metavar="PATH", help="sets nvme.path")
     check.set_defaults(run=_check_policy)
-    bench = commands.add_parser("bench-io", help="measure the NVMe I/O engine on a file system")
+    bench = commands.add_parser(
+        "bench-io", help="measure the NVMe I/O engine on a file system",
+        description="Measure the NVMe I/O engine on a file system: the engine at the policy's "
+        "settings, a single stream of plain reads and writes, and a sweep of queue depths and "
+        "block sizes. Prints a table, or with --json the results as one JSON object.")
     bench.add_argument("--nvme", required=True, metavar="PATH", help="folder on the drive")
     bench.add_argument("--size", default="4GiB", help="bytes of the main test file")
     bench.add_argument("--sweep-size", default="1GiB", help="bytes per point of the sweep")
@@ -80,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="runs of each sweep point (its median is reported)")
     bench.add_argument("--policy", default=None, metavar="FILE",
                        help="policy whose nvme.block_size and queue_depth the engine uses")
+    bench.add_argument("--json", action="store_true",
+                       help="print the results as JSON (alone on standard output) instead of "
+                       "the table")
     bench.set_defaults(run=_bench_io)
     version = commands.add_parser("version", help="print the version")
     version.set_defaults(run=lambda args: print(__version__) or 0)
