@@ -9,28 +9,36 @@ _UNITS = {
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE = re.compile(r"^\s*(-?)\s*(\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)\s*([a-zA-Z]*)\s*$")
+"""A sign, a number (exponent notation too: PyYAML reads ``1e9`` as the string "1e9", YAML 1.2
+and JSON as a number, and a size must mean the same bytes whichever read it), and a unit."""
+
+
+def _negative(value: object) -> ValueError:
+    return ValueError(f"a byte size must not be negative, got {value!r}")
 
 
 def parse_size(value: object) -> int:
     """Bytes from an int or a string such as ``"70GiB"``; raises ValueError with what is allowed."""
     if isinstance(value, bool):
         raise ValueError(f"expected a byte size, got {value!r}")
+    if isinstance(value, (int, float)) and value < 0:
+        raise _negative(value)
     if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"a byte size cannot be negative, got {value}")
         return value
-    if isinstance(value, float) and value.is_integer() and value >= 0:
+    if isinstance(value, float) and value.is_integer():
         return int(value)
     if isinstance(value, str):
         match = _SIZE.match(value)
-        if match and match.group(2).lower() in _UNITS:
+        if match and match.group(3).lower() in _UNITS:
+            if match.group(1):
+                raise _negative(value)
             # Decimal, not float: float("8.2") * 10**6 is 8199999.999..., which int() truncated
             # to 8199999 bytes; decimal arithmetic gives the exact 8200000.
-            number, unit = Decimal(match.group(1)), _UNITS[match.group(2).lower()]
-            if unit == 1 and number != number.to_integral_value():  # "0.5B" is no size
+            size = Decimal(match.group(2)) * _UNITS[match.group(3).lower()]
+            if size != size.to_integral_value():  # "0.5B", "1e-3": no size
                 raise ValueError(f"a byte size is a whole number of bytes, got {value!r}")
-            return int(number * unit)
+            return int(size)
     raise ValueError(
         f"expected a byte size such as 4096, \"512MiB\" or \"1.5GB\", got {value!r} "
         f"(units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)")
