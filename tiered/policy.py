@@ -167,6 +167,16 @@ class OptimizerPolicy:
             raise ValueError(f"max_grad_norm must be > 0 or null, got {self.max_grad_norm}")
 
 
+def _expand_home(section) -> None:
+    """A section's ``path`` as a string (also one given as a ``pathlib.Path``), with a leading
+    ``~`` or ``~user`` expanded as a shell would: a path in YAML, in an override or in a quoted
+    ``--nvme "~/x"`` meets no shell that would expand it, and a folder named ``~`` in the
+    working directory is never what was meant."""
+    keep_path_as_string(section)
+    if section.path is not None:
+        object.__setattr__(section, "path", os.path.expanduser(section.path))
+
+
 @dataclass(frozen=True)
 class NvmePolicy:
     path: str | None = field(default=None, metadata=optional(as_path))
@@ -182,7 +192,7 @@ class NvmePolicy:
     """Requests in flight per direction (reads and writes each have their own threads)."""
 
     def __post_init__(self):
-        keep_path_as_string(self)
+        _expand_home(self)
         if self.block_size < 4096 or self.block_size % 4096:
             raise ValueError(f"block_size must be a multiple of 4096 bytes, got {self.block_size}")
         if self.queue_depth < 1:
@@ -278,7 +288,7 @@ class TracePolicy:
     """Write a Chrome-trace timeline here (the environment's TIERED_TRACE wins)."""
 
     def __post_init__(self):
-        keep_path_as_string(self)
+        _expand_home(self)
 
 
 @dataclass(frozen=True)
