@@ -371,6 +371,8 @@ def _open_one(folder: str, manifest: dict, name: str) -> Reader:
         found = os.stat(path)
     except FileNotFoundError:
         found = None
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot be read: {error.strerror}") from None
     if expected is None or found is None:
         raise CheckpointError(f"{path}: missing from the checkpoint")
     if not stat.S_ISREG(found.st_mode):

@@ -44,7 +44,12 @@ def read_text(path: str, limit: int) -> str:
     ``limit`` bytes. Raises FileNotFoundError where there is none; a CheckpointError naming
     the file where it is another kind of file (a folder, ``/dev/zero``, a FIFO: reading one
     would fail, never end or wait for a writer), larger, or not UTF-8."""
-    mode = os.stat(path).st_mode
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise
+    except OSError as error:  # a path through a file, a folder this user may not enter
+        raise CheckpointError(f"{path}: cannot be read: {error.strerror}") from None
     if not stat.S_ISREG(mode):
         kind = "a folder" if stat.S_ISDIR(mode) else "a device, FIFO or socket"
         raise CheckpointError(f"{path}: is {kind}, not a regular file")
