@@ -85,10 +85,11 @@ def dram_block(nbytes: int) -> int:
     return -(-max(nbytes, 1) // 4096) * 4096
 
 
-def train(engine, optimizer, steps: int, measure: "DeviceBytes | None" = None) -> None:
+def train(engine, optimizer, steps: int, measure: "DeviceBytes | None" = None,
+          device: str = "cpu") -> None:
     gen = torch.Generator().manual_seed(3)
     for _ in range(steps):
-        x = torch.randn(2, W, generator=gen)
+        x = torch.randn(2, W, generator=gen).to(device)
         if measure is None:
             engine(x).square().mean().backward()
         else:
@@ -331,20 +332,22 @@ def test_cuda_memory_allocated_stays_within_the_hand_bound_and_activations():
     """torch.cuda.max_memory_allocated over forward and backward, from what was allocated before
     (nothing of the model: cpu.yaml keeps every shard in DRAM): the hand working set, plus the
     activations and autograd's per-parameter gradients, bounded by hand too. Each allocation is
-    rounded to 512 bytes by the caching allocator; every unit's bytes are multiples of 512.
-    Activations: batch 2, at most W = 64 or 128 wide in bf16, a handful per block: 16 KiB is
-    far above them. Per-parameter gradients of one unit before its flat one: at most L1 * 2."""
+    rounded up to 512 bytes by the caching allocator; every unit's bytes are multiples of 512.
+    Activations, saved tensors and the loss: batch 2, at most 128 wide in bf16, each at most
+    512 bytes as allocated, under 16 per block in forward and backward together, and the
+    loss's few: 64 KiB is far above them. Per-parameter gradients of one unit before its flat
+    one: at most L1 * 2. (Not yet run on a GPU when written.)"""
     hand = (ROOT + L1 + L2) * 2 + SLOTS * L1 * 2
     engine, optimizer = tiered.initialize(ladder(), CPU_YAML, device="cuda",
                                           hbm={"budget": hand}, **NO_PREFETCH)
-    train(engine, optimizer, 1)
+    train(engine, optimizer, 1, device="cuda")  # cuBLAS's workspace and the like, kept
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     measure = DeviceBytes(engine)
-    train(engine, optimizer, 2, measure)
+    train(engine, optimizer, 2, measure, device="cuda")
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     engine.close()
     assert measure.peak <= hand
-    assert (ROOT + L1) * 2 + L1 * 2 <= peak <= hand + L1 * 2 + 16 * 1024
+    assert (ROOT + L1) * 2 + L1 * 2 <= peak <= hand + L1 * 2 + 64 * 1024
