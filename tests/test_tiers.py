@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import tiered
+from tiered.liveness import LOCK_NAME
 from tiered.sizes import align_up, format_size
 from tiered.tiers import NvmeTier
 from tiered.tiers.aio import IoSettings, inject_faults
@@ -100,16 +101,22 @@ def make_tier(root, budget: int | None = None, rank: int = 0, io: IoSettings = S
     return NvmeTier(str(root), budget=budget, rank=rank, io=io)
 
 
+def extents_in(run_dir: str) -> list[str]:
+    """The names in a run folder but its owner's lock file (which the run holds open)."""
+    return [name for name in os.listdir(run_dir) if name != LOCK_NAME]
+
+
 def open_files_under(folder: str) -> dict[str, int]:
     """Every file under ``folder`` this process holds open (path -> descriptor), read from /proc,
-    so independent of what the tier says it opened. A path open twice fails the check."""
+    so independent of what the tier says it opened, but a run folder's lock file. A path open
+    twice fails the check."""
     out: dict[str, int] = {}
     for name in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{name}")
         except FileNotFoundError:  # the descriptor of the listing itself, closed since
             continue
-        if target.startswith(folder + os.sep):
+        if target.startswith(folder + os.sep) and os.path.basename(target) != LOCK_NAME:
             assert target not in out, f"{target} is open twice"
             out[target] = int(name)
     return out
@@ -131,13 +138,13 @@ def test_nvme_run_folder_and_extents(tmp_path):
         st = os.stat(tier.run_dir)
         assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700
         assert tier.direct is True  # ext4
-        assert os.listdir(tier.run_dir) == []  # the O_DIRECT probe is gone
+        assert extents_in(tier.run_dir) == []  # the O_DIRECT probe is gone
         assert open_files_under(tier.run_dir) == {}
 
         sizes = {"a": 1, "b": 4096, "c": 5000, "d": 70_000, "e": 4000}  # a, b, e: one 4 KiB size
         shards = {what: tier.create(what, n) for what, n in sizes.items()}
         extent_sizes = Counter(align_up(n, BLOCK) for n in sizes.values())
-        names = sorted(os.listdir(tier.run_dir))
+        names = sorted(extents_in(tier.run_dir))
         assert len(names) == len(sizes) + SPARE_EXTENTS * len(extent_sizes)
         assert all(EXTENT_NAME.fullmatch(n) for n in names), names
         for what, n in sizes.items():
@@ -271,7 +278,7 @@ def test_nvme_budget(tmp_path):
     tier = make_tier(tmp_path, budget=budget)
     try:
         tier.create("first", 5000)  # 4 x 8 KiB; 24 KiB left
-        held = sorted(os.listdir(tier.run_dir))
+        held = sorted(extents_in(tier.run_dir))
         assert len(held) == 1 + SPARE_EXTENTS and tier.usage.current == 8 * BLOCK
 
         # 28 KiB: not even its first spare fits.
@@ -279,20 +286,20 @@ def test_nvme_budget(tmp_path):
             tier.create("second", 7 * BLOCK)
         assert info.value.shortfalls == {"nvme": (15 * BLOCK, budget)}
         assert str(info.value).startswith("nvme") and "second" in str(info.value)
-        assert sorted(os.listdir(tier.run_dir)) == held and tier.usage.current == 8 * BLOCK
+        assert sorted(extents_in(tier.run_dir)) == held and tier.usage.current == 8 * BLOCK
 
         # 12 KiB: two spares fit, the third does not; what was made for it is not kept.
         with pytest.raises(tiered.BudgetError) as info:
             tier.create("third", 3 * BLOCK)
         assert info.value.shortfalls == {"nvme": (17 * BLOCK, budget)}
         assert "third" in str(info.value)
-        assert sorted(os.listdir(tier.run_dir)) == held and tier.usage.current == 8 * BLOCK
+        assert sorted(extents_in(tier.run_dir)) == held and tier.usage.current == 8 * BLOCK
 
         tier.create("fourth", 5000)  # a size with spares already: its own extent only
         assert tier.usage.current == 10 * BLOCK
         tier.create("fifth", 1)  # a new size, 4 x 4 KiB: exactly what is left
         assert tier.usage.current == budget == nvme_bytes([5000, 5000, 1])
-        assert len(os.listdir(tier.run_dir)) == 2 + 2 * SPARE_EXTENTS + 1
+        assert len(extents_in(tier.run_dir)) == 2 + 2 * SPARE_EXTENTS + 1
     finally:
         tier.close()
     assert os.listdir(tmp_path) == []
@@ -310,7 +317,7 @@ def test_nvme_default_budget_is_the_free_space(tmp_path):
 
 def test_nvme_existing_file_is_never_overwritten(nvme_tier):
     nvme_tier.create("first", 100)
-    names = sorted(os.listdir(nvme_tier.run_dir))
+    names = sorted(extents_in(nvme_tier.run_dir))
     assert names == [f"extent-{i:05d}.bin" for i in range(1 + SPARE_EXTENTS)]
     # Something else put a file where the next extent goes: creating it fails (O_EXCL).
     squatter = os.path.join(nvme_tier.run_dir, f"extent-{len(names):05d}.bin")
@@ -322,7 +329,7 @@ def test_nvme_existing_file_is_never_overwritten(nvme_tier):
     assert squatter in str(info.value) and info.value.errno == errno.EEXIST
     with open(squatter, "rb") as f:
         assert f.read() == b"not ours"
-    assert sorted(os.listdir(nvme_tier.run_dir)) == sorted(names + [os.path.basename(squatter)])
+    assert sorted(extents_in(nvme_tier.run_dir)) == sorted(names + [os.path.basename(squatter)])
     assert nvme_tier.usage.current == nvme_bytes([100])
 
 
@@ -345,7 +352,7 @@ def test_nvme_out_of_file_descriptors_is_an_nvme_error(nvme_tier):
     assert error is not None, "never ran out of file descriptors"
     assert created, "not even the first shard got its descriptors"
     assert error.errno == errno.EMFILE and "ulimit" in str(error)
-    names = sorted(os.listdir(nvme_tier.run_dir))
+    names = sorted(extents_in(nvme_tier.run_dir))
     assert len(names) == len(created) + SPARE_EXTENTS
     assert error.path == os.path.join(nvme_tier.run_dir, f"extent-{len(names):05d}.bin")
     assert error.path in str(error)
@@ -425,11 +432,11 @@ def test_nvme_falls_back_to_buffered_io_without_o_direct(tmp_path):
             tier = make_tier(root, budget=1 << 20)
         try:
             assert tier.direct is False
-            assert os.listdir(tier.run_dir) == []  # the failed probe left no file
+            assert extents_in(tier.run_dir) == []  # the failed probe left no file
             round_trip(tier, IO_SIZES)
             tier.create("flags", 1)
             opened = open_files_under(tier.run_dir)
-            assert len(opened) == len(os.listdir(tier.run_dir)) > 0
+            assert len(opened) == len(extents_in(tier.run_dir)) > 0
             for path, fd in opened.items():
                 assert not fd_flags(fd) & os.O_DIRECT, path
         finally:
@@ -445,10 +452,11 @@ def test_nvme_full_disk(tmp_path):
         with expect_direct_fallback_warning(root, expected=not direct):
             tier = make_tier(root, budget=64 << 20)
         try:
+            capacity -= os.lstat(os.path.join(tier.run_dir, LOCK_NAME)).st_blocks * 512
             assert tier.direct is direct
             small = 64 << 10
             tier.create("small", small)  # with its spares: 256 KiB
-            held = sorted(os.listdir(tier.run_dir))
+            held = sorted(extents_in(tier.run_dir))
             assert len(held) == 1 + SPARE_EXTENTS
             assert free_bytes(root) == capacity - nvme_bytes([small])
 
@@ -465,7 +473,7 @@ def test_nvme_full_disk(tmp_path):
                 assert os.path.dirname(e.path) == tier.run_dir
                 assert EXTENT_NAME.fullmatch(os.path.basename(e.path))
                 assert e.path in str(e) and format_size(nbytes) in str(e)
-                assert sorted(os.listdir(tier.run_dir)) == held, what
+                assert sorted(extents_in(tier.run_dir)) == held, what
                 assert tier.usage.current == nvme_bytes([small]), what
                 assert free_bytes(root) == capacity - nvme_bytes([small]), what
 
@@ -474,7 +482,7 @@ def test_nvme_full_disk(tmp_path):
         finally:
             tier.close()
         assert os.listdir(root) == []
-        assert free_bytes(root) == capacity
+        assert free_bytes(root) == 1 << 20
 
 
 def test_nvme_folder_removed_when_no_file_can_be_created(tmp_path):

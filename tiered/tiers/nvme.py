@@ -5,6 +5,15 @@ Layout: ``<nvme.path>/tiered-<host>-<pid>-<token>-rank<r>/`` (mode 0700) holds t
 when the engine starts, so a full disk shows up then, before any training state exists, and not
 in the middle of a step. The folder is removed when the engine closes (and at interpreter exit).
 
+[Note: run folders of dead runs]
+A run killed by SIGKILL (or the OOM killer) cannot remove its folder, and its extents would hold
+the disk forever. So the folder is made owned (liveness.make_owned_folder): its lock file is
+locked for the tier's life and the kernel drops the lock when the process dies, however it
+dies. A tier starting on a path first removes the run folders there whose lock no one holds
+(and, of the older layout without a lock file, those of this host whose pid is gone), and the
+``.making-`` leftovers of a folder being made when its maker died, saying so in one warning
+each. A live run's folder is never touched, nor anything not named as a run folder.
+
 [Note: atomic shard writes]
 A shard state's current version lives in one extent. A write goes to a spare extent of the same
 size; only when every block of it is written does the shard switch to it, and its old extent
@@ -21,6 +30,7 @@ from __future__ import annotations
 import errno as errno_codes
 import fcntl
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -30,6 +40,8 @@ import warnings
 import torch
 
 from ..errors import NvmeError
+from ..liveness import LOCK_NAME, MAKING_PREFIX, HeldElsewhere, OwnerLock, describe_owner, \
+    is_held, make_owned_folder
 from ..sizes import align_up, format_size
 from .aio import Countdown, IoEngine, IoSettings, Transfer, host_buffer
 from .dram import BLOCK_ALIGN
@@ -40,6 +52,10 @@ SPARE_EXTENTS = 3
 (master weights, two moments) take one each before any switches, so fewer would deadlock."""
 
 
+RUN_FOLDER = re.compile(r"^tiered-(?P<host>.+)-(?P<pid>\d+)-[0-9a-f]{6}-rank\d+$")
+"""A run folder's name (see the layout above); the host may itself hold dashes."""
+
+
 def check_nvme_path(path: str) -> None:
     """Raise NvmeError unless ``path`` is an existing, writable folder."""
     if not os.path.exists(path):
@@ -47,9 +63,105 @@ def check_nvme_path(path: str) -> None:
                         path=path, errno=errno_codes.ENOENT)
     if not os.path.isdir(path):
         raise NvmeError(f"NVMe path {path} is not a folder", path=path, errno=errno_codes.ENOTDIR)
+    if os.statvfs(path).f_flag & os.ST_RDONLY:  # no permission would help: say what would
+        raise NvmeError(f"NVMe path {path} is on a read-only file system; pass a folder on a "
+                        f"writable one", path=path, errno=errno_codes.EROFS)
     if not os.access(path, os.W_OK | os.X_OK):
         raise NvmeError(f"NVMe path {path} is not writable by this user", path=path,
                         errno=errno_codes.EACCES)
+
+
+def disk_bytes(folder: str) -> int:
+    """Bytes of disk the files under ``folder`` take (preallocated extents count whole)."""
+    total = 0
+    for parent, _, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(parent, name)).st_blocks * 512
+            except OSError:  # removed meanwhile
+                pass
+    return total
+
+
+def _pid_gone(pid: int) -> bool:
+    """Whether no process of this host has ``pid`` (signal 0 only asks)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        pass
+    return False
+
+
+def _run_folder_state(root: str, name: str) -> str:
+    """Whether the entry ``name`` of ``root`` is the folder of a "live" run, of a "dead" one,
+    or "other": not a run folder, or one this host cannot judge (see [Note: run folders of
+    dead runs])."""
+    making = name.startswith(MAKING_PREFIX)
+    match = RUN_FOLDER.match(name[len(MAKING_PREFIX):] if making else name)
+    path = os.path.join(root, name)
+    if match is None or os.path.islink(path) or not os.path.isdir(path):
+        return "other"
+    lock = os.path.join(path, LOCK_NAME)
+    if os.path.exists(lock) and is_held(lock):
+        return "live"
+    # A folder being made has its lock file made, then locked: in between, only its pid can
+    # tell (on this host). So can it of the older layout, without a lock file.
+    if making or not os.path.exists(lock):
+        if match["host"] != socket.gethostname():
+            return "dead" if making and os.path.exists(lock) else "other"
+        return "dead" if _pid_gone(int(match["pid"])) else "live"
+    return "dead"
+
+
+def remove_dead_runs(root: str) -> list[tuple[str, int]]:
+    """Remove the folders of dead runs in ``root``, each with a warning naming it and the bytes
+    it freed; returns (folder, bytes) of each."""
+    removed = []
+    for name in sorted(os.listdir(root)):
+        if _run_folder_state(root, name) != "dead":
+            continue
+        path = os.path.join(root, name)
+        lock_file = os.path.join(path, LOCK_NAME)
+        owner = describe_owner(lock_file) if os.path.exists(lock_file) else "its run"
+        freed = disk_bytes(path)  # before the claim below writes its own record there
+        try:
+            # Held while removing, so that two runs starting at once do not both remove it,
+            # and a run that finds it locked leaves it alone.
+            claim = OwnerLock(lock_file, "removing the NVMe folder of a dead run")
+        except (HeldElsewhere, FileNotFoundError):  # another run is removing it, or has
+            continue
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+        finally:
+            claim.release()
+        if not os.path.exists(path):
+            removed.append((path, freed))
+            warnings.warn(f"tiered: removed {path}, the NVMe folder of a run that is gone "
+                          f"({owner}), freeing {format_size(freed)}", stacklevel=3)
+    return removed
+
+
+def live_runs(root: str, own: str | None = None) -> tuple[int, int]:
+    """(folders, bytes) of the live runs' folders in ``root`` other than ``own``: the space a
+    run short of disk there cannot have, for its message."""
+    count = held = 0
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if path != own and _run_folder_state(root, name) == "live":
+            count, held = count + 1, held + disk_bytes(path)
+    return count, held
+
+
+def live_runs_hint(root: str, own: str | None = None) -> str:
+    """``; N folders of live tiered runs there (tiered-*) hold X``, for a message about the
+    space of ``root``; empty when there is none."""
+    count, held = live_runs(root, own)
+    if not count:
+        return ""
+    return (f"; {count} folder{'s' if count > 1 else ''} of live tiered runs there "
+            f"(tiered-*) hold{'' if count > 1 else 's'} {format_size(held)}")
 
 
 def free_bytes(path: str) -> int:
@@ -281,25 +393,26 @@ class NvmeTier:
         root = os.path.abspath(root)  # the run folder is removed at close, whatever the cwd
         check_nvme_path(root)
         self.root = root
+        remove_dead_runs(root)  # before measuring: what they held is free again
         self.usage = TierUsage("nvme", free_bytes(root) // max(1, ranks) if budget is None
                                else budget)
         name = f"tiered-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}-rank{rank}"
         self.run_dir = os.path.join(root, name)
         try:
-            os.mkdir(self.run_dir, 0o700)
+            self._owner = make_owned_folder(self.run_dir, f"NVMe extents of rank {rank}")
         except OSError as e:
             raise NvmeError(f"NVMe path {root}: cannot create {name}: {e.strerror}",
                             errno=e.errno, path=self.run_dir) from None
         try:
             self.direct = self._supports_direct_io()
+            if not self.direct:
+                warnings.warn(f"{root} does not support O_DIRECT; the NVMe tier uses buffered "
+                              f"I/O there (the page cache will hold copies of what it writes)")
+            self.io = IoEngine(io)
         except BaseException:
             # The folder is this tier's, and no tier object will exist to remove it at close.
-            shutil.rmtree(self.run_dir, ignore_errors=True)
+            self._remove_run_dir()
             raise
-        if not self.direct:
-            warnings.warn(f"{root} does not support O_DIRECT; the NVMe tier uses buffered I/O "
-                          f"there (the page cache will hold copies of what it writes)")
-        self.io = IoEngine(io)
         self._extents: list[Extent] = []
         self._spares: dict[int, list[Extent]] = {}
         self._spare_returned = threading.Condition()
@@ -379,5 +492,15 @@ class NvmeTier:
             extent.close()
         self._extents.clear()
         self._spares.clear()
-        shutil.rmtree(self.run_dir, ignore_errors=True)
+        self._remove_run_dir()
         self.usage.release(self.usage.current)
+
+    def _remove_run_dir(self) -> None:
+        """Remove the run folder, then give up its lock: the other order would show a live
+        run's folder as a dead one's to a tier starting meanwhile."""
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        self._owner.release()
+
+    def live_runs_hint(self) -> str:
+        """What the folders of other live runs hold on this path (see :func:`live_runs_hint`)."""
+        return live_runs_hint(self.root, self.run_dir)
