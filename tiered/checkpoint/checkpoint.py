@@ -63,7 +63,7 @@ from .latest import LATEST, MANIFEST, check_tag, chosen_tag, complete_tags
 from .manifest import FORMAT_VERSION, rank_file, read_manifest
 from .pretrained import EXTRA_STATE, extra_state_module, persistent_buffers, store_model_state
 
-__all__ = ["save", "load", "check_folder", "release_folders", "FORMAT_VERSION", "rank_file"]
+__all__ = ["save", "load", "release_folders"]  # release_folders: for engine.close
 
 
 def save(engine, directory: str, tag: str | None) -> str:
