@@ -12,13 +12,11 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
 import yaml
 from torch import nn
 
 import tiered
 from tiered.policy import POLICY_ENV, Policy, Tier
-from tiered.sizes import format_size, parse_size
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -32,10 +30,6 @@ def write(path: Path, text: str) -> Path:
 
 # -- budgets past what the machine has ----------------------------------------------------------
 
-HUGE = "1024TiB"
-"""A budget larger than any machine this runs on."""
-
-
 def _layers_of(elements: int, count: int = 64) -> nn.Module:
     """``count`` linear layers (each a unit) of about ``elements`` parameters in all, built
     without memory (tiered.init)."""
@@ -44,39 +38,21 @@ def _layers_of(elements: int, count: int = 64) -> nn.Module:
         return nn.Sequential(*(nn.Linear(side, side, bias=False) for _ in range(count)))
 
 
-def test_a_budget_larger_than_the_machine_is_a_limit_the_plan_may_stay_under(tmp_path):
-    # A cluster's policy on a small machine: the plan, not the limit, is what must fit.
-    engine, optimizer = tiered.initialize(nn.Linear(8, 8), str(CONFIGS / "nvme.yaml"),
-                                          device="cpu", dram={"budget": HUGE},
-                                          nvme={"path": str(tmp_path), "budget": HUGE})
-    try:
-        # The budgets are the ones given, not quietly cut to the machine's ...
-        report = engine.memory_report()
-        assert report["dram"]["budget"] == report["nvme"]["budget"] == parse_size(HUGE)
-        # ... and the plan under them fits what the machine has, so a step goes through.
-        assert 0 < report["dram"]["current"] < psutil.virtual_memory().available
-        assert 0 < report["nvme"]["current"] < shutil.disk_usage(tmp_path).free
-        before = engine.full_state_dict()
-        engine(torch.ones(2, 8)).square().sum().backward()
-        optimizer.step()
-        after = engine.full_state_dict()
-        assert all(not torch.equal(after[name], before[name]) for name in before)
-    finally:
-        engine.close()
+# A budget larger than this rank's share of the node is refused whatever the plan needs:
+# tests/test_policy_hardening.py::test_a_budget_larger_than_this_ranks_share_is_refused_naming_it.
 
 
-def test_a_plan_past_the_memory_within_its_dram_budget_is_refused_naming_it():
+def test_a_plan_past_the_memory_is_refused_naming_it():
     # It used to be pinned until the OOM killer ended the process, without a word.
     # cpu.yaml keeps 18 bytes a parameter in DRAM. (The same for nvme.budget and the free
     # space: tests/test_tiers.py::test_engine_full_disk_fails_cleanly, on a small tmpfs.)
     model = _layers_of(psutil.virtual_memory().total // 8)
     with pytest.raises(tiered.BudgetError) as info:
-        tiered.initialize(model, CPU_YAML, device="cpu", dram={"budget": HUGE})
+        tiered.initialize(model, CPU_YAML, device="cpu")
     message = str(info.value)
-    assert "dram: needs" in message, message
-    assert f"within dram.budget {format_size(parse_size(HUGE))}" in message, message
-    assert "this rank may use" in message and "memory" in message, message
-    assert set(info.value.shortfalls) == {"dram"}
+    assert "in dram" in message and "this rank may use" in message and "memory" in message, \
+        message
+    assert "dram" in info.value.shortfalls
 
 
 # -- tiered check-policy ------------------------------------------------------------------------
@@ -188,5 +164,8 @@ def unwritable_folder(tmp_path):
 
 
 def test_check_policy_unwritable_nvme_path(unwritable_folder):
+    # As root the fixture is a read-only mount, which is said as such (issue 17, item 12).
+    read_only = os.statvfs(unwritable_folder).f_flag & os.ST_RDONLY
     assert_cli_error(check_policy("configs/nvme.yaml", "--nvme", str(unwritable_folder)),
-                     f"NVMe path {unwritable_folder} is not writable")
+                     f"NVMe path {unwritable_folder} "
+                     + ("is on a read-only file system" if read_only else "is not writable"))

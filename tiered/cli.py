@@ -19,12 +19,21 @@ from .launch import policy_from_args, warn_if_nvme_unused
 
 
 def _check_policy(args) -> int:
+    from .manager import this_machine
+
+    # A quoted "~/x" reaches no shell that would expand it (policy_from_args makes it absolute).
+    nvme = os.path.expanduser(args.nvme) if args.nvme else None
     try:
-        policy = policy_from_args(args.file, args.nvme)
+        policy = policy_from_args(args.file, nvme)
     except TieredError as e:
         print(f"tiered: error: {e}", file=sys.stderr)
         return 2
     warn_if_nvme_unused(policy, args.nvme, "tiered")
+    # The device and what a rank may hold here, as YAML comments: the output stays a policy.
+    notes, refusals = this_machine(policy)
+    for refusal in refusals:
+        print(f"tiered: warning: {refusal}", file=sys.stderr)
+    print("".join(f"# {note}\n" for note in notes), end="")
     print(yaml.safe_dump(policy.to_dict(), sort_keys=False), end="")
     return 0
 

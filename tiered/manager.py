@@ -18,11 +18,11 @@ import torch
 from .errors import BudgetError, TieredError
 from .limits import memory_bound
 from .plan import MemoryPlan, StateKind
-from .policy import Policy, Tier
+from .policy import Device, Policy, Tier
 from .tiers import DramTier, HbmTier, NvmeShard, NvmeTier, PinnedSlabSource, SlabSource
 from .sizes import align_up, even_pieces, format_size
 from .tiers.aio import IoSettings
-from .tiers.dram import BLOCK_ALIGN
+from .tiers.dram import BLOCK_ALIGN, default_budget
 from .tiers.nvme import free_bytes
 
 
@@ -75,8 +75,15 @@ class TierManager:
         rank uses (the smallest any measured: ProcessGroup.smallest). Each rank then makes the
         same plan, so all of them fit or all refuse, and none is left waiting in a collective
         for a rank that refused; and no rank spills more than another, to be waited for. (The
-        HBM default, the device's capacity, is agreed the same way, for devices that differ.)"""
+        HBM default, the device's capacity, is agreed the same way, for devices that differ.)
+
+        Raises BudgetError when the policy sets a budget larger than this rank's share of the
+        node (see :func:`budgets_past_the_node`), leaving nothing behind."""
         self.policy = policy
+        self.shards: dict[tuple[int, StateKind], Shard] = {}
+        self.plan: MemoryPlan | None = None
+        """What :meth:`allocate` allocated."""
+        self._staging: dict[str, torch.Tensor] = {}
         self.hbm = HbmTier(device, policy.hbm.budget)
         # Pinned only for a GPU's copies: a CPU engine on a machine with CUDA (a benchmark's
         # writer, a test) would register every slab (0.6 s/GiB) and start a CUDA context.
@@ -86,50 +93,85 @@ class TierManager:
         io = IoSettings(policy.nvme.block_size, policy.nvme.queue_depth)
         self.nvme = (NvmeTier(policy.nvme.path, policy.nvme.budget, rank, io, ranks)
                      if policy.uses_nvme else None)
-        for tier, budget in ((self.hbm, policy.hbm.budget), (self.dram, policy.dram.budget),
-                             (self.nvme, policy.nvme.budget)):
-            if tier is not None and budget is None:
-                tier.usage.budget = agree(tier.usage.budget)
-        self._node_shares = self._shares_of_explicit_budgets(ranks, agree)
-        self.shards: dict[tuple[int, StateKind], Shard] = {}
-        self.plan: MemoryPlan | None = None
-        """What :meth:`allocate` allocated."""
-        self._staging: dict[str, torch.Tensor] = {}
+        try:  # from here on a failure (or an interrupt) must not leave the NVMe run folder
+            for tier, budget in ((self.hbm, policy.hbm.budget), (self.dram, policy.dram.budget),
+                                 (self.nvme, policy.nvme.budget)):
+                if tier is not None and budget is None:
+                    tier.usage.budget = agree(tier.usage.budget)
+            self.cpu_ram = agree(default_budget(ranks)) if device.type == "cpu" else None
+            """On a CPU device, the RAM its HBM tier and the DRAM tier share (a null DRAM
+            budget's amount), which their budgets split once the plan is known (see
+            :meth:`budgets_for`); None on a GPU."""
+            if self.cpu_ram is not None and policy.hbm.budget is None:
+                self.hbm.usage.budget = self.cpu_ram  # not the machine's total: it is shared
+            past = budgets_past_the_node(policy, device.type == "cpu", ranks, agree)
+            if past:
+                hint = self.nvme.live_runs_hint() if "nvme" in past else ""
+                raise BudgetError(
+                    "; ".join(line for line, _ in past.values()) + hint + "; lower "
+                    + ("it" if len(past) == 1 else "them") + " or leave "
+                    + ("it" if len(past) == 1 else "them") + " null",
+                    {tier: shortfall for tier, (_, shortfall) in past.items()})
+        except BaseException:
+            if self.nvme is not None:
+                self.nvme.close()
+            raise
 
-    def _shares_of_explicit_budgets(self, ranks: int, agree: Callable[[int], int]):
-        """Per tier whose budget the policy sets: (its key, this rank's share of what the node
-        has, what sets that share), agreed across ranks as a null budget's share is."""
-        ranks, shares = max(1, ranks), {}
-        if self.policy.dram.budget is not None:
-            memory, bound = memory_bound()
-            shares[Tier.DRAM] = ("dram.budget", agree(memory // ranks), bound)
-        if self.nvme is not None and self.policy.nvme.budget is not None:
-            path = self.policy.nvme.path
-            shares[Tier.NVME] = ("nvme.budget", agree(free_bytes(path) // ranks),
-                                 f"the free space of the file system of {path}")
-        if ranks > 1:
-            shares = {tier: (key, share, f"1/{ranks} (ranks on this node) of {bound}")
-                      for tier, (key, share, bound) in shares.items()}
-        return shares
+    def dram_room_beside(self, hbm_needed: int) -> int:
+        """DRAM a plan may fill (``dram.spill: nvme`` moves the rest to NVMe): what its budget
+        leaves and, on a CPU device, no more than the shared RAM leaves beside the HBM tier's
+        budget or, when null, its plan's needs ``hbm_needed`` (which the spill does not
+        change)."""
+        room = self.available()[Tier.DRAM]
+        if self.cpu_ram is not None:
+            hbm = self.policy.hbm.budget if self.policy.hbm.budget is not None else hbm_needed
+            room = min(room, self.cpu_ram - hbm)
+        return max(0, room)
+
+    def budgets_for(self, plan: MemoryPlan) -> dict[Tier, int]:
+        """Each tier's budget for ``plan``. On a CPU device the HBM and DRAM tiers are the same
+        RAM, ``cpu_ram``, which their budgets split so that it is not counted twice: a budget
+        the policy sets stays, a null one is what the other leaves, and with both null the DRAM
+        tier's is what the plan pins there (it pins nothing more later), the HBM tier's the
+        rest (its transient buffers come and go)."""
+        budgets = {Tier.HBM: self.hbm.usage.budget, Tier.DRAM: self.dram.usage.budget}
+        if self.nvme is not None:
+            budgets[Tier.NVME] = self.nvme.usage.budget
+        if self.cpu_ram is None:
+            return budgets
+        hbm_set, dram_set = self.policy.hbm.budget, self.policy.dram.budget
+        if dram_set is None:
+            budgets[Tier.DRAM] = (plan.needed(Tier.DRAM) if hbm_set is None
+                                  else max(0, self.cpu_ram - hbm_set))
+        if hbm_set is None:
+            budgets[Tier.HBM] = max(0, self.cpu_ram - budgets[Tier.DRAM])
+        return budgets
 
     def check(self, plan: MemoryPlan) -> None:
-        """Raise BudgetError if the plan does not fit its budgets, or needs more of a tier than
-        this rank's share of the node where the policy's budget allows more than that share: a
-        budget is a limit, but past the memory the OOM killer ends the process without a word,
-        and past the free space an extent's fallocate fails midway."""
-        plan.check(self.available())
-        short = {tier: (plan.needed(tier), share, key, bound)
-                 for tier, (key, share, bound) in self._node_shares.items()
-                 if plan.needed(tier) > share}
-        if short:
-            lines = [f"{tier.value}: needs {format_size(needed)} within {key} "
-                     f"{format_size(getattr(self.policy, tier.value).budget)}, but this rank may "
-                     f"use {format_size(share)} ({bound})"
-                     for tier, (needed, share, key, bound) in short.items()]
-            raise BudgetError("the policy's budgets exceed what this node has:\n  "
-                              + "\n  ".join(lines) + "\nlower them (dram.spill: nvme then moves "
-                              "what does not fit to NVMe), or leave them null",
-                              {t.value: (n, s) for t, (n, s, _, _) in short.items()})
+        """Raise BudgetError if the plan does not fit its budgets (on a CPU device, the RAM
+        that the HBM and DRAM tiers share; see :meth:`budgets_for`)."""
+        budgets = self.budgets_for(plan)
+        if self.cpu_ram is not None and None in (self.policy.hbm.budget, self.policy.dram.budget):
+            hbm, dram = plan.needed(Tier.HBM), plan.needed(Tier.DRAM)
+            if hbm + dram > self.cpu_ram:
+                raise BudgetError(
+                    f"on the CPU device the hbm and dram tiers are the same RAM: the plan needs "
+                    f"{format_size(hbm)} in hbm and {format_size(dram)} in dram, "
+                    f"{format_size(hbm + dram)} in all, but this rank may use "
+                    f"{format_size(self.cpu_ram)} (7/8 of {memory_bound()[1]}, shared by the "
+                    f"ranks on this node); place states on nvme, or train on a GPU",
+                    {"hbm": (hbm, budgets[Tier.HBM]), "dram": (dram, budgets[Tier.DRAM])})
+        current = {Tier.HBM: self.hbm.usage.current, Tier.DRAM: self.dram.usage.current,
+                   Tier.NVME: self.nvme.usage.current if self.nvme is not None else 0}
+        try:
+            plan.check({tier: budget - current[tier] for tier, budget in budgets.items()})
+        except BudgetError as error:
+            if "nvme" not in error.shortfalls or self.nvme is None:
+                raise
+            hint = self.nvme.live_runs_hint()
+            if not hint:
+                raise
+            raise BudgetError(f"{error}{hint}", error.shortfalls) from None
 
     def available(self) -> dict[Tier, int]:
         out = {Tier.HBM: self.hbm.usage.budget - self.hbm.usage.current,
@@ -145,6 +187,8 @@ class TierManager:
         zeros because they were just preallocated.
         """
         self.check(plan)
+        budgets = self.budgets_for(plan)
+        self.hbm.usage.budget, self.dram.usage.budget = budgets[Tier.HBM], budgets[Tier.DRAM]
         self.plan = plan
         dram = {key: buf.nbytes for key, buf in plan.shards.items() if buf.tier is Tier.DRAM}
         dram.update({("staging", name): buf.nbytes for name, buf in plan.staging.items()})
@@ -316,6 +360,8 @@ class TierManager:
         return self.shards[(unit, kind)].tier
 
     def memory_report(self) -> dict[str, dict[str, int | None]]:
+        """Per tier: bytes held now, the most held, and the budget. On a CPU device the hbm
+        and dram budgets are two parts of the same RAM (see :meth:`budgets_for`)."""
         report = {"hbm": self.hbm.usage.report(), "dram": self.dram.usage.report()}
         report["nvme"] = (self.nvme.usage.report() if self.nvme is not None
                           else {"current": 0, "peak": 0, "budget": self.policy.nvme.budget})
@@ -335,3 +381,68 @@ class TierManager:
             self.nvme.close()
         self.dram.close()
 
+
+
+PastTheNode = dict[str, tuple[str, tuple[int, int]]]
+"""Per tier: a line naming a budget, its value and this rank's share; (budget, share)."""
+
+
+def budgets_past_the_node(policy: Policy, on_cpu: bool, ranks: int = 1,
+                          agree: Callable[[int], int] = int) -> PastTheNode:
+    """The budgets ``policy`` sets larger than this rank's share (one of ``ranks``, agreed as
+    null budgets are) of what the node has: its memory for ``dram.budget`` (and for
+    ``hbm.budget`` on a CPU device, whose memory is the same RAM: both together too), the free
+    space of ``nvme.path`` for ``nvme.budget``. A budget is a limit, but past the memory the
+    OOM killer ends the process without a word, and past the free space an extent's fallocate
+    fails midway; so such a budget is refused, whether or not the plan stays under it.
+    Returns, per tier: (a line naming key, value and share, (budget, share))."""
+    ranks = max(1, ranks)
+    of_node = f"1/{ranks} (ranks on this node) of " if ranks > 1 else ""
+    shares: dict[str, tuple[str, int, int, str]] = {}  # tier: key, budget, share, what sets it
+    memory = None
+    if policy.dram.budget is not None or (on_cpu and policy.hbm.budget is not None):
+        available, bound = memory_bound()
+        memory = agree(available // ranks), of_node + bound
+    if policy.dram.budget is not None:
+        shares["dram"] = ("dram.budget", policy.dram.budget, *memory)
+    if on_cpu and policy.hbm.budget is not None:
+        shares["hbm"] = ("hbm.budget", policy.hbm.budget, *memory)
+        if policy.dram.budget is not None:
+            shares["hbm+dram"] = ("hbm.budget + dram.budget (on the CPU device both are its RAM)",
+                                  policy.hbm.budget + policy.dram.budget, *memory)
+    if policy.uses_nvme and policy.nvme.budget is not None:
+        path = policy.nvme.path
+        shares["nvme"] = ("nvme.budget", policy.nvme.budget, agree(free_bytes(path) // ranks),
+                          f"{of_node}the free space of the file system of {path}")
+    return {tier: (f"{key} {format_size(budget)} is more than this rank may use, "
+                   f"{format_size(share)} ({bound})", (budget, share))
+            for tier, (key, budget, share, bound) in shares.items() if budget > share}
+
+
+def this_machine(policy: Policy) -> tuple[list[str], list[str]]:
+    """What ``policy`` comes to on this machine, for ``tiered check-policy``: notes (the
+    device the engine will compute on, what one rank may hold) and refusals (what
+    ``initialize`` would refuse here). Touches no device: nothing is allocated."""
+    cuda = torch.cuda.is_available()
+    ram = default_budget(1)
+    bound = memory_bound()[1]
+    notes, refusals = [], []
+    if policy.device is Device.CUDA and not cuda:
+        refusals.append("device is cuda but torch sees no CUDA device here: initialize "
+                        "refuses this policy on this machine")
+    if policy.device is Device.CPU or not cuda:
+        why = "device: cpu" if policy.device is Device.CPU else "torch sees no CUDA device"
+        notes.append(f"device on this machine: cpu ({why}); its memory is the RAM, so the "
+                     f"hbm tier and the dram tier share it")
+        notes.append(f"one rank may hold here {format_size(ram)} of RAM in hbm and dram "
+                     f"together (7/8 of {bound}; ranks on one node share it)")
+    else:
+        properties = torch.cuda.get_device_properties(torch.cuda.current_device())
+        notes.append(f"device on this machine: cuda ({properties.name}, "
+                     f"{format_size(properties.total_memory)} per GPU, one GPU per rank)")
+        notes.append(f"one rank may hold here {format_size(ram)} of DRAM (7/8 of {bound}; "
+                     f"ranks on one node share it)")
+    on_cpu = policy.device is Device.CPU or not cuda
+    refusals += [f"{line}: initialize refuses it on this machine"
+                 for line, _ in budgets_past_the_node(policy, on_cpu).values()]
+    return notes, refusals

@@ -127,7 +127,8 @@ class TieredEngine:
         return self.train(False)
 
     def memory_report(self) -> dict[str, dict[str, int | None]]:
-        """Bytes each tier holds now, the most it has held, and its budget."""
+        """Bytes each tier holds now, the most it has held, and its budget (on a CPU device the
+        hbm and dram budgets split the same RAM: TierManager.budgets_for)."""
         return self.manager.memory_report()
 
     def placement(self) -> dict[str, dict[str, str]]:
@@ -302,6 +303,10 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
     if model in _managed:
         raise TieredError("this model is already managed by a tiered engine: its parameters "
                           "live in that engine's tiers; call tiered.initialize once per model")
+    if os.environ.get(LAUNCHED_ENV):
+        # Before anything is made on disk: a SIGTERM during set-up (torchrun's, when another
+        # rank fails) must unwind through the cleanup below, not kill the process past it.
+        _exit_cleanly_on_sigterm()
     device = _compute_device(policy)
     _init_distributed(device)
     group = ProcessGroup.current(device)
@@ -326,7 +331,11 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
         materializer = Materializer(model, [flat.spec for flat in flats], device,
                                     context.param_init_fn if context is not None else None)
         building = max(building_bytes(built, materializer) for built in built_together(flats))
-        plan = memory_plan(policy, device, flats, manager.available()[Tier.DRAM], building)
+        dram_room = manager.available()[Tier.DRAM]
+        if device.type == "cpu":  # the HBM tier is the same RAM: DRAM may fill what it leaves
+            hbm_needed = memory_plan(policy, device, flats, None, building).needed(Tier.HBM)
+            dram_room = manager.dram_room_beside(hbm_needed)
+        plan = memory_plan(policy, device, flats, dram_room, building)
         worker = CpuWorker(optimizer_threads(policy.cpu.optimizer_threads,
                                              drives_gpu=device.type == "cuda",
                                              ranks_on_node=_ranks_on_this_node(group)))
@@ -362,8 +371,6 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
         if start_weights is not None:
             start_weights.close()
     _managed.add(model)
-    if os.environ.get(LAUNCHED_ENV):
-        _exit_cleanly_on_sigterm()
     return engine, optimizer
 
 
