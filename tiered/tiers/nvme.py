@@ -36,6 +36,7 @@ import shutil
 import socket
 import threading
 import warnings
+import weakref
 
 import torch
 
@@ -385,6 +386,13 @@ class VersionGroup:
             version.wait()
 
 
+def _remove_run_folder(run_dir: str, owner: OwnerLock) -> None:
+    """Remove a run folder, then give up its lock: the other order would show a live run's
+    folder as a dead one's to a tier starting meanwhile."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    owner.release()
+
+
 class NvmeTier:
     def __init__(self, root: str, budget: int | None, rank: int, io: IoSettings,
                  ranks: int = 1):
@@ -399,10 +407,14 @@ class NvmeTier:
         name = f"tiered-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}-rank{rank}"
         self.run_dir = os.path.join(root, name)
         try:
-            self._owner = make_owned_folder(self.run_dir, f"NVMe extents of rank {rank}")
+            owner = make_owned_folder(self.run_dir, f"NVMe extents of rank {rank}")
         except OSError as e:
             raise NvmeError(f"NVMe path {root}: cannot create {name}: {e.strerror}",
                             errno=e.errno, path=self.run_dir) from None
+        # Also when the tier is dropped unclosed, or at the interpreter's exit: a SIGTERM turned
+        # into SystemExit may come between any two lines of whoever builds the tier, before
+        # it can hold the tier to close it.
+        self._remove_run_dir = weakref.finalize(self, _remove_run_folder, self.run_dir, owner)
         try:
             self.direct = self._supports_direct_io()
             if not self.direct:
@@ -494,12 +506,6 @@ class NvmeTier:
         self._spares.clear()
         self._remove_run_dir()
         self.usage.release(self.usage.current)
-
-    def _remove_run_dir(self) -> None:
-        """Remove the run folder, then give up its lock: the other order would show a live
-        run's folder as a dead one's to a tier starting meanwhile."""
-        shutil.rmtree(self.run_dir, ignore_errors=True)
-        self._owner.release()
 
     def live_runs_hint(self) -> str:
         """What the folders of other live runs hold on this path (see :func:`live_runs_hint`)."""
