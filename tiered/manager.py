@@ -91,6 +91,10 @@ class TierManager:
                                                  huge_pages=policy.dram.huge_pages)
         self.dram = DramTier(policy.dram.budget, source, ranks)
         io = IoSettings(policy.nvme.block_size, policy.nvme.queue_depth)
+        self.cpu_ram: int | None = None
+        """On a CPU device, the RAM its HBM tier and the DRAM tier share (a null DRAM budget's
+        amount), which their budgets split once the plan is known (see :meth:`budgets_for`);
+        None on a GPU."""
         self.nvme = (NvmeTier(policy.nvme.path, policy.nvme.budget, rank, io, ranks)
                      if policy.uses_nvme else None)
         try:  # from here on a failure (or an interrupt) must not leave the NVMe run folder
@@ -98,20 +102,14 @@ class TierManager:
                                  (self.nvme, policy.nvme.budget)):
                 if tier is not None and budget is None:
                     tier.usage.budget = agree(tier.usage.budget)
-            self.cpu_ram = agree(default_budget(ranks)) if device.type == "cpu" else None
-            """On a CPU device, the RAM its HBM tier and the DRAM tier share (a null DRAM
-            budget's amount), which their budgets split once the plan is known (see
-            :meth:`budgets_for`); None on a GPU."""
-            if self.cpu_ram is not None and policy.hbm.budget is None:
-                self.hbm.usage.budget = self.cpu_ram  # not the machine's total: it is shared
+            if device.type == "cpu":
+                self.cpu_ram = agree(default_budget(ranks))
+                if policy.hbm.budget is None:  # not the machine's total: the RAM is shared
+                    self.hbm.usage.budget = self.cpu_ram
             past = budgets_past_the_node(policy, device.type == "cpu", ranks, agree)
             if past:
                 hint = self.nvme.live_runs_hint() if "nvme" in past else ""
-                raise BudgetError(
-                    "; ".join(line for line, _ in past.values()) + hint + "; lower "
-                    + ("it" if len(past) == 1 else "them") + " or leave "
-                    + ("it" if len(past) == 1 else "them") + " null",
-                    {tier: shortfall for tier, (_, shortfall) in past.items()})
+                raise _refusal(past, hint)
         except BaseException:
             if self.nvme is not None:
                 self.nvme.close()
@@ -417,6 +415,14 @@ def budgets_past_the_node(policy: Policy, on_cpu: bool, ranks: int = 1,
     return {tier: (f"{key} {format_size(budget)} is more than this rank may use, "
                    f"{format_size(share)} ({bound})", (budget, share))
             for tier, (key, budget, share, bound) in shares.items() if budget > share}
+
+
+def _refusal(past: PastTheNode, hint: str) -> BudgetError:
+    """The one-line BudgetError for the budgets of ``past`` (budgets_past_the_node)."""
+    them = "it" if len(past) == 1 else "them"
+    return BudgetError("; ".join(line for line, _ in past.values()) + hint
+                       + f"; lower {them} or leave {them} null",
+                       {tier: shortfall for tier, (_, shortfall) in past.items()})
 
 
 def this_machine(policy: Policy) -> tuple[list[str], list[str]]:
