@@ -105,8 +105,11 @@ def _run_folder_state(root: str, name: str) -> str:
     if match is None or os.path.islink(path) or not os.path.isdir(path):
         return "other"
     lock = os.path.join(path, LOCK_NAME)
-    if os.path.exists(lock) and is_held(lock):
-        return "live"
+    try:
+        if os.path.exists(lock) and is_held(lock):
+            return "live"
+    except OSError:  # another user's lock file, which this user may not open
+        return "other"
     # A folder being made has its lock file made, then locked: in between, only its pid can
     # tell (on this host). So can it of the older layout, without a lock file.
     if making or not os.path.exists(lock):
@@ -131,7 +134,9 @@ def remove_dead_runs(root: str) -> list[tuple[str, int]]:
             # Held while removing, so that two runs starting at once do not both remove it,
             # and a run that finds it locked leaves it alone.
             claim = OwnerLock(lock_file, "removing the NVMe folder of a dead run")
-        except (HeldElsewhere, FileNotFoundError):  # another run is removing it, or has
+        except HeldElsewhere:  # another run is removing it
+            continue
+        except OSError:  # removed meanwhile, or another user's, which is theirs to remove
             continue
         try:
             shutil.rmtree(path, ignore_errors=True)
