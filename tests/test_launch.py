@@ -19,12 +19,11 @@ import pytest
 import torch
 import yaml
 
+from helpers import CONFIGS, REPO, finish
 from tiered.engine.engine import LAUNCHED_ENV
 from tiered.policy import POLICY_ENV, Policy
 
-REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
-CONFIGS = REPO / "configs"
 
 
 def start(module: str, *args: str) -> subprocess.Popen:
@@ -34,16 +33,6 @@ def start(module: str, *args: str) -> subprocess.Popen:
            if k not in (POLICY_ENV, LAUNCHED_ENV, "OMP_NUM_THREADS")}
     return subprocess.Popen([sys.executable, "-m", module, *map(str, args)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def finish(process: subprocess.Popen, timeout: float = 120) -> subprocess.CompletedProcess:
-    with process:
-        try:
-            stdout, stderr = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            raise
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -23,26 +23,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_launch import finish
-from tiered.engine.engine import LAUNCHED_ENV
-from tiered.policy import POLICY_ENV
+from helpers import CONFIGS, EXAMPLE, REPO, SMALL, clean_env, finish
 from tiered.sizes import parse_size
 
-REPO = Path(__file__).resolve().parents[1]
-CONFIGS = REPO / "configs"
-EXAMPLE = "examples/train_gpt.py"
-SMALL = ["--dim", "32", "--layers", "2", "--heads", "2", "--vocab", "64", "--seq", "16",
-         "--batch", "4"]
-"""The example's model and data at a size that trains 20 steps in about a second."""
 LOSS_LINE = re.compile(r"^step\s+(\d+)\s+loss (\S+)", re.MULTILINE)
-
-
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in (POLICY_ENV, LAUNCHED_ENV, "OMP_NUM_THREADS", "TIERED_TRACE")}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    env.update(extra)
-    return env
 
 
 def start(args: list, env: dict[str, str] | None = None, **popen) -> subprocess.Popen:
