@@ -8,11 +8,18 @@ calls ``engine.load_checkpoint(DIR)``, which picks up the latest complete checkp
 The policy and the flags are checked here, before any rank starts (a bad file, key, NVMe path or
 flag is a one-line error and exit status 2), then the policy is handed to every rank as JSON in
 the environment, where ``tiered.initialize(model)`` picks it up. Ranks are started and connected
-by ``torch.distributed.run`` itself, so multi-node runs use torchrun's rendezvous unchanged.
+by ``torch.distributed.run`` itself, so multi-node runs use torchrun's rendezvous unchanged. Each
+rank runs the script through ``rank_entry.py``, which makes it die with this launcher, also one
+killed with SIGKILL (on Linux; see there).
+
+A signal to the launcher (SIGTERM from a scheduler, SIGINT from Ctrl-C, SIGHUP from a closed
+terminal; not under ``nohup``, which ignores it) stops the ranks with the same signal, and
+tiered-launch exits 128 + the signal with one line saying so.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -21,9 +28,11 @@ from .engine.engine import LAUNCHED_ENV
 from .errors import NvmeError, TieredError, UsageError
 from .limits import usable_cores
 from .policy import POLICY_ENV, Policy, resolve
+from .rank_entry import LAUNCHER_PID_ENV
 from .tiers.nvme import check_nvme_path
 
 NPROC_ALLOWED = "a number >= 1, or auto, cpu, gpu or xpu for one rank per device"
+RANK_ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_entry.py")
 
 
 def _parser():
@@ -118,6 +127,52 @@ def _threads_per_rank(ranks: int) -> int:
     return max(1, usable_cores() // ranks)
 
 
+def _through_rank_entry(args) -> None:
+    """Have torchrun start ``python -u rank_entry.py MODE SCRIPT ARGS`` for each rank, where it
+    would start ``python -u [-m] SCRIPT ARGS`` (or, with --no-python, ``SCRIPT ARGS``)."""
+    if args.run_path:
+        # torchrun runs the script in a multiprocessing child it starts itself, not from a
+        # command line: that rank is left as torchrun starts it.
+        return
+    mode = "module" if args.module else "program" if args.no_python else "script"
+    args.training_script_args = [mode, args.training_script, *args.training_script_args]
+    args.training_script = RANK_ENTRY
+    args.module = args.no_python = False
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+
+
+class _SaidInOneLine(logging.Filter):
+    """torchrun's log lines about stopping the ranks for a signal the launcher got ("Received
+    2 death signal, shutting down workers", then "Sending process N closing signal SIGINT" per
+    rank): tiered-launch says the same in one line. Its other lines are kept."""
+
+    def __init__(self):
+        super().__init__()
+        self.stopping = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "death signal" in str(record.msg):
+            self.stopping = True
+            return False
+        return not (self.stopping and "closing signal" in str(record.msg))
+
+
+def _keep_a_hangup_ignored(args) -> None:
+    """torchrun handles SIGHUP (stopping the ranks) even where it is ignored, as under
+    ``nohup tiered-launch ...``, whose user asked for the job to outlive the terminal."""
+    hangup = getattr(signal, "SIGHUP", None)  # none on Windows
+    if hangup is not None and signal.getsignal(hangup) is signal.SIG_IGN:
+        args.signals_to_handle = ",".join(name for name in args.signals_to_handle.split(",")
+                                          if name.strip() != "SIGHUP")
+
+
+def _say_stops_in_one_line() -> None:
+    said = _SaidInOneLine()
+    for name in ("torch.distributed.elastic.agent.server.api",
+                 "torch.distributed.elastic.multiprocessing.api"):
+        logging.getLogger(name).addFilter(said)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -139,22 +194,30 @@ def main(argv: list[str] | None = None) -> int:
     flags = _torchrun_flags(parser, args)  # as given, before standalone is set for them
     if _single_node_without_rendezvous(args):
         args.standalone = True
+    script = args.training_script
+    _through_rank_entry(args)
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
+    _keep_a_hangup_ignored(args)
+    _say_stops_in_one_line()
     try:
         run(args)
     except ChildFailedError as e:
         codes = sorted({failure.exitcode for failure in e.failures.values()})
-        print(f"tiered-launch: {args.training_script} failed on {len(e.failures)} rank(s) "
+        print(f"tiered-launch: {script} failed on {len(e.failures)} rank(s) "
               f"with exit code(s) {codes}; see the rank's error above", file=sys.stderr)
         return next((c for c in codes if c > 0), 1)
     except SignalException as e:
-        # Ctrl-C or a scheduler's SIGTERM: torchrun has already stopped the ranks with it.
-        print(f"tiered-launch: stopped by {signal.Signals(e.sigval).name}; the ranks were "
-              f"stopped with it", file=sys.stderr)
+        # Ctrl-C, a scheduler's SIGTERM or a closed terminal's SIGHUP (torchrun handles each):
+        # torchrun has already stopped the ranks with it.
+        try:
+            print(f"tiered-launch: stopped by {signal.Signals(e.sigval).name}; the ranks were "
+                  f"stopped with it", file=sys.stderr)
+        except OSError:  # the terminal that closed was our stderr: the exit status says it
+            pass
         return 128 + int(e.sigval)
     except (ValueError, AssertionError) as e:
         # The flags torchrun checks only as it starts, before any rank (the rendezvous backend,

@@ -1,0 +1,160 @@
+"""A user's bad day with ``tiered-launch`` and the example (issue 17), as real subprocesses and
+real signals, on the CPU (CUDA_VISIBLE_DEVICES=""):
+
+- the launcher's process group killed with SIGKILL (a scheduler's kill, a dropped ssh session):
+  the ranks must not train on as orphans;
+- SIGHUP to it (the terminal closed) and SIGINT (Ctrl-C): the ranks stop, clean up, and the
+  launcher says why in one line, with no traceback from any rank; under ``nohup`` nothing stops.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from helpers import CONFIGS, EXAMPLE, REPO, SMALL, clean_env, finish
+
+TORCH_LOG_LINE = re.compile(r"^[DIWEF]\d{4} \d\d:\d\d:\d\d\.\d+ .*\n", re.MULTILINE)
+STOPS = ("SIGKILL", "SIGHUP", "SIGINT")
+"""What reaches the launcher's process group: a scheduler's or a dropped session's kill, a
+terminal that closed, Ctrl-C. The ranks run in sessions of their own (torchrun's), so none of
+these reaches them but through the launcher."""
+
+
+@dataclass
+class Stopped:
+    result: subprocess.CompletedProcess
+    alive: list[int]
+    """The ranks' pids still running (not zombies) after the launcher ended and a grace."""
+    nvme: Path
+
+
+def alive(processes: list[psutil.Process]) -> list[psutil.Process]:
+    running = []
+    for process in processes:
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                running.append(process)
+        except psutil.NoSuchProcess:
+            pass
+    return running
+
+
+def wait_gone(processes: list[psutil.Process], seconds: float) -> list[psutil.Process]:
+    deadline = time.monotonic() + seconds
+    while alive(processes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive(processes)
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory) -> dict[str, Stopped]:
+    """For each of STOPS, the example at two ranks under configs/nvme.yaml, training for good,
+    in a process group of its own; once it trains, the group gets the signal. The runs go side
+    by side: most of each is Python and torch starting."""
+    runs = {}
+    for name in STOPS:
+        root = tmp_path_factory.mktemp(name)
+        (root / "nvme").mkdir()
+        # Files, not pipes: ranks left running must not block on a pipe no one reads.
+        with open(root / "stdout", "w") as out, open(root / "stderr", "w") as err:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "tiered.launch", "--nproc-per-node", "2", "--nvme",
+                 str(root / "nvme"), "--policy", str(CONFIGS / "nvme.yaml"), EXAMPLE, *SMALL,
+                 "--steps", "1000000"],
+                cwd=REPO, env=clean_env(), stdout=out, stderr=err, start_new_session=True)
+        runs[name] = (root, process)
+    ranks: dict[str, list[psutil.Process]] = {}
+    try:
+        deadline = time.monotonic() + 150
+        while len(ranks) < len(runs):
+            for name, (root, process) in runs.items():
+                if name in ranks:
+                    continue
+                if process.poll() is not None:
+                    pytest.fail(f"{name}: the launcher ended before training: "
+                                f"{(root / 'stderr').read_text()[-3000:]}")
+                if re.search(r"^step\s+1\s", (root / "stdout").read_text(), re.MULTILINE):
+                    ranks[name] = psutil.Process(process.pid).children()
+                    os.killpg(process.pid, getattr(signal, name))
+            assert time.monotonic() < deadline, "no run started training"
+            time.sleep(0.05)
+        done = {}
+        for name, (root, process) in runs.items():
+            process.wait(timeout=90)
+            left = wait_gone(ranks[name], 30)
+            done[name] = Stopped(
+                subprocess.CompletedProcess(process.args, process.returncode,
+                                            (root / "stdout").read_text(),
+                                            (root / "stderr").read_text()),
+                [p.pid for p in left], root / "nvme")
+        return done
+    finally:
+        # Never leave a run training on this machine, whatever failed above.
+        for name, (_, process) in runs.items():
+            for orphan in alive(ranks.get(name, [])):
+                orphan.kill()
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+def test_ranks_die_with_a_launcher_killed_by_sigkill(stopped):
+    """torchrun starts ranks in new sessions with no parent-death signal: they trained on
+    and wrote checkpoints beside the next job. Now the kernel sends each SIGTERM as the
+    launcher dies, on which it exits and removes its NVMe folder."""
+    run = stopped["SIGKILL"]
+    assert run.result.returncode == -signal.SIGKILL
+    assert run.alive == [], f"ranks {run.alive} outlived their launcher"
+    assert os.listdir(run.nvme) == []
+
+
+@pytest.mark.parametrize("name", ["SIGHUP", "SIGINT"])
+def test_a_hangup_or_ctrl_c_stops_the_ranks_with_one_line(stopped, name):
+    """SIGHUP killed the ranks without their clean-up (their NVMe folders stayed); Ctrl-C
+    printed a KeyboardInterrupt traceback from every rank, or a gloo error from one whose
+    peer had gone."""
+    run = stopped[name]
+    signum = getattr(signal, name)
+    assert run.result.returncode == 128 + signum, run.result.stderr[-3000:]
+    assert "Traceback" not in run.result.stderr, run.result.stderr[-3000:]
+    # The launcher's lines: its own, and torch's log (whose lines about the stop it drops).
+    said = [line for line in run.result.stderr.splitlines()
+            if line.startswith("tiered-launch") or TORCH_LOG_LINE.match(line + "\n")]
+    assert said == [f"tiered-launch: stopped by {name}; the ranks were stopped with it"], \
+        run.result.stderr[-3000:]
+    assert run.alive == []
+    assert os.listdir(run.nvme) == []
+
+
+def test_a_hangup_ignored_with_nohup_stops_nothing(tmp_path):
+    """torchrun handled SIGHUP even when the launcher was started to ignore it (``nohup``):
+    the job stopped with the terminal that its user had detached it from."""
+    script = tmp_path / "wait.py"
+    script.write_text("import time\nprint('ready', flush=True)\ntime.sleep(4)\nprint('done')\n")
+    out = tmp_path / "stdout"
+    with open(out, "w") as stdout:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tiered.launch", script], cwd=REPO, env=clean_env(),
+            stdout=stdout, stderr=subprocess.PIPE, text=True, start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))  # as nohup does
+    try:
+        deadline = time.monotonic() + 60
+        while "ready" not in out.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+            time.sleep(0.05)
+        os.killpg(process.pid, signal.SIGHUP)
+        result = finish(process, timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert result.returncode == 0, result.stderr
+    assert out.read_text() == "ready\ndone\n"

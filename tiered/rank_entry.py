@@ -1,0 +1,132 @@
+"""What each rank of ``tiered-launch`` runs first: it ties the rank's life to the launcher's,
+then runs the training script as ``python`` itself would have.
+
+    python -u .../tiered/rank_entry.py script PATH [ARGS...]     torchrun's default
+    python -u .../tiered/rank_entry.py module NAME [ARGS...]     torchrun's --module
+    python -u .../tiered/rank_entry.py program PATH [ARGS...]    torchrun's --no-python
+
+torchrun starts each rank in a session of its own, with no parent-death signal: a launcher
+killed with SIGKILL (a closed ssh session, a scheduler killing the job's process group) left its
+ranks training on, writing checkpoints beside the next job's. Here the kernel is asked to send
+the rank SIGTERM when the launcher dies.
+
+A stop signal (SIGTERM, SIGINT, SIGHUP: torchrun stops the ranks with the signal the launcher
+got) is raised in the script once: SIGINT as KeyboardInterrupt, as Python does (a script may
+catch it to save), the others as SystemExit(128 + signal), as tiered's own SIGTERM handler does.
+The exit handlers then remove the rank's NVMe folder. A repeat is only noted, or it would cut
+that clean-up short: the kernel sends the parent-death signal each time it hands the rank on to
+another thread of the dying launcher (twice, 34 ms apart, under strace here), and schedulers
+repeat SIGTERM. What
+follows a stop in a rank is expected, not a failure (the KeyboardInterrupt, the error of a
+collective whose peer has just gone): the rank exits 128 + the signal without a traceback, and
+the launcher says why in one line.
+
+This file is run by path, and imports only the standard library: importing the ``tiered``
+package would import torch before the script could set what torch reads at import.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import runpy
+import signal
+import sys
+
+LAUNCHER_PID_ENV = "TIERED_LAUNCHER_PID"
+"""The launcher's pid, which tiered-launch puts in the ranks' environment."""
+PR_SET_PDEATHSIG = 1
+"""From <linux/prctl.h>."""
+MODES = ("script", "module", "program")
+
+_stopped_by: int | None = None
+"""The first stop signal the rank got while its script ran (see _on_stop_signal)."""
+_script_running = False
+
+
+def die_with_launcher() -> None:
+    """Have the kernel send this process SIGTERM when its parent, the launcher, dies; exit at
+    once if it died already (before the request, the kernel would never send it)."""
+    if sys.platform.startswith("linux"):
+        # The signal is sent when the thread that started this process ends: torchrun starts
+        # the ranks from the launcher's main thread, which lives as long as the launcher.
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+            print(f"tiered rank: warning: this rank will not stop if the launcher is killed "
+                  f"(prctl: {os.strerror(ctypes.get_errno())})", file=sys.stderr)
+    # Elsewhere there is no parent-death signal (macOS, Windows): a rank outlives a launcher
+    # killed with SIGKILL, as under torchrun. The check below still catches one already dead.
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    if launcher is not None and os.getppid() != int(launcher):
+        print(f"tiered rank: the launcher (pid {launcher}) is gone; not starting",
+              file=sys.stderr)
+        sys.exit(128 + signal.SIGTERM)
+
+
+def _on_stop_signal(signum: int, frame) -> None:
+    """Raise the first stop signal in the script (see the module's doc); after the script
+    (in the exit handlers' clean-up), or for a repeat, only note it."""
+    global _stopped_by
+    first = _stopped_by is None
+    _stopped_by = signum
+    if first and _script_running:
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        sys.exit(128 + signum)
+
+
+def _stop_once_on_signals() -> None:
+    """Handle the stop signals that have Python's default disposition. One ignored stays
+    ignored (SIGHUP under nohup); tiered's SIGTERM handler then sees this one installed and
+    leaves it. SIGHUP's default would kill the rank without removing its NVMe folder."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_stop_signal)
+    for name in ("SIGTERM", "SIGHUP"):
+        signum = getattr(signal, name, None)  # no SIGHUP on Windows
+        if signum is not None and signal.getsignal(signum) is signal.SIG_DFL:
+            signal.signal(signum, _on_stop_signal)
+
+
+def _first_on_path(folder: str) -> None:
+    """``python`` puts the script's folder (with ``-m``, the working folder) first on sys.path;
+    for this file it put tiered/'s, whose modules (policy, errors, ...) must not shadow the
+    script's. Under ``-P`` (safe_path) it put none, and none is put."""
+    if not getattr(sys.flags, "safe_path", False):
+        sys.path[0] = folder
+
+
+def run_target(mode: str, target: str, args: list[str]) -> None:
+    """Run ``target`` as ``python [-m] target args`` would, in this process, as ``__main__``."""
+    sys.argv = [target, *args]
+    if mode == "module":
+        _first_on_path(os.getcwd())
+        runpy.run_module(target, run_name="__main__", alter_sys=True)  # argv[0]: its file
+    else:
+        _first_on_path(os.path.dirname(os.path.realpath(target)))
+        runpy.run_path(target, run_name="__main__")
+
+
+def main(argv: list[str]) -> None:
+    global _script_running
+    if len(argv) < 2 or argv[0] not in MODES:
+        sys.exit(f"usage: rank_entry.py {{{','.join(MODES)}}} TARGET [ARGS...]")
+    mode, target, args = argv[0], argv[1], argv[2:]
+    die_with_launcher()
+    if mode == "program":
+        os.execvp(target, [target, *args])  # the parent-death signal is kept across exec
+    _script_running = True
+    _stop_once_on_signals()
+    try:
+        try:
+            run_target(mode, target, args)
+        finally:
+            _script_running = False
+    except SystemExit:
+        raise
+    except BaseException:
+        if _stopped_by is None:
+            raise
+        sys.exit(128 + _stopped_by)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
