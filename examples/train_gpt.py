@@ -15,9 +15,11 @@ import argparse
 import os
 import sys
 import time
+from typing import NoReturn
 
 import tiered  # first: it quiets torch's warning about a missing numpy
 import torch
+from tiered.checkpoint import check_folder
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt import GPT, add_lora, next_token_loss  # noqa: E402
@@ -36,6 +38,13 @@ def markov_batches(vocab: int, batch: int, seq: int, seed: int):
         yield idx
 
 
+def fail(parser: argparse.ArgumentParser, message: str, say: bool = True) -> NoReturn:
+    """A refusal in one line (no usage: the flags parsed, what they name is wrong), exit 2."""
+    if say:
+        print(f"{parser.prog}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=200)
@@ -46,10 +55,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--checkpoint", default=None, help="folder for checkpoints")
+    parser.add_argument("--checkpoint", default=None,
+                        help="folder for checkpoints (made at the first save); checked before "
+                             "training starts")
     parser.add_argument("--save-every", type=int, default=0, help="steps between checkpoints")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from the latest checkpoint in --checkpoint")
+                        help="continue from the latest checkpoint in --checkpoint; with none "
+                             "there yet it is an error, not a fresh start (leave --resume out "
+                             "of the first run)")
     parser.add_argument("--lora", type=int, default=0, metavar="RANK",
                         help="train LoRA adapters of this rank on the blocks' linear layers, "
                              "every other parameter frozen")
@@ -70,6 +83,11 @@ def main() -> None:
         parser.error(f"--heads {args.heads} must divide --dim {args.dim}")
     if (args.resume or args.save_every) and not args.checkpoint:
         parser.error("--resume and --save-every need --checkpoint DIR")
+    if args.checkpoint:
+        try:  # not a folder, or not writable: said now, not at the first save
+            check_folder(args.checkpoint)
+        except tiered.CheckpointError as e:
+            fail(parser, f"--checkpoint: {e}")
 
     torch.manual_seed(0)
     with tiered.init(optimizer={"lr": args.lr}):
@@ -98,7 +116,14 @@ def main() -> None:
 
     first = 1
     if args.resume:
-        tag = engine.load_checkpoint(args.checkpoint)
+        try:
+            tag = engine.load_checkpoint(args.checkpoint)
+        except tiered.CheckpointError as e:
+            # Every rank refuses alike (a load's checks are agreed among ranks): rank 0 says it.
+            # A --resume with no checkpoint to resume from most likely names the wrong folder;
+            # starting afresh would train from scratch and save beside what the user meant.
+            fail(parser, f"--resume: {e}", say=rank == 0)
+        # steps_taken counts optimizer.step() calls, and this loop makes one per batch.
         first = optimizer.steps_taken + 1
         log(f"resumed from {args.checkpoint}/{tag} at step {first}")
     data = markov_batches(args.vocab, args.batch, args.seq, seed=1)

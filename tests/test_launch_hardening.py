@@ -4,7 +4,8 @@ real signals, on the CPU (CUDA_VISIBLE_DEVICES=""):
 - the launcher's process group killed with SIGKILL (a scheduler's kill, a dropped ssh session):
   the ranks must not train on as orphans;
 - SIGHUP to it (the terminal closed) and SIGINT (Ctrl-C): the ranks stop, clean up, and the
-  launcher says why in one line, with no traceback from any rank; under ``nohup`` nothing stops.
+  launcher says why in one line, with no traceback from any rank; under ``nohup`` nothing stops;
+- the example's ``--resume`` before any checkpoint exists, and a ``--checkpoint`` that is a file.
 """
 from __future__ import annotations
 
@@ -133,6 +134,50 @@ def test_a_hangup_or_ctrl_c_stops_the_ranks_with_one_line(stopped, name):
         run.result.stderr[-3000:]
     assert run.alive == []
     assert os.listdir(run.nvme) == []
+
+
+# -- the example's checkpoint flags, refused before it trains ----------------------------------
+
+@pytest.fixture(scope="module")
+def refused_example(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """The example run directly (one process) with a checkpoint folder it cannot use, side by
+    side: --resume where no checkpoint was ever saved (a first run given the flag a restart
+    gets), and --checkpoint naming a regular file."""
+    root = tmp_path_factory.mktemp("refused")
+    (root / "afile").write_text("not a folder\n")
+    cases = {
+        "resume-before-any-save": ["--checkpoint", root / "ck", "--resume"],
+        "checkpoint-is-a-file": ["--checkpoint", root / "afile", "--save-every", "1"],
+    }
+    started = {name: subprocess.Popen([sys.executable, EXAMPLE, *SMALL, "--steps", "3",
+                                       *map(str, flags)], cwd=REPO, env=clean_env(),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for name, flags in cases.items()}
+    return {name: (finish(process, timeout=180), root) for name, process in started.items()}
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("train_gpt.py: error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    assert not re.search(r"^step\s", result.stdout, re.MULTILINE)  # it never trained
+
+
+def test_resume_before_any_checkpoint_is_one_line_error(refused_example):
+    """--resume means resume: a folder with no checkpoint most likely is the wrong folder, and a
+    fresh start would train from scratch and save beside what the user meant to resume."""
+    result, root = refused_example["resume-before-any-save"]
+    assert_one_line_error(result, "--resume", f"no checkpoint in {root / 'ck'}")
+    assert not (root / "ck").exists()  # nothing made where the user pointed, maybe by mistake
+
+
+def test_checkpoint_folder_that_is_a_file_is_refused_before_training(refused_example):
+    result, root = refused_example["checkpoint-is-a-file"]
+    assert_one_line_error(result, "--checkpoint", str(root / "afile"), "regular file")
+    assert (root / "afile").read_text() == "not a folder\n"
 
 
 def test_a_hangup_ignored_with_nohup_stops_nothing(tmp_path):
