@@ -5,7 +5,8 @@ real signals, on the CPU (CUDA_VISIBLE_DEVICES=""):
   the ranks must not train on as orphans;
 - SIGHUP to it (the terminal closed) and SIGINT (Ctrl-C): the ranks stop, clean up, and the
   launcher says why in one line, with no traceback from any rank; under ``nohup`` nothing stops;
-- the example's ``--resume`` before any checkpoint exists, and a ``--checkpoint`` that is a file.
+- the example's ``--resume`` before any checkpoint exists, and a ``--checkpoint`` that is a file;
+- what ``optimizer.steps_taken`` counts when a step has no backward, across a save and a load.
 """
 from __future__ import annotations
 
@@ -20,8 +21,12 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
+import tiered
+from gpt import next_token_loss
 from helpers import CONFIGS, EXAMPLE, REPO, SMALL, clean_env, finish
+from test_parity import OPTIM, make_model, token_batches
 
 TORCH_LOG_LINE = re.compile(r"^[DIWEF]\d{4} \d\d:\d\d:\d\d\.\d+ .*\n", re.MULTILINE)
 STOPS = ("SIGKILL", "SIGHUP", "SIGINT")
@@ -178,6 +183,58 @@ def test_checkpoint_folder_that_is_a_file_is_refused_before_training(refused_exa
     result, root = refused_example["checkpoint-is-a-file"]
     assert_one_line_error(result, "--checkpoint", str(root / "afile"), "regular file")
     assert (root / "afile").read_text() == "not a folder\n"
+
+
+# -- what steps_taken counts -------------------------------------------------------------------
+
+def train(engine, optimizer, batches) -> None:
+    for idx in batches:
+        next_token_loss(engine(idx), idx).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("optimizer_keys", [
+    {}, {"accumulation_steps": 1}, {"delayed_update": {"enabled": True, "warmup_steps": 1}},
+], ids=["plain", "accumulation", "delayed"])
+def test_a_step_without_backward_counts_as_a_call_and_resumes_exactly(tmp_path, optimizer_keys):
+    """``steps_taken`` counts step() calls (the loop's position, as the example's resume uses
+    it to skip batches): a call with no backward since zero_grad() counts, steps no unit (its
+    AdamW count stays, as torch's state["step"]), and a checkpoint after it resumes where the
+    run that went on is, the count included."""
+    engine, optimizer = tiered.initialize(
+        make_model(), str(CONFIGS / "cpu.yaml"), compute_dtype="fp32", device="cpu",
+        optimizer=dict(OPTIM, **optimizer_keys))
+    batches = token_batches(5)
+    train(engine, optimizer, batches[:2])
+    unit_steps = optimizer.checkpoint_state()["unit_steps"]
+    optimizer.step()  # no backward since the loop's zero_grad()
+    assert optimizer.steps_taken == 3
+    assert optimizer.checkpoint_state()["unit_steps"] == unit_steps == [2.0] * len(unit_steps)
+    tag = os.path.basename(engine.save_checkpoint(str(tmp_path / "ck")))
+    assert tag == "step00000003"
+    train(engine, optimizer, batches[2:])
+    went_on = engine.full_state_dict()
+    assert optimizer.steps_taken == 6
+    engine.load_checkpoint(str(tmp_path / "ck"))
+    assert optimizer.steps_taken == 3
+    train(engine, optimizer, batches[2:])
+    resumed = engine.full_state_dict()
+    assert optimizer.steps_taken == 6
+    engine.close()
+    for name, value in went_on.items():
+        assert torch.equal(resumed[name], value), name
+    if not optimizer_keys:  # the no-op is torch's too: AdamW skips parameters without a grad
+        model = make_model()
+        reference = torch.optim.AdamW(model.parameters(), **OPTIM)
+        for i, idx in enumerate(batches):
+            if i == 2:
+                reference.step()
+            next_token_loss(model(idx), idx).backward()
+            reference.step()
+            reference.zero_grad()
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(went_on[name], value, rtol=0, atol=1e-5, msg=name)
 
 
 def test_a_hangup_ignored_with_nohup_stops_nothing(tmp_path):

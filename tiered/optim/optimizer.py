@@ -163,7 +163,16 @@ class TieredAdamW(torch.optim.Optimizer):
 
     @property
     def steps_taken(self) -> int:
-        """``step()`` calls so far (restored by ``engine.load_checkpoint``)."""
+        """``step()`` calls so far (restored by ``engine.load_checkpoint``): the training loop's
+        position, as a global step count is in other trainers, which a resume uses to skip
+        the data already seen and a save names its default tag by.
+
+        Every call counts, also one that steps nothing: no backward since ``zero_grad()`` (as
+        ``torch.optim.AdamW`` skips parameters without a gradient), or an fp16 overflow
+        (``skipped_steps``). AdamW's bias correction counts each unit's own updates instead,
+        which such a call leaves as they were, as torch leaves ``state["step"]``. With
+        ``optimizer.accumulation_steps`` a call is one step of several backwards; the delayed
+        update's ``warmup_steps`` counts calls too."""
         return self._steps_called
 
     def zero_grad(self, set_to_none: bool = True) -> None:
