@@ -221,3 +221,42 @@ def test_a_sigterm_during_setup_leaves_no_run_folder(tmp_path):
     assert "INITIALIZED" not in out, "the signal came after set-up: make set-up longer"
     assert process.returncode == 128 + signal.SIGTERM, (process.returncode, err[-2000:])
     assert os.listdir(root) == []
+
+
+ENDS_MID_UPDATE = textwrap.dedent("""
+    import os, signal, sys, torch, tiered
+    from gpt import GPT, next_token_loss
+    with tiered.init("configs/nvme.yaml", nvme={"path": sys.argv[1]},
+                     optimizer={"delayed_update": {"enabled": True, "warmup_steps": 0}}):
+        model = GPT(64, 32, 2, 2, max_seq=16)
+    engine, optimizer = tiered.initialize(model)
+    idx = torch.randint(0, 64, (2, 16))
+    for _ in range(2):
+        engine.backward(next_token_loss(engine(idx), idx))
+        optimizer.step()  # returns at once: the update runs on as the script ends
+        optimizer.zero_grad()
+    if sys.argv[2] == "sigterm-twice":
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            signal.pause()
+        except SystemExit as stop:
+            print("stopped", stop.code, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)  # a repeated SIGTERM must not cut clean-up short
+    print("ended", flush=True)
+""")
+
+
+@pytest.mark.parametrize("how", ["plain", "sigterm-twice"])
+def test_a_script_ending_mid_update_finishes_it_and_removes_its_folder(tmp_path, how):
+    """The delayed update's last step is still running as the script ends; Python stops its
+    thread pools before atexit, so the update's NVMe I/O used to be refused ("cannot schedule
+    new futures after shutdown", printed at the end of every such run). See [Note: exit
+    order]. The launched rank's SIGTERM handler raises once; a second SIGTERM is ignored."""
+    out = subprocess.run([sys.executable, "-c", ENDS_MID_UPDATE, str(tmp_path), how], cwd=REPO,
+                         env=dict(env(), **{LAUNCHED_ENV: "1"}), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    expected = ["stopped 143", "ended"] if how == "sigterm-twice" else ["ended"]
+    assert out.stdout.split("\n")[:-1] == expected
+    assert "CPU worker failed" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert os.listdir(tmp_path) == [], "the run folder outlived the run"

@@ -18,6 +18,7 @@ import yaml
 from torch import nn
 
 import tiered
+from tiered.launch import policy_from_args
 from test_tiers import mounted
 from tiered.policy import POLICY_ENV, Policy
 from tiered.sizes import format_size, parse_size
@@ -60,6 +61,8 @@ def test_a_tilde_in_the_nvme_path_is_the_home_folder_from_yaml_overrides_and_the
     assert Policy.from_yaml(policy_file).nvme.path == str(home / "ssd")
     assert Policy.from_yaml(CONFIGS / "nvme.yaml",
                             {"nvme": {"path": "~/ssd"}}).nvme.path == str(home / "ssd")
+    # tiered-launch --nvme "~/ssd" (quoted, so no shell expanded it), read as the launcher does
+    assert policy_from_args(str(CONFIGS / "nvme.yaml"), "~/ssd").nvme.path == str(home / "ssd")
     # The engine makes its run folder there (not in a folder named "~" of the working one).
     engine, _ = tiered.initialize(nn.Linear(4, 4), str(policy_file), device="cpu")
     try:

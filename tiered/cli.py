@@ -64,7 +64,8 @@ def _bench_io(args) -> int:
         sweep_size = _positive_size("--sweep-size", args.sweep_size)
         if args.repeats < 1:
             raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
-        result = bench_io.run(os.path.abspath(args.nvme), size, min(size, sweep_size),
+        result = bench_io.run(os.path.abspath(os.path.expanduser(args.nvme)), size,
+                              min(size, sweep_size),
                               IoSettings(policy.nvme.block_size, policy.nvme.queue_depth),
                               args.repeats)
     except (TieredError, ValueError) as e:

@@ -51,7 +51,7 @@ def _parser():
 def policy_from_args(policy_file: str | None, nvme: str | None):
     """The policy a command line names (``--policy``, ``--nvme``), with its NVMe path checked;
     raises TieredError (PolicyError, NvmeError) naming the file, key or path."""
-    overrides = {"nvme": {"path": os.path.abspath(nvme)}} if nvme else {}
+    overrides = {"nvme": {"path": os.path.abspath(os.path.expanduser(nvme))}} if nvme else {}
     policy = resolve(policy_file, overrides)
     if policy.uses_nvme:
         try:
