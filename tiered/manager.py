@@ -380,7 +380,6 @@ class TierManager:
         self.dram.close()
 
 
-
 PastTheNode = dict[str, tuple[str, tuple[int, int]]]
 """Per tier: a line naming a budget, its value and this rank's share; (budget, share)."""
 

@@ -16,10 +16,9 @@ catch it to save), the others as SystemExit(128 + signal), as tiered's own SIGTE
 The exit handlers then remove the rank's NVMe folder. A repeat is only noted, or it would cut
 that clean-up short: the kernel sends the parent-death signal each time it hands the rank on to
 another thread of the dying launcher (twice, 34 ms apart, under strace here), and schedulers
-repeat SIGTERM. What
-follows a stop in a rank is expected, not a failure (the KeyboardInterrupt, the error of a
-collective whose peer has just gone): the rank exits 128 + the signal without a traceback, and
-the launcher says why in one line.
+repeat SIGTERM. What follows a stop in a rank is expected, not a failure (the
+KeyboardInterrupt, the error of a collective whose peer has just gone): the rank exits 128 +
+the signal without a traceback, and the launcher says why in one line.
 
 This file is run by path, and imports only the standard library: importing the ``tiered``
 package would import torch before the script could set what torch reads at import.
