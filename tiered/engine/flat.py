@@ -27,7 +27,7 @@ import enum
 
 import torch
 
-from .released import ReleasedWeight
+from ..released import ReleasedWeight
 from .units import UnitSpec
 
 

@@ -50,13 +50,12 @@ from __future__ import annotations
 import enum
 import threading
 from collections import deque
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 from ..manager import TierManager
-from ..optim.adamw import AdamWHyper
+from ..optim.arrival import LastBackward
 from ..optim.workers import CpuWorker
 from ..plan import GRAD_LANDING_SLOTS, StateKind, reduce_dtype, state_dtype
 from ..policy import Policy
@@ -85,22 +84,6 @@ class _InFlight:
 
     def copied(self) -> bool:
         return self.event is None or self.event.query()
-
-
-@dataclass(frozen=True)
-class LastBackward:
-    """The step's last backward, as ``optimizer.accumulation_steps`` declares it: each unit's
-    gradient is complete once it arrives. Made by the thread running backward when it starts,
-    and handed with each of its gradients to the CPU worker, so whatever the worker reads of it
-    is this backward's even when the worker runs behind."""
-
-    step_units: bool
-    """Step each unit as its gradient arrives (else only take its norm, if wanted)."""
-    forward_rank: dict[int, int]
-    """Unit -> its place in the next forward, which steps first what that forward needs first."""
-    hypers: tuple[AdamWHyper, ...] | None
-    """The hyperparameters those steps use, per param group: ``param_groups`` as this backward
-    started."""
 
 
 class GradientPath:

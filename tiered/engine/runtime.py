@@ -14,6 +14,7 @@ import torch
 from ..errors import TieredError
 from ..manager import TierManager
 from ..optim.adamw import AdamWHyper
+from ..optim.arrival import LastBackward
 from ..optim.workers import CpuWorker
 from ..plan import StateKind, prefetch_limit
 from ..policy import ComputeDtype, Policy, Tier
@@ -22,7 +23,7 @@ from ..timeline import Timeline
 from .collectives import ProcessGroup
 from .flat import FlatParam
 from .gather import Gatherer
-from .gradients import GradientPath, LastBackward
+from .gradients import GradientPath
 from .pending import PendingWeights
 from .readahead import ReadAhead
 from .streams import Streams

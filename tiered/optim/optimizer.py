@@ -10,11 +10,11 @@ from functools import partial
 import torch
 
 from ..errors import TieredError
-from ..engine.gradients import LastBackward
-from ..engine.released import ReleasedWeight
 from ..plan import optimizer_device
 from ..policy import Policy
+from ..released import ReleasedWeight
 from .adamw import AdamWHyper, OnePassAdamW
+from .arrival import LastBackward
 from .groups import GroupRange
 from .loss_scale import LossScaler
 from .norm import squared_norm
