@@ -14,8 +14,8 @@ from .checkpoint import CheckpointError
 from .engine import TieredEngine, init, initialize
 from .errors import BudgetError, NvmeError, PolicyError, TieredError
 from .ops import TiledLinear
-from .optim import TieredAdamW
+from .optim import TieredAdamW, UpdateMode
 from .policy import Policy
 
 __all__ = ["BudgetError", "CheckpointError", "NvmeError", "Policy", "PolicyError", "TieredAdamW",
-           "TieredEngine", "TieredError", "TiledLinear", "init", "initialize"]
+           "TieredEngine", "TieredError", "TiledLinear", "UpdateMode", "init", "initialize"]

@@ -1,4 +1,4 @@
 """The optimizer: AdamW stepped where the optimizer states live."""
-from .optimizer import TieredAdamW
+from .optimizer import TieredAdamW, UpdateMode
 
-__all__ = ["TieredAdamW"]
+__all__ = ["TieredAdamW", "UpdateMode"]

@@ -1,6 +1,7 @@
 """TieredAdamW: ``torch.optim.AdamW`` over the engine's partitioned, tiered shards."""
 from __future__ import annotations
 
+import enum
 import math
 import threading
 import warnings
@@ -21,6 +22,34 @@ from .norm import squared_norm
 from .stepper import UnitStepper
 
 
+class UpdateMode(enum.Enum):
+    """How an update runs against the steps around it.
+
+    [Note: update modes]
+    - BLOCKING: ``step()`` returns once the update is done. For an optimizer stepping on the GPU,
+      and under fp16, whose next backward needs the loss scale this update decides.
+    - OVERLAPPED: ``step()`` returns at once; the update steps units in the order the next
+      forward needs them, and that forward reads each only once it is written
+      (PendingWeights), so it computes exactly what it would after a blocking step. For every
+      other update on the CPU.
+    - DELAYED: ``step()`` returns at once; the update writes each unit's next weights
+      (StateKind.PARAM_NEXT) while the next forward and backward run on the current ones, and
+      the next ``step()`` (or ``synchronize()``) makes them current: ZeRO-Offload's one-step
+      delayed update.
+    A run's ordinary mode is BLOCKING or OVERLAPPED, fixed at ``initialize`` by where the
+    optimizer steps and whether a loss scaler exists. With ``optimizer.delayed_update`` the run
+    moves to DELAYED at the call after ``warmup_steps`` calls and stays there; a checkpoint's
+    ``steps_called`` restores the mode with the count. Units stepped as their gradients arrive
+    (``accumulation_steps``) are stepped during backward, outside these modes, and only where
+    no update is delayed (runtime.arrival_allowed); ``step()`` waits for them in BLOCKING mode
+    only.
+    """
+
+    BLOCKING = "blocking"
+    OVERLAPPED = "overlapped"
+    DELAYED = "delayed"
+
+
 @dataclass
 class _Update:
     """One optimizer step's work for the CPU worker, and what it found."""
@@ -29,10 +58,9 @@ class _Update:
     hypers: tuple[AdamWHyper, ...]
     """Per param group."""
     loss_scale: float
-    into_next: bool
-    """Write the new weights into the delayed update's next buffer, not the current one."""
-    announced: bool = False
-    """Readers wait for each unit's new weights (PendingWeights.expect was called for each)."""
+    mode: UpdateMode
+    """DELAYED writes the delayed update's next weights; OVERLAPPED updates have readers
+    waiting for each unit (PendingWeights.expect was called for each)."""
     written: list[int] = field(default_factory=list)
     norm: float | None = None
     norm_known: threading.Event = field(default_factory=threading.Event)
@@ -125,8 +153,10 @@ class TieredAdamW(torch.optim.Optimizer):
         self._stepper = UnitStepper(self._manager, self._grads,
                                     [flat.name for flat in runtime.flats], ranges, self.device,
                                     one_pass, opt.sub_group_size, runtime.timeline)
-        self._overlap_forward = self.device.type == "cpu" and scaler is None
-        """Ordinary updates return at once and overlap the next forward (see the class doc)."""
+        self._ordinary_mode = (UpdateMode.OVERLAPPED
+                               if self.device.type == "cpu" and scaler is None
+                               else UpdateMode.BLOCKING)
+        """The mode of updates that are not delayed (see [Note: update modes])."""
         self._last_grad_norm: float | None = None
         self._grads_loss_scale: float | None = None
         """The loss scale the gradients held now were computed with (see note_loss_scale)."""
@@ -153,7 +183,7 @@ class TieredAdamW(torch.optim.Optimizer):
         """The global gradient norm (unscaled) of the last step's update, when it takes one;
         under the delayed update, of the last finished update."""
         update = self._pending
-        if update is not None and not update.into_next:
+        if update is not None and update.mode is not UpdateMode.DELAYED:
             # A worker that failed before this update was pending never wakes a waiter for it.
             self._worker.raise_if_failed()
             update.norm_known.wait()
@@ -174,6 +204,14 @@ class TieredAdamW(torch.optim.Optimizer):
         ``optimizer.accumulation_steps`` a call is one step of several backwards; the delayed
         update's ``warmup_steps`` counts calls too."""
         return self._steps_called
+
+    @property
+    def update_mode(self) -> UpdateMode:
+        """The mode the next ``step()`` runs its update in (see [Note: update modes]): DELAYED
+        once the delayed update's warm-up calls are done, else the run's ordinary mode."""
+        if self._delayed.enabled and self._steps_called >= self._delayed.warmup_steps:
+            return UpdateMode.DELAYED
+        return self._ordinary_mode
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._worker.submit(self._squares.clear)  # after any update that reads them
@@ -197,8 +235,8 @@ class TieredAdamW(torch.optim.Optimizer):
         # The loss scale this step's backwards used: finishing the previous update may change it.
         loss_scale = self._loss_scale_of_grads()
         units = [i for i, has in enumerate(self._grads.has_grad) if has]
+        mode = self.update_mode
         self._steps_called += 1
-        delayed = self._delayed.enabled and self._steps_called > self._delayed.warmup_steps
         arrived = set(self._runtime.stepped_on_arrival)
         last = self._runtime.last_backward
         if arrived:
@@ -208,7 +246,7 @@ class TieredAdamW(torch.optim.Optimizer):
             # of the last backward's start (last.hypers), before any zero_grad() or later
             # gradient in the worker's queue.
             self._worker.submit(partial(self._step_ready, last, until_more_arrive=False))
-        if arrived and self._overlap_forward:
+        if arrived and mode is UpdateMode.OVERLAPPED:
             # The worker is still stepping these (their readers wait in PendingWeights), and
             # ran the previous update before them; where units step on arrival (no clipping,
             # fp16 or delayed update) an update leaves nothing to settle, so nothing waits here.
@@ -219,14 +257,14 @@ class TieredAdamW(torch.optim.Optimizer):
         self._grads_loss_scale = None  # this step takes the gradients
         rest = [i for i in units if i not in arrived]
         if rest:
-            overlap = self._overlap_forward and not delayed
-            update = _Update(self._runtime.forward_order(rest) if overlap else rest,
-                             self._hypers(), loss_scale, into_next=delayed, announced=overlap)
+            overlapped = mode is UpdateMode.OVERLAPPED
+            update = _Update(self._runtime.forward_order(rest) if overlapped else rest,
+                             self._hypers(), loss_scale, mode)
             self._pending = update  # before the worker can fail on it (see _wake_norm_waiter)
-            if update.announced:
+            if overlapped:
                 self._runtime.pending_weights.expect(update.units)
             self._worker.submit(partial(self._run_update, update))
-            if not delayed and not overlap:
+            if mode is UpdateMode.BLOCKING:
                 self.synchronize()
         return loss
 
@@ -243,7 +281,7 @@ class TieredAdamW(torch.optim.Optimizer):
         update, self._pending = self._pending, None
         if update is None:
             return
-        if update.into_next:
+        if update.mode is UpdateMode.DELAYED:
             for i in update.written:
                 self._manager.swap_params(i)
         if update.norm is not None:
@@ -273,7 +311,7 @@ class TieredAdamW(torch.optim.Optimizer):
         is finished but not made current: what it wrote and found is recorded instead, so a
         resumed run swaps to it at its next step exactly as this one will. An ordinary update
         is finished and made current."""
-        if self._pending is not None and not self._pending.into_next:
+        if self._pending is not None and self._pending.mode is not UpdateMode.DELAYED:
             self.synchronize()
         self._worker.drain()
         pending = self._pending
@@ -309,7 +347,8 @@ class TieredAdamW(torch.optim.Optimizer):
         pending = state["pending"]
         self._pending = None if pending is None else _Update(
             units=list(pending["written"]), hypers=self._hypers(),
-            loss_scale=pending["loss_scale"], into_next=True, written=list(pending["written"]),
+            loss_scale=pending["loss_scale"], mode=UpdateMode.DELAYED,
+            written=list(pending["written"]),
             norm=pending["norm"], overflowed=pending["overflowed"])
         self._ready = []
         self._squares.clear()
@@ -375,16 +414,16 @@ class TieredAdamW(torch.optim.Optimizer):
         if divisor is None:
             update.overflowed = True
         else:
-            order = (self._grads.in_arrival_order(update.units) if update.into_next
-                     else update.units)
+            delayed = update.mode is UpdateMode.DELAYED
+            order = self._grads.in_arrival_order(update.units) if delayed else update.units
 
             def written(unit: int) -> None:
                 update.written.append(unit)
-                if update.announced:
+                if update.mode is UpdateMode.OVERLAPPED:
                     pending.written([unit])
 
-            self._stepper.step(order, update.hypers, divisor, update.into_next, on_unit=written)
-        if update.announced:  # those an overflow skipped
+            self._stepper.step(order, update.hypers, divisor, delayed, on_unit=written)
+        if update.mode is UpdateMode.OVERLAPPED:  # those an overflow skipped
             done = set(update.written)
             pending.written([unit for unit in update.units if unit not in done])
 
