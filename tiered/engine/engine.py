@@ -31,9 +31,11 @@ from ..timeline import Timeline
 from .build import (building_bytes, built_together, flat_units, memory_plan, partition,
                     place_buffers)
 from .collectives import ProcessGroup
+from .context import EngineContext
 from .hooks import UnitHooks
 from .init import Materializer, init_context_of
 from .runtime import UnitRuntime
+from .streams import Streams
 
 LAUNCHED_ENV = "TIERED_LAUNCHED"
 """Set by ``tiered-launch`` in each rank's environment."""
@@ -355,7 +357,8 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
         if start_weights is not None:
             start_weights.load_buffers(model)
             _warn_unmatched(start_weights.result, start_weights.source.where)
-        runtime = UnitRuntime(flats, manager, group, policy, worker, timeline)
+        runtime = UnitRuntime(EngineContext(flats, manager, group, policy, worker,
+                                            Streams(device), timeline))
         scaler = (LossScaler(policy.loss_scale)
                   if policy.compute_dtype is ComputeDtype.FP16 else None)
         optimizer = TieredAdamW(runtime, policy, scaler, group.on_host(), ranges, one_pass)

@@ -8,28 +8,25 @@ from __future__ import annotations
 
 import torch
 
-from ..manager import TierManager
 from ..plan import StateKind
 from ..policy import Tier
-from ..timeline import Timeline
-from .collectives import ProcessGroup
+from .context import EngineContext
 from .flat import FlatParam, Residency
 from .pending import PendingWeights
 from .readahead import ReadAhead
-from .streams import Streams, wait_for
+from .streams import wait_for
 
 
 class Gatherer:
-    def __init__(self, flats: list[FlatParam], manager: TierManager, group: ProcessGroup,
-                 streams: Streams, readahead: ReadAhead | None, pending: PendingWeights,
-                 timeline: Timeline):
-        self.flats = flats
+    def __init__(self, context: EngineContext, readahead: ReadAhead | None,
+                 pending: PendingWeights):
+        self.flats = context.flats
         self.pending = pending
         """A shard an update is still writing is read once written."""
-        self.timeline = timeline
-        self.manager = manager
-        self.group = group
-        self.streams = streams
+        self.timeline = context.timeline
+        self.manager = context.manager
+        self.group = context.group
+        self.streams = context.streams
         self.readahead = readahead
         self._by_storage: dict[int, FlatParam] = {}
         """Storage address of each gathered unit's ``full``, to recognise views of it."""

@@ -54,15 +54,11 @@ from functools import partial
 
 import torch
 
-from ..manager import TierManager
 from ..optim.arrival import LastBackward
-from ..optim.workers import CpuWorker
 from ..plan import GRAD_LANDING_SLOTS, StateKind, reduce_dtype, state_dtype
-from ..policy import Policy
-from ..timeline import Timeline
-from .collectives import ProcessGroup
+from .context import EngineContext
 from .flat import FlatParam
-from .streams import Streams, wait_for
+from .streams import wait_for
 
 
 class BufferState(enum.Enum):
@@ -87,15 +83,16 @@ class _InFlight:
 
 
 class GradientPath:
-    def __init__(self, flats: list[FlatParam], manager: TierManager, group: ProcessGroup,
-                 policy: Policy, worker: CpuWorker, streams: Streams, timeline: Timeline):
+    def __init__(self, context: EngineContext):
+        flats, manager, worker, policy = (context.flats, context.manager, context.worker,
+                                          context.policy)
         self.flats = flats
         self.manager = manager
-        self.group = group
+        self.group = context.group
         self.worker = worker
-        self.streams = streams
-        self.timeline = timeline
-        self.reduce_dtype = reduce_dtype(policy, group.world_size)
+        self.streams = context.streams
+        self.timeline = context.timeline
+        self.reduce_dtype = reduce_dtype(policy, self.group.world_size)
         self.buffer_dtype = state_dtype(policy, StateKind.GRAD)
         """fp32, or the compute dtype for compact buffers (see [Note: gradient states])."""
         self.has_grad = [False] * len(flats)

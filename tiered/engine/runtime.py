@@ -12,33 +12,30 @@ from typing import Callable
 import torch
 
 from ..errors import TieredError
-from ..manager import TierManager
 from ..optim.adamw import AdamWHyper
 from ..optim.arrival import LastBackward
-from ..optim.workers import CpuWorker
 from ..plan import StateKind, prefetch_limit
-from ..policy import ComputeDtype, Policy, Tier
+from ..policy import ComputeDtype, Tier
 from ..prefetch import Prefetcher
-from ..timeline import Timeline
-from .collectives import ProcessGroup
+from .context import EngineContext
 from .flat import FlatParam
 from .gather import Gatherer
 from .gradients import GradientPath
 from .pending import PendingWeights
 from .readahead import ReadAhead
-from .streams import Streams
 from .units import module_groups
 
 
 class UnitRuntime:
-    def __init__(self, flats: list[FlatParam], manager: TierManager, group: ProcessGroup,
-                 policy: Policy, worker: CpuWorker, timeline: Timeline):
+    def __init__(self, context: EngineContext):
+        flats, manager, policy, timeline = (context.flats, context.manager, context.policy,
+                                            context.timeline)
         self.flats = flats
         self.timeline = timeline
         self.manager = manager
-        self.group = group
-        self.worker = worker
-        self.streams = Streams(group.device)
+        self.group = context.group
+        self.worker = context.worker
+        self.streams = context.streams
         self.accumulation_steps = policy.optimizer.accumulation_steps
         self.backwards_since_step = 0
         # Stepping a unit as its gradient arrives needs the step's last backward to be known
@@ -61,13 +58,12 @@ class UnitRuntime:
         self.stepped_on_arrival: set[int] = set()
         """Units whose gradient came in the backward that steps them on arrival: the worker
         steps each (the view of the thread running backward, complete once backward returns)."""
-        self.grads = GradientPath(flats, manager, group, policy, worker, self.streams, timeline)
-        self.pending_weights = PendingWeights(worker, timeline)
+        self.grads = GradientPath(context)
+        self.pending_weights = PendingWeights(self.worker, timeline)
         self.readahead = (ReadAhead(manager, manager.staging_names("param_in"),
                                     self.pending_weights, timeline)
                           if manager.staging_names("param_in") else None)
-        self.gatherer = Gatherer(flats, manager, group, self.streams, self.readahead,
-                                 self.pending_weights, timeline)
+        self.gatherer = Gatherer(context, self.readahead, self.pending_weights)
         self.groups = module_groups([f.spec for f in flats])
         """Per unit, its module's first unit: the halves of a split module share one."""
         self.prefetcher = Prefetcher([f.gathered_bytes for f in flats], policy.prefetch,
