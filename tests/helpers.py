@@ -1,10 +1,19 @@
-"""What the tests that run tiered's commands as subprocesses share: where things are, the
-environment a run gets, the example's tiny size, and how a run is waited for."""
+"""What the tests share beyond models and data: where things are, the environment a run of
+tiered's commands gets, the example's tiny size, how a run or a thread is waited for, a small
+file system mounted for a test, and the check every refused checkpoint load makes."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import threading
+from contextlib import contextmanager
 from pathlib import Path
+
+import pytest
+import torch
+
+import tiered
 
 from tiered.engine.engine import LAUNCHED_ENV
 from tiered.policy import POLICY_ENV
@@ -36,3 +45,74 @@ def finish(process: subprocess.Popen, timeout: float = 120) -> subprocess.Comple
             process.kill()
             raise
     return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def run_with_deadline(fn, seconds: float = 60.0):
+    """Run ``fn`` on a thread; fail the test (instead of hanging it) if it does not finish."""
+    outcome: dict = {}
+
+    def target():
+        try:
+            outcome["value"] = fn()
+        except BaseException as error:  # handed to the test thread below
+            outcome["error"] = error
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s: a wait that never ends"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")
+
+
+@contextmanager
+def mounted(tmp_path, fstype: str, options: str | None = None, name: str | None = None):
+    """A fresh ``fstype`` file system (``mount -o options``) at ``tmp_path/name`` (``name``:
+    the type by default), unmounted after; the test is skipped where this process may not
+    mount (not root)."""
+    where = tmp_path / (name or fstype)
+    where.mkdir()
+    cmd = ["mount", "-t", fstype] + (["-o", options] if options else []) + [fstype, str(where)]
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:
+        pytest.skip(f"cannot run mount: {e}")
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount {fstype} here: {result.stderr.strip() or result.returncode}")
+    try:
+        yield str(where)
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+def rewrite_manifest(folder: str, change) -> None:
+    """Edit a saved checkpoint's manifest in place: ``change(manifest)``."""
+    path = os.path.join(folder, "manifest.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    change(manifest)
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+
+
+def assert_same(actual: dict, expected: dict, what: str = "") -> None:
+    """The same keys in the same order, every tensor bit for bit."""
+    assert list(actual) == list(expected), what
+    changed = [name for name in expected if not torch.equal(actual[name], expected[name])]
+    assert not changed, f"{what}: changed {changed}"
+
+
+def refused(engine, load, *in_message: str, one_line: bool = False) -> str:
+    """``load()`` raises a CheckpointError whose message holds each of ``in_message`` (and is
+    one line, with ``one_line``), and leaves the engine's weights bit for bit as they were."""
+    before = engine.full_state_dict()
+    with pytest.raises(tiered.CheckpointError) as error:
+        load()
+    message = str(error.value)
+    for part in in_message:
+        assert part in message, f"{part!r} not in the message: {message}"
+    if one_line:
+        assert "\n" not in message, message
+    assert_same(engine.full_state_dict(), before, f"half-loaded by a refused load ({message})")
+    return message

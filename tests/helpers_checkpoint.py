@@ -1,0 +1,61 @@
+"""The engines and training loops that checkpoint tests share with the scripts they run in a
+subprocess (a save killed part way, a full disk): the parity GPT under a policy, the parity GPT
+on the CPU, and a small MLP."""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+import tiered
+from gpt import next_token_loss
+from helpers import REPO
+from helpers_models import BATCH, OPTIM, make_model
+
+
+def engine_for(policy: str, nvme: str, delayed: bool = False):
+    return tiered.initialize(
+        make_model(), os.path.join(REPO, "configs", f"{policy}.yaml"), compute_dtype="fp32",
+        device="cpu", nvme={"path": nvme},
+        optimizer=dict(OPTIM, max_grad_norm=0.5,
+                       delayed_update={"enabled": delayed, "warmup_steps": 1}))
+
+
+def train(engine, optimizer, batches, rank: int = 0, world: int = 1) -> list[float]:
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    losses = []
+    for idx in batches:
+        loss = next_token_loss(engine(idx[rows]), idx[rows])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def gpt_engine(**optimizer):
+    return tiered.initialize(make_model(), "configs/cpu.yaml", compute_dtype="fp32",
+                             device="cpu", optimizer=dict(OPTIM, **optimizer))
+
+
+def train_gpt(engine, optimizer, batches) -> None:
+    for idx in batches:
+        next_token_loss(engine(idx), idx).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def small_engine():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    return tiered.initialize(model, os.path.join(REPO, "configs", "cpu.yaml"), device="cpu",
+                             compute_dtype="fp32", optimizer={"lr": 1e-2})
+
+
+def train_small(engine, optimizer, steps: int, rank: int = 0, world: int = 1) -> None:
+    batches = torch.randn(steps, 8, 8, generator=torch.Generator().manual_seed(1))
+    for x in batches:
+        engine(x[rank * 8 // world:(rank + 1) * 8 // world]).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()

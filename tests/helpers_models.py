@@ -1,0 +1,248 @@
+"""What the tests that train a model against plain PyTorch share: the small GPTs and the models
+of a few units they train, their data, the PyTorch side of the parity tests (torch.optim.AdamW
+over the same batches) and the comparison of the two states.
+
+fp32 compute on the CPU; each rank takes its part of every batch, gradients average across ranks
+(DDP semantics) and sum over the MICRO micro-batches of each step (gradient accumulation).
+"""
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+
+import torch
+from torch import nn
+
+import tiered
+from gpt import GPT, LoRALinear, add_lora, next_token_loss
+from tiered.plan import StateKind
+
+POLICIES = ("cpu", "nvme", "gpu")
+STEPS, MICRO, BATCH, SEQ, VOCAB = 5, 2, 8, 16, 64
+OPTIM = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+"""The AdamW settings of the parity tests, the engine's and PyTorch's."""
+
+
+# -- the parity GPT and its batches ---------------------------------------------------------------
+
+def make_model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(VOCAB, 32, 2, 2, max_seq=SEQ, tied=True, qkv_bias=False)
+
+
+def token_batches(count: int, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(count)]
+
+
+def batches():
+    """STEPS steps of MICRO micro-batches each."""
+    flat = token_batches(STEPS * MICRO)
+    return [flat[i:i + MICRO] for i in range(0, len(flat), MICRO)]
+
+
+def ddp_gradients(model, idx: torch.Tensor, world: int) -> list[torch.Tensor]:
+    """DDP's gradient of ``model`` on ``idx`` over ``world`` ranks: each rank's mean over its
+    rows, averaged over ranks, summed in rank order as the engine's reduction sums them."""
+    grads = [torch.zeros_like(p) for p in model.parameters()]
+    for rows in idx.chunk(world):
+        shares = torch.autograd.grad(next_token_loss(model(rows), rows), list(model.parameters()))
+        for grad, share in zip(grads, shares):
+            grad += share / world
+    return grads
+
+
+def run_engine(engine, optimizer, scheduler=None, steps: slice = slice(None), rank: int = 0,
+               world: int = 1) -> dict:
+    """The engine's side of train_torch: this rank's rows of each batch (DDP's split)."""
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    for micro_batches in batches()[steps]:
+        for idx in micro_batches:
+            idx = idx[rows].to(engine.device)
+            (next_token_loss(engine(idx), idx) / MICRO).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+    return engine.full_state_dict()
+
+
+def train_torch(model, optimizer, max_grad_norm: float | None = None, scheduler=None,
+                device: str = "cpu", steps: slice = slice(None)) -> dict:
+    """The PyTorch side of the parity tests: MICRO micro-batches a step, clipping, then the
+    optimizer, then the scheduler (if any), as the engine's side runs them; ``steps`` picks
+    which of the steps' batches."""
+    for micro_batches in batches()[steps]:
+        for idx in micro_batches:
+            idx = idx.to(device)
+            (next_token_loss(model(idx), idx) / MICRO).backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+    return model.state_dict()
+
+
+def assert_parity(state: dict, reference: dict) -> None:
+    """The same keys in the same order, every tensor within DESIGN's rtol 1e-5 / atol 1e-6."""
+    assert list(state) == list(reference)
+    for name in reference:
+        torch.testing.assert_close(state[name], reference[name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+def assert_parity_on_host(state: dict, reference: dict) -> None:
+    """assert_parity, wherever the two states are."""
+    assert_parity({name: value.cpu() for name, value in state.items()},
+                  {name: value.cpu() for name, value in reference.items()})
+
+
+# -- parameter groups -----------------------------------------------------------------------------
+
+GROUPS = [
+    {"match": ["*.bias", "*ln*"], "lr": 3e-2, "betas": [0.8, 0.9], "weight_decay": 0.0},
+    {"match": ["pos"], "lr": 5e-3, "eps": 1e-6},
+]
+SCHEDULES = [lambda s: 1.0 / (1 + s), lambda s: 0.5 ** s, lambda s: 1.0 + s]
+"""Per group (0 = the rest): each learning rate moves its own way."""
+
+
+def torch_groups(model, groups=GROUPS):
+    """The same groups for torch.optim.AdamW, by the same first-match rule, in the same order."""
+    members = [[] for _ in range(1 + len(groups))]
+    for name, param in model.named_parameters():
+        index = next((i for i, group in enumerate(groups, start=1)
+                      if any(fnmatchcase(name, p) for p in group["match"])), 0)
+        members[index].append(param)
+    return [{"params": members[0]}] + [
+        {"params": params, **{k: v for k, v in group.items() if k != "match"}}
+        for params, group in zip(members[1:], groups)]
+
+
+# -- LoRA -----------------------------------------------------------------------------------------
+
+RANK = 4
+
+
+def lora_model() -> nn.Module:
+    """The parity GPT with adapters on its blocks' linear layers, everything else frozen. Both
+    adapters start random here (B is zero in PEFT), so both get a gradient from the first
+    step."""
+    model = add_lora(make_model(), RANK)
+    torch.manual_seed(1)
+    for module in model.modules():
+        if isinstance(module, LoRALinear):
+            nn.init.normal_(module.lora_a, std=0.1)
+            nn.init.normal_(module.lora_b, std=0.1)
+    return model
+
+
+def states_by_name(engine) -> dict[tuple[str, str], torch.Tensor]:
+    """This rank's elements of every state of every parameter: (name, state) -> (first element
+    of the parameter this rank holds, values)."""
+    out = {}
+    for flat in engine.runtime.flats:
+        start, stop = flat.shard_range
+        offset = 0
+        for param in flat.spec.params:
+            lo, hi = max(start, offset), min(stop, offset + param.numel)
+            for kind in (StateKind.PARAM, StateKind.MASTER, StateKind.EXP_AVG,
+                         StateKind.EXP_AVG_SQ):  # what a checkpoint holds
+                if hi > lo and engine.manager.has(flat.spec.index, kind):
+                    shard = engine.manager.shards[(flat.spec.index, kind)]
+                    values = torch.empty(shard.numel, dtype=shard.dtype)
+                    engine.manager.copy_out(flat.spec.index, kind, values)
+                    out[(param.names[0], kind.value)] = (lo - offset,
+                                                         values[lo - start:hi - start].float())
+            offset += param.numel
+    return out
+
+
+# -- one step at a time, on the engine and on PyTorch ---------------------------------------------
+
+def make_gpt(layers: int = 3, qkv_bias: bool = True) -> GPT:
+    torch.manual_seed(0)
+    return GPT(VOCAB, 32, layers, 2, max_seq=SEQ, tied=True, qkv_bias=qkv_bias)
+
+
+def batch(seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def train_step(engine, optimizer, seed=1):
+    idx = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(seed))
+    next_token_loss(engine(idx), idx).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def data(steps: int, batch: int = 4, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (batch, SEQ), generator=g) for _ in range(steps)]
+
+
+def fp32_engine(model, policy="configs/cpu.yaml", **overrides):
+    overrides.setdefault("optimizer", {})
+    overrides["optimizer"] = dict({"lr": 1e-2, "weight_decay": 0.1}, **overrides["optimizer"])
+    return tiered.initialize(model, policy, compute_dtype="fp32", device="cpu", **overrides)
+
+
+def reference_optimizer(model, **kwargs):
+    return torch.optim.AdamW(model.parameters(), **dict({"lr": 1e-2, "weight_decay": 0.1},
+                                                         **kwargs))
+
+
+def train_both(engine, optimizer, reference, ref_optimizer, steps: int,
+               set_to_none: bool = True) -> None:
+    """The same steps on the engine and on plain PyTorch."""
+    for idx in data(steps):
+        next_token_loss(engine(idx), idx).backward()
+        next_token_loss(reference(idx), idx).backward()
+        optimizer.step(), ref_optimizer.step()
+        optimizer.zero_grad(set_to_none), ref_optimizer.zero_grad(set_to_none)
+
+
+class SkippingGPT(GPT):
+    """Skips its second block on odd calls: control flow that changes between steps."""
+
+    calls = 0
+
+    def forward(self, idx):
+        self.calls += 1
+        x = self.emb(idx) + self.pos[: idx.shape[1]]
+        for i, block in enumerate(self.blocks):
+            if not (i == 1 and self.calls % 2):
+                x = block(x)
+        return self.head(self.ln(x))
+
+
+# -- a model of small blocks ----------------------------------------------------------------------
+
+class Block(nn.Module):
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.ln = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, dim)
+
+    def forward(self, x, *, scale: float = 1.0):
+        return x + scale * torch.tanh(self.fc(self.ln(x)))
+
+
+class Stack(nn.Module):
+    """Three blocks (units) and a head in the root unit."""
+
+    def __init__(self, out: int = 3, blocks: int = 3):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(blocks))
+        self.head = nn.Linear(8, out)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def vectors(count: int, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(4, 8, generator=g) for _ in range(count)]

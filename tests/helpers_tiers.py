@@ -1,0 +1,40 @@
+"""What the tier and memory tests share: the block of direct I/O, the names of NVMe extent
+files, DRAM blocks reserved from a tier, and the bytes a unit's shards take in DRAM."""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from tiered.plan import StateKind
+from tiered.sizes import align_up
+from tiered.tiers import DramTier, PinnedSlabSource
+from tiered.tiers.dram import BLOCK_ALIGN
+
+
+BLOCK = 4096
+EXTENT_NAME = re.compile(r"extent-\d{5}\.bin")
+
+
+def dram_blocks(sizes: dict, huge_pages: bool = False) -> tuple[DramTier, dict]:
+    tier = DramTier(budget=None, source=PinnedSlabSource(pin=False, huge_pages=huge_pages))
+    return tier, tier.reserve(sizes)
+
+
+def shard_numels(model) -> list[int]:
+    """Shard sizes from the model alone: the repeated blocks, then the root's parameters."""
+    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    root = sum(p.numel() for p in model.parameters()) - sum(blocks)
+    return blocks + [root]
+
+
+def dram_block(numel: int, itemsize: int) -> int:
+    return align_up(numel * itemsize, 4096)
+
+
+def dram_bytes(flat, kinds: list[StateKind], compute: torch.dtype) -> int:
+    """What a unit's states take in DRAM: each a whole number of 4 KiB blocks."""
+    sizes = {StateKind.PARAM: compute.itemsize, StateKind.PARAM_NEXT: compute.itemsize,
+             StateKind.GRAD: 4, StateKind.MASTER: 4, StateKind.EXP_AVG: 4,
+             StateKind.EXP_AVG_SQ: 4}
+    return sum(align_up(flat.shard_numel * sizes[kind], BLOCK_ALIGN) for kind in kinds)
