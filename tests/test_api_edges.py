@@ -22,7 +22,7 @@ from torch import nn
 
 import tiered
 from gpt import GPT, next_token_loss
-from test_control_flow import SEQ, VOCAB, batch, make_gpt
+from helpers_models import SEQ, VOCAB, Block, Stack, batch, make_gpt, vectors
 from tiered.engine.flat import Residency
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,41 +55,13 @@ def all_released(engine) -> bool:
     return all(f.residency is Residency.RELEASED for f in engine.runtime.flats)
 
 
-class Block(nn.Module):
-    def __init__(self, dim: int = 8):
-        super().__init__()
-        self.ln = nn.LayerNorm(dim)
-        self.fc = nn.Linear(dim, dim)
-
-    def forward(self, x, *, scale: float = 1.0):
-        return x + scale * torch.tanh(self.fc(self.ln(x)))
-
-
-class Stack(nn.Module):
-    """Three blocks (units) and a head in the root unit."""
-
-    def __init__(self, out: int = 3, blocks: int = 3):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(blocks))
-        self.head = nn.Linear(8, out)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def vectors(count: int, seed: int = 1) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(4, 8, generator=g) for _ in range(count)]
-
-
 # --- what already works, covered nowhere else -------------------------------------------------
 
 
 @pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
 def test_forwards_without_grad_between_steps_match_pytorch(context):
-    engine, optimizer, reference, ref_optimizer = engine_and_reference(make_gpt(2))
+    engine, optimizer, reference, ref_optimizer = engine_and_reference(
+        make_gpt(2, qkv_bias=False))
     for step in range(3):
         with context():
             out, ref_out = engine(batch(100 + step)), reference(batch(100 + step))
@@ -167,7 +139,8 @@ def closure_steps(model, opt, step):
                                   step_twice_then_accumulate, closure_steps],
                          ids=lambda f: f.__name__)
 def test_training_loop_shapes_match_pytorch(body):
-    engine, optimizer, reference, ref_optimizer = engine_and_reference(make_gpt(2))
+    engine, optimizer, reference, ref_optimizer = engine_and_reference(
+        make_gpt(2, qkv_bias=False))
     step_both(((engine, optimizer), (reference, ref_optimizer)), body)
     assert_same(engine, reference)
     assert all_released(engine)
@@ -177,7 +150,8 @@ def test_training_loop_shapes_match_pytorch(body):
 def test_one_cycle_schedule_cycling_lr_and_betas_and_step_hooks():
     """OneCycleLR writes each group's ``lr`` and ``betas`` (cycle_momentum): both are read at
     every step. Optimizer step hooks run as on any torch optimizer."""
-    engine, optimizer, reference, ref_optimizer = engine_and_reference(make_gpt(2))
+    engine, optimizer, reference, ref_optimizer = engine_and_reference(
+        make_gpt(2, qkv_bias=False))
     schedules = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-2, total_steps=10)
                  for o in (optimizer, ref_optimizer)]
     calls = []
@@ -418,9 +392,10 @@ def test_printing_the_optimizers_param_groups_does_not_crash_the_process():
     assert done.stdout.splitlines()[-1] == "printed"
 
 
-GRADIENT_PENALTY = """
+GRADIENT_PENALTY = f"""
 import copy, torch, tiered
-from test_api_edges import CPU_YAML, OPTIM, Stack, vectors
+from helpers_models import Stack, vectors
+CPU_YAML, OPTIM = {CPU_YAML!r}, {OPTIM!r}
 torch.manual_seed(0)
 model = Stack(out=1)
 reference = copy.deepcopy(model)
@@ -455,7 +430,8 @@ def test_a_backward_after_optimizer_step_is_refused_as_in_pytorch():
     """PyTorch refuses a backward whose forward saved weights that optimizer.step() changed
     since (their version moved); the engine gathered the new weights for that backward and
     computed a gradient mixing two sets of weights, silently."""
-    engine, optimizer, reference, ref_optimizer = engine_and_reference(make_gpt(2))
+    engine, optimizer, reference, ref_optimizer = engine_and_reference(
+        make_gpt(2, qkv_bias=False))
     for model, opt in ((engine, optimizer), (reference, ref_optimizer)):
         lm_loss(model, 0).backward()
         opt.step()
@@ -480,7 +456,8 @@ def test_a_retained_graphs_backward_after_a_weights_load_is_refused_as_in_pytorc
     """``load_state_dict`` between two backwards of a graph kept with ``retain_graph``: PyTorch
     refuses the second (the load copied into the saved weights); the engine gathered the loaded
     weights for it and mixed them with the first weights' activations."""
-    engine, optimizer, reference, ref_optimizer = engine_and_reference(make_gpt(2))
+    engine, optimizer, reference, ref_optimizer = engine_and_reference(
+        make_gpt(2, qkv_bias=False))
     wanted = {key: value + 0.01 for key, value in reference.state_dict().items()}
     ref_loss = lm_loss(reference, 0)
     ref_loss.backward(retain_graph=True)
@@ -499,7 +476,8 @@ def test_model_zero_grad_clears_the_gradients_as_optimizer_zero_grad_does():
     """``model.zero_grad()`` is PyTorch's other way to clear gradients (tutorials use it).
     The model has no parameters left after initialize, so it did nothing, and every step's
     gradient added to all earlier ones, silently."""
-    engine, optimizer, reference, ref_optimizer = engine_and_reference(make_gpt(2))
+    engine, optimizer, reference, ref_optimizer = engine_and_reference(
+        make_gpt(2, qkv_bias=False))
     for step in range(3):
         for model, module, opt in ((engine, engine.module, optimizer),
                                    (reference, reference, ref_optimizer)):
@@ -557,7 +535,7 @@ def test_forward_hooks_registered_after_initialize_see_the_weights():
     the unit, and one registered before initialize runs before it, but one registered after
     ran after the release and was refused (TieredError: "used outside the forward of its
     unit"), where pre-hooks work in either order."""
-    model = make_gpt(2)
+    model = make_gpt(2, qkv_bias=False)
     engine, optimizer, reference, ref_optimizer = engine_and_reference(model)
     seen = {"engine": [], "torch": []}
     for key, m in (("engine", model), ("torch", reference)):
@@ -614,7 +592,7 @@ def test_a_frozen_models_forward_with_grad_enabled_ends_its_iteration():
     its output needs no gradient, so no backward can come. The iteration it started never
     ended: its needs piled up forever (no trace, so never a prefetch) and load_state_dict
     refused as if "between a forward run with grad enabled and its backward"."""
-    model = make_gpt(2)
+    model = make_gpt(2, qkv_bias=False)
     for param in model.parameters():
         param.requires_grad_(False)
     engine, _ = tiered.initialize(model, CPU_YAML, compute_dtype="fp32", device="cpu")
@@ -631,7 +609,7 @@ def test_freezing_after_initialize_is_refused_saying_to_freeze_before():
     it was refused with the message for reading weights outside a unit's forward ("Call the
     module instead of reading its weights, or ... units.classes"), advice that does not
     apply: frozen parameters are fixed at initialize."""
-    model = make_gpt(2)
+    model = make_gpt(2, qkv_bias=False)
     model.blocks[1].fc.requires_grad_(False)
     engine, _ = tiered.initialize(model, CPU_YAML, compute_dtype="fp32", device="cpu")
     assert model.blocks[0].fc.weight.requires_grad
@@ -649,7 +627,8 @@ def test_the_models_state_dict_and_load_state_dict_act_on_the_engines_weights(tm
     ``model.load_state_dict(sd, strict=False)`` loaded no weights. Both now act on the
     engine's weights (model.state_dict() is full_state_dict, as FSDP's full state dict), also
     for a model inside another module, until close()."""
-    engine, optimizer, reference, ref_optimizer = engine_and_reference(make_gpt(2))
+    engine, optimizer, reference, ref_optimizer = engine_and_reference(
+        make_gpt(2, qkv_bias=False))
     model = engine.module
     for step in range(2):
         for trained, opt in ((engine, optimizer), (reference, ref_optimizer)):

@@ -14,40 +14,11 @@ import torch
 import tiered
 from distributed import run_ranks
 from gpt import next_token_loss
-from test_engine import assert_same
-from test_parity import BATCH, OPTIM, REPO, ddp_gradients, make_model, token_batches
+from helpers import REPO, mounted
+from helpers_checkpoint import engine_for, train
+from helpers_models import OPTIM, assert_parity, ddp_gradients, make_model, token_batches
 
 SCENARIOS = [(policy, delayed) for policy in ("cpu", "nvme") for delayed in (False, True)]
-
-
-def engine_for(policy: str, nvme: str, delayed: bool = False):
-    return tiered.initialize(
-        make_model(), os.path.join(REPO, "configs", f"{policy}.yaml"), compute_dtype="fp32",
-        device="cpu", nvme={"path": nvme},
-        optimizer=dict(OPTIM, max_grad_norm=0.5,
-                       delayed_update={"enabled": delayed, "warmup_steps": 1}))
-
-
-def rewrite_manifest(folder: str, change) -> None:
-    """Edit a saved checkpoint's manifest in place: ``change(manifest)``."""
-    path = os.path.join(folder, "manifest.json")
-    with open(path) as f:
-        manifest = json.load(f)
-    change(manifest)
-    with open(path, "w") as f:
-        json.dump(manifest, f)
-
-
-def train(engine, optimizer, batches, rank: int = 0, world: int = 1) -> list[float]:
-    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-    losses = []
-    for idx in batches:
-        loss = next_token_loss(engine(idx[rows]), idx[rows])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def resume_scenario(policy: str, delayed: bool, folder: str, rank: int = 0, world: int = 1):
@@ -147,7 +118,7 @@ def test_resharding_keeps_the_weights_and_training_continues_with_parity(
         loaded, trained = torch.load(tmp_path / f"loaded{rank}.pt", weights_only=True)
         for name in saved:
             assert torch.equal(loaded[name], saved[name]), name
-        assert_same(trained, expected)
+        assert_parity(trained, expected)
 
 
 @pytest.mark.parametrize("saved,loaded", [("nvme", "cpu"), ("cpu", "nvme")])
@@ -207,11 +178,7 @@ def test_a_checkpoint_of_another_model_or_none_at_all_is_refused(tmp_path):
 
 def test_a_full_disk_during_save_keeps_the_previous_checkpoint(tmp_path):
     disk = tmp_path / "disk"
-    disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)],
-                      capture_output=True).returncode:
-        pytest.skip("cannot mount a small tmpfs here")
-    try:
+    with mounted(tmp_path, "tmpfs", "size=2m", name=disk.name):
         engine, optimizer = engine_for("cpu", str(tmp_path))
         train(engine, optimizer, token_batches(2))
         engine.save_checkpoint(str(disk), "first")
@@ -227,8 +194,6 @@ def test_a_full_disk_during_save_keeps_the_previous_checkpoint(tmp_path):
         loaded = engine.full_state_dict()
         assert all(torch.equal(good[k], loaded[k]) for k in good)
         engine.close()
-    finally:
-        subprocess.run(["umount", str(disk)])
 
 
 SAVE_AND_HANG = r"""
@@ -236,8 +201,8 @@ import os, sys, time
 sys.path[:0] = [{tests!r}, {examples!r}]
 import torch, tiered
 from tiered.checkpoint import format as fmt
-from test_checkpoint import engine_for, train
-from test_parity import token_batches
+from helpers_checkpoint import engine_for, train
+from helpers_models import token_batches
 engine, optimizer = engine_for("cpu", {folder!r})
 train(engine, optimizer, token_batches(2))
 engine.save_checkpoint({ckpt!r}, "first")

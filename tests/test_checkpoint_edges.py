@@ -14,7 +14,9 @@ from torch import nn
 import tiered
 from distributed import run_ranks
 from gpt import next_token_loss
-from test_parity import OPTIM, REPO, make_model, token_batches
+from helpers import REPO
+from helpers_checkpoint import gpt_engine, train_gpt
+from helpers_models import OPTIM, token_batches
 
 
 class Counted(nn.Module):
@@ -130,11 +132,6 @@ def test_resume_restores_buffers_and_extra_states(tmp_path):
     assert_same_state(expected, actual)
 
 
-def gpt_engine(**optimizer):
-    return tiered.initialize(make_model(), "configs/cpu.yaml", compute_dtype="fp32",
-                             device="cpu", optimizer=dict(OPTIM, **optimizer))
-
-
 @pytest.mark.parametrize("accumulation_steps", [None, 2])
 def test_a_save_between_backward_and_step_is_refused(accumulation_steps, tmp_path):
     # Gradients are not saved (nor by DeepSpeed), and a load drops them: a save while a
@@ -156,13 +153,6 @@ def test_a_save_between_backward_and_step_is_refused(accumulation_steps, tmp_pat
     optimizer.zero_grad()
     engine.save_checkpoint(str(tmp_path / "ckpt"), "after")  # after a step: allowed
     engine.close()
-
-
-def train_gpt(engine, optimizer, batches) -> None:
-    for idx in batches:
-        next_token_loss(engine(idx), idx).backward()
-        optimizer.step()
-        optimizer.zero_grad()
 
 
 @pytest.mark.parametrize("first_shard,second_shard", [(16 << 10, 5 << 30), (5 << 30, 16 << 10)])
@@ -231,8 +221,8 @@ FULL_DISK = r"""
 import os, resource, sys
 sys.path[:0] = [{tests!r}, {examples!r}]
 import torch, tiered
-from test_checkpoint_edges import gpt_engine, train_gpt
-from test_parity import token_batches
+from helpers_checkpoint import gpt_engine, train_gpt
+from helpers_models import token_batches
 engine, optimizer = gpt_engine()
 train_gpt(engine, optimizer, token_batches(2))
 folder = engine.save_checkpoint({ckpt!r}, "first")

@@ -15,9 +15,10 @@ from torch import nn
 import tiered
 from distributed import run_ranks
 from gpt import next_token_loss
-from test_delayed_update import WARMUP
-from test_memory import dram_block, make_gpt, shard_numels, train_step
-from test_parity import BATCH, OPTIM, POLICIES, REPO, make_model, token_batches
+from helpers import REPO
+from helpers_delayed import WARMUP
+from helpers_models import BATCH, OPTIM, POLICIES, make_gpt, make_model, token_batches, train_step
+from helpers_tiers import dram_block, shard_numels
 from tiered.engine.build import memory_plan
 from tiered.plan import StateKind
 from tiered.policy import ComputeDtype, Policy, Tier

@@ -10,20 +10,10 @@ import pytest
 import torch
 
 from gpt import GPT, next_token_loss
-from test_engine import assert_same, fp32_engine, reference_optimizer
+from helpers_models import (SEQ, VOCAB, assert_parity, batch, fp32_engine, make_gpt,
+                            reference_optimizer)
 from tiered.engine import hooks
 from tiered.engine.flat import Residency
-
-VOCAB, SEQ = 64, 16
-
-
-def make_gpt(layers: int = 3) -> GPT:
-    torch.manual_seed(0)
-    return GPT(VOCAB, 32, layers, 2, max_seq=SEQ, tied=True, qkv_bias=False)
-
-
-def batch(seed: int) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
 def train_step(models, optimizers, idx) -> None:
@@ -39,7 +29,7 @@ def test_a_forward_without_backward_then_a_step_computes_on_the_new_weights(poli
     """A forward run with grad enabled whose loss is dropped (a metric computed after the
     backward, before the step) must not leave units gathered, nor NVMe shards read ahead, across
     optimizer.step(): the next forward would read the weights of before the step."""
-    model = make_gpt()
+    model = make_gpt(qkv_bias=False)
     reference = copy.deepcopy(model)
     engine, optimizer = fp32_engine(model, f"configs/{policy}.yaml",
                                     nvme={"path": str(tmp_path)})
@@ -56,7 +46,7 @@ def test_a_forward_without_backward_then_a_step_computes_on_the_new_weights(poli
             o.step()
             o.zero_grad()
     train_step(models, optimizers, batch(3))
-    assert_same(engine.full_state_dict(), reference.state_dict())
+    assert_parity(engine.full_state_dict(), reference.state_dict())
     engine.close()
 
 
@@ -93,7 +83,7 @@ def test_non_reentrant_checkpointing_still_recomputes_the_blocks():
             assert len(calls) == 2 * len(model.blocks), (m is engine, len(calls))
             o.step()
             o.zero_grad()
-    assert_same(engine.full_state_dict(), reference.state_dict())
+    assert_parity(engine.full_state_dict(), reference.state_dict())
     engine.close()
 
 
@@ -102,7 +92,7 @@ def test_a_checkpoint_loaded_after_a_forward_without_backward_is_what_the_next_f
     """load_checkpoint refuses nothing after a forward whose backward never came (the units the
     trace kept for that backward are still gathered); the next forward must read the loaded
     weights, not those kept units."""
-    model = make_gpt()
+    model = make_gpt(qkv_bias=False)
     reference = copy.deepcopy(model)
     engine, optimizer = fp32_engine(model)
     ref_optimizer = reference_optimizer(reference)
@@ -116,7 +106,7 @@ def test_a_checkpoint_loaded_after_a_forward_without_backward_is_what_the_next_f
     reference.load_state_dict(saved[0])
     ref_optimizer.load_state_dict(saved[1])
     train_step(models, optimizers, batch(3))
-    assert_same(engine.full_state_dict(), reference.state_dict())
+    assert_parity(engine.full_state_dict(), reference.state_dict())
     engine.close()
 
 
@@ -150,6 +140,6 @@ def test_blocks_reordered_and_reused_match_pytorch_with_weights_on_nvme(checkpoi
     ref_optimizer = reference_optimizer(reference)
     for seed in range(6):
         train_step((engine, reference), (optimizer, ref_optimizer), batch(seed))
-    assert_same(engine.full_state_dict(), reference.state_dict())
+    assert_parity(engine.full_state_dict(), reference.state_dict())
     assert all(f.residency is Residency.RELEASED for f in engine.runtime.flats)
     engine.close()

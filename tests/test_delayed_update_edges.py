@@ -13,9 +13,8 @@ import torch
 
 import tiered
 from gpt import next_token_loss
-from test_failures import run_with_deadline
-from test_param_groups import GROUPS, SCHEDULES, torch_groups
-from test_parity import OPTIM, REPO, make_model, token_batches
+from helpers import REPO, run_with_deadline
+from helpers_models import GROUPS, OPTIM, SCHEDULES, make_model, token_batches, torch_groups
 from tiered.optim.stepper import UnitStepper
 
 STEPS = 7

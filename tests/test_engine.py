@@ -10,49 +10,16 @@ from torch.utils.checkpoint import checkpoint
 
 import tiered
 from gpt import GPT, next_token_loss
+from helpers_models import (SEQ, VOCAB, SkippingGPT, assert_parity, data, fp32_engine,
+                            reference_optimizer, train_both)
 from tiered.engine.flat import Residency
 from tiered.engine.units import find_units
-
-VOCAB, SEQ = 64, 16
 
 
 def make_gpt(block=None, **kwargs) -> GPT:
     torch.manual_seed(0)
     extra = {"block": block} if block is not None else {}
     return GPT(VOCAB, 32, 2, 2, max_seq=SEQ, tied=True, qkv_bias=False, **extra, **kwargs)
-
-
-def data(steps: int, batch: int = 4, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (batch, SEQ), generator=g) for _ in range(steps)]
-
-
-def fp32_engine(model, policy="configs/cpu.yaml", **overrides):
-    overrides.setdefault("optimizer", {})
-    overrides["optimizer"] = dict({"lr": 1e-2, "weight_decay": 0.1}, **overrides["optimizer"])
-    return tiered.initialize(model, policy, compute_dtype="fp32", device="cpu", **overrides)
-
-
-def reference_optimizer(model, **kwargs):
-    return torch.optim.AdamW(model.parameters(), **dict({"lr": 1e-2, "weight_decay": 0.1},
-                                                         **kwargs))
-
-
-def train_both(engine, optimizer, reference, ref_optimizer, steps: int,
-               set_to_none: bool = True) -> None:
-    """The same steps on the engine and on plain PyTorch."""
-    for idx in data(steps):
-        next_token_loss(engine(idx), idx).backward()
-        next_token_loss(reference(idx), idx).backward()
-        optimizer.step(), ref_optimizer.step()
-        optimizer.zero_grad(set_to_none), ref_optimizer.zero_grad(set_to_none)
-
-
-def assert_same(state: dict, reference: dict) -> None:
-    assert list(state) == list(reference)
-    for name in reference:
-        torch.testing.assert_close(state[name], reference[name], rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"{name}: {m}")
 
 
 class MHABlock(nn.Module):
@@ -96,7 +63,7 @@ def test_block_sized_modules_are_units_and_train_like_pytorch(tied):
         "emb", "blocks.0", "blocks.1", "head", "<root>"]
     assert [f.name for f in engine.runtime.flats] == expected
     train_both(engine, optimizer, reference, reference_optimizer(reference), steps=3)
-    assert_same(engine.full_state_dict(), reference.state_dict())
+    assert_parity(engine.full_state_dict(), reference.state_dict())
     assert all(f.residency is Residency.RELEASED for f in engine.runtime.flats)
     engine.close()
 
@@ -129,7 +96,7 @@ def test_whole_forward_units_may_be_read_anywhere_in_the_forward():
         ("emb", True), ("blocks.0", False), ("blocks.1", False), ("unused", True),
         ("<root>", False)]
     train_both(engine, optimizer, reference, reference_optimizer(reference), steps=3)
-    assert_same(engine.full_state_dict(), reference.state_dict())
+    assert_parity(engine.full_state_dict(), reference.state_dict())
     assert all(f.residency is Residency.RELEASED for f in engine.runtime.flats)
     with torch.no_grad():  # and outside training, as torch would
         idx = data(1)[0]
@@ -178,7 +145,7 @@ def test_a_gradient_in_several_backward_passes_is_summed_or_refused(accumulation
         engine.close()
         return
     train_both(engine, optimizer, reference, reference_optimizer(reference), steps=3)
-    assert_same(engine.full_state_dict(), reference.state_dict())
+    assert_parity(engine.full_state_dict(), reference.state_dict())
     engine.close()
 
 
@@ -224,7 +191,7 @@ def test_a_backward_that_starts_in_a_recomputed_forward_is_one_iteration(accumul
             reference(x).pow(2).sum().backward()
         optimizer.step(), ref_optimizer.step()
         optimizer.zero_grad(), ref_optimizer.zero_grad()
-    assert_same(engine.full_state_dict(), reference.state_dict())
+    assert_parity(engine.full_state_dict(), reference.state_dict())
     names = [f.name for f in engine.runtime.flats]
     blocks = [f"blocks.{i}" for i in range(3)]
     assert [names[i] for i in engine.runtime.prefetcher.trace] == \
@@ -262,7 +229,7 @@ def test_multihead_attention_trains_like_pytorch():
     reference = copy.deepcopy(model)
     engine, optimizer = fp32_engine(model)
     train_both(engine, optimizer, reference, reference_optimizer(reference), steps=4)
-    assert_same(engine.full_state_dict(), reference.state_dict())
+    assert_parity(engine.full_state_dict(), reference.state_dict())
     engine.close()
 
 
@@ -297,22 +264,8 @@ def test_lr_scheduler_drives_the_step_size():
             o.zero_grad()
             s.step()
     assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.5 ** 4)
-    assert_same(engine.full_state_dict(), reference.state_dict())
+    assert_parity(engine.full_state_dict(), reference.state_dict())
     engine.close()
-
-
-class SkippingGPT(GPT):
-    """Skips its second block on odd calls: control flow that changes between steps."""
-
-    calls = 0
-
-    def forward(self, idx):
-        self.calls += 1
-        x = self.emb(idx) + self.pos[: idx.shape[1]]
-        for i, block in enumerate(self.blocks):
-            if not (i == 1 and self.calls % 2):
-                x = block(x)
-        return self.head(self.ln(x))
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
@@ -325,7 +278,7 @@ def test_unit_skipped_on_some_steps_matches_pytorch(set_to_none):
     engine, optimizer = fp32_engine(model)
     train_both(engine, optimizer, reference, reference_optimizer(reference), steps=4,
                set_to_none=set_to_none)
-    assert_same(engine.full_state_dict(), reference.state_dict())
+    assert_parity(engine.full_state_dict(), reference.state_dict())
     engine.close()
 
 
@@ -431,7 +384,7 @@ def test_stepping_on_arrival_matches_pytorch_and_refuses_an_extra_backward():
             (next_token_loss(reference(idx), idx) / 2).backward()
         optimizer.step(), ref_optimizer.step()
         optimizer.zero_grad(), ref_optimizer.zero_grad()
-    assert_same(engine.full_state_dict(), reference.state_dict())
+    assert_parity(engine.full_state_dict(), reference.state_dict())
     for idx in data(2):
         next_token_loss(engine(idx), idx).backward()
     with pytest.raises(tiered.TieredError, match="accumulation_steps is 2"):

@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -12,30 +11,10 @@ import torch
 
 import tiered
 from gpt import next_token_loss
-from test_delayed_update import assert_matches, reference, train_engine
-from test_parity import make_model, token_batches
+from helpers import REPO, run_with_deadline
+from helpers_delayed import assert_matches, reference, train_engine
+from helpers_models import make_model, token_batches
 from tiered.optim.stepper import UnitStepper
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run_with_deadline(fn, seconds: float = 60.0):
-    """Run ``fn`` on a thread; fail the test (instead of hanging it) if it does not finish."""
-    outcome: dict = {}
-
-    def target():
-        try:
-            outcome["value"] = fn()
-        except BaseException as error:  # handed to the test thread below
-            outcome["error"] = error
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"still running after {seconds} s: a wait that never ends"
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome.get("value")
 
 
 def test_delayed_update_holds_its_rule_when_the_cpu_is_slower_than_backward(monkeypatch, tmp_path):

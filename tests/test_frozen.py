@@ -13,67 +13,12 @@ import torch
 import tiered
 from distributed import run_ranks
 from gpt import GPT
-from test_parity import (MICRO, OPTIM, REPO, assert_parity, assert_parity_on_host, batches,
-                         make_model, run_engine, train_torch)
+from helpers import REPO
+from helpers_frozen import (assert_same_states, engine_for, frozen_model, is_frozen, resumed,
+                            torch_changing_midway, train, train_reference)
+from helpers_models import (MICRO, OPTIM, assert_parity, assert_parity_on_host, batches,
+                            torch_groups, train_torch)
 from tiered.engine.flat import Residency
-
-FROZEN = ("emb.weight", "head.weight", "blocks.0.", "blocks.1.fc.bias", "blocks.1.ln1.weight")
-
-
-def frozen_model():
-    model = make_model()
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if name.startswith(FROZEN):
-            param.requires_grad_(False)
-    return model
-
-
-def is_frozen(name: str) -> bool:
-    return name.startswith(FROZEN)
-
-
-def engine_for(policy: str, nvme: str | None, compute_dtype="fp32", device="cpu", model=None,
-               **optimizer):
-    """An engine of ``model`` (the frozen GPT by default) under ``configs/<policy>.yaml``."""
-    return tiered.initialize(
-        frozen_model() if model is None else model,
-        os.path.join(REPO, "configs", f"{policy}.yaml"),
-        compute_dtype=compute_dtype, device=device, nvme={"path": nvme},
-        optimizer=dict(OPTIM, sub_group_size=1024, **optimizer))
-
-
-def train(engine, optimizer, steps: slice = slice(None), rank: int = 0, world: int = 1) -> dict:
-    return run_engine(engine, optimizer, steps=steps, rank=rank, world=world)
-
-
-def resumed(build, ckpt: str, steps: slice, tag: str | None = None) -> dict:
-    """A fresh engine from ``build()``, loaded from ``ckpt`` and trained on ``steps``."""
-    engine, optimizer = build()
-    try:
-        engine.load_checkpoint(ckpt, tag)
-        return train(engine, optimizer, steps=steps)
-    finally:
-        engine.close()
-
-
-def torch_changing_midway(change, model=frozen_model) -> dict:
-    """PyTorch trains two steps, ``change(model)`` freezes or unfreezes, then the rest."""
-    reference = model()
-    optimizer = torch.optim.AdamW(reference.parameters(), fused=True, **OPTIM)
-    train_torch(reference, optimizer, steps=slice(2))
-    change(reference)
-    return train_torch(reference, optimizer, steps=slice(2, None))
-
-
-def assert_same_states(state: dict, expected: dict) -> None:
-    for name in expected:
-        assert torch.equal(state[name], expected[name]), name
-
-
-def train_reference(max_grad_norm=None, device="cpu") -> dict:
-    model = frozen_model().to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), fused=True, **OPTIM)  # skips grad=None
-    return train_torch(model, optimizer, max_grad_norm, device=device)
 
 
 @pytest.mark.parametrize("accumulation_steps", [None, MICRO])
@@ -300,8 +245,6 @@ def test_resume_refuses_to_unfreeze_part_of_a_unit_that_stepped(tmp_path):
 def test_param_groups_with_frozen_parameters(tmp_path):
     # A group of frozen parameters only is a right pattern, not one that "matches nothing";
     # a group holding frozen and trainable ones steps only the trainable ones.
-    from test_param_groups import torch_groups
-
     groups = [{"match": ["emb.weight"], "lr": 1.0}, {"match": ["blocks.1.*"], "lr": 3e-2}]
     engine, optimizer = engine_for("cpu", str(tmp_path), param_groups=groups)
     state = train(engine, optimizer)

@@ -12,21 +12,15 @@ import torch
 
 import tiered
 from gpt import next_token_loss
-from test_frozen import (assert_same_states, engine_for, frozen_model, is_frozen, resumed,
-                         train, train_reference)
-from test_parity import OPTIM, REPO, batches
+from helpers import REPO
+from helpers_frozen import (assert_same_states, engine_for, frozen_model, is_frozen, resumed,
+                            train, train_reference)
+from helpers_models import OPTIM, batches
+from helpers_tiers import dram_bytes
 from tiered.engine.build import flat_units, memory_plan
 from tiered.plan import StateKind, state_kinds
 from tiered.policy import Policy, Tier
-from tiered.sizes import align_up
 from tiered.tiers.dram import BLOCK_ALIGN
-
-def dram_bytes(flat, kinds: list[StateKind], compute: torch.dtype) -> int:
-    """What a unit's states take in DRAM: each a whole number of 4 KiB blocks."""
-    sizes = {StateKind.PARAM: compute.itemsize, StateKind.PARAM_NEXT: compute.itemsize,
-             StateKind.GRAD: 4, StateKind.MASTER: 4, StateKind.EXP_AVG: 4,
-             StateKind.EXP_AVG_SQ: 4}
-    return sum(align_up(flat.shard_numel * sizes[kind], BLOCK_ALIGN) for kind in kinds)
 
 
 @pytest.mark.parametrize("model_dtype, compute_dtype, kept", [

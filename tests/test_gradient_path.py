@@ -11,8 +11,8 @@ import torch
 
 import tiered
 from gpt import GPT, next_token_loss
-from test_failures import run_with_deadline
-from test_parity import OPTIM, REPO, SEQ, VOCAB, assert_parity, token_batches
+from helpers import REPO, run_with_deadline
+from helpers_models import OPTIM, SEQ, VOCAB, assert_parity, token_batches
 from tiered.errors import BudgetError
 from tiered.plan import GRAD_LANDING_SLOTS
 

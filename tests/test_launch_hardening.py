@@ -26,7 +26,7 @@ import torch
 import tiered
 from gpt import next_token_loss
 from helpers import CONFIGS, EXAMPLE, REPO, SMALL, clean_env, finish
-from test_parity import OPTIM, make_model, token_batches
+from helpers_models import OPTIM, make_model, token_batches
 
 TORCH_LOG_LINE = re.compile(r"^[DIWEF]\d{4} \d\d:\d\d:\d\d\.\d+ .*\n", re.MULTILINE)
 STOPS = ("SIGKILL", "SIGHUP", "SIGINT")

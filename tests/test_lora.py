@@ -14,28 +14,13 @@ import torch
 from torch import nn
 
 import tiered
-from gpt import GPT, Block, LoRALinear, add_lora, next_token_loss
-from test_checkpoint import rewrite_manifest
-from test_frozen import assert_same_states, frozen_model, resumed, torch_changing_midway, train
-from test_frozen_memory import dram_bytes
-from test_parity import (OPTIM, REPO, SEQ, VOCAB, assert_parity, assert_parity_on_host,
-                         batches, make_model, train_torch)
+from gpt import GPT, Block, add_lora, next_token_loss
+from helpers import REPO, rewrite_manifest
+from helpers_frozen import assert_same_states, frozen_model, resumed, torch_changing_midway, train
+from helpers_models import (OPTIM, RANK, SEQ, VOCAB, assert_parity, assert_parity_on_host, batches,
+                            lora_model, make_model, states_by_name, train_torch)
+from helpers_tiers import dram_bytes
 from tiered.plan import StateKind
-
-RANK = 4
-
-
-def lora_model() -> nn.Module:
-    """The parity GPT with adapters on its blocks' linear layers, everything else frozen. Both
-    adapters start random here (B is zero in PEFT), so both get a gradient from the first
-    step."""
-    model = add_lora(make_model(), RANK)
-    torch.manual_seed(1)
-    for module in model.modules():
-        if isinstance(module, LoRALinear):
-            nn.init.normal_(module.lora_a, std=0.1)
-            nn.init.normal_(module.lora_b, std=0.1)
-    return model
 
 
 def engine_for(policy: str, nvme: str, optimizer: dict | None = None, **overrides):
@@ -321,32 +306,11 @@ def test_a_frozen_half_is_released_after_its_backward(boxed):
                         "inner.blocks.0": []}
 
 
-def _states_by_name(engine) -> dict[tuple[str, str], torch.Tensor]:
-    """This rank's elements of every state of every parameter: (name, state) -> (first element
-    of the parameter this rank holds, values)."""
-    out = {}
-    for flat in engine.runtime.flats:
-        start, stop = flat.shard_range
-        offset = 0
-        for param in flat.spec.params:
-            lo, hi = max(start, offset), min(stop, offset + param.numel)
-            for kind in (StateKind.PARAM, StateKind.MASTER, StateKind.EXP_AVG,
-                         StateKind.EXP_AVG_SQ):  # what a checkpoint holds
-                if hi > lo and engine.manager.has(flat.spec.index, kind):
-                    shard = engine.manager.shards[(flat.spec.index, kind)]
-                    values = torch.empty(shard.numel, dtype=shard.dtype)
-                    engine.manager.copy_out(flat.spec.index, kind, values)
-                    out[(param.names[0], kind.value)] = (lo - offset,
-                                                         values[lo - start:hi - start].float())
-            offset += param.numel
-    return out
-
-
 def _save_split(rank: int, world: int, folder: str) -> None:
     engine, optimizer = engine_for("cpu", folder, units={"split_frozen": True})
     train(engine, optimizer, steps=slice(2), rank=rank, world=world)
     engine.save_checkpoint(os.path.join(folder, "ckpt"), "two")
-    torch.save(_states_by_name(engine), os.path.join(folder, f"saved{rank}.pt"))
+    torch.save(states_by_name(engine), os.path.join(folder, f"saved{rank}.pt"))
     engine.close()
 
 
@@ -355,7 +319,7 @@ def _load_unsplit(rank: int, world: int, folder: str) -> None:
         _lora_freezing_one_more(), os.path.join(REPO, "configs", "cpu.yaml"),
         compute_dtype="fp32", device="cpu", optimizer=OPTIM, units={"split_frozen": False})
     engine.load_checkpoint(os.path.join(folder, "ckpt"), "two")
-    torch.save(_states_by_name(engine), os.path.join(folder, f"loaded{rank}.pt"))
+    torch.save(states_by_name(engine), os.path.join(folder, f"loaded{rank}.pt"))
     engine.close()
 
 

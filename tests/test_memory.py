@@ -8,36 +8,12 @@ import torch
 from torch import nn
 
 import tiered
-from gpt import GPT, next_token_loss
+from gpt import GPT
+from helpers_models import SEQ, make_gpt, train_step
+from helpers_tiers import dram_block, shard_numels
 from tiered.engine.build import memory_plan
 from tiered.plan import GRAD_LANDING_SLOTS
 from tiered.policy import Policy, Tier
-from tiered.sizes import align_up
-
-VOCAB, SEQ = 64, 16
-
-
-def make_gpt() -> GPT:
-    torch.manual_seed(0)
-    return GPT(VOCAB, 32, 3, 2, max_seq=SEQ, tied=True)
-
-
-def shard_numels(model) -> list[int]:
-    """Shard sizes from the model alone: the repeated blocks, then the root's parameters."""
-    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
-    root = sum(p.numel() for p in model.parameters()) - sum(blocks)
-    return blocks + [root]
-
-
-def dram_block(numel: int, itemsize: int) -> int:
-    return align_up(numel * itemsize, 4096)
-
-
-def train_step(engine, optimizer, seed=1):
-    idx = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(seed))
-    next_token_loss(engine(idx), idx).backward()
-    optimizer.step()
-    optimizer.zero_grad()
 
 
 @pytest.mark.parametrize("compute_dtype,itemsize", [("fp32", 4), ("bf16", 2)])

@@ -15,8 +15,8 @@ from torch import nn
 
 import tiered
 from distributed import run_ranks
-from test_param_groups import torch_groups
-from test_parity import REPO
+from helpers import REPO
+from helpers_models import torch_groups
 
 CPU_YAML = os.path.join(REPO, "configs", "cpu.yaml")
 DIM, IN, OUT, ROWS, MICRO, STEPS = 5, 4, 3, 6, 2, 4

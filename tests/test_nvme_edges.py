@@ -23,7 +23,7 @@ from torch import nn
 
 import tiered
 from gpt import GPT, next_token_loss
-from test_failures import run_with_deadline
+from helpers import run_with_deadline
 from tiered.plan import StateKind
 from tiered.policy import Tier
 from tiered.tiers import DramTier, NvmeTier, PinnedSlabSource

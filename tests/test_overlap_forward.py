@@ -14,8 +14,8 @@ from torch import nn
 
 import tiered
 from gpt import next_token_loss
-from test_failures import run_with_deadline
-from test_parity import OPTIM, assert_parity, make_model, token_batches
+from helpers import run_with_deadline
+from helpers_models import OPTIM, assert_parity, make_model, token_batches
 from tiered.optim.stepper import UnitStepper
 
 HOLD_SECONDS = 0.3

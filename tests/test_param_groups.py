@@ -12,16 +12,9 @@ import torch
 import tiered
 from distributed import run_ranks
 from gpt import next_token_loss
-from test_checkpoint import rewrite_manifest
-from test_parity import (MICRO, OPTIM, REPO, assert_parity, assert_parity_on_host, batches,
-                         make_model, run_engine, train_torch)
-
-GROUPS = [
-    {"match": ["*.bias", "*ln*"], "lr": 3e-2, "betas": [0.8, 0.9], "weight_decay": 0.0},
-    {"match": ["pos"], "lr": 5e-3, "eps": 1e-6},
-]
-SCHEDULES = [lambda s: 1.0 / (1 + s), lambda s: 0.5 ** s, lambda s: 1.0 + s]
-"""Per group (0 = the rest): each learning rate moves its own way."""
+from helpers import REPO, rewrite_manifest
+from helpers_models import (GROUPS, MICRO, OPTIM, SCHEDULES, assert_parity, assert_parity_on_host,
+                            batches, make_model, run_engine, torch_groups, train_torch)
 
 
 def engine_with_groups(policy: str, nvme: str, groups=GROUPS, device="cpu", **optimizer):
@@ -35,18 +28,6 @@ def train(engine, optimizer, rank: int = 0, world: int = 1, steps=None) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
                                                   SCHEDULES[:len(optimizer.param_groups)])
     return run_engine(engine, optimizer, scheduler, slice(steps), rank, world)
-
-
-def torch_groups(model, groups=GROUPS):
-    """The same groups for torch.optim.AdamW, by the same first-match rule, in the same order."""
-    members = [[] for _ in range(1 + len(groups))]
-    for name, param in model.named_parameters():
-        index = next((i for i, group in enumerate(groups, start=1)
-                      if any(fnmatchcase(name, p) for p in group["match"])), 0)
-        members[index].append(param)
-    return [{"params": members[0]}] + [
-        {"params": params, **{k: v for k, v in group.items() if k != "match"}}
-        for params, group in zip(members[1:], groups)]
 
 
 def train_reference(max_grad_norm=None, device="cpu") -> dict:

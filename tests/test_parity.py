@@ -13,38 +13,10 @@ import torch
 
 import tiered
 from distributed import run_ranks
-from gpt import GPT, next_token_loss
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-POLICIES = ("cpu", "nvme", "gpu")
-STEPS, MICRO, BATCH, SEQ, VOCAB = 5, 2, 8, 16, 64
-OPTIM = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-
-
-def make_model() -> GPT:
-    torch.manual_seed(0)
-    return GPT(VOCAB, 32, 2, 2, max_seq=SEQ, tied=True, qkv_bias=False)
-
-
-def token_batches(count: int, seed: int = 1) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(count)]
-
-
-def ddp_gradients(model, idx: torch.Tensor, world: int) -> list[torch.Tensor]:
-    """DDP's gradient of ``model`` on ``idx`` over ``world`` ranks: each rank's mean over its
-    rows, averaged over ranks, summed in rank order as the engine's reduction sums them."""
-    grads = [torch.zeros_like(p) for p in model.parameters()]
-    for rows in idx.chunk(world):
-        shares = torch.autograd.grad(next_token_loss(model(rows), rows), list(model.parameters()))
-        for grad, share in zip(grads, shares):
-            grad += share / world
-    return grads
-
-
-def batches():
-    flat = token_batches(STEPS * MICRO)
-    return [flat[i:i + MICRO] for i in range(0, len(flat), MICRO)]
+from gpt import next_token_loss
+from helpers import REPO
+from helpers_models import (BATCH, MICRO, OPTIM, POLICIES, STEPS, assert_parity, batches,
+                            make_model, train_torch)
 
 
 def train_engine(policy: str, rank: int, world: int, nvme: str, max_grad_norm: float | None,
@@ -66,56 +38,10 @@ def train_engine(policy: str, rank: int, world: int, nvme: str, max_grad_norm: f
     return state, norms
 
 
-def run_engine(engine, optimizer, scheduler=None, steps: slice = slice(None), rank: int = 0,
-               world: int = 1) -> dict:
-    """The engine's side of train_torch: this rank's rows of each batch (DDP's split)."""
-    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-    for micro_batches in batches()[steps]:
-        for idx in micro_batches:
-            idx = idx[rows].to(engine.device)
-            (next_token_loss(engine(idx), idx) / MICRO).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if scheduler is not None:
-            scheduler.step()
-    return engine.full_state_dict()
-
-
 def train_reference(max_grad_norm: float | None, fused: bool = False):
     model = make_model()
     return train_torch(model, torch.optim.AdamW(model.parameters(), fused=fused, **OPTIM),
                        max_grad_norm)
-
-
-def train_torch(model, optimizer, max_grad_norm: float | None = None, scheduler=None,
-                device: str = "cpu", steps: slice = slice(None)) -> dict:
-    """The PyTorch side of the parity tests: MICRO micro-batches a step, clipping, then the
-    optimizer, then the scheduler (if any), as the engine's side runs them; ``steps`` picks
-    which of the steps' batches."""
-    for micro_batches in batches()[steps]:
-        for idx in micro_batches:
-            idx = idx.to(device)
-            (next_token_loss(model(idx), idx) / MICRO).backward()
-        if max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad()
-        if scheduler is not None:
-            scheduler.step()
-    return model.state_dict()
-
-
-def assert_parity(state: dict, reference: dict) -> None:
-    assert list(state) == list(reference)
-    for name in reference:
-        torch.testing.assert_close(state[name], reference[name], rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"{name}: {m}")
-
-
-def assert_parity_on_host(state: dict, reference: dict) -> None:
-    """assert_parity, wherever the two states are."""
-    assert_parity({name: value.cpu() for name, value in state.items()},
-                  {name: value.cpu() for name, value in reference.items()})
 
 
 def _rank_main(rank: int, world: int, out_dir: str, nvme: str) -> None:

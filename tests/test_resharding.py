@@ -13,9 +13,9 @@ import tiered
 from distributed import run_ranks
 from tiered.ops.tiled_linear import TiledLinear
 from gpt import next_token_loss
-from test_engine import assert_same
-from test_lora import _states_by_name, lora_model
-from test_parity import OPTIM, REPO, make_model, token_batches
+from helpers import REPO
+from helpers_models import (OPTIM, assert_parity, lora_model, make_model, states_by_name,
+                            token_batches)
 
 STATES = ("master", "exp_avg", "exp_avg_sq")  # fp32 whatever the compute dtype
 GROUPS = [{"match": ["*.bias"], "lr": 3e-2, "weight_decay": 0.0},  # parts of most units
@@ -57,12 +57,12 @@ def _leg(rank: int, world: int, folder: str, cfg: dict, load: str | None, steps:
             engine.load_checkpoint(ckpt, load)
             # full_state_dict would make a pending delayed update current (synchronize).
             full = {} if cfg.get("delayed") else engine.full_state_dict()
-            loaded = _states_by_name(engine), full
+            loaded = states_by_name(engine), full
             torch.save(loaded, os.path.join(folder, f"{load}-loaded{rank}.pt"))
         train(engine, optimizer, steps, rank, world)
         if save:
             engine.save_checkpoint(ckpt, save)
-            saved = _states_by_name(engine), engine.full_state_dict()
+            saved = states_by_name(engine), engine.full_state_dict()
             torch.save(saved, os.path.join(folder, f"{save}-saved{rank}.pt"))
         state = engine.full_state_dict()
         if rank == 0:
@@ -149,8 +149,8 @@ def run_chain(legs: list, folder: str) -> None:
                                "tiling" not in legs[index][1] and "tiling" not in cfg)
     if all(cfg.get("dtype", "fp32") == "fp32" for _, cfg in legs):
         run(1, folder, legs[0][1], final="continued")
-        assert_same(torch.load(os.path.join(folder, "final.pt")),
-                    torch.load(os.path.join(folder, "continued.pt")))
+        assert_parity(torch.load(os.path.join(folder, "final.pt")),
+                      torch.load(os.path.join(folder, "continued.pt")))
 
 
 @pytest.mark.parametrize("chain", CHAINS)
