@@ -15,17 +15,12 @@ from tiered.tiers import DramTier, HbmTier, PinnedSlabSource
 from tiered.tiers import dram as dram_module
 
 from gpt import GPT
+from helpers_tiers import BLOCK, dram_blocks
 
-BLOCK = 4096
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # -- helpers ------------------------------------------------------------------------------------
-
-def dram_blocks(sizes: dict, huge_pages: bool = False) -> tuple[DramTier, dict]:
-    tier = DramTier(budget=None, source=PinnedSlabSource(pin=False, huge_pages=huge_pages))
-    return tier, tier.reserve(sizes)
-
 
 def vm_flags(address: int) -> set[str]:
     """The kernel's flags for the mapping holding ``address`` (/proc/self/smaps VmFlags):

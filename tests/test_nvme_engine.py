@@ -20,7 +20,8 @@ from tiered.tiers import NvmeShard
 from tiered.tiers.nvme import SPARE_EXTENTS, free_bytes, nvme_bytes
 
 from gpt import GPT
-from test_tiers import BLOCK, EXTENT_NAME, mounted
+from helpers import mounted
+from helpers_tiers import BLOCK, EXTENT_NAME
 
 NVME_YAML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                          "nvme.yaml")

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import tiered
-from test_tiers import mounted
+from helpers import mounted
 from tiered.engine.engine import LAUNCHED_ENV
 from tiered.liveness import LOCK_NAME, MAKING_PREFIX
 from tiered.sizes import format_size

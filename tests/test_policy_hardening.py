@@ -19,7 +19,7 @@ from torch import nn
 
 import tiered
 from tiered.launch import policy_from_args
-from test_tiers import mounted
+from helpers import mounted
 from tiered.policy import POLICY_ENV, Policy
 from tiered.sizes import format_size, parse_size
 

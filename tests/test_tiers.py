@@ -9,7 +9,6 @@ import os
 import re
 import resource
 import stat
-import subprocess
 import warnings
 from collections import Counter
 from contextlib import contextmanager
@@ -24,9 +23,8 @@ from tiered.tiers import NvmeTier
 from tiered.tiers.aio import IoSettings, inject_faults
 from tiered.tiers.nvme import SPARE_EXTENTS, check_nvme_path, free_bytes, nvme_bytes
 
-from test_memory_tiers import dram_blocks
-
-BLOCK = 4096
+from helpers import mounted
+from helpers_tiers import BLOCK, EXTENT_NAME, dram_blocks
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -63,23 +61,6 @@ def accepts_o_direct(folder: str) -> bool:
 
 
 @contextmanager
-def mounted(tmp_path, fstype: str, options: str | None = None):
-    where = tmp_path / fstype
-    where.mkdir()
-    cmd = ["mount", "-t", fstype] + (["-o", options] if options else []) + [fstype, str(where)]
-    try:
-        result = subprocess.run(cmd, capture_output=True, text=True)
-    except OSError as e:
-        pytest.skip(f"cannot run mount: {e}")
-    if result.returncode != 0:
-        pytest.skip(f"cannot mount {fstype} here: {result.stderr.strip() or result.returncode}")
-    try:
-        yield str(where)
-    finally:
-        subprocess.run(["umount", str(where)], check=True)
-
-
-@contextmanager
 def expect_direct_fallback_warning(folder: str, expected: bool):
     """A UserWarning naming ``folder`` when the tier falls back to buffered I/O, none otherwise."""
     if expected:
@@ -94,7 +75,6 @@ def expect_direct_fallback_warning(folder: str, expected: bool):
 
 SMALL_IO = IoSettings(block_size=2 * BLOCK, queue_depth=4)
 """Small requests, so that every transfer of more than 8 KiB is split into several."""
-EXTENT_NAME = re.compile(r"extent-\d{5}\.bin")
 
 
 def make_tier(root, budget: int | None = None, rank: int = 0, io: IoSettings = SMALL_IO):
