@@ -15,35 +15,16 @@ import warnings
 from types import SimpleNamespace
 
 import pytest
-import torch
-from torch import nn
 
 import tiered
 from distributed import run_ranks
+from helpers import assert_same, mounted, refused
+from helpers_checkpoint import small_engine, train_small
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(REPO, "tests")
+EXAMPLES = os.path.join(REPO, "examples")
 LOCK = ".owner.lock"
-
-
-def small_engine():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-    return tiered.initialize(model, os.path.join(REPO, "configs", "cpu.yaml"), device="cpu",
-                             compute_dtype="fp32", optimizer={"lr": 1e-2})
-
-
-def train(engine, optimizer, steps: int, rank: int = 0, world: int = 1) -> None:
-    batches = torch.randn(steps, 8, 8, generator=torch.Generator().manual_seed(1))
-    for x in batches:
-        engine(x[rank * 8 // world:(rank + 1) * 8 // world]).pow(2).mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-
-def assert_same(actual: dict, expected: dict) -> None:
-    assert list(actual) == list(expected)
-    assert all(torch.equal(actual[k], expected[k]) for k in expected)
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +33,10 @@ def saved(tmp_path_factory):
     is not the steps'), and the states they hold."""
     folder = tmp_path_factory.mktemp("saved") / "ck"
     engine, optimizer = small_engine()
-    train(engine, optimizer, 1)
+    train_small(engine, optimizer, 1)
     engine.save_checkpoint(str(folder), "zeta")
     first = engine.full_state_dict()
-    train(engine, optimizer, 1)
+    train_small(engine, optimizer, 1)
     engine.save_checkpoint(str(folder), "alpha")
     second = engine.full_state_dict()
     engine.close()
@@ -76,29 +57,15 @@ def copy_of(saved, tmp_path, name: str = "ck"):
     return target
 
 
-def refused(engine, load, *in_message: str) -> str:
-    """``load()`` raises a CheckpointError holding each of ``in_message`` and changes
-    nothing."""
-    before = engine.full_state_dict()
-    with pytest.raises(tiered.CheckpointError) as error:
-        load()
-    message = str(error.value)
-    for part in in_message:
-        assert part in message, f"{part!r} not in: {message}"
-    assert "\n" not in message, message
-    assert_same(engine.full_state_dict(), before)
-    return message
-
-
 # --- item 1 and 8: one job per folder; what a killed job staged -----------------------------
 
 JOB = r"""
 import sys, time
-sys.path[:0] = [{tests!r}]
+sys.path[:0] = [{tests!r}, {examples!r}]
 from tiered.checkpoint import format as fmt
-from test_checkpoint_hardening import small_engine, train
+from helpers_checkpoint import small_engine, train_small
 engine, optimizer = small_engine()
-train(engine, optimizer, 1)
+train_small(engine, optimizer, 1)
 engine.save_checkpoint({ck!r}, "first")
 write = fmt.Writer.write
 def stuck(self, tensor):  # the next save stops in its first write, where it is killed
@@ -114,8 +81,9 @@ engine.save_checkpoint({ck!r}, "second")
 def test_a_live_job_s_folder_is_refused_and_a_killed_job_s_is_taken_and_cleaned(engine,
                                                                                  tmp_path):
     ck = tmp_path / "ck"
-    job = subprocess.Popen([sys.executable, "-c", JOB.format(tests=TESTS, ck=str(ck))],
-                           cwd=REPO, stdout=subprocess.PIPE, text=True)
+    script = JOB.format(tests=TESTS, examples=EXAMPLES, ck=str(ck))
+    job = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE,
+                           text=True)
     try:
         assert job.stdout.readline().strip() == "saving"
         staged = ck / ".second.tmp" / "rank00000.safetensors"
@@ -128,7 +96,7 @@ def test_a_live_job_s_folder_is_refused_and_a_killed_job_s_is_taken_and_cleaned(
         for attempt in (lambda: engine.save_checkpoint(str(ck), "mine"),
                         lambda: engine.load_checkpoint(str(ck))):
             refused(engine, attempt, f"checkpoint folder {ck} is in use by a live job",
-                    f"pid {job.pid} on host")
+                    f"pid {job.pid} on host", one_line=True)
         assert sorted(os.listdir(ck)) == [LOCK, ".second.tmp", "first", "latest"]
     finally:
         job.kill()
@@ -144,7 +112,7 @@ def test_a_live_job_s_folder_is_refused_and_a_killed_job_s_is_taken_and_cleaned(
 
 def _ranks_meet_held_and_damaged_folders(rank: int, world: int, root: str) -> None:
     engine, optimizer = small_engine()
-    train(engine, optimizer, 1, rank, world)
+    train_small(engine, optimizer, 1, rank, world)
     outcomes = {}
     for name in ("held", "released"):
         try:
@@ -224,7 +192,7 @@ def test_a_load_without_latest_or_a_complete_checkpoint_says_so(engine, tmp_path
     with pytest.warns(UserWarning, match=r"left in .*: \.step1\.tmp$"):
         refused(engine, lambda: engine.load_checkpoint(str(tmp_path / "ck")),
                 f"no checkpoint in {tmp_path / 'ck'} (no 'latest' file, and no folder with a "
-                f"manifest.json)")
+                f"manifest.json)", one_line=True)
 
 
 # --- item 5: damaged files, each a CheckpointError naming it ----------------------------------
@@ -277,7 +245,7 @@ def _manifest_a_folder(ck):
 def test_a_damaged_file_is_a_checkpoint_error_naming_it(damage, saved, engine, tmp_path):
     ck = copy_of(saved, tmp_path)
     path, words = damage(ck)
-    refused(engine, lambda: engine.load_checkpoint(str(ck)), f"{path}: ", words)
+    refused(engine, lambda: engine.load_checkpoint(str(ck)), f"{path}: ", words, one_line=True)
 
 
 # --- item 6: a rank file that is no regular file, or of another size --------------------------
@@ -316,7 +284,7 @@ def test_a_rank_file_of_another_kind_or_size_is_refused_before_it_is_read(damage
     previous = signal.signal(signal.SIGALRM, hung)
     signal.alarm(20)
     try:
-        refused(engine, lambda: engine.load_checkpoint(str(ck)), f"{path}: ", words)
+        refused(engine, lambda: engine.load_checkpoint(str(ck)), f"{path}: ", words, one_line=True)
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
@@ -331,7 +299,7 @@ def test_latest_leading_out_of_the_folder_is_refused(where, saved, engine, tmp_p
     elsewhere = copy_of(saved, tmp_path, "elsewhere")
     (ck / "latest").write_text(str(elsewhere / "alpha") if where == "absolute" else where)
     refused(engine, lambda: engine.load_checkpoint(str(ck)), f"{ck / 'latest'} names",
-            "use a plain folder name")
+            "use a plain folder name", one_line=True)
 
 
 @pytest.mark.parametrize("tag", ["../elsewhere/alpha", "/abs/alpha", ".."])
@@ -339,7 +307,7 @@ def test_a_tag_given_to_a_load_must_be_a_plain_folder_name(tag, saved, engine, t
     ck = copy_of(saved, tmp_path)
     copy_of(saved, tmp_path, "elsewhere")
     refused(engine, lambda: engine.load_checkpoint(str(ck), tag), f"checkpoint tag {tag!r}",
-            "use a plain folder name")
+            "use a plain folder name", one_line=True)
 
 
 def _set(key_path: str, value):
@@ -378,7 +346,7 @@ def test_a_manifest_field_of_the_wrong_type_or_range_is_refused(case, saved, eng
     change, words = MANIFEST_FIELDS[case]
     change(manifest)
     path.write_text(json.dumps(manifest))
-    refused(engine, lambda: engine.load_checkpoint(str(ck)), f"{path}: ", words)
+    refused(engine, lambda: engine.load_checkpoint(str(ck)), f"{path}: ", words, one_line=True)
 
 
 def test_the_unspoiled_copy_loads(saved, engine, tmp_path):
@@ -411,7 +379,8 @@ def test_check_folder_refuses_what_cannot_hold_checkpoints(engine, tmp_path):
     check_folder(str(tmp_path))
     assert sorted(os.listdir(tmp_path)) == ["afile"]
     # A save refuses it before anything is made (it failed at its staging folder's creation).
-    refused(engine, lambda: engine.save_checkpoint(str(afile)), "exists and is a regular file")
+    refused(engine, lambda: engine.save_checkpoint(str(afile)), "exists and is a regular file",
+            one_line=True)
     assert afile.read_text() == "mine"
 
 
@@ -419,15 +388,9 @@ def test_check_folder_refuses_a_read_only_file_system(tmp_path):
     from tiered.checkpoint import check_folder
 
     disk = tmp_path / "ro"
-    disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(disk)],
-                      capture_output=True).returncode:
-        pytest.skip("cannot mount a read-only tmpfs here (needs root)")
-    try:
+    with mounted(tmp_path, "tmpfs", "ro,size=1m", name=disk.name):
         for path in (disk, disk / "ck"):
             with pytest.raises(tiered.CheckpointError, match=rf"^checkpoint folder {path}: "
                                                              rf"{disk} is not writable \(a "
                                                              rf"read-only file system\)$"):
                 check_folder(str(path))
-    finally:
-        subprocess.run(["umount", str(disk)])

@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from refusals import assert_same, make_model, new_engine, step
+from helpers import assert_same
+from refusals import make_model, new_engine, step
 
 
 @pytest.fixture(scope="module")

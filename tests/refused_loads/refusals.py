@@ -1,6 +1,6 @@
 """What the refused-load tests share: a small GPT and its engine, hand-written safetensors
-files, and the two checks every refusal makes (the engine is unchanged; the run goes on as if the
-load had never been tried)."""
+files, and the second of the two checks every refusal makes (the engine is unchanged:
+helpers.refused; the run goes on as if the load had never been tried)."""
 from __future__ import annotations
 
 import ctypes
@@ -10,13 +10,13 @@ import os
 import shutil
 import struct
 
-import pytest
 import torch
 from torch import nn
 
 import tiered
 from tiered.limits import usable_cores
 from gpt import GPT, next_token_loss
+from helpers import assert_same
 
 VOCAB, DIM, SEQ, ROWS = 64, 32, 16, 4
 INDEX = "model.safetensors.index.json"
@@ -56,12 +56,6 @@ def step(engine, optimizer, seed: int) -> float:
 def good_state() -> dict[str, torch.Tensor]:
     """Weights of another initialization: loading them changes every parameter."""
     return {name: value.clone() for name, value in make_model(seed=7).state_dict().items()}
-
-
-def assert_same(actual: dict, expected: dict, what: str = "") -> None:
-    assert list(actual) == list(expected), what
-    changed = [name for name in expected if not torch.equal(actual[name], expected[name])]
-    assert not changed, f"{what}: changed {changed}"
 
 
 def raw(tensor: torch.Tensor) -> bytes:
@@ -106,19 +100,6 @@ def copy_of(folder, tmp_path, name: str = "copy"):
     target = tmp_path / name
     shutil.copytree(folder, target)
     return target
-
-
-def refuse(engine, load, *in_message: str) -> str:
-    """``load()`` raises a CheckpointError whose message holds each of ``in_message``, and
-    leaves the engine's weights bit for bit as they were."""
-    before = engine.full_state_dict()
-    with pytest.raises(tiered.CheckpointError) as error:
-        load()
-    message = str(error.value)
-    for part in in_message:
-        assert part in message, f"{part!r} not in the message: {message}"
-    assert_same(engine.full_state_dict(), before, f"half-loaded by a refused load ({message})")
-    return message
 
 
 def goes_on_as_never_loaded(engine, optimizer, reference) -> None:

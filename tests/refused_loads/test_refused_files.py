@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import tiered
-from refusals import (DIM, INDEX, LAST_UNIT_KEY, SEQ, assert_same, copy_of, f32_entries,
-                      goes_on_as_never_loaded, good_state, open_files_under, raw, refuse, step,
+from helpers import assert_same, refused
+from refusals import (DIM, INDEX, LAST_UNIT_KEY, SEQ, copy_of, f32_entries,
+                      goes_on_as_never_loaded, good_state, open_files_under, raw, step,
                       write_safetensors)
 
 
@@ -80,14 +81,14 @@ def test_a_path_without_usable_weights_is_refused_by_name(case, trained, referen
                                                           exported):
     engine, optimizer = trained
     path, parts = case(tmp_path, exported)
-    refuse(engine, lambda: engine.load_pretrained(str(path)), str(path), *parts)
+    refused(engine, lambda: engine.load_pretrained(str(path)), str(path), *parts)
     goes_on_as_never_loaded(engine, optimizer, reference)
 
 
 def test_weights_that_are_neither_a_path_nor_a_state_dict_are_refused(trained, reference):
     engine, optimizer = trained
-    refuse(engine, lambda: engine.load_state_dict([1, 2, 3]), "got a list")
-    refuse(engine, lambda: engine.load_pretrained(12), "got a int")
+    refused(engine, lambda: engine.load_state_dict([1, 2, 3]), "got a list")
+    refused(engine, lambda: engine.load_pretrained(12), "got a int")
     goes_on_as_never_loaded(engine, optimizer, reference)
 
 
@@ -98,11 +99,11 @@ def test_a_malformed_index_is_refused_by_name(trained, reference, exported, tmp_
     folder = copy_of(exported / "sharded", tmp_path)
     text = (folder / INDEX).read_text()
     (folder / INDEX).write_text(text[:len(text) // 2])  # cut in the middle: not JSON
-    refuse(engine, lambda: engine.load_pretrained(str(folder)), str(folder / INDEX),
-           "cannot be read as an index")
+    refused(engine, lambda: engine.load_pretrained(str(folder)), str(folder / INDEX),
+            "cannot be read as an index")
     (folder / INDEX).write_text(json.dumps({"metadata": {}}))  # JSON, but no weight_map
-    refuse(engine, lambda: engine.load_pretrained(str(folder)), str(folder / INDEX),
-           "weight_map")
+    refused(engine, lambda: engine.load_pretrained(str(folder)), str(folder / INDEX),
+            "weight_map")
     goes_on_as_never_loaded(engine, optimizer, reference)
 
 
@@ -112,7 +113,7 @@ def test_an_index_listing_a_missing_shard_is_refused_naming_it(trained, referenc
     folder = copy_of(exported / "sharded", tmp_path)
     shards = sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()))
     os.remove(folder / shards[-1])  # the last: the others open fine first
-    refuse(engine, lambda: engine.load_pretrained(str(folder)), str(folder / INDEX), shards[-1])
+    refused(engine, lambda: engine.load_pretrained(str(folder)), str(folder / INDEX), shards[-1])
     goes_on_as_never_loaded(engine, optimizer, reference)
 
 
@@ -127,8 +128,8 @@ def test_a_tensor_in_two_shards_is_refused_naming_both(trained, reference, tmp_p
     write_safetensors(folder / "b.safetensors", f32_entries({n: state[n] for n in second}))
     (folder / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": {
         **{n: "a.safetensors" for n in first}, **{n: "b.safetensors" for n in second}}}))
-    refuse(engine, lambda: engine.load_pretrained(str(folder)), repr(first[-1]),
-           "a.safetensors", "b.safetensors")
+    refused(engine, lambda: engine.load_pretrained(str(folder)), repr(first[-1]),
+            "a.safetensors", "b.safetensors")
     goes_on_as_never_loaded(engine, optimizer, reference)
 
 
@@ -146,7 +147,7 @@ def test_a_truncated_file_is_refused_by_name(keep, trained, reference, exported,
             "half the data": (8 + header_len + len(data)) // 2,
             "all but one byte": len(data) - 1}[keep]
     path.write_bytes(data[:size])
-    refuse(engine, lambda: engine.load_pretrained(str(folder)), str(path), "truncated")
+    refused(engine, lambda: engine.load_pretrained(str(folder)), str(path), "truncated")
     goes_on_as_never_loaded(engine, optimizer, reference)
 
 
@@ -156,7 +157,7 @@ def test_a_truncated_last_shard_is_refused_naming_it(trained, reference, exporte
     shards = sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()))
     last = folder / shards[-1]
     last.write_bytes(last.read_bytes()[:-3])
-    message = refuse(engine, lambda: engine.load_pretrained(str(folder)), str(last), "truncated")
+    message = refused(engine, lambda: engine.load_pretrained(str(folder)), str(last), "truncated")
     assert all(shard not in message for shard in shards[:-1]), message
     goes_on_as_never_loaded(engine, optimizer, reference)
 
@@ -174,8 +175,8 @@ def test_a_parameter_in_a_dtype_it_does_not_load_from_is_refused_naming_it(dtype
     itemsize = {"F8_E4M3": 1, "F8_E5M2": 1, "C64": 8}[dtype]
     entries[LAST_UNIT_KEY] = (dtype, shape, b"\x01" * (math.prod(shape) * itemsize))
     path = write_safetensors(tmp_path / "model.safetensors", entries)
-    refuse(engine, lambda: engine.load_pretrained(path), path, LAST_UNIT_KEY, dtype,
-           "F32, BF16, F16 or F64")
+    refused(engine, lambda: engine.load_pretrained(path), path, LAST_UNIT_KEY, dtype,
+            "F32, BF16, F16 or F64")
     goes_on_as_never_loaded(engine, optimizer, reference)
 
 
@@ -202,7 +203,7 @@ def test_a_foreign_header_is_a_checkpoint_error_naming_the_file(header, trained,
     header += b" " * (-len(header) % 8)
     path = tmp_path / "model.safetensors"
     path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 64)
-    refuse(engine, lambda: engine.load_pretrained(str(path)), str(path))
+    refused(engine, lambda: engine.load_pretrained(str(path)), str(path))
     goes_on_as_never_loaded(engine, optimizer, reference)
 
 

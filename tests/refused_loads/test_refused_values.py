@@ -17,9 +17,10 @@ from torch import nn
 import tiered
 from distributed import run_ranks
 from gpt import next_token_loss
-from refusals import (DIM, LAST_UNIT_KEY, SEQ, VOCAB, assert_same, batch, f32_entries,
-                      goes_on_as_never_loaded, good_state, make_model, new_engine, raw, refuse,
-                      step, write_safetensors)
+from helpers import assert_same, refused
+from refusals import (DIM, LAST_UNIT_KEY, SEQ, VOCAB, batch, f32_entries,
+                      goes_on_as_never_loaded, good_state, make_model, new_engine, raw, step,
+                      write_safetensors)
 
 engine_module = importlib.import_module("tiered.engine.engine")
 
@@ -34,9 +35,9 @@ def test_a_wrong_shape_is_refused_naming_the_key_and_both_shapes(key, wrong, tra
     state = good_state()
     right = list(state[key].shape)
     state[key] = torch.zeros(wrong)
-    refuse(engine, lambda: engine.load_state_dict(state), "the state dict", key,
-           str(list(wrong)), str(right))
-    refuse(engine, lambda: engine.load_state_dict(state, strict=False), key, str(list(wrong)))
+    refused(engine, lambda: engine.load_state_dict(state), "the state dict", key,
+            str(list(wrong)), str(right))
+    refused(engine, lambda: engine.load_state_dict(state, strict=False), key, str(list(wrong)))
     goes_on_as_never_loaded(engine, optimizer, reference)
 
 
@@ -45,8 +46,8 @@ def test_a_wrong_shape_in_a_file_names_the_file_too(trained, reference, tmp_path
     state = good_state()
     state["pos"] = state["pos"][:SEQ // 2].clone()
     path = write_safetensors(tmp_path / "model.safetensors", f32_entries(state))
-    refuse(engine, lambda: engine.load_pretrained(path), path, "pos", str([SEQ // 2, DIM]),
-           str([SEQ, DIM]))
+    refused(engine, lambda: engine.load_pretrained(path), path, "pos", str([SEQ // 2, DIM]),
+            str([SEQ, DIM]))
     goes_on_as_never_loaded(engine, optimizer, reference)
 
 
@@ -54,8 +55,8 @@ def test_a_missing_key_is_refused_under_strict_listing_it(trained, reference):
     engine, optimizer = trained
     state = good_state()
     del state["blocks.1.fc.bias"]
-    refuse(engine, lambda: engine.load_state_dict(state), "blocks.1.fc.bias", "1 missing",
-           "strict=False")
+    refused(engine, lambda: engine.load_state_dict(state), "blocks.1.fc.bias", "1 missing",
+            "strict=False")
     goes_on_as_never_loaded(engine, optimizer, reference)
 
 
@@ -63,8 +64,8 @@ def test_an_unexpected_key_is_refused_under_strict_listing_it(trained, reference
     engine, optimizer = trained
     state = good_state()
     state["blocks.2.fc.bias"] = torch.zeros(4 * DIM)
-    message = refuse(engine, lambda: engine.load_state_dict(state), "blocks.2.fc.bias",
-                     "1 unexpected", "strict=False")
+    message = refused(engine, lambda: engine.load_state_dict(state), "blocks.2.fc.bias",
+                      "1 unexpected", "strict=False")
     assert "missing:" not in message, message
     goes_on_as_never_loaded(engine, optimizer, reference)
 
@@ -75,8 +76,8 @@ def test_missing_and_unexpected_keys_are_both_listed(trained, reference, tmp_pat
     del state["emb.weight"], state[LAST_UNIT_KEY]
     state["lm_head.weight"] = torch.zeros(VOCAB, DIM)
     path = write_safetensors(tmp_path / "model.safetensors", f32_entries(state))
-    refuse(engine, lambda: engine.load_pretrained(path), path, "2 missing", "emb.weight",
-           LAST_UNIT_KEY, "1 unexpected", "lm_head.weight", "strict=False")
+    refused(engine, lambda: engine.load_pretrained(path), path, "2 missing", "emb.weight",
+            LAST_UNIT_KEY, "1 unexpected", "lm_head.weight", "strict=False")
     goes_on_as_never_loaded(engine, optimizer, reference)
 
 
@@ -85,9 +86,9 @@ def test_a_parameter_given_as_an_integer_tensor_is_refused(dtype, trained, refer
     engine, optimizer = trained
     state = good_state()
     state["ln.weight"] = torch.ones(DIM, dtype=dtype)
-    refuse(engine, lambda: engine.load_state_dict(state), "ln.weight", str(dtype),
-           "floating-point")
-    refuse(engine, lambda: engine.load_state_dict(state, strict=False), "ln.weight", str(dtype))
+    refused(engine, lambda: engine.load_state_dict(state), "ln.weight", str(dtype),
+            "floating-point")
+    refused(engine, lambda: engine.load_state_dict(state, strict=False), "ln.weight", str(dtype))
     goes_on_as_never_loaded(engine, optimizer, reference)
 
 
@@ -96,7 +97,7 @@ def test_an_integer_parameter_in_a_file_is_refused(trained, reference, tmp_path)
     entries = f32_entries(good_state())
     entries[LAST_UNIT_KEY] = ("I64", [VOCAB, DIM], raw(torch.ones(VOCAB, DIM, dtype=torch.int64)))
     path = write_safetensors(tmp_path / "model.safetensors", entries)
-    refuse(engine, lambda: engine.load_pretrained(path), path, LAST_UNIT_KEY, "torch.int64")
+    refused(engine, lambda: engine.load_pretrained(path), path, LAST_UNIT_KEY, "torch.int64")
     goes_on_as_never_loaded(engine, optimizer, reference)
 
 
@@ -104,7 +105,7 @@ def test_a_value_that_is_not_a_tensor_is_refused_naming_its_key(trained, referen
     engine, optimizer = trained
     state = good_state()
     state["ln.bias"] = [0.0] * DIM
-    refuse(engine, lambda: engine.load_state_dict(state), "'ln.bias'", "list", "not a tensor")
+    refused(engine, lambda: engine.load_state_dict(state), "'ln.bias'", "list", "not a tensor")
     goes_on_as_never_loaded(engine, optimizer, reference)
 
 
@@ -128,8 +129,8 @@ def test_a_wrong_shape_for_a_tiled_layer_names_the_layer_key(tmp_path):
     step(engine, optimizer, 1)
     state = good_state()
     state["blocks.1.fc.weight"] = torch.zeros(4 * DIM, DIM + 1)
-    message = refuse(engine, lambda: engine.load_state_dict(state), "blocks.1.fc.weight",
-                     str([4 * DIM, DIM + 1]), str([4 * DIM, DIM]))
+    message = refused(engine, lambda: engine.load_state_dict(state), "blocks.1.fc.weight",
+                      str([4 * DIM, DIM + 1]), str([4 * DIM, DIM]))
     assert "tiles" not in message, message
     assert math.isfinite(step(engine, optimizer, 2))
     engine.close()
@@ -154,10 +155,10 @@ def test_buffers_a_wrong_shape_refused_a_missing_one_kept_a_non_persistent_one_u
     assert "scale" in before and "scratch" not in before
     state = {k: v + 1 for k, v in before.items()}
     state["scale"] = torch.ones(9)
-    refuse(engine, lambda: engine.load_state_dict(state), "scale", "[9]", "[8]")
+    refused(engine, lambda: engine.load_state_dict(state), "scale", "[9]", "[8]")
     state["scale"] = torch.full((8,), 5.0)
     state["scratch"] = torch.ones(3)
-    refuse(engine, lambda: engine.load_state_dict(state), "1 unexpected", "scratch")
+    refused(engine, lambda: engine.load_state_dict(state), "1 unexpected", "scratch")
     del state["scale"]
     result = engine.load_state_dict(state, strict=False)
     assert result == (["scale"], ["scratch"])
