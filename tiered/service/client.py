@@ -1,0 +1,163 @@
+"""The service's clients: a connection that asks and is answered, and the DRAM slab source a
+training rank takes its pinned memory from.
+
+A rank attaches once, as (job, rank, world), and keeps its connection for the engine's life:
+the connection is how the service knows the trainer lives. ``close(clean=True)`` (from
+``engine.close()``) ends the job's part on this rank cleanly and frees it; a trainer that dies,
+or ends without ``engine.close()``, drops the connection and the service keeps its state for
+the keep time (jobs.py, [Note: job lifecycle]).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+import torch
+
+from ..errors import BudgetError
+from . import wire
+from .paths import ServiceError, ServicePaths, service_paths
+from .segments import map_segment
+
+REPLY_SECONDS = 600.0
+"""How long a request may wait for its reply: reserving a segment of many GiB zeroes every page
+(about 10 s per 100 GiB), and a service that does not answer in this long is stuck."""
+
+
+class ServiceClient:
+    def __init__(self, paths: ServicePaths, timeout: float = REPLY_SECONDS):
+        self.paths = paths
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout)
+        try:
+            self._sock.connect(paths.socket)
+        except (FileNotFoundError, ConnectionRefusedError):
+            self._sock.close()
+            raise ServiceError(f"no tiered service runs in {paths.folder} (start one with "
+                               f"'tiered daemon start', or train without one: "
+                               f"tiered-launch --no-daemon)") from None
+        except OSError as e:
+            self._sock.close()
+            raise ServiceError(f"cannot reach the tiered service at {paths.socket}: "
+                               f"{e.strerror}") from None
+        self._lock = threading.Lock()  # one request, one reply: never interleaved
+
+    @classmethod
+    def connect(cls, folder: str | None = None,
+                timeout: float = REPLY_SECONDS) -> "ServiceClient":
+        return cls(service_paths(folder), timeout)
+
+    def request(self, op: str, **fields) -> tuple[dict, list[int]]:
+        """Send a request and wait for its reply; raises ServiceError (BudgetError for a pool
+        too small) with the service's words when it refuses."""
+        with self._lock:
+            try:
+                wire.send(self._sock, {"op": op, **fields})
+                reply, fds = wire.receive(self._sock)
+            except wire.WireError as e:
+                raise ServiceError(f"the tiered service at {self.paths.socket} did not answer "
+                                   f"{op!r}: {e}") from None
+            except OSError as e:
+                raise ServiceError(f"the tiered service at {self.paths.socket} did not answer "
+                                   f"{op!r}: {e}") from None
+        if not reply.get("ok"):
+            for fd in fds:
+                os.close(fd)
+            error = str(reply.get("error", "no reason given"))
+            if reply.get("kind") == "budget":
+                shortfalls = {tier: tuple(pair) for tier, pair
+                              in (reply.get("shortfalls") or {}).items()}
+                raise BudgetError(error, shortfalls)
+            raise ServiceError(f"the tiered service refused {op!r}: {error}")
+        return reply, fds
+
+    @property
+    def closed(self) -> bool:
+        return self._sock.fileno() < 0
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class ServiceSlabSource:
+    """DRAM slabs (tiers/dram.py's SlabSource) carved from segments the service reserves for
+    this rank: the service's memory, mapped here and, on a GPU, registered with CUDA here."""
+
+    def __init__(self, client: ServiceClient, job: str, rank: int, world: int, pin: bool):
+        self.client = client
+        self.job = job
+        self.pin = pin
+        reply, _ = client.request("attach", job=job, rank=rank, world=world)
+        self.note: str = reply.get("note", "")
+        """What the service said on attaching (a kept state it freed), for the trainer's log."""
+        self._segments: dict[int, int] = {}
+        """A slab's address -> the segment it maps."""
+
+    def __call__(self, nbytes: int) -> torch.Tensor:
+        reply, fds = self.client.request("reserve", nbytes=nbytes)
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise ServiceError(f"the tiered service sent {len(fds)} descriptors for one segment")
+        try:
+            slab = map_segment(fds[0], nbytes)
+        finally:
+            os.close(fds[0])  # the mapping keeps the memory
+        if self.pin:
+            status = torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), nbytes, 0)
+            if int(status) != 0:
+                self.client.request("release", segment=reply["segment"])
+                raise MemoryError(f"cudaHostRegister could not pin the service's segment of "
+                                  f"{nbytes} bytes (CUDA error {int(status)}); lower "
+                                  f"dram.budget")
+        self._segments[slab.data_ptr()] = reply["segment"]
+        return slab
+
+    def release(self, slab: torch.Tensor) -> None:
+        if self.pin:
+            torch.cuda.cudart().cudaHostUnregister(slab.data_ptr())
+        segment = self._segments.pop(slab.data_ptr())
+        try:
+            self.client.request("release", segment=segment)
+        except ServiceError:
+            pass  # a service that went away has freed it already
+
+    def close(self, clean: bool) -> None:
+        """The tiers are done with the service: ``clean`` frees what this rank still holds
+        there at once; otherwise the connection just drops (the launcher, or without one the
+        service, then counts the job as failed). Safe to call more than once."""
+        if self.client.closed:
+            return
+        try:
+            if clean:
+                self.client.request("detach", clean=True)
+        except ServiceError:
+            pass  # gone already: it freed or keeps the state by itself
+        finally:
+            self.client.close()
+
+
+SERVICE_ENV = "TIERED_SERVICE"
+"""The service folder a rank takes its DRAM from (tiered-launch sets it unless --no-daemon)."""
+JOB_ENV = "TIERED_JOB"
+"""The job's name (tiered-launch --job, or the launcher's own); else torchrun's run id."""
+
+
+def slab_source_from_env(rank: int, world: int, pin: bool) -> ServiceSlabSource | None:
+    """The service's slab source for this rank when the environment names a service (a rank of
+    ``tiered-launch``, or a script run by hand with TIERED_SERVICE and TIERED_JOB set), else
+    None: the trainer pins its own memory, as a plain ``python train.py`` does."""
+    folder = os.environ.get(SERVICE_ENV)
+    if not folder:
+        return None
+    job = os.environ.get(JOB_ENV) or os.environ.get("TORCHELASTIC_RUN_ID")
+    if not job:
+        raise ServiceError(f"{SERVICE_ENV} names a service but no job names this run: set "
+                           f"{JOB_ENV}, or run under tiered-launch")
+    client = ServiceClient.connect(folder)
+    try:
+        return ServiceSlabSource(client, job, rank, world, pin)
+    except BaseException:
+        client.close()
+        raise

@@ -1,0 +1,53 @@
+"""Shared memory segments: anonymous ``memfd`` files, handed between processes as descriptors.
+
+A segment has no name in /dev/shm or anywhere else, so nothing is left to leak when its
+processes die: the kernel frees it once the last descriptor and the last mapping are gone. Only
+a process that was given the descriptor (over the service's socket, ``SCM_RIGHTS``) can map it.
+
+The service makes a segment and reserves all of its pages at once (``fallocate``), so memory the
+node does not have is refused when it is asked for, by name, instead of killing a trainer with
+SIGBUS at the first touch of a page that cannot be had. The trainer maps it and, on a GPU,
+registers the mapping with CUDA itself (tiers/dram.py's ``PinnedSlabSource`` does the same for
+its own memory): the service never touches CUDA.
+"""
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+
+import torch
+
+from ..errors import BudgetError
+from ..sizes import format_size
+
+
+def create_segment(nbytes: int, name: str) -> int:
+    """A new memfd of ``nbytes`` with every page reserved; returns its descriptor.
+
+    Raises BudgetError when the node cannot hold it (shared memory is counted against the
+    cgroup of the process that first touches it: here, the service)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise BudgetError(f"the node's memory cannot hold a segment of "
+                              f"{format_size(nbytes)} for {name}: {e.strerror}",
+                              {"dram": (nbytes, 0)}) from None
+        raise
+    return fd
+
+
+def map_segment(fd: int, nbytes: int) -> torch.Tensor:
+    """The segment as a uint8 CPU tensor of ``nbytes`` (page aligned); the tensor keeps the
+    mapping alive, and the descriptor may be closed once it is made."""
+    mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
+                        prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+def segment_size(fd: int) -> int:
+    return os.fstat(fd).st_size

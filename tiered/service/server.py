@@ -1,0 +1,288 @@
+"""The per-node tier service: one process that holds the node's DRAM pool for every job's ranks.
+
+    python -m tiered.service [--dram BYTES] [--keep-failed SECONDS] [--until-idle] [--folder DIR]
+
+(``tiered daemon start`` runs it in the background; see control.py.) It listens on a Unix
+socket in a folder only its user can enter (paths.py), and checks every peer's credentials: a
+process of another user (root excepted) is told so and dropped. Each connection gets a thread,
+and speaks the messages of wire.py; a connection that attaches is one rank of one job, and
+whatever it reserved is that job's (jobs.py, [Note: job lifecycle]). A connection that drops
+without a clean detach is a failed rank, and its job's state is kept for the keep time.
+
+A malformed message (garbage, a wrong version, an oversized or truncated one) gets an error
+reply when the peer can still read one, and its connection is dropped: a stream cannot be
+resynchronised, and nothing of any job changes. A well-formed request the service refuses (an
+unknown op, a field of the wrong type, a rank attached twice, a pool too small) gets an error
+reply and the connection stays.
+
+On ``stop``, SIGTERM or SIGINT (and, with ``--until-idle``, once the jobs it served are gone)
+the service frees every segment, removes its socket and exits.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+from .. import __version__
+from ..errors import BudgetError, TieredError
+from ..liveness import HeldElsewhere, OwnerLock
+from . import wire
+from .jobs import RefusedError, Registry
+from .paths import ServiceError, service_paths
+
+log = logging.getLogger("tiered.service")
+
+TICK_SECONDS = 0.5
+"""How often the service looks at the keep times and at whether it should exit."""
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    folder: str
+    """The service folder (paths.py): its socket, lock and log."""
+    dram_budget: int
+    """Bytes of DRAM the service may hand out, all jobs together."""
+    keep_seconds: float = 900.0
+    """How long a failed job's state is kept after its last trainer is gone."""
+    until_idle: bool = False
+    """Exit once the jobs it served are gone and it holds nothing (a service tiered-launch
+    started for its job)."""
+
+
+class TierService:
+    def __init__(self, config: ServiceConfig):
+        self.config = config
+        self.paths = service_paths(config.folder, create=True)
+        try:
+            self._lock = OwnerLock(self.paths.lock, "tiered service")
+        except HeldElsewhere as e:
+            raise ServiceError(f"a tiered service already runs in {self.paths.folder} "
+                               f"({e.owner}); stop it first (tiered daemon stop)") from None
+        self.registry = Registry(config.dram_budget, config.keep_seconds)
+        self.started = time.time()
+        self._stopping = threading.Event()
+        # The lock is ours, so a socket file there is a dead service's.
+        if os.path.lexists(self.paths.socket):
+            os.unlink(self.paths.socket)
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.paths.socket)
+        os.chmod(self.paths.socket, 0o600)
+        self._listener.listen(64)
+        self._listener.settimeout(TICK_SECONDS)
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def serve(self) -> None:
+        """Serve until stopped; then free everything and remove the socket."""
+        log.info("tiered service %s (pid %d) serving in %s, DRAM pool %d bytes, failed jobs "
+                 "kept %.0f s", __version__, os.getpid(), self.paths.folder,
+                 self.config.dram_budget, self.config.keep_seconds)
+        try:
+            while not self._stopping.is_set():
+                try:
+                    conn, _ = self._listener.accept()
+                except socket.timeout:
+                    pass
+                else:
+                    threading.Thread(target=self._serve_client, args=(conn,), daemon=True,
+                                     name="tiered-service-client").start()
+                for name in self.registry.expire():
+                    log.info("job %s: kept %.0f s after it failed; freed", name,
+                             self.config.keep_seconds)
+                if (self.config.until_idle and self.registry.jobs_served
+                        and self.registry.idle):
+                    log.info("the jobs this service was started for are gone; exiting")
+                    break
+        finally:
+            self._listener.close()
+            try:
+                os.unlink(self.paths.socket)
+            except FileNotFoundError:
+                pass
+            self.registry.close()
+            self._lock.release()
+            log.info("tiered service stopped")
+
+    # -- one connection --------------------------------------------------------------------
+
+    def _serve_client(self, conn: socket.socket) -> None:
+        client = _Client(conn)
+        try:
+            pid, uid, _ = wire.peer_credentials(conn)
+            client.pid = pid
+            if uid not in (os.getuid(), 0):
+                log.warning("refused pid %d of uid %d: not this service's user", pid, uid)
+                client.reply_error(f"uid {uid} may not use the tiered service of uid "
+                                   f"{os.getuid()}")
+                return
+            while not self._stopping.is_set():
+                try:
+                    message, fds = wire.receive(conn)
+                except wire.Closed:
+                    return
+                except wire.WireError as e:
+                    log.warning("pid %d sent a malformed message (%s); dropped", pid, e)
+                    client.reply_error(str(e))
+                    return
+                for fd in fds:  # no request of ours sends descriptors to the service
+                    os.close(fd)
+                self._answer(client, message)
+        except OSError as e:  # the peer went mid-reply, or the socket failed
+            log.info("pid %s: connection ended (%s)", client.pid, e)
+        finally:
+            if client.attached is not None:
+                job, rank = client.attached
+                self.registry.detach(job, rank, clean=False)
+                log.info("job %s rank %d: its trainer went without engine.close()", job, rank)
+            if client.holds is not None:
+                self.registry.unhold(client.holds, clean=False)
+                log.info("job %s: its launcher went without a word; its state is kept",
+                         client.holds)
+            conn.close()
+
+    def _answer(self, client: "_Client", message: dict) -> None:
+        op = message["op"]
+        handler = getattr(self, f"_op_{op}", None)
+        if handler is None:
+            client.reply_error(f"unknown request {op!r}; this service answers "
+                               f"{', '.join(sorted(OPS))}")
+            return
+        try:
+            reply, fds = handler(client, message)
+        except BudgetError as e:
+            client.reply_error(str(e), kind="budget", shortfalls=e.shortfalls)
+        except TieredError as e:  # a refusal, a field of the wrong type
+            client.reply_error(str(e))
+        else:
+            client.reply({"ok": True, **reply}, fds)
+
+    def _op_hello(self, client, message):
+        return {"pid": os.getpid(), "version": __version__, "folder": self.paths.folder}, []
+
+    def _op_status(self, client, message):
+        return {"service": {"pid": os.getpid(), "version": __version__,
+                            "folder": self.paths.folder,
+                            "uptime_seconds": round(time.time() - self.started, 1),
+                            "until_idle": self.config.until_idle},
+                **self.registry.status()}, []
+
+    def _op_stop(self, client, message):
+        log.info("stop requested by pid %s", client.pid)
+        self.stop()
+        return {}, []
+
+    def _op_attach(self, client, message):
+        if client.attached is not None or client.holds is not None:
+            raise RefusedError("this connection holds or is a rank already; one connection "
+                               "per rank")
+        job = _field(message, "job", str)
+        rank, world = _field(message, "rank", int), _field(message, "world", int)
+        note = self.registry.attach(job, rank, world, client.pid)
+        client.attached = (job, rank)
+        log.info("job %s rank %d/%d attached (pid %s)", job, rank, world, client.pid)
+        return {"note": note}, []
+
+    def _op_reserve(self, client, message):
+        job, rank = client.rank_of("reserve")
+        segment = self.registry.reserve(job, rank, _field(message, "nbytes", int))
+        return {"segment": segment.id, "nbytes": segment.nbytes}, [segment.fd]
+
+    def _op_release(self, client, message):
+        job, rank = client.rank_of("release")
+        self.registry.release(job, rank, _field(message, "segment", int))
+        return {}, []
+
+    def _op_detach(self, client, message):
+        job, rank = client.rank_of("detach")
+        clean = _field(message, "clean", bool)
+        self.registry.detach(job, rank, clean)
+        client.attached = None
+        log.info("job %s rank %d detached (%s)", job, rank, "clean end" if clean else "failed")
+        return {}, []
+
+    def _op_hold(self, client, message):
+        if client.attached is not None or client.holds is not None:
+            raise RefusedError("this connection holds or is a rank already")
+        job = _field(message, "job", str)
+        note = self.registry.hold(job)
+        client.holds = job
+        log.info("job %s held by its launcher (pid %s)", job, client.pid)
+        return {"note": note}, []
+
+    def _op_unhold(self, client, message):
+        if client.holds is None:
+            raise RefusedError("'unhold' needs a held job: send 'hold' first")
+        job, client.holds = client.holds, None
+        clean = _field(message, "clean", bool)
+        self.registry.unhold(job, clean)
+        log.info("job %s %s (its launcher says)", job,
+                 "ended cleanly; freed" if clean else "failed")
+        return {}, []
+
+
+OPS = sorted(name[len("_op_"):] for name in vars(TierService) if name.startswith("_op_"))
+
+
+class _BadField(TieredError):
+    pass
+
+
+def _field(message: dict, key: str, kind: type):
+    value = message.get(key)
+    # bool is an int in Python; a rank of True is no rank.
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise _BadField(f"request {message['op']!r} needs {key!r} as {kind.__name__}, got "
+                        f"{value!r}")
+    return value
+
+
+class _Client:
+    """One connection: who is at the other end, and which rank of which job it attached as."""
+
+    def __init__(self, conn: socket.socket):
+        self.conn = conn
+        self.pid: int | None = None
+        self.attached: tuple[str, int] | None = None
+        """(job, rank) once attached, until a detach."""
+        self.holds: str | None = None
+        """The job this connection's launcher holds, until it lets go."""
+
+    def rank_of(self, op: str) -> tuple[str, int]:
+        if self.attached is None:
+            raise RefusedError(f"{op!r} needs an attached rank: send 'attach' first")
+        return self.attached
+
+    def reply(self, message: dict, fds: list[int] = ()) -> None:
+        wire.send(self.conn, {"op": "reply", **message}, fds)
+
+    def reply_error(self, error: str, **extra) -> None:
+        try:
+            self.reply({"ok": False, "error": error, **extra})
+        except OSError:  # the peer is gone already; nothing to tell
+            pass
+
+
+def run(config: ServiceConfig) -> int:
+    """Run a service in this process until it stops; SIGTERM and SIGINT stop it cleanly."""
+    return serve(TierService(config))
+
+
+def serve(service: TierService) -> int:
+    """Serve with ``service`` until it stops; SIGTERM and SIGINT stop it cleanly."""
+
+    def on_signal(signum, frame):
+        log.info("stopping on %s", signal.Signals(signum).name)
+        service.stop()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a service outlives the terminal
+    service.serve()
+    return 0

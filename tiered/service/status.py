@@ -1,0 +1,27 @@
+"""``tiered daemon status`` as a person reads it: the pool, then each job and its ranks."""
+from __future__ import annotations
+
+from ..sizes import format_size
+
+
+def status_table(status: dict) -> str:
+    service, dram = status["service"], status["dram"]
+    lines = [f"tiered service {service['version']}, pid {service['pid']}, up "
+             f"{service['uptime_seconds']:.0f} s, in {service['folder']}"
+             + (" (exits once its jobs are gone)" if service.get("until_idle") else ""),
+             f"DRAM pool: {format_size(dram['used'])} of {format_size(dram['budget'])} held; "
+             f"a failed job's state is kept {status['keep_seconds']:.0f} s"]
+    if not status["jobs"]:
+        lines.append("no jobs")
+    for job in status["jobs"]:
+        kept = job["freed_in_seconds"]
+        state = job["state"] + (f", freed in {kept:.0f} s" if kept is not None else "")
+        world = job["world"] if job["world"] is not None else "?"
+        lines.append(f"job {job['name']}: {state}; world {world}, "
+                     f"{len([r for r in job['ranks'] if r['attached']])} ranks attached, "
+                     f"{job['launchers']} launcher(s)")
+        for rank in job["ranks"]:
+            who = f"pid {rank['pid']}" if rank["attached"] else "gone"
+            lines.append(f"  rank {rank['rank']:>3}  {who:<12} DRAM {format_size(rank['dram_bytes'])}"
+                         f" in {rank['segments']} segment(s)")
+    return "\n".join(lines)
