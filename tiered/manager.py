@@ -95,9 +95,11 @@ class TierManager:
         """On a CPU device, the RAM its HBM tier and the DRAM tier share (a null DRAM budget's
         amount), which their budgets split once the plan is known (see :meth:`budgets_for`);
         None on a GPU."""
-        self.nvme = (NvmeTier(policy.nvme.path, policy.nvme.budget, rank, io, ranks)
-                     if policy.uses_nvme else None)
-        try:  # from here on a failure (or an interrupt) must not leave the NVMe run folder
+        self.nvme = None
+        try:  # from here on a failure (or an interrupt) must not leave the NVMe run folder, nor
+            # a service's connection open (the DRAM source's)
+            self.nvme = (NvmeTier(policy.nvme.path, policy.nvme.budget, rank, io, ranks)
+                         if policy.uses_nvme else None)
             for tier, budget in ((self.hbm, policy.hbm.budget), (self.dram, policy.dram.budget),
                                  (self.nvme, policy.nvme.budget)):
                 if tier is not None and budget is None:
@@ -113,6 +115,7 @@ class TierManager:
         except BaseException:
             if self.nvme is not None:
                 self.nvme.close()
+            self.dram.close()
             raise
 
     def dram_room_beside(self, hbm_needed: int) -> int:
@@ -365,8 +368,9 @@ class TierManager:
                           else {"current": 0, "peak": 0, "budget": self.policy.nvme.budget})
         return report
 
-    def close(self) -> None:
-        """Free every tier; the NVMe run folder is removed. Safe to call more than once."""
+    def close(self, clean: bool = False) -> None:
+        """Free every tier; the NVMe run folder is removed. Safe to call more than once.
+        ``clean``: the run ended well (see SlabSource.close)."""
         for shard in self.shards.values():
             if shard.tier is Tier.HBM and shard.resident is not None:
                 self.hbm.free(shard.resident)
@@ -377,7 +381,7 @@ class TierManager:
         # reading out of DRAM slabs (a transfer abandoned by a failure); then the slabs go.
         if self.nvme is not None:
             self.nvme.close()
-        self.dram.close()
+        self.dram.close(clean)
 
 
 PastTheNode = dict[str, tuple[str, tuple[int, int]]]

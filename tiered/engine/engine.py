@@ -26,6 +26,7 @@ from ..optim.loss_scale import LossScaler
 from ..optim.workers import CpuWorker, optimizer_threads
 from ..plan import grad_dtypes, optimizer_device, state_kinds
 from ..policy import ComputeDtype, Device, Policy, Tier, resolve
+from ..service.client import ServiceSlabSource, slab_source_from_env
 from ..tiers import SlabSource
 from ..timeline import Timeline
 from .build import (building_bytes, built_together, flat_units, memory_plan, partition,
@@ -90,6 +91,14 @@ class TieredEngine:
     @property
     def manager(self) -> TierManager:
         return self.runtime.manager
+
+    @property
+    def service_job(self) -> str | None:
+        """The job under which the node's tiered service holds this rank's DRAM, or None when
+        this process holds it itself (no service: ``tiered-launch --no-daemon``, a plain
+        ``python train.py``)."""
+        source = self.manager.dram.source
+        return source.job if isinstance(source, ServiceSlabSource) else None
 
     def __call__(self, *args, **kwargs):
         self._refuse_unless_whole()
@@ -261,16 +270,19 @@ class TieredEngine:
         Dropping the engine is not enough: the model's hooks keep it alive."""
         if self._closed:
             return
+        clean = False
         try:
             # An update still running may fail; one that failed after the last call that could
             # say so (step() returns while it runs) is raised here, after cleaning up.
             if not self.runtime.worker.failure_reported:
                 self.optimizer.synchronize()
+            clean = not self.runtime.worker.failed
         finally:  # the tiers go and the engine counts as closed whatever happened above
             self._hooks.remove()
             for name in ("zero_grad", "state_dict", "load_state_dict"):
                 self.module.__dict__.pop(name, None)
-            self._finalizer()
+            if self._finalizer.detach() is not None:  # not shut down at exit meanwhile
+                _shut_down(self.runtime, clean)
             self._closed = True
             checkpoint.release_folders(self)  # the checkpoint folders it owns, for other jobs
 
@@ -328,7 +340,8 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
         if weights is not None:  # checked before anything large is allocated
             start_weights = pretrained.open_weights(weights, flats, model, state_dict_keys,
                                                     strict, group)
-        manager = TierManager(policy, device, group.rank, dram_source,
+        manager = TierManager(policy, device, group.rank,
+                              dram_source or _service_source(policy, device, group),
                               _ranks_on_this_node(group), group.smallest)
         # Before the plan: what building a unit materializes counts in it (hbm_working_set).
         materializer = Materializer(model, [flat.spec for flat in flats], device,
@@ -389,6 +402,19 @@ def _warn_unmatched(result: pretrained.LoadResult, where: str) -> None:
                       f"were not read: {pretrained.listing(unexpected)}", stacklevel=3)
 
 
+def _service_source(policy: Policy, device: torch.device,
+                    group: ProcessGroup) -> SlabSource | None:
+    """The node's service's DRAM, when the environment names one (service/client.py)."""
+    source = slab_source_from_env(group.rank, group.world_size, pin=device.type == "cuda")
+    if source is not None:
+        if source.note:
+            warnings.warn(f"tiered: {source.note}", stacklevel=3)
+        if policy.dram.huge_pages:
+            warnings.warn("tiered: dram.huge_pages applies to memory a trainer pins itself; "
+                          "the service's segments use the pages the service got", stacklevel=3)
+    return source
+
+
 def _compute_device(policy: Policy) -> torch.device:
     """CUDA device LOCAL_RANK, or the CPU, which then plays the device ("hbm" is its memory)."""
     if policy.device is Device.CPU or (policy.device is Device.AUTO
@@ -404,8 +430,10 @@ def _compute_device(policy: Policy) -> torch.device:
     return device
 
 
-def _shut_down(runtime: UnitRuntime) -> None:
-    """Free what the engine holds: at ``close()``, when the engine is collected, or at exit.
+def _shut_down(runtime: UnitRuntime, clean: bool = False) -> None:
+    """Free what the engine holds: at ``close()`` (``clean`` when its update ended well: a
+    service then frees this rank's part of the job at once, see SlabSource.close), when the
+    engine is collected, or at exit.
 
     The worker finishes the tasks it was given first. A script may end right after
     ``optimizer.step()``, which returns while the update runs, and a worker thread stopped by
@@ -427,7 +455,7 @@ def _shut_down(runtime: UnitRuntime) -> None:
     # Units a forward left gathered for a backward that never came: their storage is the HBM
     # tier's, and the model's attributes would keep it as long as the model lives.
     runtime.gatherer.release_all()
-    runtime.manager.close()
+    runtime.manager.close(clean)
 
 
 def _ranks_on_this_node(group: ProcessGroup) -> int:

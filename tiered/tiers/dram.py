@@ -3,8 +3,9 @@
 Pinning is slow (about 0.6 s per GiB on the reference box) and pinned memory is what DMA engines
 can read at full PCIe speed, so the tier pins everything it will ever need when the engine starts
 and hands out views of those slabs; nothing is pinned or freed per step. Without CUDA the slabs are
-ordinary memory. Where slabs come from is a seam: the per-node daemon will pass a source that
-carves them out of shared memory registered with CUDA, instead of :class:`PinnedSlabSource`.
+ordinary memory. Where slabs come from is a seam: with the per-node service, slabs are carved
+out of its shared memory and registered with CUDA by the trainer (service/client.py's
+``ServiceSlabSource``) instead of :class:`PinnedSlabSource`'s own memory.
 """
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ class SlabSource(Protocol):
 
     def release(self, slab: torch.Tensor) -> None:
         """Give back a slab this source made (the tier drops its last reference after)."""
+
+    def close(self, clean: bool) -> None:
+        """The tier is done with the source, every slab released: ``clean`` when the run ended
+        well (``engine.close()``); otherwise a service keeps the job's state for a while."""
 
 
 class PinnedSlabSource:
@@ -83,6 +88,9 @@ class PinnedSlabSource:
         if self.pin:
             torch.cuda.cudart().cudaHostUnregister(slab.data_ptr())
 
+    def close(self, clean: bool) -> None:
+        pass  # the memory went with the slabs
+
 
 def _aligned(raw: torch.Tensor, nbytes: int, alignment: int) -> torch.Tensor:
     """The first ``nbytes`` of ``raw`` (which has ``alignment`` bytes to spare) that start on a
@@ -132,7 +140,8 @@ def default_budget(ranks: int) -> int:
 class DramTier:
     def __init__(self, budget: int | None, source: SlabSource | None = None, ranks: int = 1):
         self.usage = TierUsage("dram", default_budget(ranks) if budget is None else budget)
-        self._source = source or PinnedSlabSource()
+        self.source = source or PinnedSlabSource()
+        """Where the slabs come from (this process's own memory, or a service's)."""
         self._slabs: list[torch.Tensor] = []
 
     def reserve(self, requests: dict[Hashable, int]) -> dict[Hashable, torch.Tensor]:
@@ -160,7 +169,7 @@ class DramTier:
         slabs = []
         try:
             for keys, nbytes in zip(bins, fill):
-                slab = self._source(nbytes)
+                slab = self.source(nbytes)
                 slabs.append(slab)
                 offset = 0
                 for key in keys:
@@ -170,14 +179,16 @@ class DramTier:
             # A slab could not be had (pinning or allocation failed): the reservation is all or
             # nothing, so neither its bytes nor the slabs already made stay held.
             for slab in slabs:
-                self._source.release(slab)
+                self.source.release(slab)
             self.usage.release(total)
             raise
         self._slabs.extend(slabs)
         return blocks
 
-    def close(self) -> None:
+    def close(self, clean: bool = False) -> None:
+        """Give every slab back, then the source (``clean``: see SlabSource.close)."""
         for slab in self._slabs:
-            self._source.release(slab)
+            self.source.release(slab)
         self._slabs.clear()
         self.usage.release(self.usage.current)
+        self.source.close(clean)

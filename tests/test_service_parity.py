@@ -1,0 +1,92 @@
+"""Training through the node's service (issue 18) is training: an engine whose DRAM tier lives
+in a real service's shared memory ends bit for bit where the same engine in-process does, and
+matches plain PyTorch + torch.optim.AdamW as the parity tests ask, at one and two ranks; what
+the service counts for each rank is what that rank's DRAM tier holds.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import tiered
+from distributed import run_ranks
+from helpers import CONFIGS, assert_same
+from helpers_models import OPTIM, assert_parity, make_model, run_engine, train_torch
+from tiered.service import service_status, start_service, stop_service
+from tiered.service.client import JOB_ENV, SERVICE_ENV
+
+CASES = {
+    "cpu": ("cpu", {}),
+    "nvme": ("nvme", {}),
+    "clipped": ("cpu", {"max_grad_norm": 0.5}),
+    "delayed update": ("cpu", {"delayed_update": {"enabled": True, "warmup_steps": 1}}),
+    "accumulation declared": ("nvme", {"accumulation_steps": 2}),
+}
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("service") / "here")
+    start_service(folder, keep_seconds=0.0)
+    yield folder
+    stop_service(folder)
+
+
+def train(case: str, nvme: str, rank: int = 0, world: int = 1,
+          status_to: str | None = None) -> dict:
+    policy, optimizer = CASES[case]
+    engine, opt = tiered.initialize(make_model(), os.path.join(CONFIGS, f"{policy}.yaml"),
+                                    compute_dtype="fp32", device="cpu", nvme={"path": nvme},
+                                    optimizer=dict(OPTIM, **optimizer))
+    if status_to is not None:
+        job = next(job for job in service_status(os.environ[SERVICE_ENV])["jobs"]
+                   if job["name"] == engine.service_job)
+        held = {r["rank"]: r["dram_bytes"] for r in job["ranks"]}
+        torch.save({"job": engine.service_job, "world": job["world"], "held": held[rank],
+                    "dram": engine.memory_report()["dram"]["current"]}, status_to)
+    state = run_engine(engine, opt, rank=rank, world=world)
+    engine.close()
+    return state
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_one_rank_through_the_service_equals_in_process_bit_for_bit(case, service, tmp_path,
+                                                                    monkeypatch):
+    in_process = train(case, str(tmp_path))
+    monkeypatch.setenv(SERVICE_ENV, service)
+    monkeypatch.setenv(JOB_ENV, f"parity-{case.replace(' ', '-').replace(',', '')}")
+    through = train(case, str(tmp_path), status_to=str(tmp_path / "status.pt"))
+    assert_same(through, in_process, case)
+    status = torch.load(tmp_path / "status.pt")
+    assert status["job"] == os.environ[JOB_ENV] and status["world"] == 1
+    assert status["held"] == status["dram"] > 0  # the service counts what the tier holds
+    if case == "cpu":  # and training is training: PyTorch's, to the bit
+        model = make_model()
+        reference = train_torch(model, torch.optim.AdamW(model.parameters(), fused=True, **OPTIM))
+        assert_same(through, reference)
+    assert service_status(service)["jobs"] == []  # engine.close() freed it at once
+
+
+def _two_ranks(rank: int, world: int, folder: str, out: str) -> None:
+    os.environ[SERVICE_ENV] = folder
+    os.environ[JOB_ENV] = "parity-two-ranks"
+    results = {case: train(case, out, rank, world,
+                           status_to=os.path.join(out, f"status-{case}-{rank}.pt"))
+               for case in ("cpu", "nvme")}
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+
+
+def test_two_ranks_through_the_service_match_pytorch(service, tmp_path):
+    run_ranks(2, _two_ranks, service, str(tmp_path))
+    model = make_model()
+    reference = train_torch(model, torch.optim.AdamW(model.parameters(), **OPTIM))
+    for rank in range(2):
+        for case, state in torch.load(tmp_path / f"rank{rank}.pt").items():
+            assert_parity(state, reference)
+            status = torch.load(tmp_path / f"status-{case}-{rank}.pt")
+            assert (status["job"], status["world"]) == ("parity-two-ranks", 2)
+            assert status["held"] == status["dram"] > 0
+    assert service_status(service)["jobs"] == []
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("tiered-")]
