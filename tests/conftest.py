@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 import warnings
 
 import pytest
@@ -19,3 +20,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def service_folder():
+    """The node's tiered service of this test session: its own folder, not the user's (a
+    launcher the tests run starts one there, or uses the one running), stopped at the end."""
+    from tiered.service import stop_service
+    from tiered.service.paths import RUNTIME_ENV
+
+    with tempfile.TemporaryDirectory(prefix="tiered-service-") as folder:
+        os.chmod(folder, 0o700)
+        previous = os.environ.get(RUNTIME_ENV)
+        os.environ[RUNTIME_ENV] = folder
+        try:
+            yield folder
+        finally:
+            stop_service(folder)
+            if previous is None:
+                os.environ.pop(RUNTIME_ENV, None)
+            else:
+                os.environ[RUNTIME_ENV] = previous

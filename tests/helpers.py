@@ -17,6 +17,7 @@ import tiered
 
 from tiered.engine.engine import LAUNCHED_ENV
 from tiered.policy import POLICY_ENV
+from tiered.service.client import JOB_ENV, SERVICE_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -30,7 +31,8 @@ def clean_env(**extra: str) -> dict[str, str]:
     """This environment without what a launcher or a run sets, and with no GPU: the CPU plays
     the device, so that two ranks need no two GPUs."""
     env = {k: v for k, v in os.environ.items()
-           if k not in (POLICY_ENV, LAUNCHED_ENV, "OMP_NUM_THREADS", "TIERED_TRACE")}
+           if k not in (POLICY_ENV, LAUNCHED_ENV, "OMP_NUM_THREADS", "TIERED_TRACE", SERVICE_ENV,
+                        JOB_ENV)}
     env["CUDA_VISIBLE_DEVICES"] = ""
     env.update(extra)
     return env

@@ -250,6 +250,9 @@ def test_two_ranks_on_cpu_train_to_equal_weights_and_clean_up(tmp_path, nvme):
         assert Policy.from_dict(info["policy"]) == policy  # what tiered-launch handed the rank
         assert info["nvme_run_dir"].startswith(str(nvme) + os.sep)
     assert seen[0]["losses"] != seen[1]["losses"]  # each rank saw its own half of the batch
+    # Through the node's service (the launcher's default): both ranks' DRAM under one job.
+    assert seen[0]["service_job"] is not None
+    assert seen[0]["service_job"] == seen[1]["service_job"]
 
     # torchrun would give each of several ranks 1 thread; tiered-launch gives each its share.
     cores = len(os.sched_getaffinity(0))

@@ -3,6 +3,9 @@
     tiered check-policy FILE [--nvme PATH]          validate a policy and print it resolved
     tiered bench-io --nvme PATH [--size 4GiB] [--policy FILE] [--json]   NVMe engine bandwidth,
                                                     and a sweep: a table, or JSON with --json
+    tiered daemon start [--dram BYTES] [--keep-failed SECONDS] [--foreground]
+    tiered daemon status [--json]                   the node's service: its pool, jobs, ranks
+    tiered daemon stop
     tiered version
 """
 from __future__ import annotations
@@ -76,11 +79,94 @@ def _bench_io(args) -> int:
     return 0
 
 
+def _daemon_start(args) -> int:
+    from .service import ServiceConfig, service_paths, start_service
+    from .service.server import run
+    from .tiers.dram import default_budget
+
+    try:
+        dram = _positive_size("--dram", args.dram) if args.dram is not None else None
+        if args.keep_failed is not None and not args.keep_failed >= 0:
+            raise UsageError(f"--keep-failed must be >= 0 seconds, got {args.keep_failed}")
+        if args.foreground:
+            import logging
+            logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                                format="%(asctime)s tiered-service %(levelname)s %(message)s")
+            config = ServiceConfig(service_paths(create=True).folder,
+                                   dram if dram is not None else default_budget(1),
+                                   900.0 if args.keep_failed is None else args.keep_failed)
+            return run(config)
+        pid = start_service(dram=dram, keep_seconds=args.keep_failed)
+    except TieredError as e:
+        print(f"tiered: error: {e}", file=sys.stderr)
+        return 2
+    print(f"tiered service started (pid {pid}) in {service_paths().folder}")
+    return 0
+
+
+def _daemon_status(args) -> int:
+    import json
+
+    from .service import service_status
+    from .service.status import status_table
+
+    try:
+        status = service_status()
+    except TieredError as e:
+        print(f"tiered: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(status, indent=2) if args.json else status_table(status))
+    return 0
+
+
+def _daemon_stop(args) -> int:
+    from .service import service_paths, stop_service
+
+    try:
+        pid = stop_service()
+    except TieredError as e:
+        print(f"tiered: error: {e}", file=sys.stderr)
+        return 2
+    if pid is None:
+        print(f"no tiered service runs in {service_paths().folder}")
+    else:
+        print(f"tiered service (pid {pid}) stopped; everything it held is freed")
+    return 0
+
+
+def _add_daemon(commands) -> None:
+    daemon = commands.add_parser(
+        "daemon", help="the node's tiered service: start, status, stop",
+        description="The node's tiered service holds the DRAM pool of every training rank on "
+        "the node and keeps a failed job's state for a while. tiered-launch starts one when "
+        "none runs (and it exits once its jobs are gone); one started here runs until stopped. "
+        "Its folder is $TIERED_RUNTIME_DIR, else $XDG_RUNTIME_DIR/tiered, else "
+        "/tmp/tiered-<uid>.")
+    verbs = daemon.add_subparsers(dest="verb", required=True)
+    start = verbs.add_parser("start", help="start the service in the background")
+    start.add_argument("--dram", default=None, metavar="BYTES",
+                       help="DRAM it may hand out, all jobs together (default: 7/8 of the "
+                       "memory available now)")
+    start.add_argument("--keep-failed", type=float, default=None, metavar="SECONDS",
+                       help="how long a failed job's state is kept after its last trainer is "
+                       "gone (default: 900)")
+    start.add_argument("--foreground", action="store_true",
+                       help="run in this process, logging to standard error (for a systemd "
+                       "unit)")
+    start.set_defaults(run=_daemon_start)
+    status = verbs.add_parser("status", help="the pool, and what each job and rank holds")
+    status.add_argument("--json", action="store_true", help="print it as JSON")
+    status.set_defaults(run=_daemon_status)
+    stop = verbs.add_parser("stop", help="stop the service; everything it holds is freed")
+    stop.set_defaults(run=_daemon_stop)
+
+
 def main(argv: list[str] | None = None) -> int:
     # Help is plain text: the module docstring's ``markup`` is for readers of the code.
     parser = argparse.ArgumentParser(
         prog="tiered", description="The project's own commands (training starts with "
-        "tiered-launch): check a policy, measure the NVMe I/O engine, print the version.")
+        "tiered-launch): check a policy, measure the NVMe I/O engine, run the node's service, "
+        "print the version.")
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check-policy", help="validate a policy and print it resolved")
     check.add_argument("file", help="YAML policy file")
@@ -102,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="print the results as JSON (alone on standard output) instead of "
                        "the table")
     bench.set_defaults(run=_bench_io)
+    _add_daemon(commands)
     version = commands.add_parser("version", help="print the version")
     version.set_defaults(run=lambda args: print(__version__) or 0)
     args = parser.parse_args(argv)

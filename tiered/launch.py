@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import secrets
 import signal
 import sys
 
@@ -45,6 +47,15 @@ def _parser():
                         help="YAML offload policy (default: built-in, equal to configs/cpu.yaml)")
     parser.add_argument("--nvme", default=None, metavar="PATH",
                         help="folder for the NVMe tier; sets nvme.path of the policy")
+    parser.add_argument("--job", default=None, metavar="NAME",
+                        help="the job's name at the node's tiered service (default: "
+                        "torchrun's --rdzv-id when given, else a new name per launch)")
+    parser.add_argument("--no-daemon", action="store_true",
+                        help="keep every tier in the training processes instead of using "
+                        "(or starting) the node's tiered service")
+    parser.add_argument("--keep-failed", type=float, default=None, metavar="SECONDS",
+                        help="for a service this launch starts: how long it keeps a failed "
+                        "job's state (default: 900)")
     return parser
 
 
@@ -97,7 +108,15 @@ def _check_nnodes(nnodes: str) -> None:
 
 def _check_torchrun_flags(args) -> int:
     """The torchrun flags that torchrun checks with an AssertionError or a traceback from deep
-    inside; returns the ranks per node."""
+    inside, and ours beside them; returns the ranks per node."""
+    if args.no_daemon and (args.job is not None or args.keep_failed is not None):
+        raise UsageError("--job and --keep-failed are for the node's tiered service, which "
+                         "--no-daemon does not use")
+    if args.keep_failed is not None and not args.keep_failed >= 0:
+        raise UsageError(f"--keep-failed must be >= 0 seconds, got {args.keep_failed}")
+    if args.job is not None and not _JOB_NAME.fullmatch(args.job):
+        raise UsageError(f"--job must be 1 to 100 letters, digits, '.', '_' or '-', got "
+                         f"{args.job!r}")
     _check_nnodes(args.nnodes)
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
@@ -106,9 +125,14 @@ def _check_torchrun_flags(args) -> int:
     return _ranks_per_node(args.nproc_per_node)
 
 
+_JOB_NAME = re.compile(r"[A-Za-z0-9._-]{1,100}")
+"""What the service accepts as a job's name (service/jobs.py)."""
+
+
 def _torchrun_flags(parser, args) -> str:
     """The torchrun flags this command line sets, as the context of an error torchrun raises."""
-    ours = {"policy", "nvme", "training_script", "training_script_args"}
+    ours = {"policy", "nvme", "training_script", "training_script_args", "job", "no_daemon",
+            "keep_failed"}
     return " ".join(f"--{name.replace('_', '-')}" + ("" if value is True else f"={value}")
                     for name, value in vars(args).items()
                     if name not in ours and value != parser.get_default(name))
@@ -188,6 +212,46 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
 
+    try:
+        hold = None if args.no_daemon else _hold_job_at_the_service(args)
+    except TieredError as e:
+        print(f"tiered-launch: error: {e} (or train without the node's service: --no-daemon)",
+              file=sys.stderr)
+        return 2
+    try:
+        code = _run(parser, args, policy, ranks)
+    except BaseException:
+        if hold is not None:
+            hold.end(clean=False)
+        raise
+    if hold is not None:
+        hold.end(clean=code == 0)
+    return code
+
+
+def _hold_job_at_the_service(args):
+    """Find the node's service (start one, which exits once its jobs are gone, when none runs),
+    and hold this launch's job there; the ranks learn both from their environment."""
+    from .service import JobHold, ensure_service, service_paths
+    from .service.client import JOB_ENV, SERVICE_ENV
+
+    job = args.job or (args.rdzv_id if args.rdzv_id != "none" else f"job-{secrets.token_hex(4)}")
+    folder = service_paths().folder
+    _, started = ensure_service(folder, keep_seconds=args.keep_failed, until_idle=True)
+    if not started and args.keep_failed is not None:
+        print(f"tiered-launch: warning: --keep-failed applies to a service this launch starts; "
+              f"the one running in {folder} keeps its own setting (tiered daemon status)",
+              file=sys.stderr)
+    hold = JobHold(folder, job)
+    if hold.note:
+        print(f"tiered-launch: {hold.note}", file=sys.stderr)
+    os.environ[SERVICE_ENV] = folder
+    os.environ[JOB_ENV] = job
+    return hold
+
+
+def _run(parser, args, policy: Policy, ranks: int) -> int:
+    """torchrun with the policy in the ranks' environment; its exit status, said in one line."""
     os.environ[POLICY_ENV] = json.dumps(policy.to_dict())
     os.environ[LAUNCHED_ENV] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads_per_rank(ranks)))

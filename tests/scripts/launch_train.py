@@ -6,7 +6,8 @@ The policy comes from the launcher (``tiered.initialize(model)`` with no policy)
 on its own slice of the same seeded global batch, then writes to OUT_DIR:
   init{rank}.pt   the model's state_dict before ``tiered.initialize`` (step 0)
   rank{rank}.pt   ``engine.full_state_dict()`` after training
-  rank{rank}.json what the rank saw: rank, world size, OMP_NUM_THREADS, its policy, losses
+  rank{rank}.json what the rank saw: rank, world size, OMP_NUM_THREADS, its policy, losses, and
+                  the job the node's service holds its DRAM under (null without a service)
 The engine is not closed: its NVMe run folder must go at a clean interpreter exit.
 """
 import json
@@ -59,7 +60,8 @@ def main() -> None:
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"rank": rank, "world": world, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                    "policy": engine.policy.to_dict(), "losses": losses,
-                   "nvme_run_dir": engine.manager.nvme.run_dir if engine.manager.nvme else None}, f)
+                   "nvme_run_dir": engine.manager.nvme.run_dir if engine.manager.nvme else None,
+                   "service_job": engine.service_job}, f)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,155 @@
+"""``tiered-launch`` and the node's service (issue 18), as real subprocesses and signals: the
+launcher starts a service when none runs and that service exits once its jobs are gone; a
+clean end frees the job at once; a launcher killed with SIGKILL leaves a failed job whose state
+is kept for the keep time, then nothing at all; ``--no-daemon`` keeps every tier in the ranks.
+
+Each test has a service folder of its own (TIERED_RUNTIME_DIR), so the services it sees are the
+ones its launches start.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from helpers import CONFIGS, EXAMPLE, REPO, SMALL, clean_env, finish
+from tiered.liveness import is_held
+from tiered.service import running_service, service_paths, service_status
+from tiered.service.paths import RUNTIME_ENV
+
+SCRIPTS = REPO / "tests" / "scripts"
+
+
+@pytest.fixture
+def folder(tmp_path):
+    where = tmp_path / "service"
+    yield str(where)
+    hello = running_service(str(where))
+    if hello is not None:  # a test that failed half-way: leave no service behind
+        os.kill(hello["pid"], signal.SIGKILL)
+
+
+def launch(folder: str, *args, timeout: float = 180, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tiered.launch", *map(str, args)], cwd=REPO,
+                            env=clean_env(**{RUNTIME_ENV: folder}), text=True, **popen)
+
+
+def wait_until(condition, seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "never got there"
+        time.sleep(0.1)
+
+
+def service_gone(folder: str) -> bool:
+    """No service runs in ``folder`` and none left its socket."""
+    return (not is_held(service_paths(folder).lock)
+            and not os.path.exists(service_paths(folder).socket))
+
+
+def test_a_launch_starts_a_service_that_holds_its_ranks_and_exits_after_a_clean_end(folder,
+                                                                                     tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    run = finish(launch(folder, "--nproc-per-node", 2, "--job", "clean-end", "--policy",
+                        CONFIGS / "cpu.yaml", SCRIPTS / "launch_train.py", out,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE), timeout=180)
+    assert run.returncode == 0, run.stderr
+    assert "Traceback" not in run.stderr
+    seen = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [info["service_job"] for info in seen] == ["clean-end", "clean-end"]
+    wait_until(lambda: service_gone(folder), seconds=30)
+    log = open(service_paths(folder).log).read()
+    for said in ["job clean-end held by its launcher", "job clean-end rank 0/2 attached",
+                 "job clean-end rank 1/2 attached", "job clean-end ended cleanly; freed",
+                 "the jobs this service was started for are gone; exiting",
+                 "tiered service stopped"]:
+        assert said in log, log
+    # The script ends without engine.close(): the launcher's word that all went well frees it.
+    assert "job clean-end rank 0: its trainer went without engine.close()" in log, log
+    assert "job clean-end failed" not in log, log
+    assert sorted(os.listdir(folder)) == ["service.lock", "service.log"]
+
+
+def test_no_daemon_keeps_the_tiers_in_the_ranks_and_starts_no_service(folder, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    run = finish(launch(folder, "--nproc-per-node", 1, "--no-daemon", "--policy",
+                        CONFIGS / "cpu.yaml", SCRIPTS / "launch_train.py", out,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE), timeout=180)
+    assert run.returncode == 0, run.stderr
+    assert json.loads((out / "rank0.json").read_text())["service_job"] is None
+    assert not os.path.exists(folder)
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--no-daemon", "--job", "x"], "--job and --keep-failed are for the node's tiered service"),
+    (["--no-daemon", "--keep-failed", "5"], "which --no-daemon does not use"),
+    (["--job", "a/b"], "--job must be 1 to 100 letters, digits"),
+    (["--keep-failed", "-1"], "--keep-failed must be >= 0 seconds, got -1.0"),
+])
+def test_service_flags_that_make_no_sense_are_one_line_errors(folder, flags, said):
+    run = finish(launch(folder, *flags, EXAMPLE, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE), timeout=60)
+    assert run.returncode == 2
+    lines = run.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tiered-launch: error: "), run.stderr
+    assert said in lines[0], run.stderr
+    assert not os.path.exists(folder)
+
+
+def test_a_killed_launchers_job_is_kept_then_freed_and_its_service_exits(folder, tmp_path):
+    """The launcher's process group killed with SIGKILL (a scheduler's kill): its ranks die with
+    it, the job counts as failed and its state is kept for --keep-failed; then the service
+    frees it and, having been started for it, exits, leaving no process and no socket. A
+    relaunch of the same job meanwhile is told that its kept state was freed."""
+    stdout = open(tmp_path / "stdout", "w+")
+    launcher = launch(folder, "--nproc-per-node", 2, "--job", "killed", "--keep-failed", 8,
+                      "--policy", CONFIGS / "cpu.yaml", EXAMPLE, *SMALL, "--steps", 1_000_000,
+                      stdout=stdout, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_until(lambda: re.search(r"^step\s+1\s", open(tmp_path / "stdout").read(), re.M)
+                   or launcher.poll() is not None, seconds=150)
+        assert launcher.poll() is None, "the launcher ended before training"
+        ranks = psutil.Process(launcher.pid).children()
+        service_pid = running_service(folder)["pid"]
+        assert service_pid not in [rank.pid for rank in ranks]
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=30)
+        wait_until(lambda: not [r for r in ranks if r.is_running()
+                                and r.status() != psutil.STATUS_ZOMBIE], seconds=30)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    job = service_status(folder)["jobs"][0]
+    assert (job["name"], job["state"], job["launchers"]) == ("killed", "failed", 0)
+    assert not any(rank["attached"] for rank in job["ranks"])
+    assert 0 < job["freed_in_seconds"] <= 8
+
+    # Relaunched within the keep time: a fresh start, said in one line (reattach comes later).
+    again = finish(launch(folder, "--nproc-per-node", 1, "--job", "killed", "--policy",
+                          CONFIGS / "cpu.yaml", EXAMPLE, *SMALL, "--steps", 2,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE), timeout=180)
+    assert again.returncode == 0, again.stderr
+    assert "job killed's kept state was freed: a new run of it starts afresh" in again.stderr
+    wait_until(lambda: service_gone(folder), seconds=30)
+    assert not psutil.pid_exists(service_pid) \
+        or psutil.Process(service_pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_failed_job_alone_is_freed_after_the_keep_time_and_the_service_exits(folder):
+    run = finish(launch(folder, "--nproc-per-node", 1, "--keep-failed", 2, "--policy",
+                        CONFIGS / "cpu.yaml", SCRIPTS / "launch_fail_rank1.py",
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE), timeout=120)
+    assert run.returncode != 0
+    assert running_service(folder) is not None or service_gone(folder)
+    wait_until(lambda: service_gone(folder), seconds=30)
+    log = open(service_paths(folder).log).read()
+    assert re.search(r"job job-\w+: kept 2 s after it failed; freed", log), log
