@@ -20,7 +20,7 @@ import time
 import psutil
 import pytest
 
-from helpers import clean_env
+from tiered.cli import main as tiered
 from tiered.errors import BudgetError
 from tiered.service import (ServiceClient, ServiceError, ServiceSlabSource, service_paths,
                             service_status, start_service, stop_service)
@@ -79,32 +79,37 @@ def wait_until(condition, seconds: float = 10.0) -> None:
 
 # --- lifecycle -----------------------------------------------------------------------------
 
-def test_the_daemon_commands_start_report_and_stop_a_service_that_leaves_nothing(folder):
-    env = clean_env(**{RUNTIME_ENV: folder})
-    tiered = [sys.executable, "-m", "tiered.cli", "daemon"]
-    started = subprocess.run([*tiered, "start", "--dram", "1MiB"], env=env, capture_output=True,
-                             text=True)
-    assert started.returncode == 0, started.stderr
-    pid = int(started.stdout.split("pid ")[1].split(")")[0])
+def test_the_daemon_commands_start_report_and_stop_a_service_that_leaves_nothing(
+        folder, capsys, monkeypatch):
+    monkeypatch.setenv(RUNTIME_ENV, folder)
+
+    def tiered_daemon(*args) -> tuple[int, str, str]:
+        code = tiered(["daemon", *args])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    code, out, err = tiered_daemon("start", "--dram", "1MiB")
+    assert code == 0, err
+    pid = int(out.split("pid ")[1].split(")")[0])
     process = psutil.Process(pid)
     # Detached: no child of the command that started it, in a session of its own.
     assert process.ppid() != os.getpid() and os.getsid(pid) == pid
     assert oct(os.stat(folder).st_mode & 0o777) == "0o700"
-    again = subprocess.run([*tiered, "start"], env=env, capture_output=True, text=True)
-    assert again.returncode == 2 and "already runs" in again.stderr, again.stderr
+    code, _, err = tiered_daemon("start")
+    assert code == 2 and "already runs" in err, err
 
-    table = subprocess.run([*tiered, "status"], env=env, capture_output=True, text=True)
-    assert table.returncode == 0 and "DRAM pool: 0 B of 1.00 MiB held" in table.stdout, table
-    as_json = json.loads(subprocess.run([*tiered, "status", "--json"], env=env,
-                                        capture_output=True, text=True).stdout)
+    code, out, _ = tiered_daemon("status")
+    assert code == 0 and "DRAM pool: 0 B of 1.00 MiB held" in out, out
+    code, out, _ = tiered_daemon("status", "--json")
+    as_json = json.loads(out)
     assert as_json["service"]["pid"] == pid and as_json["dram"] == {"budget": 1 << 20, "used": 0}
 
-    stopped = subprocess.run([*tiered, "stop"], env=env, capture_output=True, text=True)
-    assert stopped.returncode == 0 and f"pid {pid}" in stopped.stdout
-    assert not psutil.pid_exists(pid) or process.status() == psutil.STATUS_ZOMBIE
-    assert not os.path.exists(service_paths(folder).socket)
-    after = subprocess.run([*tiered, "status"], env=env, capture_output=True, text=True)
-    assert after.returncode == 1 and "no tiered service runs" in after.stderr
+    code, out, _ = tiered_daemon("stop")
+    assert code == 0 and f"pid {pid}" in out
+    assert not os.path.exists(service_paths(folder).socket)  # gone before the stop returns
+    process.wait(timeout=10)
+    code, _, err = tiered_daemon("status")
+    assert code == 1 and "no tiered service runs" in err
 
 
 def test_memory_of_a_segment_is_shared_and_counted_per_job_and_rank(service):
@@ -356,8 +361,8 @@ def test_a_stop_frees_every_job_and_removes_the_socket(own_service):
     failed(4096)
     failed.client.close()
     stop_service(folder)
-    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert not os.path.exists(service_paths(folder).socket)
+    psutil.Process(pid).wait(timeout=10)
     with pytest.raises(ServiceError, match="no tiered service runs"):
         ServiceClient.connect(folder)
     running.client.close()

@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 from helpers import CONFIGS, EXAMPLE, REPO, SMALL, clean_env, finish
+from tiered.launch import main as tiered_launch
 from tiered.liveness import is_held
 from tiered.service import running_service, service_paths, service_status
 from tiered.service.paths import RUNTIME_ENV
@@ -95,13 +96,14 @@ def test_no_daemon_keeps_the_tiers_in_the_ranks_and_starts_no_service(folder, tm
     (["--job", "a/b"], "--job must be 1 to 100 letters, digits"),
     (["--keep-failed", "-1"], "--keep-failed must be >= 0 seconds, got -1.0"),
 ])
-def test_service_flags_that_make_no_sense_are_one_line_errors(folder, flags, said):
-    run = finish(launch(folder, *flags, EXAMPLE, stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE), timeout=60)
-    assert run.returncode == 2
-    lines = run.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("tiered-launch: error: "), run.stderr
-    assert said in lines[0], run.stderr
+def test_service_flags_that_make_no_sense_are_one_line_errors(folder, flags, said, capsys,
+                                                             monkeypatch):
+    # In this process: the flags are refused before anything starts (torchrun, a service).
+    monkeypatch.setenv(RUNTIME_ENV, folder)
+    assert tiered_launch([*flags, EXAMPLE]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tiered-launch: error: "), lines
+    assert said in lines[0], lines
     assert not os.path.exists(folder)
 
 
