@@ -91,7 +91,9 @@ def _run_tiered(args, variant):
     steps), ``+arrive`` (accumulation_steps 1: units stepped as their gradients arrive),
     ``+depth1`` (prefetch one need ahead instead of two), ``+nosplit`` (units.split_large
     off: embedding and head stay in the root unit), ``+thp`` (DRAM slabs on transparent huge
-    pages) and ``+threadsN`` (N CPU optimizer threads); ``--set`` adds keys for every mode."""
+    pages), ``+threadsN`` (N CPU optimizer threads) and ``+service`` (DRAM from a node's
+    service started for this mode, as under tiered-launch); ``--set`` adds keys for every
+    mode."""
     import tiered
 
     policy, *extras = variant.split("+")
@@ -112,6 +114,8 @@ def _run_tiered(args, variant):
     for extra in extras:
         if extra.startswith("threads"):
             overrides.setdefault("cpu", {})["optimizer_threads"] = int(extra[len("threads"):])
+    if "service" in extras:
+        _through_a_service()
     if args.trace:
         name = variant.replace("+", "-")
         batches = "-".join(str(b) for b in args.batch_sizes)
@@ -128,6 +132,20 @@ def _run_tiered(args, variant):
         optimizer.zero_grad()
         return loss.detach()
     return engine, step
+
+
+def _through_a_service() -> None:
+    """Have this process's engine take its DRAM from a service of its own, which exits once
+    the engine is gone (at this process's exit: kept for no time)."""
+    import tempfile
+
+    from tiered.service import ensure_service
+    from tiered.service.client import JOB_ENV, SERVICE_ENV
+
+    folder = tempfile.mkdtemp(prefix="tiered-bench-service-")
+    ensure_service(folder, keep_seconds=0.0, until_idle=True)
+    os.environ[SERVICE_ENV] = folder
+    os.environ[JOB_ENV] = "bench"
 
 
 def _loss(logits, idx):

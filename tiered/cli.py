@@ -80,22 +80,17 @@ def _bench_io(args) -> int:
 
 
 def _daemon_start(args) -> int:
-    from .service import ServiceConfig, service_paths, start_service
-    from .service.server import run
-    from .tiers.dram import default_budget
+    from .service import service_paths, start_service
+    from .service.__main__ import main as run_service
 
     try:
         dram = _positive_size("--dram", args.dram) if args.dram is not None else None
         if args.keep_failed is not None and not args.keep_failed >= 0:
             raise UsageError(f"--keep-failed must be >= 0 seconds, got {args.keep_failed}")
-        if args.foreground:
-            import logging
-            logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                                format="%(asctime)s tiered-service %(levelname)s %(message)s")
-            config = ServiceConfig(service_paths(create=True).folder,
-                                   dram if dram is not None else default_budget(1),
-                                   900.0 if args.keep_failed is None else args.keep_failed)
-            return run(config)
+        if args.foreground:  # the service itself, here, as a systemd unit runs it
+            return run_service((["--dram", str(dram)] if dram is not None else [])
+                               + (["--keep-failed", str(args.keep_failed)]
+                                  if args.keep_failed is not None else []))
         pid = start_service(dram=dram, keep_seconds=args.keep_failed)
     except TieredError as e:
         print(f"tiered: error: {e}", file=sys.stderr)

@@ -11,9 +11,7 @@ from ..errors import TieredError
 from ..sizes import parse_size
 from ..tiers.dram import default_budget
 from .paths import default_folder, service_paths
-from .server import ServiceConfig, TierService, run, serve
-
-DEFAULT_KEEP_SECONDS = 900.0
+from .server import KEEP_SECONDS, ServiceConfig, TierService, run, serve
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dram", default=None,
                         help="bytes of DRAM the service may hand out (default: 7/8 of the "
                         "memory available now)")
-    parser.add_argument("--keep-failed", type=float, default=DEFAULT_KEEP_SECONDS,
+    parser.add_argument("--keep-failed", type=float, default=KEEP_SECONDS,
                         metavar="SECONDS",
                         help="how long a failed job's state is kept after its last trainer "
                         "is gone (default: 900)")
@@ -44,13 +42,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.background:
         return _in_background(config)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s tiered-service %(levelname)s %(message)s")
+    _log_to_stderr()
     try:
         return run(config)
     except TieredError as e:
         print(f"tiered service: error: {e}", file=sys.stderr)
         return 2
+
+
+def _log_to_stderr() -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s tiered-service %(levelname)s %(message)s")
 
 
 def _in_background(config: ServiceConfig) -> int:
@@ -81,8 +83,7 @@ def _in_background(config: ServiceConfig) -> int:
         os.dup2(log, 2)
         os.close(nothing)
         os.close(log)
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                            format="%(asctime)s tiered-service %(levelname)s %(message)s")
+        _log_to_stderr()
         service = TierService(config)
     except BaseException as e:
         os.write(write_end, str(e).encode())

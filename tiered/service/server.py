@@ -39,6 +39,8 @@ log = logging.getLogger("tiered.service")
 
 TICK_SECONDS = 0.5
 """How often the service looks at the keep times and at whether it should exit."""
+KEEP_SECONDS = 900.0
+"""How long a failed job's state is kept by default (``--keep-failed``)."""
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,7 @@ class ServiceConfig:
     """The service folder (paths.py): its socket, lock and log."""
     dram_budget: int
     """Bytes of DRAM the service may hand out, all jobs together."""
-    keep_seconds: float = 900.0
+    keep_seconds: float = KEEP_SECONDS
     """How long a failed job's state is kept after its last trainer is gone."""
     until_idle: bool = False
     """Exit once the jobs it served are gone and it holds nothing (a service tiered-launch
