@@ -43,13 +43,13 @@ def _assert_trained(results: list[dict], modes: list[str], batches: list[int]) -
 @pytest.mark.slow
 def test_offload_bench_runs_the_modes_of_the_offload_variants_and_hbm_stages(tmp_path):
     # Every modifier the stages use, chained into two modes, at two batch sizes as `offload`.
-    modes = ["tiered:cpu+dpu+thp+threads1+nosplit+depth1", "tiered:cpu+arrive"]
+    modes = ["tiered:cpu+dpu+thp+threads1+nosplit+depth1", "tiered:cpu+arrive+service"]
     out = tmp_path / "offload.json"
     _bench("bench_offload.py", *TOY, "--batches", "1,2", "--steps", "3", "--warmup", "1",
            "--trace", str(tmp_path), "--out", str(out), "--modes", ",".join(modes))
     _assert_trained(_results(out), modes, [1, 2])
     traces = sorted(p.name for p in tmp_path.glob("trace_*.json"))
-    assert traces == ["trace_cpu-arrive_b1-2.json",
+    assert traces == ["trace_cpu-arrive-service_b1-2.json",
                       "trace_cpu-dpu-thp-threads1-nosplit-depth1_b1-2.json"]
     for trace in traces:  # the stage summarizes each timeline
         summary = _bench("trace_summary.py", str(tmp_path / trace))
