@@ -139,7 +139,7 @@ def test_initialize_compiles_every_variant_the_steps_need(accumulation_steps):
         model, "configs/cpu.yaml", device="cpu", compute_dtype="bf16",
         optimizer={"accumulation_steps": accumulation_steps,
                    "param_groups": [{"match": "gate", "weight_decay": 0.0}]})
-    kernel = optimizer._stepper.one_pass
+    kernel = engine.runtime.host.rank_host.stepper.one_pass
     idx = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     backwards = 1 if accumulation_steps == 1 else 2
     compiled = dict(torch._dynamo.utils.counters["stats"])

@@ -138,8 +138,8 @@ def _rank_main(rank: int, world: int, out_dir: str) -> None:
         idx = token_batches(1)[0][rank * BATCH // world:(rank + 1) * BATCH // world]
         next_token_loss(engine(idx), idx).backward()
         engine.runtime.worker.drain()
-        path = engine.runtime.grads
-        grads[accumulation_steps] = [path.read(i).clone() for i in range(len(path.flats))]
+        host = engine.runtime.host.rank_host
+        grads[accumulation_steps] = [host.read(i).clone() for i in range(len(host.dtype))]
         engine.close()
     torch.save(grads, os.path.join(out_dir, f"rank{rank}.pt"))
 

@@ -99,9 +99,9 @@ def test_update_steps_units_in_the_order_their_gradients_arrived():
         make_model(), "configs/cpu.yaml", compute_dtype="fp32", device="cpu",
         optimizer=dict(OPTIM, delayed_update={"enabled": True, "warmup_steps": 0}))
     stepped = []
-    step = optimizer._stepper.step
-    optimizer._stepper.step = lambda units, *args, **kw: (stepped.extend(units),
-                                                          step(units, *args, **kw))
+    stepper = engine.runtime.host.rank_host.stepper
+    step = stepper.step
+    stepper.step = lambda units, *args, **kw: (stepped.extend(units), step(units, *args, **kw))
     idx = batches()[0]
     next_token_loss(engine(idx), idx).backward()
     optimizer.step()

@@ -44,7 +44,7 @@ def test_a_failing_worker_task_raises_in_backward_instead_of_hanging(monkeypatch
         calls.append(args[0])
         raise OSError(5, "simulated I/O error")
 
-    monkeypatch.setattr(engine.runtime.grads, "_arrived", failing_arrival)
+    monkeypatch.setattr(engine.runtime.host.rank_host, "_gradient_in", failing_arrival)
 
     def train():
         for idx in token_batches(4):

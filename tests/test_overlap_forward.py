@@ -188,7 +188,7 @@ def test_units_stepped_on_arrival_go_in_the_next_forwards_order(monkeypatch):
     optimizer.synchronize()
     forward = list(dict.fromkeys(engine.runtime.prefetcher.trace))
     assert stepped == forward == [2, 0, 1]  # the root, block 0, block 1
-    assert engine.runtime.grads.arrival_order == [1, 0, 2]
+    assert engine.runtime.host.rank_host.arrival_order == [1, 0, 2]
     next_token_loss(reference(idx), idx).backward()
     reference_optimizer.step()
     assert_parity(engine.full_state_dict(), reference.state_dict())

@@ -41,7 +41,8 @@ class Shard:
     """Its extent, for NVMe shards."""
 
 
-def _typed(block: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+def typed(block: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """The first ``numel`` elements of ``dtype`` of a uint8 block."""
     return block.view(dtype)[:numel]
 
 
@@ -199,7 +200,7 @@ class TierManager:
         for (unit, kind), buf in plan.shards.items():
             shard = Shard(unit, kind, buf.tier, buf.numel, buf.dtype)
             if buf.tier is Tier.DRAM:
-                shard.resident = _typed(blocks[(unit, kind)], buf.numel, buf.dtype)
+                shard.resident = typed(blocks[(unit, kind)], buf.numel, buf.dtype)
             elif buf.tier is Tier.HBM:
                 shard.resident = self.hbm.empty(buf.numel, buf.dtype, buf.label)
             else:
@@ -237,7 +238,7 @@ class TierManager:
         block = self._staging[_staging_name(kind)]
         for start, numel, offset, nbytes in _pieces(shard, block):
             shard.file.start_read(block, offset, nbytes).wait()
-            yield start, _typed(block, numel, shard.dtype)
+            yield start, typed(block, numel, shard.dtype)
 
     def has(self, unit: int, kind: StateKind) -> bool:
         """Whether the unit has this state (a frozen unit has its weights only: see
@@ -257,7 +258,7 @@ class TierManager:
         ring "param_in0", "param_in1", ...)."""
         shard = self.shards[(unit, StateKind.PARAM)]
         shard.file.read_into(self._staging[slot])
-        return _typed(self._staging[slot], shard.numel, shard.dtype)
+        return typed(self._staging[slot], shard.numel, shard.dtype)
 
     def staging_names(self, prefix: str) -> list[str]:
         return [name for name in self._staging if name.startswith(prefix)]
@@ -279,7 +280,7 @@ class TierManager:
             return
         cross = value.device != target.device and value.dtype != target.dtype
         if cross and staging in self._staging:
-            staged = _typed(self._staging[staging], shard.numel, shard.dtype)
+            staged = typed(self._staging[staging], shard.numel, shard.dtype)
             staged.copy_(value)
             value = staged
         target.copy_(value)
@@ -302,7 +303,7 @@ class TierManager:
         version = shard.file.next_version()
         try:
             for start, numel, offset, nbytes in _pieces(shard, block):
-                staged = _typed(block, numel, shard.dtype)
+                staged = typed(block, numel, shard.dtype)
                 if value.data_ptr() != staged.data_ptr():
                     staged.copy_(value[start:start + numel])
                 version.write(block, offset, nbytes).wait()  # the block is reused next
@@ -315,7 +316,7 @@ class TierManager:
     def land_grad(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """Copy the gradient shard ``value`` into the landing buffer ``name`` (``non_blocking``:
         the caller records an event after it); returns the landed view."""
-        landed = _typed(self._staging[name], value.numel(), value.dtype)
+        landed = typed(self._staging[name], value.numel(), value.dtype)
         landed.copy_(value, non_blocking=True)
         return landed
 
@@ -344,7 +345,7 @@ class TierManager:
         shard = self.shards[(unit, kind)]
         if self.param_in_place(unit, kind, cpu_only):
             return shard.resident
-        return _typed(self._staging["param_out"], shard.numel, shard.dtype)
+        return typed(self._staging["param_out"], shard.numel, shard.dtype)
 
     def grad_device(self) -> torch.device:
         return self.hbm.device if self.policy.grads.tier is Tier.HBM else torch.device("cpu")

@@ -9,11 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..manager import TierManager
+from ..optim.host import LocalHost
+from ..optim.optimizer import UpdateBook
 from ..optim.workers import CpuWorker
 from ..policy import Policy
 from ..timeline import Timeline
+from .buffers import GradientBuffers
 from .collectives import ProcessGroup
 from .flat import FlatParam
+from .pending import PendingWeights
 from .streams import Streams
 
 
@@ -31,3 +35,40 @@ class EngineContext:
     streams: Streams
     """The compute, gather and offload streams (none on the CPU)."""
     timeline: Timeline
+    host: LocalHost
+    """Where the CPU side of a step is sent, as commands (optim/commands.py)."""
+    buffers: GradientBuffers
+    """What the training side knows of the grads-tier buffers (gradients.py)."""
+    pending: PendingWeights
+    """Units whose new weights an update is still writing."""
+
+
+class TrainerEvents:
+    """What the host tells the training side (optim.commands.HostEvents), handed to the part
+    each concerns: the gradient buffers, the readers of weights, the optimizer's updates."""
+
+    def __init__(self, buffers: GradientBuffers, pending: PendingWeights, book: UpdateBook):
+        self.buffers = buffers
+        self.pending = pending
+        self.book = book
+
+    def gradient_taken(self, unit: int, ticket: int, landing: str | None) -> None:
+        self.buffers.gradient_taken(unit, ticket, landing)
+
+    def buffers_held(self, units: list[int]) -> None:
+        self.buffers.buffers_held(units)
+
+    def buffers_read(self, units: list[int]) -> None:
+        self.buffers.buffers_read(units)
+
+    def weights_written(self, units: list[int]) -> None:
+        self.pending.written(units)
+
+    def update_norm(self, number: int, norm: float | None) -> None:
+        self.book.update_norm(number, norm)
+
+    def update_wrote(self, number: int, unit: int) -> None:
+        self.book.update_wrote(number, unit)
+
+    def update_done(self, number: int, overflowed: bool) -> None:
+        self.book.update_done(number, overflowed)

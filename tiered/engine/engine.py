@@ -25,18 +25,17 @@ from ..optim.groups import shard_ranges
 from ..optim.loss_scale import LossScaler
 from ..optim.workers import CpuWorker, optimizer_threads
 from ..plan import grad_dtypes, optimizer_device, state_kinds
-from ..policy import ComputeDtype, Device, Policy, Tier, resolve
+from ..policy import Device, Policy, Tier, resolve
 from ..service.client import ServiceSlabSource, slab_source_from_env
 from ..tiers import SlabSource
 from ..timeline import Timeline
+from .assemble import assemble
 from .build import (building_bytes, built_together, flat_units, memory_plan, partition,
                     place_buffers)
 from .collectives import ProcessGroup
-from .context import EngineContext
 from .hooks import UnitHooks
 from .init import Materializer, init_context_of
 from .runtime import UnitRuntime
-from .streams import Streams
 
 LAUNCHED_ENV = "TIERED_LAUNCHED"
 """Set by ``tiered-launch`` in each rank's environment."""
@@ -370,11 +369,8 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
         if start_weights is not None:
             start_weights.load_buffers(model)
             _warn_unmatched(start_weights.result, start_weights.source.where)
-        runtime = UnitRuntime(EngineContext(flats, manager, group, policy, worker,
-                                            Streams(device), timeline))
-        scaler = (LossScaler(policy.loss_scale)
-                  if policy.compute_dtype is ComputeDtype.FP16 else None)
-        optimizer = TieredAdamW(runtime, policy, scaler, group.on_host(), ranges, one_pass)
+        runtime, optimizer, scaler = assemble(flats, manager, group, policy, worker, timeline,
+                                              ranges, one_pass)
         engine = TieredEngine(model, policy, runtime, optimizer, scaler, state_dict_keys)
     except BaseException:
         if worker is not None:

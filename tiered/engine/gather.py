@@ -10,11 +10,11 @@ import torch
 
 from ..plan import StateKind
 from ..policy import Tier
+from ..sync import wait_for
 from .context import EngineContext
 from .flat import FlatParam, Residency
 from .pending import PendingWeights
 from .readahead import ReadAhead
-from .streams import wait_for
 
 
 class Gatherer:

@@ -1,9 +1,9 @@
 """One unit's life in a step: gathered when needed (or ahead, along the trace), released, its
-gradient reduced and handed to the CPU worker.
+gradient reduced and sent to the host (optim/host.py).
 
 Units arrive on the gather stream (gather.py, [Note: gather stream]), ahead of need when the
 prefetcher says so ([Note: trace] in prefetch.py); gradients leave on the offload stream
-([Note: offload stream] in streams.py) and are added into the grads tier by the CPU worker.
+([Note: offload stream] in streams.py) and are taken into the grads tier by the host.
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from .context import EngineContext
 from .flat import FlatParam
 from .gather import Gatherer
 from .gradients import GradientPath
-from .pending import PendingWeights
 from .readahead import ReadAhead
 from .units import module_groups
 
@@ -35,6 +34,7 @@ class UnitRuntime:
         self.manager = manager
         self.group = context.group
         self.worker = context.worker
+        self.host = context.host
         self.streams = context.streams
         self.accumulation_steps = policy.optimizer.accumulation_steps
         self.backwards_since_step = 0
@@ -59,7 +59,7 @@ class UnitRuntime:
         """Units whose gradient came in the backward that steps them on arrival: the worker
         steps each (the view of the thread running backward, complete once backward returns)."""
         self.grads = GradientPath(context)
-        self.pending_weights = PendingWeights(self.worker, timeline)
+        self.pending_weights = context.pending
         self.readahead = (ReadAhead(manager, manager.staging_names("param_in"),
                                     self.pending_weights, timeline)
                           if manager.staging_names("param_in") else None)

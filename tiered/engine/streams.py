@@ -67,15 +67,3 @@ class Streams:
         event = torch.cuda.Event()
         event.record()
         return event
-
-
-def wait_for(event: torch.cuda.Event | None, tensor: torch.Tensor) -> None:
-    """Make ``tensor``, finished by the work before ``event``, safe to use on this thread: the
-    current stream waits for device tensors, the thread itself waits for host ones."""
-    if event is None:
-        return
-    if tensor.device.type == "cuda":
-        torch.cuda.current_stream(tensor.device).wait_event(event)
-        tensor.record_stream(torch.cuda.current_stream(tensor.device))
-    else:
-        event.synchronize()

@@ -1,4 +1,5 @@
 """The optimizer: AdamW stepped where the optimizer states live."""
-from .optimizer import TieredAdamW, UpdateMode
+from .commands import UpdateMode
+from .optimizer import TieredAdamW
 
 __all__ = ["TieredAdamW", "UpdateMode"]

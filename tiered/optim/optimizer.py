@@ -1,12 +1,9 @@
 """TieredAdamW: ``torch.optim.AdamW`` over the engine's partitioned, tiered shards."""
 from __future__ import annotations
 
-import enum
-import math
 import threading
 import warnings
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 
@@ -14,49 +11,18 @@ from ..errors import TieredError
 from ..plan import optimizer_device
 from ..policy import Policy
 from ..released import ReleasedWeight
-from .adamw import AdamWHyper, OnePassAdamW
+from .adamw import AdamWHyper
 from .arrival import LastBackward
-from .groups import GroupRange
+from .commands import StepArrived, Update, UpdateMode
 from .loss_scale import LossScaler
-from .norm import squared_norm
-from .stepper import UnitStepper
-
-
-class UpdateMode(enum.Enum):
-    """How an update runs against the steps around it.
-
-    [Note: update modes]
-    - BLOCKING: ``step()`` returns once the update is done. For an optimizer stepping on the GPU,
-      and under fp16, whose next backward needs the loss scale this update decides.
-    - OVERLAPPED: ``step()`` returns at once; the update steps units in the order the next
-      forward needs them, and that forward reads each only once it is written
-      (PendingWeights), so it computes exactly what it would after a blocking step. For every
-      other update on the CPU.
-    - DELAYED: ``step()`` returns at once; the update writes each unit's next weights
-      (StateKind.PARAM_NEXT) while the next forward and backward run on the current ones, and
-      the next ``step()`` (or ``synchronize()``) makes them current: ZeRO-Offload's one-step
-      delayed update.
-    A run's ordinary mode is BLOCKING or OVERLAPPED, fixed at ``initialize`` by where the
-    optimizer steps and whether a loss scaler exists. With ``optimizer.delayed_update`` the run
-    moves to DELAYED at the call after ``warmup_steps`` calls and stays there; a checkpoint's
-    ``steps_called`` restores the mode with the count. Units stepped as their gradients arrive
-    (``accumulation_steps``) are stepped during backward, outside these modes, and only where
-    no update is delayed (runtime.arrival_allowed); ``step()`` waits for them in BLOCKING mode
-    only.
-    """
-
-    BLOCKING = "blocking"
-    OVERLAPPED = "overlapped"
-    DELAYED = "delayed"
 
 
 @dataclass
 class _Update:
-    """One optimizer step's work for the CPU worker, and what it found."""
+    """One optimizer step's work for the host, and what the host found (UpdateBook)."""
 
+    number: int
     units: list[int]
-    hypers: tuple[AdamWHyper, ...]
-    """Per param group."""
     loss_scale: float
     mode: UpdateMode
     """DELAYED writes the delayed update's next weights; OVERLAPPED updates have readers
@@ -64,8 +30,54 @@ class _Update:
     written: list[int] = field(default_factory=list)
     norm: float | None = None
     norm_known: threading.Event = field(default_factory=threading.Event)
-    """Set once the update has its norm (or will not take one, or failed)."""
+    """Set once the update has its norm (or will not take one, or the host failed)."""
     overflowed: bool = False
+
+
+class UpdateBook:
+    """The optimizer's updates the host has not finished, by number: the training side's record
+    of each, filled in by the host's events (commands.HostEvents: update_norm, update_wrote,
+    update_done). A failed host wakes whoever waits for a norm."""
+
+    def __init__(self, worker):
+        self._updates: dict[int, _Update] = {}
+        self._next = 0
+        worker.on_failure(self._wake_norm_waiters)
+
+    def open(self, units: list[int], loss_scale: float, mode: UpdateMode) -> _Update:
+        update = _Update(self._next, units, loss_scale, mode)
+        self._next += 1
+        self._updates[update.number] = update
+        return update
+
+    def restored(self, written: list[int], norm: float | None, overflowed: bool,
+                 loss_scale: float) -> _Update:
+        """A delayed update a checkpoint recorded as done but not yet made current."""
+        update = _Update(-1, list(written), loss_scale, UpdateMode.DELAYED, list(written), norm,
+                         overflowed=overflowed)
+        update.norm_known.set()
+        return update
+
+    def close(self, update: _Update) -> None:
+        """Forget ``update`` (done, or never to be run)."""
+        self._updates.pop(update.number, None)
+
+    def update_norm(self, number: int, norm: float | None) -> None:
+        update = self._updates[number]
+        update.norm = norm
+        update.norm_known.set()
+
+    def update_wrote(self, number: int, unit: int) -> None:
+        self._updates[number].written.append(unit)
+
+    def update_done(self, number: int, overflowed: bool) -> None:
+        self._updates.pop(number).overflowed = overflowed
+
+    def _wake_norm_waiters(self) -> None:
+        """On a failure: a ``last_grad_norm`` reader may wait for an update that will not run
+        now."""
+        for update in list(self._updates.values()):
+            update.norm_known.set()
 
 
 class TieredAdamW(torch.optim.Optimizer):
@@ -86,17 +98,18 @@ class TieredAdamW(torch.optim.Optimizer):
     applied inside the AdamW kernel as one divisor, not as a separate pass over the gradients.
     The norm comes first (exact, never a speculative step undone; see bench/RESULTS.md for why):
     with ``optimizer.accumulation_steps`` each unit's share is taken as its gradient of the
-    step's last backward arrives, on the otherwise idle worker, so the step itself only adds
+    step's last backward arrives, on the otherwise idle host, so the step itself only adds
     them up; units without one (undeclared accumulation, a unit skipped by the last backward)
     are read at the step.
 
-    The work runs on the CPU worker (see workers.py). An ordinary update on the CPU (not fp16,
-    whose next backward needs the loss scale this update decides) also returns from ``step()``
-    at once: it steps units in the order the next forward needs them, and that forward reads
-    each unit only once it is written (runtime.PendingWeights), so it overlaps the update and
-    computes exactly what it would after a blocking step. ``last_grad_norm`` waits for the
-    norm only. With ``optimizer.accumulation_steps``, units stepped as their gradients arrive
-    use the hyperparameters ``param_groups`` holds when the step's last backward starts
+    The work runs on the rank's host (host.py), as commands (commands.py) in the order sent;
+    what it found comes back as events into the UpdateBook. An ordinary update on the CPU (not
+    fp16, whose next backward needs the loss scale this update decides) also returns from
+    ``step()`` at once: it steps units in the order the next forward needs them, and that
+    forward reads each unit only once it is written (runtime.PendingWeights), so it overlaps the
+    update and computes exactly what it would after a blocking step. ``last_grad_norm`` waits
+    for the norm only. With ``optimizer.accumulation_steps``, units stepped as their gradients
+    arrive use the hyperparameters ``param_groups`` holds when the step's last backward starts
     (schedulers stepped after ``optimizer.step()`` set them in time), and ``step()`` returns
     without waiting for those steps. With ``optimizer.delayed_update`` the step
     after warm-up returns at once and its update overlaps the next forward and backward;
@@ -111,11 +124,10 @@ class TieredAdamW(torch.optim.Optimizer):
     alone; put such parameters in a unit of their own (``units.classes``) if it matters.
     """
 
-    def __init__(self, runtime, policy: Policy, scaler: LossScaler | None, norm_group,
-                 ranges: list[tuple[GroupRange, ...]], one_pass: OnePassAdamW | None = None):
-        """``ranges``: per unit, its shard's runs of one param group (groups.shard_ranges).
-        ``one_pass`` steps mixed precision on the CPU (see :func:`one_pass_for`); without it
-        every unit takes torch's fused kernel."""
+    def __init__(self, runtime, policy: Policy, scaler: LossScaler | None, book: UpdateBook):
+        """``runtime``: the engine's units (engine/runtime.py), whose host (optim/host.py) runs
+        the updates; ``book``: the records of the updates the host has not finished, which its
+        events fill in."""
         opt = policy.optimizer
         defaults = dict(lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
         # Placeholders of the units' flat parameters, not ``flat.full``: its storage is zero
@@ -132,27 +144,16 @@ class TieredAdamW(torch.optim.Optimizer):
         self._runtime = runtime
         self._manager = runtime.manager
         self._worker = runtime.worker
-        self._norm_group = norm_group
-        """The data-parallel group again, as a gloo communicator (ProcessGroup.on_host): the
-        worker's all-reduce of the gradient norm may run while the training thread gathers."""
+        self._host = runtime.host
+        self._book = book
         self._max_grad_norm = opt.max_grad_norm
         self.scaler = scaler
         self._delayed = opt.delayed_update
         self.device = optimizer_device(policy, runtime.group.device)
         self._steps_called = 0
         self._pending: _Update | None = None
-        self._ready: list[int] = []
-        """Worker: units whose gradient of the last backward is in but which are not yet
-        stepped, in arrival order (see _last_gradient_in)."""
         self._grads = runtime.grads
-        self._grads.on_last = self._last_gradient_in
         runtime.current_hypers = self._hypers
-        self._wants_norm = opt.max_grad_norm is not None or scaler is not None
-        self._squares: dict[int, torch.Tensor] = {}
-        """Worker: squared norms of complete gradients, taken as they arrived."""
-        self._stepper = UnitStepper(self._manager, self._grads,
-                                    [flat.name for flat in runtime.flats], ranges, self.device,
-                                    one_pass, opt.sub_group_size, runtime.timeline)
         self._ordinary_mode = (UpdateMode.OVERLAPPED
                                if self.device.type == "cpu" and scaler is None
                                else UpdateMode.BLOCKING)
@@ -160,7 +161,6 @@ class TieredAdamW(torch.optim.Optimizer):
         self._last_grad_norm: float | None = None
         self._grads_loss_scale: float | None = None
         """The loss scale the gradients held now were computed with (see note_loss_scale)."""
-        self._worker.on_failure(self._wake_norm_waiter)
         self.skipped_steps = 0
         """Updates skipped because fp16 gradients overflowed."""
 
@@ -214,8 +214,7 @@ class TieredAdamW(torch.optim.Optimizer):
         return self._ordinary_mode
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._worker.submit(self._squares.clear)  # after any update that reads them
-        self._grads.zero_grad(set_to_none)
+        self._grads.zero_grad(set_to_none)  # after any update that reads them
         # Backwards from here on make the gradients; their loss scale is the scaler's then.
         self._grads_loss_scale = None
 
@@ -245,7 +244,7 @@ class TieredAdamW(torch.optim.Optimizer):
             # (see _last_gradient_in); what it left is stepped here, with the hyperparameters
             # of the last backward's start (last.hypers), before any zero_grad() or later
             # gradient in the worker's queue.
-            self._worker.submit(partial(self._step_ready, last, until_more_arrive=False))
+            self._host.send(StepArrived(last))
         if arrived and mode is UpdateMode.OVERLAPPED:
             # The worker is still stepping these (their readers wait in PendingWeights), and
             # ran the previous update before them; where units step on arrival (no clipping,
@@ -258,12 +257,18 @@ class TieredAdamW(torch.optim.Optimizer):
         rest = [i for i in units if i not in arrived]
         if rest:
             overlapped = mode is UpdateMode.OVERLAPPED
-            update = _Update(self._runtime.forward_order(rest) if overlapped else rest,
-                             self._hypers(), loss_scale, mode)
-            self._pending = update  # before the worker can fail on it (see _wake_norm_waiter)
+            update = self._book.open(self._runtime.forward_order(rest) if overlapped else rest,
+                                     loss_scale, mode)
+            self._pending = update
             if overlapped:
                 self._runtime.pending_weights.expect(update.units)
-            self._worker.submit(partial(self._run_update, update))
+            try:
+                self._host.send(Update(update.number, tuple(update.units), self._hypers(),
+                                       loss_scale, mode))
+            except BaseException:
+                self._pending = None
+                self._book.close(update)
+                raise
             if mode is UpdateMode.BLOCKING:
                 self.synchronize()
         return loss
@@ -281,6 +286,7 @@ class TieredAdamW(torch.optim.Optimizer):
         update, self._pending = self._pending, None
         if update is None:
             return
+        self._book.close(update)
         if update.mode is UpdateMode.DELAYED:
             for i in update.written:
                 self._manager.swap_params(i)
@@ -323,7 +329,7 @@ class TieredAdamW(torch.optim.Optimizer):
             "last_grad_norm": self._last_grad_norm,
             "hyper": hypers[0],
             "group_hypers": hypers[1:],
-            "unit_steps": [float(step) for step in self._stepper.steps],
+            "unit_steps": [float(step) for step in self._host.rank_host.stepper.steps],
             "loss_scale": self.scaler.state() if self.scaler is not None else None,
             "pending": None if pending is None else {
                 "written": list(pending.written), "norm": pending.norm,
@@ -340,55 +346,16 @@ class TieredAdamW(torch.optim.Optimizer):
         for group, hyper in zip(self.param_groups, saved):
             group.update(lr=hyper["lr"], betas=tuple(hyper["betas"]), eps=hyper["eps"],
                          weight_decay=hyper["weight_decay"])
-        for step, value in zip(self._stepper.steps, state["unit_steps"]):
+        for step, value in zip(self._host.rank_host.stepper.steps, state["unit_steps"]):
             step.fill_(value)
         if self.scaler is not None and state["loss_scale"] is not None:
             self.scaler.load_state(state["loss_scale"])
         pending = state["pending"]
-        self._pending = None if pending is None else _Update(
-            units=list(pending["written"]), hypers=self._hypers(),
-            loss_scale=pending["loss_scale"], mode=UpdateMode.DELAYED,
-            written=list(pending["written"]),
-            norm=pending["norm"], overflowed=pending["overflowed"])
-        self._ready = []
-        self._squares.clear()
+        self._pending = None if pending is None else self._book.restored(
+            pending["written"], pending["norm"], pending["overflowed"], pending["loss_scale"])
+        self._host.rank_host.restore()
         self._runtime.step_taken()
         self._grads_loss_scale = None  # the load dropped the gradients
-
-    def _last_gradient_in(self, index: int, last: LastBackward) -> None:
-        """CPU worker: unit ``index``'s gradient of the step's last backward is in. Step a unit
-        now where the policy allows (``last.step_units``), else take its norm now if the step
-        will need it.
-
-        Of the units whose gradient is in, the one the next forward needs first is stepped
-        first. Backward delivers the embedding last and the next forward needs it first:
-        stepped in arrival order, that forward would wait for the whole update, while this way
-        it follows the update unit by unit once backward is over (``step()`` does not wait for
-        these steps). The worker lags backward (a unit's step takes longer than its backward),
-        so arrivals queue up behind a step: they are taken in (quick) before the next unit is
-        chosen, and the last one queued steps whatever is left, so every unit is stepped before
-        the worker goes idle."""
-        if last.step_units:
-            self._ready.append(index)
-            self._step_ready(last, until_more_arrive=True)
-        elif self._wants_norm:
-            with self._runtime.timeline.span(f"grad norm {self._runtime.flats[index].name}",
-                                             "cpu"):
-                self._squares[index] = squared_norm(self._grads.read(index))
-
-    def _step_ready(self, last: LastBackward, until_more_arrive: bool) -> None:
-        """CPU worker: step the units whose gradient of ``last`` is in, the next forward's first
-        first; with ``until_more_arrive``, only while no more gradients are queued."""
-        rank = last.forward_rank
-        while self._ready and not (until_more_arrive and self._grads.last_backward_queued):
-            unit = min(self._ready, key=lambda i: rank.get(i, len(rank)))  # ties: arrival
-            self._ready.remove(unit)
-            self._stepper.step([unit], last.hypers, 1.0, False)
-            if self.device.type == "cuda":
-                # The step's kernels were queued on this thread's stream; a gather reads the
-                # weights on another, so they are written only once these have run.
-                torch.cuda.current_stream(self.device).synchronize()
-            self._runtime.pending_weights.written([unit])
 
     def _hypers(self) -> tuple[AdamWHyper, ...]:
         """Each param group's hyperparameters as they are now."""
@@ -401,71 +368,6 @@ class TieredAdamW(torch.optim.Optimizer):
                 "stepped as their gradients arrived (optimizer.accumulation_steps) used the "
                 "values from its start. Set hyperparameters before the last backward (step a "
                 "scheduler after optimizer.step(), as PyTorch expects)", stacklevel=3)
-
-    def _run_update(self, update: _Update) -> None:
-        """CPU worker: one optimizer step over ``update.units``: in their order when the next
-        forward waits for them, else in the order their gradients arrived (the next backward
-        waits for their buffers: see [Note: buffer hand-off] in gradients.py)."""
-        # Waiters are woken by what the update writes, or on a failure by the worker's error
-        # (callbacks registered with on_failure), never by a half-done update.
-        pending = self._runtime.pending_weights
-        divisor = self._grad_divisor(update)
-        update.norm_known.set()
-        if divisor is None:
-            update.overflowed = True
-        else:
-            delayed = update.mode is UpdateMode.DELAYED
-            order = self._grads.in_arrival_order(update.units) if delayed else update.units
-
-            def written(unit: int) -> None:
-                update.written.append(unit)
-                if update.mode is UpdateMode.OVERLAPPED:
-                    pending.written([unit])
-
-            self._stepper.step(order, update.hypers, divisor, delayed, on_unit=written)
-        if update.mode is UpdateMode.OVERLAPPED:  # those an overflow skipped
-            done = set(update.written)
-            pending.written([unit for unit in update.units if unit not in done])
-
-    def _wake_norm_waiter(self) -> None:
-        """Worker, on a failure: a ``last_grad_norm`` reader may wait for an update that will
-        not run now."""
-        if self._pending is not None:
-            self._pending.norm_known.set()
-
-    def _grad_divisor(self, update: _Update) -> float | None:
-        """What the accumulated gradients are divided by (loss scale over clip factor), or None
-        when fp16 gradients overflowed and the step must be skipped."""
-        if self.scaler is None and self._max_grad_norm is None:
-            return 1.0
-        norm = self._global_norm(update.units)
-        if self.scaler is not None:
-            if not math.isfinite(norm):
-                update.norm = norm
-                return None
-            norm /= update.loss_scale
-        update.norm = norm
-        if self._max_grad_norm is not None:
-            clip = self._max_grad_norm / (norm + 1e-6)
-            if math.isnan(clip):  # clip_grad_norm_ clamps nan to nan: every gradient is nan
-                return math.nan
-            if clip < 1.0:
-                # An infinite norm clips to zero, as clip_grad_norm_ multiplies by 0 then.
-                return update.loss_scale / clip if clip > 0.0 else math.inf
-        return update.loss_scale
-
-    def _global_norm(self, units: list[int]) -> float:
-        # Summed where the gradients are (one copy to the host in the end, not one per unit),
-        # then over ranks on the host group.
-        square_sum = torch.zeros((), dtype=torch.float64, device=self._manager.grad_device())
-        for i in units:
-            square = self._squares.pop(i, None)
-            if square is None:
-                square = squared_norm(self._grads.read(i))
-            square_sum += square
-        square_sum = square_sum.to(self._norm_group.device)
-        self._norm_group.all_reduce_sum(square_sum)
-        return math.sqrt(square_sum.item())
 
     def state_dict(self):
         raise TieredError("optimizer.state_dict() is not supported: TieredAdamW's state (fp32 "

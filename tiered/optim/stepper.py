@@ -1,4 +1,4 @@
-"""The CPU worker's side of an update: each unit stepped where its optimizer states live, its new
+"""The host's side of an update: each unit stepped where its optimizer states live, its new
 weights written to the weights' tier, its gradient buffer handed back.
 
 States in HBM or DRAM are stepped in place; a run of units whose states are on NVMe streams
@@ -21,11 +21,12 @@ from .stream import Piece, StateStream
 
 
 class UnitStepper:
-    def __init__(self, manager: TierManager, grads, names: list[str],
+    def __init__(self, manager: TierManager, gradients, names: list[str],
                  ranges: list[tuple[GroupRange, ...]], device: torch.device,
                  one_pass: OnePassAdamW | None, sub_group_size: int, timeline: Timeline):
         self.manager = manager
-        self.grads = grads
+        self.gradients = gradients
+        """What holds the gradients it reads: the host (``read``, and ``consumed`` once read)."""
         self.names = names
         self.ranges = ranges
         """Per unit: its shard's runs of one param group (groups.shard_ranges)."""
@@ -57,7 +58,7 @@ class UnitStepper:
                              divisor_tensor, kind)
 
         def unit_done(unit: int) -> None:
-            self.grads.consumed(unit)
+            self.gradients.consumed(unit)
             with self.timeline.span(f"write back {self.names[unit]}", "cpu"):
                 self.manager.store(unit, kind, self._weights(unit, kind))
             on_unit(unit)
@@ -82,7 +83,7 @@ class UnitStepper:
     def _kernel(self, piece: Piece, master, exp_avg, exp_avg_sq,
                 hypers: tuple[AdamWHyper, ...], divisor: float, divisor_tensor,
                 kind: StateKind) -> None:
-        grads = self.grads.read(piece.unit)
+        grads = self.gradients.read(piece.unit)
         weights = self._weights(piece.unit, kind)
         # Frozen runs are never stepped, and weights written in place keep them; a staging
         # buffer holds another unit's values there, so they are filled from the masters.

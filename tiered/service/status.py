@@ -22,6 +22,6 @@ def status_table(status: dict) -> str:
                      f"{job['launchers']} launcher(s)")
         for rank in job["ranks"]:
             who = f"pid {rank['pid']}" if rank["attached"] else "gone"
-            lines.append(f"  rank {rank['rank']:>3}  {who:<12} DRAM {format_size(rank['dram_bytes'])}"
-                         f" in {rank['segments']} segment(s)")
+            lines.append(f"  rank {rank['rank']:>3}  {who:<12} DRAM "
+                         f"{format_size(rank['dram_bytes'])} in {rank['segments']} segment(s)")
     return "\n".join(lines)

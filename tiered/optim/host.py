@@ -1,0 +1,296 @@
+"""The CPU side of one rank's step: the commands of commands.py, run in order on one thread.
+
+Gradients are taken into the grads tier (see [Note: gradient states] in engine/gradients.py),
+updates stepped unit by unit where the optimizer states live (stepper.py), the global gradient
+norm taken first where clipping or fp16 needs it, and units stepped as their last gradient
+arrives (``optimizer.accumulation_steps``). What became of a command goes back through
+HostEvents. The host runs on the CPU worker of this process (``LocalHost``); the node's service
+will run the same host on its own pool.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from ..manager import TierManager, typed
+from ..sync import wait_for
+from ..timeline import Timeline
+from .adamw import OnePassAdamW
+from .arrival import LastBackward
+from .commands import Command, GradientIn, HostEvents, Update, UpdateMode, ZeroGrad
+from .groups import GroupRange
+from .norm import squared_norm
+from .stepper import UnitStepper
+from .workers import CpuWorker
+
+
+@dataclass(frozen=True)
+class HostSetup:
+    """What a rank's host is given once, at ``initialize``."""
+
+    manager: TierManager
+    names: list[str]
+    """Per unit, its name (for the timeline)."""
+    trainable: list[bool]
+    """Per unit, whether it has parameters to train (a frozen unit has no gradient buffer)."""
+    buffer_dtype: torch.dtype
+    """What the grads tier holds a sum in: fp32, or the compute dtype when compact."""
+    ranges: list[tuple[GroupRange, ...]]
+    """Per unit, its shard's runs of one param group (groups.shard_ranges)."""
+    device: torch.device
+    """Where the optimizer steps."""
+    one_pass: OnePassAdamW | None
+    sub_group_size: int
+    norm_group: object
+    """The data-parallel group on the host (ProcessGroup.on_host), for the global norm."""
+    max_grad_norm: float | None
+    fp16: bool
+    """A loss scaler checks each update's gradients for infs and nans."""
+    timeline: Timeline
+
+
+class RankHost:
+    def __init__(self, setup: HostSetup, events: HostEvents):
+        self.setup = setup
+        self.manager = setup.manager
+        self.events = events
+        count = len(setup.names)
+        self.dtype: list[torch.dtype | None] = [None] * count
+        """What unit i's grads-tier buffer holds (see [Note: gradient states])."""
+        self.arrival_order: list[int] = []
+        """Units in the order their first gradient since ``zero_grad`` arrived: the order an
+        update steps them in (see [Note: buffer hand-off])."""
+        self.stepper = UnitStepper(setup.manager, self, setup.names, setup.ranges, setup.device,
+                                   setup.one_pass, setup.sub_group_size, setup.timeline)
+        self._squares: dict[int, torch.Tensor] = {}
+        """Squared norms of complete gradients, taken as they arrived."""
+        self._ready: list[int] = []
+        """Units whose gradient of the last backward is in but which are not yet stepped, in
+        arrival order (see _last_gradient_in)."""
+        self._wants_norm = setup.max_grad_norm is not None or setup.fp16
+        self._last_queued = 0
+        """Gradients of a step's last backward sent and not yet taken in."""
+        self._queued_lock = threading.Lock()
+        self._next = 0
+        """The number of the next command to run: they run in the order sent."""
+
+    # -- the commands ------------------------------------------------------------------------
+
+    def run(self, number: int, command: Command) -> None:
+        """Run command ``number`` (commands are numbered from 0 as they are sent)."""
+        assert number == self._next, f"command {number} run out of order (next: {self._next})"
+        self._next += 1
+        if isinstance(command, GradientIn):
+            self._gradient_in(command)
+        elif isinstance(command, ZeroGrad):
+            self._zero_grad(command.set_to_none)
+        elif isinstance(command, Update):
+            self._update(command)
+        else:
+            self._step_ready(command.last, until_more_arrive=False)
+
+    def queued(self, command: Command, change: int) -> None:
+        """The sender counts a last backward's gradient as queued (+1) before it sends it, or
+        takes it back (-1) when the send failed: an arrival step steps on only while no more
+        of them wait (see _last_gradient_in)."""
+        if isinstance(command, GradientIn) and command.last is not None:
+            with self._queued_lock:
+                self._last_queued += change
+
+    def _gradient_in(self, command: GradientIn) -> None:
+        unit = command.unit
+        shard = self._shard(command)
+        wait_for(command.ready, shard)
+        if command.first:
+            self.dtype[unit] = shard.dtype
+            self.arrival_order.append(unit)
+        else:
+            self._add(unit, shard)
+        self.events.gradient_taken(unit, command.ticket, command.landing)
+        if command.last is not None:
+            self.queued(command, -1)
+            self._last_gradient_in(unit, command.last)
+
+    def _shard(self, command: GradientIn) -> torch.Tensor:
+        """Where the gradient of ``command`` is: in the unit's grads-tier buffer (a first
+        gradient, in its own dtype: see [Note: gradient states]), in a landing buffer, or in
+        the tensor it came with."""
+        if command.tensor is not None:
+            return command.tensor
+        if command.first:
+            return self.manager.grad_buffer(command.unit, command.dtype)[:command.numel]
+        return typed(self.manager.staging_block(command.landing), command.numel, command.dtype)
+
+    def _add(self, unit: int, shard: torch.Tensor) -> None:
+        """Add a later gradient into the buffer in its dtype: the fp32 sum (widening a pending
+        one first), or a compact buffer as it is (see [Note: gradient states])."""
+        buffer_dtype = self.setup.buffer_dtype
+        with self.setup.timeline.span(f"add grad {self.setup.names[unit]}", "cpu"):
+            if self.dtype[unit] is not buffer_dtype:
+                pending = self.manager.grad_buffer(unit, self.dtype[unit]).clone()
+                self.manager.grad_buffer(unit, torch.float32).copy_(pending)
+            self.manager.grad_buffer(unit, buffer_dtype).add_(shard)
+            self.dtype[unit] = buffer_dtype
+
+    def _zero_grad(self, set_to_none: bool) -> None:
+        """``set_to_none`` forgets the gradients; otherwise they become zeros in the buffer's
+        dtype, counted as gradients, as in PyTorch. A unit without a gradient keeps none either
+        way (see GradientPath.zero_grad). A unit whose next first gradient is already on its way
+        (backward took its buffer after this zero_grad) is untouched by either: forgetting
+        writes only what the host knows of it, and zeros are written only into units that held
+        a gradient, whose next one is added, not copied in."""
+        self._squares.clear()
+        self.arrival_order = []
+        units = [i for i, trainable in enumerate(self.setup.trainable)
+                 if trainable and (set_to_none or self.dtype[i] is not None)]
+        for unit in units:
+            if set_to_none:
+                self.dtype[unit] = None
+            else:
+                self.manager.grad_buffer(unit, self.setup.buffer_dtype).zero_()
+                self.dtype[unit] = self.setup.buffer_dtype
+        if set_to_none:
+            self.events.buffers_read(units)
+        else:  # zeros are gradients the next update reads: held until it has
+            self.events.buffers_held(units)
+
+    # -- what the stepper reads ----------------------------------------------------------------
+
+    def read(self, unit: int) -> torch.Tensor:
+        """Unit ``unit``'s gradient as it is held (pending or compact in the compute dtype, or
+        fp32)."""
+        return self.manager.grad_buffer(unit, self.dtype[unit])
+
+    def consumed(self, unit: int) -> None:
+        """An update has read unit ``unit``'s gradient; its buffer may be refilled."""
+        self.events.buffers_read([unit])
+
+    def in_arrival_order(self, units: list[int]) -> list[int]:
+        """``units`` ordered as their gradients arrived (any others last)."""
+        wanted = set(units)
+        ordered = [i for i in self.arrival_order if i in wanted]
+        seen = set(ordered)
+        return ordered + [i for i in units if i not in seen]
+
+    # -- updates -------------------------------------------------------------------------------
+
+    def _last_gradient_in(self, unit: int, last: LastBackward) -> None:
+        """Unit ``unit``'s gradient of the step's last backward is in. Step a unit now where
+        the policy allows (``last.step_units``), else take its norm now if the step will need
+        it.
+
+        Of the units whose gradient is in, the one the next forward needs first is stepped
+        first. Backward delivers the embedding last and the next forward needs it first:
+        stepped in arrival order, that forward would wait for the whole update, while this way
+        it follows the update unit by unit once backward is over (``step()`` does not wait for
+        these steps). The host lags backward (a unit's step takes longer than its backward),
+        so arrivals queue up behind a step: they are taken in (quick) before the next unit is
+        chosen, and the last one queued steps whatever is left, so every unit is stepped before
+        the host goes idle."""
+        if last.step_units:
+            self._ready.append(unit)
+            self._step_ready(last, until_more_arrive=True)
+        elif self._wants_norm:
+            with self.setup.timeline.span(f"grad norm {self.setup.names[unit]}", "cpu"):
+                self._squares[unit] = squared_norm(self.read(unit))
+
+    def _step_ready(self, last: LastBackward, until_more_arrive: bool) -> None:
+        """Step the units whose gradient of ``last`` is in, the next forward's first first;
+        with ``until_more_arrive``, only while no more gradients are queued."""
+        rank = last.forward_rank
+        while self._ready and not (until_more_arrive and self._last_queued):
+            unit = min(self._ready, key=lambda i: rank.get(i, len(rank)))  # ties: arrival
+            self._ready.remove(unit)
+            self.stepper.step([unit], last.hypers, 1.0, False)
+            if self.setup.device.type == "cuda":
+                # The step's kernels were queued on this thread's stream; a gather reads the
+                # weights on another, so they are written only once these have run.
+                torch.cuda.current_stream(self.setup.device).synchronize()
+            self.events.weights_written([unit])
+
+    def _update(self, update: Update) -> None:
+        """One optimizer step over ``update.units``: in their order when the next forward waits
+        for them, else in the order their gradients arrived (the next backward waits for their
+        buffers: see [Note: buffer hand-off] in engine/gradients.py)."""
+        # Waiters are woken by what the update writes, or on a failure by the worker's error,
+        # never by a half-done update.
+        divisor, norm = self._grad_divisor(update)
+        self.events.update_norm(update.number, norm)
+        overlapped = update.mode is UpdateMode.OVERLAPPED
+        written: set[int] = set()
+        if divisor is not None:
+            delayed = update.mode is UpdateMode.DELAYED
+            order = self.in_arrival_order(list(update.units)) if delayed else list(update.units)
+
+            def wrote(unit: int) -> None:
+                written.add(unit)
+                self.events.update_wrote(update.number, unit)
+                if overlapped:
+                    self.events.weights_written([unit])
+
+            self.stepper.step(order, update.hypers, divisor, delayed, on_unit=wrote)
+        if overlapped:  # those an overflow skipped: their readers read the old weights
+            self.events.weights_written([unit for unit in update.units if unit not in written])
+        self.events.update_done(update.number, overflowed=divisor is None)
+
+    def _grad_divisor(self, update: Update) -> tuple[float | None, float | None]:
+        """What the accumulated gradients are divided by (loss scale over clip factor), or None
+        when fp16 gradients overflowed and the step must be skipped; and the norm taken."""
+        if not self._wants_norm:
+            return 1.0, None
+        norm = self._global_norm(list(update.units))
+        if self.setup.fp16:
+            if not math.isfinite(norm):
+                return None, norm
+            norm /= update.loss_scale
+        max_norm = self.setup.max_grad_norm
+        if max_norm is not None:
+            clip = max_norm / (norm + 1e-6)
+            if math.isnan(clip):  # clip_grad_norm_ clamps nan to nan: every gradient is nan
+                return math.nan, norm
+            if clip < 1.0:
+                # An infinite norm clips to zero, as clip_grad_norm_ multiplies by 0 then.
+                return (update.loss_scale / clip if clip > 0.0 else math.inf), norm
+        return update.loss_scale, norm
+
+    def _global_norm(self, units: list[int]) -> float:
+        # Summed where the gradients are (one copy to the host in the end, not one per unit),
+        # then over ranks on the host group.
+        square_sum = torch.zeros((), dtype=torch.float64, device=self.manager.grad_device())
+        for unit in units:
+            square = self._squares.pop(unit, None)
+            if square is None:
+                square = squared_norm(self.read(unit))
+            square_sum += square
+        square_sum = square_sum.to(self.setup.norm_group.device)
+        self.setup.norm_group.all_reduce_sum(square_sum)
+        return math.sqrt(square_sum.item())
+
+    def restore(self) -> None:
+        """A checkpoint's state was loaded: no gradient or arrival is held any more."""
+        self._ready = []
+        self._squares.clear()
+
+
+class LocalHost:
+    """The host in this process: commands run on its CPU worker, in the order sent."""
+
+    def __init__(self, worker: CpuWorker, rank_host: RankHost):
+        self.worker = worker
+        self.rank_host = rank_host
+        self._sent = 0
+        self._lock = threading.Lock()  # backward's threads and the training thread both send
+
+    def send(self, command: Command) -> None:
+        self.rank_host.queued(command, +1)  # before the host can take it in
+        with self._lock:
+            try:
+                self.worker.submit(partial(self.rank_host.run, self._sent, command))
+            except BaseException:
+                self.rank_host.queued(command, -1)
+                raise
+            self._sent += 1
