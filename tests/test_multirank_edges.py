@@ -374,3 +374,38 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
             assert not torch.equal(state["out.weight"], out["start"]["out.weight"]), case
             for name, value in results[0][2][0].items():  # every rank holds the same model
                 assert torch.equal(state[name], value), (case, rank, name)
+
+
+def _peer_leaves(rank, world, folder):
+    from helpers_models import make_model
+    from tiered.engine import collectives
+
+    engine, _ = tiered.initialize(make_model(), CPU_YAML, compute_dtype="fp32", device="cpu")
+    engine.runtime.group.barrier()
+    if rank == 1:
+        os._exit(0)  # gone mid-job, as a rank stopped by a signal is: its peer's all-gather fails
+    root = next(flat for flat in engine.runtime.flats if flat.spec.path == "")
+    usage = engine.manager.hbm.usage.current
+    try:
+        engine(torch.zeros(2, 4, dtype=torch.long))
+        raised = ""
+    except Exception as error:  # the root's all-gather, the forward's first collective
+        raised = str(error)
+    kept = [s for s in collectives._kept if isinstance(s, torch.UntypedStorage)]
+    torch.save({"raised": raised, "kept": [s.nbytes() for s in kept],
+                "gathered_bytes": root.gathered_bytes, "now": root.full.untyped_storage().nbytes(),
+                "released": root.residency.value, "usage": (usage, engine.manager.hbm.usage.current)},
+               os.path.join(folder, "rank0.pt"))
+    os._exit(0)  # its group is broken: nothing to shut down in order
+
+
+def test_a_unit_whose_all_gather_raised_keeps_its_storage(tmp_path):
+    """gloo's thread went on copying a failed all-gather's result into the unit's buffer after
+    the training thread had freed it (SIGSEGV at a stop signal): the storage is kept instead,
+    and the unit counts as released ([Note: failed collectives])."""
+    run_ranks(2, _peer_leaves, str(tmp_path))
+    seen = torch.load(tmp_path / "rank0.pt")
+    assert seen["raised"], "the all-gather did not fail"
+    assert seen["kept"] == [seen["gathered_bytes"]]  # not shrunk: gloo may still write into it
+    assert seen["now"] == 0 and seen["released"] == "released"
+    assert seen["usage"][1] == seen["usage"][0]

@@ -2,9 +2,19 @@
 
 torch renamed the tensor forms (``all_gather_into_tensor`` -> ``all_gather_single``, likewise
 reduce-scatter) in 2.13; both names are accepted so the same code runs on every torch >= 2.4.
+
+[Note: failed collectives]
+A collective that raised may still be running: gloo's worker thread went on copying an
+all-gather's result into its output after the call had raised in the training thread (a peer
+gone at a stop signal), and a rank that had freed that output meanwhile crashed with SIGSEGV
+in the gloo thread (seen here as a rank of a 2-rank job dying at Ctrl-C, its NVMe folder left
+half-removed). So the tensors of a collective that raised are kept (``kept_after_failure``) for
+the rest of the process, and a gathered unit whose all-gather raised keeps its storage
+(FlatParam.abandon) instead of shrinking it: the process is leaving, or its group is broken.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +22,25 @@ import torch.distributed as dist
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+_kept: list = []
+"""Tensors and storages of collectives that raised: never freed (see [Note: failed
+collectives])."""
+
+
+def kept_after_failure(*objects) -> None:
+    """Keep ``objects`` (tensors, storages) alive for the rest of the process."""
+    _kept.extend(objects)
+
+
+@contextlib.contextmanager
+def _kept_if_raised(*tensors: torch.Tensor):
+    try:
+        yield
+    except BaseException:
+        kept_after_failure(*tensors)
+        raise
 
 
 @dataclass(frozen=True)
@@ -47,23 +76,27 @@ class ProcessGroup:
             if shard.data_ptr() != full.data_ptr():
                 full.copy_(shard)
             return
-        _all_gather(full, shard, group=self.group)
+        with _kept_if_raised(full, shard):
+            _all_gather(full, shard, group=self.group)
 
     def reduce_scatter_mean(self, shard: torch.Tensor, full: torch.Tensor) -> None:
         """``shard`` = this rank's slice of the mean of ``full`` over ranks (DDP's average)."""
         full.div_(self.world_size)
-        _reduce_scatter(shard, full, group=self.group)
+        with _kept_if_raised(full, shard):
+            _reduce_scatter(shard, full, group=self.group)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         if self.world_size > 1:
-            dist.all_reduce(tensor, group=self.group)
+            with _kept_if_raised(tensor):
+                dist.all_reduce(tensor, group=self.group)
 
     def smallest(self, value: int) -> int:
         """The least of ``value`` over the ranks (a collective: every rank must call it)."""
         if self.world_size == 1:
             return value
         least = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.all_reduce(least, op=dist.ReduceOp.MIN, group=self.group)
+        with _kept_if_raised(least):
+            dist.all_reduce(least, op=dist.ReduceOp.MIN, group=self.group)
         return int(least.item())
 
     def barrier(self) -> None:
@@ -77,4 +110,5 @@ class ProcessGroup:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         if self.world_size > 1:
-            dist.broadcast(tensor, src=src, group=self.group)
+            with _kept_if_raised(tensor):
+                dist.broadcast(tensor, src=src, group=self.group)

@@ -28,6 +28,7 @@ import enum
 import torch
 
 from ..released import ReleasedWeight
+from .collectives import kept_after_failure
 from .units import UnitSpec
 
 
@@ -86,6 +87,21 @@ class FlatParam:
     def free(self) -> None:
         assert self.residency is Residency.GATHERED, f"unit {self.name} is not gathered"
         self.full.untyped_storage().resize_(0)
+        self.bind_placeholders()
+        self.residency = Residency.RELEASED
+
+    def abandon(self) -> None:
+        """Release the unit after a collective into ``full`` raised: that collective may still
+        write into its storage, so the storage is kept for the rest of the process, never
+        shrunk, and ``full`` takes a new, zero-byte one (see [Note: failed collectives] in
+        collectives.py)."""
+        assert self.residency is Residency.GATHERED, f"unit {self.name} is not gathered"
+        kept_after_failure(self.full.untyped_storage())
+        fresh = torch.UntypedStorage(self._storage_bytes, device=self.full.device)
+        with torch.no_grad():  # a leaf that requires grad takes a new storage only so
+            self.full.set_(fresh, 0, (self.padded_numel,), (1,))
+        fresh.resize_(0)
+        self._writer = self.full.data
         self.bind_placeholders()
         self.residency = Residency.RELEASED
 

@@ -65,6 +65,9 @@ class Gatherer:
                 try:
                     mine.copy_(source, non_blocking=True)
                     self.group.all_gather(full, mine)
+                except BaseException:
+                    flat.abandon()  # the all-gather may still write into it
+                    raise
                 finally:
                     # Also when the all-gather raised: the copy out of a read-ahead buffer may
                     # be queued, and the buffer goes back with this event.
