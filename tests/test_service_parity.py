@@ -45,7 +45,8 @@ def train(case: str, nvme: str, rank: int = 0, world: int = 1,
                    if job["name"] == engine.service_job)
         held = {r["rank"]: r["dram_bytes"] for r in job["ranks"]}
         torch.save({"job": engine.service_job, "world": job["world"], "held": held[rank],
-                    "dram": engine.memory_report()["dram"]["current"]}, status_to)
+                    "dram": engine.memory_report()["dram"]["current"],
+                    "host": type(engine.runtime.host).__name__}, status_to)
     state = run_engine(engine, opt, rank=rank, world=world)
     engine.close()
     return state
@@ -62,6 +63,8 @@ def test_one_rank_through_the_service_equals_in_process_bit_for_bit(case, servic
     status = torch.load(tmp_path / "status.pt")
     assert status["job"] == os.environ[JOB_ENV] and status["world"] == 1
     assert status["held"] == status["dram"] > 0  # the service counts what the tier holds
+    # Every state in DRAM: the service runs the rank's host; NVMe files are still the trainer's.
+    assert status["host"] == ("LocalHost" if CASES[case][0] == "nvme" else "RemoteHost")
     if case == "cpu":  # and training is training: PyTorch's, to the bit
         model = make_model()
         reference = train_torch(model, torch.optim.AdamW(model.parameters(), fused=True, **OPTIM))
@@ -74,17 +77,22 @@ def _two_ranks(rank: int, world: int, folder: str, out: str) -> None:
     os.environ[JOB_ENV] = "parity-two-ranks"
     results = {case: train(case, out, rank, world,
                            status_to=os.path.join(out, f"status-{case}-{rank}.pt"))
-               for case in ("cpu", "nvme")}
+               for case in ("cpu", "nvme", "clipped")}
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
 
 
 def test_two_ranks_through_the_service_match_pytorch(service, tmp_path):
+    """Two ranks, their hosts in the service for the DRAM policies (the clipped run's norm
+    summed there over both), in the trainers for NVMe."""
     run_ranks(2, _two_ranks, service, str(tmp_path))
-    model = make_model()
-    reference = train_torch(model, torch.optim.AdamW(model.parameters(), **OPTIM))
+    references = {}
+    for clip in (None, 0.5):  # the service sums the clipped case's norm over both ranks
+        model = make_model()
+        references[clip] = train_torch(model, torch.optim.AdamW(model.parameters(), **OPTIM),
+                                       max_grad_norm=clip)
     for rank in range(2):
         for case, state in torch.load(tmp_path / f"rank{rank}.pt").items():
-            assert_parity(state, reference)
+            assert_parity(state, references[CASES[case][1].get("max_grad_norm")])
             status = torch.load(tmp_path / f"status-{case}-{rank}.pt")
             assert (status["job"], status["world"]) == ("parity-two-ranks", 2)
             assert status["held"] == status["dram"] > 0

@@ -191,6 +191,20 @@ class TierManager:
         self.check(plan)
         budgets = self.budgets_for(plan)
         self.hbm.usage.budget, self.dram.usage.budget = budgets[Tier.HBM], budgets[Tier.DRAM]
+        self._allocate(plan, zero_moments=True)
+
+    def adopt(self, plan: MemoryPlan) -> None:
+        """Take over ``plan``, which another process (a trainer) checked and allocated: its DRAM
+        states are found in the slabs this manager's source hands back (the trainer's, in the
+        order it reserved them), as they are: nothing is zeroed. Only DRAM-resident plans are
+        adopted (the node's service runs their hosts: see service/hosting.py)."""
+        if any(buf.tier is not Tier.DRAM
+               for buf in (*plan.shards.values(), *plan.staging.values())):
+            raise TieredError("only a plan whose states all live in DRAM can be adopted")
+        self.dram.usage.budget = plan.needed(Tier.DRAM)
+        self._allocate(plan, zero_moments=False)
+
+    def _allocate(self, plan: MemoryPlan, zero_moments: bool) -> None:
         self.plan = plan
         dram = {key: buf.nbytes for key, buf in plan.shards.items() if buf.tier is Tier.DRAM}
         dram.update({("staging", name): buf.nbytes for name, buf in plan.staging.items()})
@@ -205,7 +219,8 @@ class TierManager:
                 shard.resident = self.hbm.empty(buf.numel, buf.dtype, buf.label)
             else:
                 shard.file = self.nvme.create(buf.label, buf.nbytes)
-            if shard.resident is not None and kind in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ):
+            if zero_moments and shard.resident is not None and kind in (StateKind.EXP_AVG,
+                                                                        StateKind.EXP_AVG_SQ):
                 shard.resident.zero_()
             self.shards[(unit, kind)] = shard
         # Transient HBM (gathered units, gradients in flight) is acquired as it happens; the plan

@@ -110,7 +110,7 @@ class Buffer:
 
 
 def staging_buffers(policy: Policy, device: torch.device, placement: "Placement",
-                    world_size: int) -> dict[str, Buffer]:
+                    world_size: int, lands_every_gradient: bool = False) -> dict[str, Buffer]:
     """DRAM buffers through which shards move when they are not where they are used.
 
     Each is sized for the largest shard it serves and reused unit after unit; each has one user
@@ -122,7 +122,8 @@ def staging_buffers(policy: Policy, device: torch.device, placement: "Placement"
       through which optimizer states stream from NVMe (CPU worker; see [Note: state stream]);
       "master0" alone where only a frozen unit's masters are there (read for exports);
     - "grad0".."grad3": reduced gradient shards landing from the GPU (filled by backward, emptied
-      by the CPU worker; see GRAD_LANDING_SLOTS).
+      by the CPU worker; see GRAD_LANDING_SLOTS); on a CPU device too when the host is the node's
+      service's (``lands_every_gradient``), which sees only shared buffers.
     """
     compute = policy.compute_dtype.torch_dtype
     out = {}
@@ -145,7 +146,7 @@ def staging_buffers(policy: Policy, device: torch.device, placement: "Placement"
             for slot in range(STAGING_SETS if streamed else 1):
                 out[f"{kind.value}{slot}"] = Buffer(f"staging {kind.value}{slot}", Tier.DRAM,
                                                     piece, torch.float32)
-    if policy.grads.tier is Tier.DRAM and device.type != "cpu":
+    if policy.grads.tier is Tier.DRAM and (device.type != "cpu" or lands_every_gradient):
         for slot in range(GRAD_LANDING_SLOTS):
             # Sized for trained units: a frozen one never has a gradient to land.
             out[f"grad{slot}"] = Buffer(f"staging grad{slot}", Tier.DRAM,
@@ -287,13 +288,13 @@ class Placement:
 
 def _plan(policy: Policy, device: torch.device, placement: Placement, full_numels: list[int],
           unit_paths: list[str], world_size: int, groups: list[int] | None,
-          building: int | None) -> MemoryPlan:
+          building: int | None, lands_every_gradient: bool) -> MemoryPlan:
     shards = {(unit, kind): Buffer(f"unit {unit} {kind.value}", tier,
                                    placement.shard_numels[unit], state_dtype(policy, kind))
               for (unit, kind), tier in placement.tiers.items()}
     return MemoryPlan(
         shards=shards,
-        staging=staging_buffers(policy, device, placement, world_size),
+        staging=staging_buffers(policy, device, placement, world_size, lands_every_gradient),
         working_set=hbm_working_set(policy, full_numels, unit_paths, world_size, groups,
                                     [(unit, StateKind.GRAD) in placement.tiers
                                      for unit in range(len(full_numels))], building))
@@ -303,9 +304,11 @@ def build_plan(policy: Policy, device: torch.device, shard_numels: list[int],
                full_numels: list[int], unit_paths: list[str], world_size: int,
                dram_available: int | None = None,
                unit_kinds: list[list[StateKind]] | None = None,
-               groups: list[int] | None = None, building: int | None = None) -> MemoryPlan:
+               groups: list[int] | None = None, building: int | None = None,
+               lands_every_gradient: bool = False) -> MemoryPlan:
     """The plan of ``policy``; ``unit_kinds``: the states of each unit (unit_state_kinds), by
-    default all of the policy's; ``groups`` and ``building``: see hbm_working_set. With
+    default all of the policy's; ``groups`` and ``building``: see hbm_working_set;
+    ``lands_every_gradient``: see staging_buffers. With
     ``dram.spill: nvme``, states placed in DRAM move to NVMe until what stays fits
     ``dram_available``: the optimizer states of the largest units first (read and written once
     per step), then their weights (read twice per step), never the gradients. Staging buffers
@@ -316,7 +319,7 @@ def build_plan(policy: Policy, device: torch.device, shard_numels: list[int],
              for unit, kinds in enumerate(unit_kinds) for kind in kinds}
     placement = Placement(tiers, shard_numels)
     plan = _plan(policy, device, placement, full_numels, unit_paths, world_size, groups,
-                 building)
+                 building, lands_every_gradient)
     if policy.dram.spill is not Tier.NVME or dram_available is None:
         return plan
     weights = (StateKind.PARAM, StateKind.PARAM_NEXT)  # a unit's own, as below
@@ -329,5 +332,5 @@ def build_plan(policy: Policy, device: torch.device, shard_numels: list[int],
             if present and all(placement.tiers[(unit, k)] is Tier.DRAM for k in present):
                 placement = placement.moved(unit, present, Tier.NVME)
                 plan = _plan(policy, device, placement, full_numels, unit_paths, world_size,
-                             groups, building)
+                             groups, building, lands_every_gradient)
     return plan

@@ -83,6 +83,13 @@ class Timeline:
             self._add(name, category, threading.current_thread().name, start - self._t0,
                       time.perf_counter_ns() - start, args)
 
+    def record(self, name: str, category: str, track: str, start_ns: int, duration_ns: int,
+               args: dict | None = None) -> None:
+        """A span another process timed on this host's monotonic clock (``perf_counter_ns``,
+        which every process of a Linux host shares): the node's service's host work."""
+        if self.enabled:
+            self._add(name, category, track, start_ns - self._t0, duration_ns, args)
+
     def mark(self):
         """A point in time: a timing event on the current stream when tracing a GPU, else the
         host clock. Two marks make a span (:meth:`between`)."""

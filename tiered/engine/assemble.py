@@ -4,6 +4,8 @@ host that fills them through its events (optim/host.py), the units' runtime and 
 Nothing is wired in after it is made: each part is given what it reports to when it is made."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 from ..manager import TierManager
 from ..optim import TieredAdamW
@@ -14,7 +16,10 @@ from ..optim.loss_scale import LossScaler
 from ..optim.optimizer import UpdateBook
 from ..optim.workers import CpuWorker
 from ..plan import StateKind, optimizer_device, state_dtype
-from ..policy import ComputeDtype, Policy
+from ..policy import ComputeDtype, Policy, Tier
+from ..service.client import ServiceSlabSource
+from ..service.hostwire import HostRequest
+from ..service.remote import RemoteHost
 from ..timeline import Timeline
 from .buffers import GradientBuffers
 from .collectives import ProcessGroup
@@ -25,28 +30,65 @@ from .runtime import UnitRuntime
 from .streams import Streams
 
 
+@dataclass(frozen=True)
+class InService:
+    """Where the node's service runs this rank's host (service/hosting.py)."""
+
+    source: ServiceSlabSource
+    """The rank's DRAM from the service: its job, and its segments in order."""
+    threads: int
+    """The CPU update's threads there."""
+
+
 def assemble(flats: list[FlatParam], manager: TierManager, group: ProcessGroup,
-             policy: Policy, worker: CpuWorker, timeline: Timeline,
-             ranges: list[tuple[GroupRange, ...]], one_pass: OnePassAdamW | None
+             policy: Policy, worker: CpuWorker | None, timeline: Timeline,
+             ranges: list[tuple[GroupRange, ...]], one_pass: OnePassAdamW | None,
+             in_service: InService | None = None
              ) -> tuple[UnitRuntime, TieredAdamW, LossScaler | None]:
     """The runtime, the optimizer and the loss scaler (fp16 only) of an engine whose units are
-    built and whose tiers hold their states."""
+    built and whose tiers hold their states; its host runs on ``worker`` here, or, with
+    ``in_service``, in the node's service."""
     device = group.device
     scaler = LossScaler(policy.loss_scale) if policy.compute_dtype is ComputeDtype.FP16 else None
+    remote = (RemoteHost(in_service.source.client.paths.folder, timeline) if in_service
+              else None)
+    if remote is not None:
+        worker = remote.worker
     buffers = GradientBuffers(len(flats), manager.staging_names("grad"), manager.hbm.usage,
                               worker)
     pending = PendingWeights(worker, timeline)
     book = UpdateBook(worker)
-    host = RankHost(HostSetup(
-        manager=manager, names=[flat.name for flat in flats],
-        trainable=[flat.has_trainable for flat in flats],
-        buffer_dtype=state_dtype(policy, StateKind.GRAD), ranges=ranges,
-        device=optimizer_device(policy, device), one_pass=one_pass,
-        sub_group_size=policy.optimizer.sub_group_size, norm_group=group.on_host(),
-        max_grad_norm=policy.optimizer.max_grad_norm, fp16=scaler is not None,
-        timeline=timeline), TrainerEvents(buffers, pending, book))
+    events = TrainerEvents(buffers, pending, book)
+    names, trainable = [flat.name for flat in flats], [flat.has_trainable for flat in flats]
+    if remote is not None:
+        try:
+            remote.start(in_service.source.job, group.rank, HostRequest(
+                policy, manager.plan, in_service.source.segment_ids, names, trainable, ranges,
+                in_service.threads, traced=timeline.enabled), events)
+        except BaseException:
+            remote.close()
+            raise
+        link = remote
+    else:
+        link = LocalHost(worker, RankHost(HostSetup(
+            manager=manager, names=names, trainable=trainable,
+            buffer_dtype=state_dtype(policy, StateKind.GRAD), ranges=ranges,
+            device=optimizer_device(policy, device), one_pass=one_pass,
+            sub_group_size=policy.optimizer.sub_group_size, norm_group=group.on_host(),
+            max_grad_norm=policy.optimizer.max_grad_norm, fp16=scaler is not None,
+            timeline=timeline), events))
     runtime = UnitRuntime(EngineContext(flats, manager, group, policy, worker, Streams(device),
-                                        timeline, LocalHost(worker, host), buffers, pending))
+                                        timeline, link, buffers, pending))
     return runtime, TieredAdamW(runtime, policy, scaler, book), scaler
+
+
+def hostable_in_service(policy: Policy, local_world: int, world: int) -> bool:
+    """Whether the node's service can run this rank's host (see [Note: hosted ranks]): every
+    state in DRAM (the service never touches CUDA, and NVMe files are still the trainer's), no
+    spill, and every rank of the job on this node (the service sums the gradient norm over the
+    ranks it hosts)."""
+    tiers = (policy.params.tier, policy.grads.tier, policy.optimizer.tier)
+    return (all(tier is Tier.DRAM for tier in tiers) and policy.dram.spill is not Tier.NVME
+            and local_world == world)
 
 

@@ -56,10 +56,11 @@ def _refuse_non_floating(specs: list[UnitSpec]) -> None:
 
 
 def memory_plan(policy: Policy, device: torch.device, flats: list[FlatParam],
-                dram_available: int | None = None, building: int | None = None) -> MemoryPlan:
+                dram_available: int | None = None, building: int | None = None,
+                lands_every_gradient: bool = False) -> MemoryPlan:
     """What ``policy`` places in each tier for these units, before anything is allocated
     (with ``dram.spill: nvme``, given the DRAM available); ``building``: see
-    plan.hbm_working_set."""
+    plan.hbm_working_set; ``lands_every_gradient``: plan.staging_buffers."""
     # Units gathered through the whole forward are gathered as long as the root is.
     paths = ["" if f.spec.whole_forward else f.spec.path for f in flats]
     kinds = [unit_state_kinds(policy, f.has_trainable, [p.dtype for p in f.spec.params])
@@ -67,7 +68,8 @@ def memory_plan(policy: Policy, device: torch.device, flats: list[FlatParam],
     return build_plan(policy, device, [f.shard_numel for f in flats],
                       [f.padded_numel for f in flats], paths, flats[0].world_size,
                       dram_available=dram_available, unit_kinds=kinds,
-                      groups=module_groups([f.spec for f in flats]), building=building)
+                      groups=module_groups([f.spec for f in flats]), building=building,
+                      lands_every_gradient=lands_every_gradient)
 
 
 def built_together(flats: list[FlatParam]) -> list[list[FlatParam]]:

@@ -29,7 +29,7 @@ from ..policy import Device, Policy, Tier, resolve
 from ..service.client import ServiceSlabSource, slab_source_from_env
 from ..tiers import SlabSource
 from ..timeline import Timeline
-from .assemble import assemble
+from .assemble import InService, assemble, hostable_in_service
 from .build import (building_bytes, built_together, flat_units, memory_plan, partition,
                     place_buffers)
 from .collectives import ProcessGroup
@@ -339,9 +339,12 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
         if weights is not None:  # checked before anything large is allocated
             start_weights = pretrained.open_weights(weights, flats, model, state_dict_keys,
                                                     strict, group)
-        manager = TierManager(policy, device, group.rank,
-                              dram_source or _service_source(policy, device, group),
-                              _ranks_on_this_node(group), group.smallest)
+        source = dram_source or _service_source(policy, device, group)
+        local_ranks = _ranks_on_this_node(group)
+        # Whether the node's service runs this rank's CPU work (service/hosting.py).
+        hosted = (isinstance(source, ServiceSlabSource)
+                  and hostable_in_service(policy, local_ranks, group.world_size))
+        manager = TierManager(policy, device, group.rank, source, local_ranks, group.smallest)
         # Before the plan: what building a unit materializes counts in it (hbm_working_set).
         materializer = Materializer(model, [flat.spec for flat in flats], device,
                                     context.param_init_fn if context is not None else None)
@@ -350,16 +353,19 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
         if device.type == "cpu":  # the HBM tier is the same RAM: DRAM may fill what it leaves
             hbm_needed = memory_plan(policy, device, flats, None, building).needed(Tier.HBM)
             dram_room = manager.dram_room_beside(hbm_needed)
-        plan = memory_plan(policy, device, flats, dram_room, building)
-        worker = CpuWorker(optimizer_threads(policy.cpu.optimizer_threads,
-                                             drives_gpu=device.type == "cuda",
-                                             ranks_on_node=_ranks_on_this_node(group)))
+        plan = memory_plan(policy, device, flats, dram_room, building,
+                           lands_every_gradient=hosted)
+        threads = optimizer_threads(policy.cpu.optimizer_threads,
+                                    drives_gpu=device.type == "cuda", ranks_on_node=local_ranks)
         manager.check(plan)  # before paying for a compile the budget forbids
-        # Setup spans: on the GPU box a setup took 75-103 s, and the timeline says where.
-        with timeline.span("compile one-pass AdamW", "setup"):
-            one_pass = one_pass_for(policy.compute_dtype.torch_dtype,
-                                    grad_dtypes(policy, group.world_size),
-                                    optimizer_device(policy, device), worker)
+        one_pass = None
+        if not hosted:  # the service compiles its own
+            worker = CpuWorker(threads)
+            # Setup spans: on the GPU box a setup took 75-103 s, and the timeline says where.
+            with timeline.span("compile one-pass AdamW", "setup"):
+                one_pass = one_pass_for(policy.compute_dtype.torch_dtype,
+                                        grad_dtypes(policy, group.world_size),
+                                        optimizer_device(policy, device), worker)
         with timeline.span("allocate tiers (pin DRAM, create NVMe extents)", "setup"):
             manager.allocate(plan)
         for built in built_together(flats):
@@ -369,8 +375,10 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
         if start_weights is not None:
             start_weights.load_buffers(model)
             _warn_unmatched(start_weights.result, start_weights.source.where)
-        runtime, optimizer, scaler = assemble(flats, manager, group, policy, worker, timeline,
-                                              ranges, one_pass)
+        runtime, optimizer, scaler = assemble(
+            flats, manager, group, policy, worker, timeline, ranges, one_pass,
+            InService(source, threads) if hosted else None)
+        worker = runtime.worker
         engine = TieredEngine(model, policy, runtime, optimizer, scaler, state_dict_keys)
     except BaseException:
         if worker is not None:

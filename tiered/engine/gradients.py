@@ -93,7 +93,8 @@ class GradientPath:
         grads tier; the caller then releases the gathered weights. See [Note: offload stream]."""
         index = flat.spec.index
         first = not self.has_grad[index]
-        needs_landing = not first and flat.full.device.type != "cpu" and self._grads_on_host
+        needs_landing = not first and self._grads_on_host and (
+            flat.full.device.type != "cpu" or self.host.lands_every_gradient)
         self._retire_copies(wait=True)
         landing = self.buffers.reserve(index, first, needs_landing)
         transient = 0

@@ -279,6 +279,10 @@ class RankHost:
 class LocalHost:
     """The host in this process: commands run on its CPU worker, in the order sent."""
 
+    lands_every_gradient = False
+    """On a CPU device a later gradient reaches the host as the reduced shard itself (the
+    service's host, in another process, needs every one in a landing buffer)."""
+
     def __init__(self, worker: CpuWorker, rank_host: RankHost):
         self.worker = worker
         self.rank_host = rank_host
@@ -294,3 +298,19 @@ class LocalHost:
                 self.rank_host.queued(command, -1)
                 raise
             self._sent += 1
+
+    def unit_steps(self) -> list[float]:
+        """Each unit's AdamW step count (the host idle: a checkpoint drains it first)."""
+        return [float(step) for step in self.rank_host.stepper.steps]
+
+    def set_unit_steps(self, steps: list[float]) -> None:
+        for step, value in zip(self.rank_host.stepper.steps, steps):
+            step.fill_(value)
+
+    def restored(self) -> None:
+        """A checkpoint's state was loaded (the host idle)."""
+        self.rank_host.restore()
+
+    def params_swapped(self, units: list[int]) -> None:
+        """The training side made these units' delayed-update weights current: the host shares
+        its tier manager, so it sees the swap already."""

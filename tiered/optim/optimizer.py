@@ -290,6 +290,7 @@ class TieredAdamW(torch.optim.Optimizer):
         if update.mode is UpdateMode.DELAYED:
             for i in update.written:
                 self._manager.swap_params(i)
+            self._host.params_swapped(update.written)
         if update.norm is not None:
             self._last_grad_norm = update.norm
         if self.scaler is not None:
@@ -329,7 +330,7 @@ class TieredAdamW(torch.optim.Optimizer):
             "last_grad_norm": self._last_grad_norm,
             "hyper": hypers[0],
             "group_hypers": hypers[1:],
-            "unit_steps": [float(step) for step in self._host.rank_host.stepper.steps],
+            "unit_steps": self._host.unit_steps(),
             "loss_scale": self.scaler.state() if self.scaler is not None else None,
             "pending": None if pending is None else {
                 "written": list(pending.written), "norm": pending.norm,
@@ -346,14 +347,13 @@ class TieredAdamW(torch.optim.Optimizer):
         for group, hyper in zip(self.param_groups, saved):
             group.update(lr=hyper["lr"], betas=tuple(hyper["betas"]), eps=hyper["eps"],
                          weight_decay=hyper["weight_decay"])
-        for step, value in zip(self._host.rank_host.stepper.steps, state["unit_steps"]):
-            step.fill_(value)
+        self._host.set_unit_steps(state["unit_steps"])
         if self.scaler is not None and state["loss_scale"] is not None:
             self.scaler.load_state(state["loss_scale"])
         pending = state["pending"]
         self._pending = None if pending is None else self._book.restored(
             pending["written"], pending["norm"], pending["overflowed"], pending["loss_scale"])
-        self._host.rank_host.restore()
+        self._host.restored()
         self._runtime.step_taken()
         self._grads_loss_scale = None  # the load dropped the gradients
 

@@ -76,6 +76,11 @@ class ServiceClient:
     def closed(self) -> bool:
         return self._sock.fileno() < 0
 
+    @property
+    def socket(self) -> socket.socket:
+        """The connection itself, for a stream that follows a request (a rank's host)."""
+        return self._sock
+
     def close(self) -> None:
         self._sock.close()
 
@@ -92,7 +97,7 @@ class ServiceSlabSource:
         self.note: str = reply.get("note", "")
         """What the service said on attaching (a kept state it freed), for the trainer's log."""
         self._segments: dict[int, int] = {}
-        """A slab's address -> the segment it maps."""
+        """A slab's address -> the segment it maps, in the order they were reserved."""
 
     def __call__(self, nbytes: int) -> torch.Tensor:
         reply, fds = self.client.request("reserve", nbytes=nbytes)
@@ -113,6 +118,11 @@ class ServiceSlabSource:
                                   f"dram.budget")
         self._segments[slab.data_ptr()] = reply["segment"]
         return slab
+
+    @property
+    def segment_ids(self) -> list[int]:
+        """The segments this rank holds, in the order its DRAM tier reserved them."""
+        return list(self._segments.values())
 
     def release(self, slab: torch.Tensor) -> None:
         if self.pin:

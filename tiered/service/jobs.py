@@ -193,6 +193,21 @@ class Registry:
             owner.ranks[rank].segments[segment_id] = segment
             return segment
 
+    def segments_for_host(self, name: str, rank: int, pid: int,
+                          ids: list[int]) -> tuple[list[Segment], int]:
+        """The segments ``ids`` of the rank, for its host (service/hosting.py), and the job's
+        world size; refused unless ``pid`` is the rank's attached trainer and the segments are
+        all its own."""
+        with self._lock:
+            owner = self._rank(name, rank)
+            if owner.pid != pid:
+                raise RefusedError(f"job {name} rank {rank} is attached by pid {owner.pid}, "
+                                   f"not by pid {pid}: only a rank's own trainer starts its host")
+            missing = [i for i in ids if i not in owner.segments]
+            if missing or len(set(ids)) != len(ids):
+                raise RefusedError(f"job {name} rank {rank} holds no segments {missing or ids}")
+            return [owner.segments[i] for i in ids], self._jobs[name].world
+
     def release(self, name: str, rank: int, segment_id: int) -> None:
         with self._lock:
             segment = self._rank(name, rank).segments.pop(segment_id, None)

@@ -32,6 +32,8 @@ from .. import __version__
 from ..errors import BudgetError, TieredError
 from ..liveness import HeldElsewhere, OwnerLock
 from . import wire
+from .hosting import HostedRank, JobNorm
+from .hostwire import COMMAND_OPS, HostRequest, command_from_wire
 from .jobs import RefusedError, Registry
 from .paths import ServiceError, service_paths
 
@@ -66,6 +68,9 @@ class TierService:
             raise ServiceError(f"a tiered service already runs in {self.paths.folder} "
                                f"({e.owner}); stop it first (tiered daemon stop)") from None
         self.registry = Registry(config.dram_budget, config.keep_seconds)
+        self._norms: dict[str, JobNorm] = {}
+        """Per job, the sum of its hosted ranks' gradient norms (see [Note: hosted ranks])."""
+        self._norms_lock = threading.Lock()
         self.started = time.time()
         self._stopping = threading.Event()
         # The lock is ours, so a socket file there is a dead service's.
@@ -135,9 +140,14 @@ class TierService:
                 for fd in fds:  # no request of ours sends descriptors to the service
                     os.close(fd)
                 self._answer(client, message)
+                if client.hosted is not None:
+                    self._host_stream(client)
+                    return
         except OSError as e:  # the peer went mid-reply, or the socket failed
             log.info("pid %s: connection ended (%s)", client.pid, e)
         finally:
+            if client.hosted is not None:
+                self._end_host(client)
             if client.attached is not None:
                 job, rank = client.attached
                 self.registry.detach(job, rank, clean=False)
@@ -228,6 +238,77 @@ class TierService:
         return {}, []
 
 
+    def _op_host(self, client, message):
+        """Run the host of an attached rank here (see [Note: hosted ranks]); the connection
+        then carries its commands and events until it closes."""
+        if client.attached is not None or client.holds is not None:
+            raise RefusedError("this connection holds or is a rank already; a host needs one "
+                               "of its own")
+        job, rank = _field(message, "job", str), _field(message, "rank", int)
+        try:
+            request = HostRequest.from_wire(message["request"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise RefusedError(f"the host request of job {job} rank {rank} is malformed: "
+                               f"{e}") from None
+        segments, world = self.registry.segments_for_host(job, rank, client.pid,
+                                                          request.segments)
+        with self._norms_lock:
+            norm = self._norms.setdefault(job, JobNorm(world))
+        started = time.monotonic()
+        try:
+            hosted = HostedRank(request, segments, rank, world, norm, client.send)
+        except Exception as e:  # a plan that does not fit its segments, a failed compile
+            raise RefusedError(f"cannot run the host of job {job} rank {rank}: "
+                               f"{type(e).__name__}: {e}") from None
+        client.hosted = (job, hosted)
+        log.info("job %s rank %d: its host runs here (set up in %.1f s)", job, rank,
+                 time.monotonic() - started)
+        return {}, []
+
+    def _host_stream(self, client: "_Client") -> None:
+        """A hosted rank's commands, in the order they come, until the trainer goes."""
+        _, hosted = client.hosted
+        while not self._stopping.is_set():
+            try:
+                message, fds = wire.receive(client.conn)
+            except wire.Closed:
+                return
+            except wire.WireError as e:
+                log.warning("pid %s: a malformed host message (%s); its host stops", client.pid,
+                            e)
+                return
+            for fd in fds:
+                os.close(fd)
+            op = message["op"]
+            try:
+                if op in COMMAND_OPS:
+                    hosted.run(int(message["n"]), command_from_wire(message))
+                elif op == "drain":
+                    hosted.after_queued({"op": "drained", "request": int(message["request"])})
+                elif op == "unit_steps":
+                    hosted.unit_steps(int(message["request"]))
+                elif op == "set_unit_steps":
+                    hosted.set_unit_steps([float(v) for v in message["steps"]])
+                elif op == "restored":
+                    hosted.restored()
+                elif op == "params_swapped":
+                    hosted.params_swapped([int(unit) for unit in message["units"]])
+                else:
+                    raise ValueError(f"unknown host message {op!r}")
+            except (KeyError, TypeError, ValueError, TieredError) as e:
+                client.send({"op": "failed", "error": f"the service refused {op!r}: {e}"})
+                return
+
+    def _end_host(self, client: "_Client") -> None:
+        job, hosted = client.hosted
+        client.hosted = None
+        hosted.close()  # what was queued runs to its end; nothing more is taken
+        with self._norms_lock:
+            norm = self._norms.pop(job, None)
+        if norm is not None:
+            norm.broken(f"a rank of job {job} is gone")
+
+
 OPS = sorted(name[len("_op_"):] for name in vars(TierService) if name.startswith("_op_"))
 
 
@@ -252,6 +333,9 @@ class _Client:
         self.pid: int | None = None
         self.attached: tuple[str, int] | None = None
         """(job, rank) once attached, until a detach."""
+        self.hosted: tuple[str, HostedRank] | None = None
+        """The job and the rank's host this connection runs (service/hosting.py)."""
+        self._sending = threading.Lock()  # a host's events and this thread's replies
         self.holds: str | None = None
         """The job this connection's launcher holds, until it lets go."""
 
@@ -261,7 +345,11 @@ class _Client:
         return self.attached
 
     def reply(self, message: dict, fds: list[int] = ()) -> None:
-        wire.send(self.conn, {"op": "reply", **message}, fds)
+        self.send({"op": "reply", **message}, fds)
+
+    def send(self, message: dict, fds: list[int] = ()) -> None:
+        with self._sending:
+            wire.send(self.conn, message, fds)
 
     def reply_error(self, error: str, **extra) -> None:
         try:

@@ -1,0 +1,236 @@
+"""A training rank's host run by the node's service: the same RankHost (optim/host.py) a trainer
+runs in a thread of its own, here on the rank's DRAM segments, on a CPU worker of the service.
+
+[Note: hosted ranks]
+A rank whose states all live in DRAM (the service never touches CUDA, and NVMe files are still
+the trainer's) asks the service to run its host: it sends its plan, its setup and the order in
+which its DRAM tier reserved its segments. The service builds a TierManager that adopts that
+plan over the same segments (DramTier packs blocks alike from the same plan, so both sides find
+each state at the same offsets; a slab whose size differs is refused), compiles the one-pass
+AdamW once, and from then on runs the rank's commands in the order they come, each answered with
+events on the same connection. The global gradient norm of a step is summed here over the job's
+ranks, in rank order (JobNorm). A rank whose connection drops stops its host: commands already
+queued finish, nothing more is taken, and the job's other ranks waiting in a norm are told.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from functools import partial
+from typing import Callable
+
+import torch
+
+from ..errors import TieredError
+from ..manager import TierManager
+from ..optim.adamw import one_pass_for
+from ..optim.host import HostSetup, RankHost
+from ..optim.workers import CpuWorker
+from ..plan import StateKind, grad_dtypes, state_dtype
+from ..policy import ComputeDtype
+from .hostwire import HostRequest
+from .jobs import Segment
+from .segments import map_segment
+
+CPU = torch.device("cpu")
+
+
+class SegmentSlabSource:
+    """The DRAM tier's slabs in the service: the rank's segments, mapped here, in the order the
+    trainer's tier reserved them (see [Note: hosted ranks])."""
+
+    def __init__(self, segments: list[Segment]):
+        self._left = list(segments)
+
+    def __call__(self, nbytes: int) -> torch.Tensor:
+        if not self._left:
+            raise TieredError("the rank's plan needs more DRAM slabs than it reserved")
+        segment = self._left.pop(0)
+        if segment.nbytes != nbytes:
+            raise TieredError(f"the rank's slab {segment.id} has {segment.nbytes} bytes, its "
+                              f"plan packs {nbytes} into it: the trainer and the service "
+                              f"disagree on the plan")
+        return map_segment(segment.fd, nbytes)
+
+    def release(self, slab: torch.Tensor) -> None:
+        pass  # the segment is the job's, freed with it
+
+    def close(self, clean: bool) -> None:
+        pass
+
+
+class JobNorm:
+    """A job's global gradient norm, summed over its ranks hosted here: the k-th sum a rank
+    asks for waits for every rank's k-th share, added in rank order."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self._changed = threading.Condition()
+        self._shares: dict[int, dict[int, float]] = {}
+        self._taken: dict[int, int] = {}
+        self._broken: str | None = None
+
+    def sum(self, round_: int, rank: int, share: float) -> float:
+        with self._changed:
+            self._shares.setdefault(round_, {})[rank] = share
+            self._changed.notify_all()
+            self._changed.wait_for(lambda: self._broken is not None
+                                   or len(self._shares[round_]) == self.world)
+            if self._broken is not None:
+                raise TieredError(f"the job's gradient norm cannot be summed: {self._broken}")
+            shares = self._shares[round_]
+            total = 0.0
+            for r in sorted(shares):
+                total += shares[r]
+            self._taken[round_] = self._taken.get(round_, 0) + 1
+            if self._taken[round_] == self.world:
+                del self._shares[round_], self._taken[round_]
+            return total
+
+    def broken(self, why: str) -> None:
+        with self._changed:
+            self._broken = why
+            self._changed.notify_all()
+
+
+class _RankNorm:
+    """What RankHost takes as its norm group: one rank's view of its job's JobNorm."""
+
+    device = CPU
+
+    def __init__(self, job: JobNorm, rank: int):
+        self._job = job
+        self._rank = rank
+        self._round = 0
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        total = self._job.sum(self._round, self._rank, float(tensor))
+        self._round += 1
+        tensor.fill_(total)
+
+
+class _SpanSender:
+    """What RankHost takes as its timeline in the service: each span it times is sent to the
+    trainer, whose timeline places it on the host's shared monotonic clock (Timeline.record);
+    disabled when the trainer keeps none."""
+
+    def __init__(self, send: Callable[[dict], None], enabled: bool):
+        self._send = send
+        self.enabled = enabled
+
+    @contextlib.contextmanager
+    def span(self, name: str, category: str, args: dict | None = None):
+        if not self.enabled:
+            yield
+            return
+        start = time.perf_counter_ns()
+        try:
+            yield
+        finally:
+            self._send({"op": "span", "name": name, "category": category,
+                        "track": f"service {threading.current_thread().name}",
+                        "start_ns": start, "duration_ns": time.perf_counter_ns() - start,
+                        "args": args})
+
+
+class _WireEvents:
+    """HostEvents as messages to the trainer."""
+
+    def __init__(self, send: Callable[[dict], None]):
+        self._send = send
+
+    def gradient_taken(self, unit: int, ticket: int, landing: str | None) -> None:
+        self._send({"op": "gradient_taken", "unit": unit, "ticket": ticket, "landing": landing})
+
+    def buffers_held(self, units: list[int]) -> None:
+        self._send({"op": "buffers_held", "units": list(units)})
+
+    def buffers_read(self, units: list[int]) -> None:
+        self._send({"op": "buffers_read", "units": list(units)})
+
+    def weights_written(self, units: list[int]) -> None:
+        self._send({"op": "weights_written", "units": list(units)})
+
+    def update_norm(self, number: int, norm: float | None) -> None:
+        self._send({"op": "update_norm", "number": number, "norm": norm})
+
+    def update_wrote(self, number: int, unit: int) -> None:
+        self._send({"op": "update_wrote", "number": number, "unit": unit})
+
+    def update_done(self, number: int, overflowed: bool) -> None:
+        self._send({"op": "update_done", "number": number, "overflowed": overflowed})
+
+
+class HostedRank:
+    """One rank's host in the service (see [Note: hosted ranks])."""
+
+    def __init__(self, request: HostRequest, segments: list[Segment], rank: int, world: int,
+                 norm: JobNorm, send: Callable[[dict], None]):
+        policy = request.policy
+
+        def tell(message: dict) -> None:  # a trainer that is gone is told nothing
+            try:
+                send(message)
+            except OSError:
+                pass
+
+        self._send = tell
+        self.manager = TierManager(policy, CPU, rank, SegmentSlabSource(segments))
+        self.worker = None
+        try:
+            self.manager.adopt(request.plan)
+            self.worker = CpuWorker(request.threads)
+            compute = policy.compute_dtype.torch_dtype
+            one_pass = one_pass_for(compute, grad_dtypes(policy, world), CPU, self.worker)
+            self.host = RankHost(HostSetup(
+                manager=self.manager, names=request.names, trainable=request.trainable,
+                buffer_dtype=state_dtype(policy, StateKind.GRAD), ranges=request.ranges,
+                device=CPU, one_pass=one_pass, sub_group_size=policy.optimizer.sub_group_size,
+                norm_group=_RankNorm(norm, rank),
+                max_grad_norm=policy.optimizer.max_grad_norm,
+                fp16=policy.compute_dtype is ComputeDtype.FP16,
+                timeline=_SpanSender(tell, request.traced)), _WireEvents(tell))
+        except BaseException:
+            self.close()
+            raise
+        self.worker.on_failure(self._failed)
+
+    def run(self, number: int, command) -> None:
+        self.worker.submit(partial(self.host.run, number, command))
+
+    def after_queued(self, message: dict) -> None:
+        """Send ``message`` once every command sent before it has run (a trainer's drain)."""
+        self.worker.submit(partial(self._send, message))
+
+    def unit_steps(self, request: int) -> None:
+        self.worker.submit(lambda: self._send({"op": "unit_steps", "request": request, "steps": [
+            float(step) for step in self.host.stepper.steps]}))
+
+    def set_unit_steps(self, steps: list[float]) -> None:
+        def fill() -> None:
+            for step, value in zip(self.host.stepper.steps, steps):
+                step.fill_(value)
+        self.worker.submit(fill)
+
+    def restored(self) -> None:
+        self.worker.submit(self.host.restore)
+
+    def params_swapped(self, units: list[int]) -> None:
+        """The trainer made these units' delayed-update weights current (see
+        TierManager.swap_params): so does this manager, in the commands' order."""
+        def swap() -> None:
+            for unit in units:
+                self.manager.swap_params(unit)
+        self.worker.submit(swap)
+
+    def _failed(self) -> None:
+        self._send({"op": "failed", "error": f"{type(self.worker.error).__name__}: "
+                                             f"{self.worker.error}"})
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+        self.manager.close()
+
+
