@@ -44,9 +44,11 @@ def train(case: str, nvme: str, rank: int = 0, world: int = 1,
         job = next(job for job in service_status(os.environ[SERVICE_ENV])["jobs"]
                    if job["name"] == engine.service_job)
         held = {r["rank"]: r["dram_bytes"] for r in job["ranks"]}
+        hosts = {r["rank"]: r["host"] for r in job["ranks"]}
         torch.save({"job": engine.service_job, "world": job["world"], "held": held[rank],
                     "dram": engine.memory_report()["dram"]["current"],
-                    "host": type(engine.runtime.host).__name__}, status_to)
+                    "host": type(engine.runtime.host).__name__,
+                    "status_host": hosts[rank]}, status_to)
     state = run_engine(engine, opt, rank=rank, world=world)
     engine.close()
     return state
@@ -64,7 +66,9 @@ def test_one_rank_through_the_service_equals_in_process_bit_for_bit(case, servic
     assert status["job"] == os.environ[JOB_ENV] and status["world"] == 1
     assert status["held"] == status["dram"] > 0  # the service counts what the tier holds
     # Every state in DRAM: the service runs the rank's host; NVMe files are still the trainer's.
-    assert status["host"] == ("LocalHost" if CASES[case][0] == "nvme" else "RemoteHost")
+    in_service = CASES[case][0] != "nvme"
+    assert status["host"] == ("RemoteHost" if in_service else "LocalHost")
+    assert status["status_host"] == ("service" if in_service else "trainer")
     if case == "cpu":  # and training is training: PyTorch's, to the bit
         model = make_model()
         reference = train_torch(model, torch.optim.AdamW(model.parameters(), fused=True, **OPTIM))

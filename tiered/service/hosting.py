@@ -168,6 +168,7 @@ class HostedRank:
     def __init__(self, request: HostRequest, segments: list[Segment], rank: int, world: int,
                  norm: JobNorm, send: Callable[[dict], None]):
         policy = request.policy
+        self.rank = rank
 
         def tell(message: dict) -> None:  # a trainer that is gone is told nothing
             try:

@@ -71,6 +71,8 @@ class TierService:
         self._norms: dict[str, JobNorm] = {}
         """Per job, the sum of its hosted ranks' gradient norms (see [Note: hosted ranks])."""
         self._norms_lock = threading.Lock()
+        self._hosted: set[tuple[str, int]] = set()
+        """The (job, rank) whose hosts run here, for ``status``."""
         self.started = time.time()
         self._stopping = threading.Event()
         # The lock is ours, so a socket file there is a dead service's.
@@ -178,11 +180,15 @@ class TierService:
         return {"pid": os.getpid(), "version": __version__, "folder": self.paths.folder}, []
 
     def _op_status(self, client, message):
+        status = self.registry.status()
+        for job in status["jobs"]:
+            for rank in job["ranks"]:
+                rank["host"] = "service" if (job["name"], rank["rank"]) in self._hosted \
+                    else "trainer"
         return {"service": {"pid": os.getpid(), "version": __version__,
                             "folder": self.paths.folder,
                             "uptime_seconds": round(time.time() - self.started, 1),
-                            "until_idle": self.config.until_idle},
-                **self.registry.status()}, []
+                            "until_idle": self.config.until_idle}, **status}, []
 
     def _op_stop(self, client, message):
         log.info("stop requested by pid %s", client.pid)
@@ -261,6 +267,7 @@ class TierService:
             raise RefusedError(f"cannot run the host of job {job} rank {rank}: "
                                f"{type(e).__name__}: {e}") from None
         client.hosted = (job, hosted)
+        self._hosted.add((job, rank))
         log.info("job %s rank %d: its host runs here (set up in %.1f s)", job, rank,
                  time.monotonic() - started)
         return {}, []
@@ -302,6 +309,7 @@ class TierService:
     def _end_host(self, client: "_Client") -> None:
         job, hosted = client.hosted
         client.hosted = None
+        self._hosted.discard((job, hosted.rank))
         hosted.close()  # what was queued runs to its end; nothing more is taken
         with self._norms_lock:
             norm = self._norms.pop(job, None)

@@ -23,5 +23,6 @@ def status_table(status: dict) -> str:
         for rank in job["ranks"]:
             who = f"pid {rank['pid']}" if rank["attached"] else "gone"
             lines.append(f"  rank {rank['rank']:>3}  {who:<12} DRAM "
-                         f"{format_size(rank['dram_bytes'])} in {rank['segments']} segment(s)")
+                         f"{format_size(rank['dram_bytes'])} in {rank['segments']} segment(s); "
+                         f"CPU update in the {rank.get('host', 'trainer')}")
     return "\n".join(lines)
