@@ -76,12 +76,8 @@ class Timeline:
         if not self.enabled:
             yield
             return
-        start = time.perf_counter_ns()
-        try:
+        with timed(self.record, name, category, args):
             yield
-        finally:
-            self._add(name, category, threading.current_thread().name, start - self._t0,
-                      time.perf_counter_ns() - start, args)
 
     def record(self, name: str, category: str, track: str, start_ns: int, duration_ns: int,
                args: dict | None = None) -> None:
@@ -178,3 +174,15 @@ class Timeline:
             event["args"] = args
         with self._lock:
             self._events.append(event)
+
+
+@contextlib.contextmanager
+def timed(record, name: str, category: str, args: dict | None = None):
+    """Time the body on this thread's track and hand the span to ``record(name, category,
+    track, start_ns, duration_ns, args)``, in ``perf_counter_ns`` (a host's monotonic clock)."""
+    start = time.perf_counter_ns()
+    try:
+        yield
+    finally:
+        record(name, category, threading.current_thread().name, start,
+               time.perf_counter_ns() - start, args)

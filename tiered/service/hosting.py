@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from functools import partial
 from typing import Callable
 
@@ -29,6 +28,7 @@ from ..optim.host import HostSetup, RankHost
 from ..optim.workers import CpuWorker
 from ..plan import StateKind, grad_dtypes, state_dtype
 from ..policy import ComputeDtype
+from ..timeline import timed
 from .hostwire import HostRequest
 from .jobs import Segment
 from .segments import map_segment
@@ -124,14 +124,14 @@ class _SpanSender:
         if not self.enabled:
             yield
             return
-        start = time.perf_counter_ns()
-        try:
+        with timed(self._forward, name, category, args):
             yield
-        finally:
-            self._send({"op": "span", "name": name, "category": category,
-                        "track": f"service {threading.current_thread().name}",
-                        "start_ns": start, "duration_ns": time.perf_counter_ns() - start,
-                        "args": args})
+
+    def _forward(self, name: str, category: str, track: str, start_ns: int, duration_ns: int,
+                 args: dict | None) -> None:
+        self._send({"op": "span", "name": name, "category": category,
+                    "track": f"service {track}", "start_ns": start_ns,
+                    "duration_ns": duration_ns, "args": args})
 
 
 class _WireEvents:
