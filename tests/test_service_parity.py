@@ -6,14 +6,17 @@ the service counts for each rank is what that rank's DRAM tier holds.
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
 
 import tiered
 from distributed import run_ranks
-from helpers import CONFIGS, assert_same
-from helpers_models import OPTIM, assert_parity, make_model, run_engine, train_torch
+from gpt import next_token_loss
+from helpers import CONFIGS, assert_same, run_with_deadline
+from helpers_models import (OPTIM, assert_parity, make_model, run_engine, token_batches,
+                            train_torch)
 from tiered.service import service_status, start_service, stop_service
 from tiered.service.client import JOB_ENV, SERVICE_ENV
 
@@ -102,3 +105,31 @@ def test_two_ranks_through_the_service_match_pytorch(service, tmp_path):
             assert status["held"] == status["dram"] > 0
     assert service_status(service)["jobs"] == []
     assert not [p for p in os.listdir(tmp_path) if p.startswith("tiered-")]
+
+
+def test_a_service_killed_mid_run_is_an_error_naming_it_not_a_hang(tmp_path, monkeypatch):
+    """The rank's host runs in the service: when the service dies, whatever waits for it (the
+    next forward's weights, a drain) wakes with an error that says so, and the engine closes."""
+    folder = str(tmp_path / "service")
+    pid = start_service(folder, keep_seconds=0.0)
+    monkeypatch.setenv(SERVICE_ENV, folder)
+    monkeypatch.setenv(JOB_ENV, "killed-service")
+    engine, optimizer = tiered.initialize(make_model(), os.path.join(CONFIGS, "cpu.yaml"),
+                                          compute_dtype="fp32", device="cpu",
+                                          optimizer=dict(OPTIM))
+    assert type(engine.runtime.host).__name__ == "RemoteHost"
+    idx = token_batches(1)[0]
+    next_token_loss(engine(idx), idx).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    optimizer.synchronize()
+    os.kill(pid, signal.SIGKILL)
+
+    def next_step():
+        next_token_loss(engine(idx), idx).backward()
+        optimizer.step()
+        optimizer.synchronize()
+
+    with pytest.raises(tiered.TieredError, match="the node's service is gone"):
+        run_with_deadline(next_step, seconds=60)
+    run_with_deadline(engine.close, seconds=60)
