@@ -88,6 +88,9 @@ def test_the_daemon_commands_start_report_and_stop_a_service_that_leaves_nothing
         out, err = capsys.readouterr()
         return code, out, err
 
+    code, _, err = tiered_daemon("start", "--cores", "3-1")
+    assert code == 2 and "--cores '3-1': expected a list such as 0-7,12,14-15" in err, err
+    assert not os.path.exists(folder)
     code, out, err = tiered_daemon("start", "--dram", "1MiB")
     assert code == 0, err
     pid = int(out.split("pid ")[1].split(")")[0])
@@ -119,7 +122,7 @@ def test_memory_of_a_segment_is_shared_and_counted_per_job_and_rank(service):
     slab.fill_(7)
     rank = job_status(folder, "shared")["ranks"][0]
     assert rank == {"rank": 1, "pid": os.getpid(), "attached": True, "dram_bytes": 64 << 10,
-                    "segments": 1, "host": "trainer"}
+                    "segments": 1, "host": "trainer", "threads": None}
     assert service_status(folder)["dram"]["used"] == 64 << 10
     # The service holds the memory this process wrote (its memfd, reached through /proc).
     segment = source._segments[slab.data_ptr()]

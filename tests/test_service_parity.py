@@ -133,3 +133,34 @@ def test_a_service_killed_mid_run_is_an_error_naming_it_not_a_hang(tmp_path, mon
     with pytest.raises(tiered.TieredError, match="the node's service is gone"):
         run_with_deadline(next_step, seconds=60)
     run_with_deadline(engine.close, seconds=60)
+
+
+def test_the_ranks_hosted_on_a_node_never_run_more_threads_than_its_cores(tmp_path):
+    """Each rank's update asks for 2 threads; a service given cores 0 and 1 gives two ranks
+    one each (their share), so the node's cores are never oversubscribed, and says so."""
+    folder = str(tmp_path / "service")
+    start_service(folder, keep_seconds=0.0, cores="0,1")
+    try:
+        run_ranks(2, _report_threads, folder, str(tmp_path))
+        seen = [torch.load(tmp_path / f"threads{rank}.pt") for rank in range(2)]
+    finally:
+        stop_service(folder)
+    assert all(s["cores"] == [0, 1] and s["usable_cores"] == 2 for s in seen)
+    threads = [s["threads"][rank] for rank, s in enumerate(seen)]
+    assert threads == [1, 1] and sum(threads) <= 2
+
+
+def _report_threads(rank: int, world: int, folder: str, out: str) -> None:
+    os.environ[SERVICE_ENV] = folder
+    os.environ[JOB_ENV] = "threads"
+    engine, _ = tiered.initialize(make_model(), os.path.join(CONFIGS, "cpu.yaml"),
+                                  compute_dtype="fp32", device="cpu",
+                                  cpu={"optimizer_threads": 2})
+    status = service_status(folder)
+    job = next(job for job in status["jobs"] if job["name"] == "threads")
+    torch.save({"cores": status["service"]["cores"],
+                "usable_cores": status["service"]["usable_cores"],
+                "threads": {r["rank"]: r["threads"] for r in job["ranks"]}},
+               os.path.join(out, f"threads{rank}.pt"))
+    engine.runtime.group.barrier()  # both have looked before either leaves
+    engine.close()

@@ -3,7 +3,7 @@
     tiered check-policy FILE [--nvme PATH]          validate a policy and print it resolved
     tiered bench-io --nvme PATH [--size 4GiB] [--policy FILE] [--json]   NVMe engine bandwidth,
                                                     and a sweep: a table, or JSON with --json
-    tiered daemon start [--dram BYTES] [--keep-failed SECONDS] [--foreground]
+    tiered daemon start [--dram BYTES] [--keep-failed SECONDS] [--cores LIST] [--foreground]
     tiered daemon status [--json]                   the node's service: its pool, jobs, ranks
     tiered daemon stop
     tiered version
@@ -82,17 +82,21 @@ def _bench_io(args) -> int:
 def _daemon_start(args) -> int:
     from .service import service_paths, start_service
     from .service.__main__ import main as run_service
+    from .service.server import parse_cores
 
     try:
         dram = _positive_size("--dram", args.dram) if args.dram is not None else None
         if args.keep_failed is not None and not args.keep_failed >= 0:
             raise UsageError(f"--keep-failed must be >= 0 seconds, got {args.keep_failed}")
+        if args.cores is not None:
+            parse_cores(args.cores)  # a malformed list is refused here, not in the service
         if args.foreground:  # the service itself, here, as a systemd unit runs it
             return run_service((["--dram", str(dram)] if dram is not None else [])
                                + (["--keep-failed", str(args.keep_failed)]
-                                  if args.keep_failed is not None else []))
-        pid = start_service(dram=dram, keep_seconds=args.keep_failed)
-    except TieredError as e:
+                                  if args.keep_failed is not None else [])
+                               + (["--cores", args.cores] if args.cores is not None else []))
+        pid = start_service(dram=dram, keep_seconds=args.keep_failed, cores=args.cores)
+    except (TieredError, ValueError) as e:
         print(f"tiered: error: {e}", file=sys.stderr)
         return 2
     print(f"tiered service started (pid {pid}) in {service_paths().folder}")
@@ -145,6 +149,9 @@ def _add_daemon(commands) -> None:
     start.add_argument("--keep-failed", type=float, default=None, metavar="SECONDS",
                        help="how long a failed job's state is kept after its last trainer is "
                        "gone (default: 900)")
+    start.add_argument("--cores", default=None, metavar="LIST",
+                       help="cores its CPU work runs on, e.g. 0-7,12 (default: those it may "
+                       "use); each rank whose update it runs gets its share")
     start.add_argument("--foreground", action="store_true",
                        help="run in this process, logging to standard error (for a systemd "
                        "unit)")

@@ -11,7 +11,7 @@ from ..errors import TieredError
 from ..sizes import parse_size
 from ..tiers.dram import default_budget
 from .paths import default_folder, service_paths
-from .server import KEEP_SECONDS, ServiceConfig, TierService, run, serve
+from .server import KEEP_SECONDS, ServiceConfig, TierService, parse_cores, run, serve
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
                         metavar="SECONDS",
                         help="how long a failed job's state is kept after its last trainer "
                         "is gone (default: 900)")
+    parser.add_argument("--cores", default=None, metavar="LIST",
+                        help="cores its CPU work runs on, e.g. 0-7,12 (default: those it may "
+                        "use); each hosted rank gets its share")
     parser.add_argument("--until-idle", action="store_true",
                         help="exit once the jobs served are gone and nothing is held")
     parser.add_argument("--background", action="store_true",
@@ -36,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.keep_failed < 0:
             raise ValueError(f"--keep-failed must be >= 0 seconds, got {args.keep_failed}")
         config = ServiceConfig(args.folder or default_folder(), dram, args.keep_failed,
-                               args.until_idle)
+                               args.until_idle,
+                               parse_cores(args.cores) if args.cores is not None else None)
     except (TieredError, ValueError) as e:
         print(f"tiered service: error: {e}", file=sys.stderr)
         return 2

@@ -39,7 +39,8 @@ def running_service(folder: str | None = None) -> dict | None:
 
 
 def start_service(folder: str | None = None, *, dram: int | None = None,
-                  keep_seconds: float | None = None, until_idle: bool = False) -> int:
+                  keep_seconds: float | None = None, until_idle: bool = False,
+                  cores: str | None = None) -> int:
     """Start a service in the background and wait until it serves; returns its pid. Raises
     ServiceError (with its words) when it cannot start, or when one already runs."""
     paths = service_paths(folder, create=True)
@@ -50,6 +51,8 @@ def start_service(folder: str | None = None, *, dram: int | None = None,
         command += ["--keep-failed", str(keep_seconds)]
     if until_idle:
         command.append("--until-idle")
+    if cores is not None:
+        command += ["--cores", cores]
     try:
         started = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True,
                                  text=True, timeout=START_SECONDS)

@@ -20,6 +20,7 @@ the service frees every segment, removes its socket and exits.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 
 from .. import __version__
 from ..errors import BudgetError, TieredError
+from ..limits import usable_cores
 from ..liveness import HeldElsewhere, OwnerLock
 from . import wire
 from .hosting import HostedRank, JobNorm
@@ -56,6 +58,8 @@ class ServiceConfig:
     until_idle: bool = False
     """Exit once the jobs it served are gone and it holds nothing (a service tiered-launch
     started for its job)."""
+    cores: tuple[int, ...] | None = None
+    """The cores its CPU work runs on (``--cores``); None: those it was started with."""
 
 
 class TierService:
@@ -67,12 +71,21 @@ class TierService:
         except HeldElsewhere as e:
             raise ServiceError(f"a tiered service already runs in {self.paths.folder} "
                                f"({e.owner}); stop it first (tiered daemon stop)") from None
+        if config.cores is not None:
+            try:
+                os.sched_setaffinity(0, config.cores)
+            except OSError as e:
+                raise ServiceError(f"--cores {_cores_text(config.cores)}: this process may not "
+                                   f"run there ({e.strerror}); it may use "
+                                   f"{_cores_text(sorted(os.sched_getaffinity(0)))}") from None
+        self.cores = usable_cores()
+        """The cores the hosted ranks' CPU work shares (the affinity and cgroup quota's)."""
         self.registry = Registry(config.dram_budget, config.keep_seconds)
         self._norms: dict[str, JobNorm] = {}
         """Per job, the sum of its hosted ranks' gradient norms (see [Note: hosted ranks])."""
         self._norms_lock = threading.Lock()
-        self._hosted: set[tuple[str, int]] = set()
-        """The (job, rank) whose hosts run here, for ``status``."""
+        self._hosted: dict[tuple[str, int], int] = {}
+        """The (job, rank) whose hosts run here, and their CPU update's threads."""
         self.started = time.time()
         self._stopping = threading.Event()
         # The lock is ours, so a socket file there is a dead service's.
@@ -183,12 +196,15 @@ class TierService:
         status = self.registry.status()
         for job in status["jobs"]:
             for rank in job["ranks"]:
-                rank["host"] = "service" if (job["name"], rank["rank"]) in self._hosted \
-                    else "trainer"
+                threads = self._hosted.get((job["name"], rank["rank"]))
+                rank["host"] = "service" if threads is not None else "trainer"
+                rank["threads"] = threads
         return {"service": {"pid": os.getpid(), "version": __version__,
                             "folder": self.paths.folder,
                             "uptime_seconds": round(time.time() - self.started, 1),
-                            "until_idle": self.config.until_idle}, **status}, []
+                            "until_idle": self.config.until_idle,
+                            "cores": sorted(os.sched_getaffinity(0)),
+                            "usable_cores": self.cores}, **status}, []
 
     def _op_stop(self, client, message):
         log.info("stop requested by pid %s", client.pid)
@@ -260,6 +276,11 @@ class TierService:
                                                           request.segments)
         with self._norms_lock:
             norm = self._norms.setdefault(job, JobNorm(world))
+        # The node's ranks share these cores: none is given more than its share, so that the
+        # ranks' updates together never run more threads than the cores (one of each rank at
+        # least, where there are more ranks than cores).
+        threads = max(1, min(request.threads, self.cores // world))
+        request = dataclasses.replace(request, threads=threads)
         started = time.monotonic()
         try:
             hosted = HostedRank(request, segments, rank, world, norm, client.send)
@@ -267,9 +288,9 @@ class TierService:
             raise RefusedError(f"cannot run the host of job {job} rank {rank}: "
                                f"{type(e).__name__}: {e}") from None
         client.hosted = (job, hosted)
-        self._hosted.add((job, rank))
-        log.info("job %s rank %d: its host runs here (set up in %.1f s)", job, rank,
-                 time.monotonic() - started)
+        self._hosted[(job, rank)] = threads
+        log.info("job %s rank %d: its host runs here, %d thread(s) (set up in %.1f s)", job,
+                 rank, threads, time.monotonic() - started)
         return {}, []
 
     def _host_stream(self, client: "_Client") -> None:
@@ -309,7 +330,7 @@ class TierService:
     def _end_host(self, client: "_Client") -> None:
         job, hosted = client.hosted
         client.hosted = None
-        self._hosted.discard((job, hosted.rank))
+        self._hosted.pop((job, hosted.rank), None)
         hosted.close()  # what was queued runs to its end; nothing more is taken
         with self._norms_lock:
             norm = self._norms.pop(job, None)
@@ -318,6 +339,23 @@ class TierService:
 
 
 OPS = sorted(name[len("_op_"):] for name in vars(TierService) if name.startswith("_op_"))
+
+
+def parse_cores(text: str) -> tuple[int, ...]:
+    """``"0-7,12,14-15"`` as the cores it names; ValueError naming what is wrong."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()) or (
+                last and int(last) < int(first)):
+            raise ValueError(f"--cores {text!r}: expected a list such as 0-7,12,14-15, got "
+                             f"{part.strip()!r}")
+        cores.update(range(int(first), int(last or first) + 1))
+    return tuple(sorted(cores))
+
+
+def _cores_text(cores) -> str:
+    return ",".join(str(core) for core in cores)
 
 
 class _BadField(TieredError):

@@ -9,6 +9,7 @@ def status_table(status: dict) -> str:
     lines = [f"tiered service {service['version']}, pid {service['pid']}, up "
              f"{service['uptime_seconds']:.0f} s, in {service['folder']}"
              + (" (exits once its jobs are gone)" if service.get("until_idle") else ""),
+             f"CPU work on {service['usable_cores']} core(s): {_ranges(service['cores'])}",
              f"DRAM pool: {format_size(dram['used'])} of {format_size(dram['budget'])} held; "
              f"a failed job's state is kept {status['keep_seconds']:.0f} s"]
     if not status["jobs"]:
@@ -24,5 +25,17 @@ def status_table(status: dict) -> str:
             who = f"pid {rank['pid']}" if rank["attached"] else "gone"
             lines.append(f"  rank {rank['rank']:>3}  {who:<12} DRAM "
                          f"{format_size(rank['dram_bytes'])} in {rank['segments']} segment(s); "
-                         f"CPU update in the {rank.get('host', 'trainer')}")
+                         f"CPU update in the {rank['host']}"
+                         + (f", {rank['threads']} thread(s)" if rank["threads"] else ""))
     return "\n".join(lines)
+
+
+def _ranges(cores: list[int]) -> str:
+    """[0, 1, 2, 5] as "0-2,5"."""
+    runs: list[list[int]] = []
+    for core in cores:
+        if runs and core == runs[-1][1] + 1:
+            runs[-1][1] = core
+        else:
+            runs.append([core, core])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
