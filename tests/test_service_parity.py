@@ -17,8 +17,10 @@ from gpt import next_token_loss
 from helpers import CONFIGS, assert_same, run_with_deadline
 from helpers_models import (OPTIM, assert_parity, make_model, run_engine, token_batches,
                             train_torch)
+from tiered.cli import main as tiered_cli
 from tiered.service import service_status, start_service, stop_service
 from tiered.service.client import JOB_ENV, SERVICE_ENV
+from tiered.service.paths import RUNTIME_ENV
 
 CASES = {
     "cpu": ("cpu", {}),
@@ -163,4 +165,25 @@ def _report_threads(rank: int, world: int, folder: str, out: str) -> None:
                 "threads": {r["rank"]: r["threads"] for r in job["ranks"]}},
                os.path.join(out, f"threads{rank}.pt"))
     engine.runtime.group.barrier()  # both have looked before either leaves
+    engine.close()
+
+
+def test_status_says_each_jobs_last_step_done(service, monkeypatch, capsys):
+    """Where the service runs a rank's update, ``tiered daemon status`` says the last
+    ``optimizer.step()`` whose update it finished: on every rank, for the job."""
+    monkeypatch.setenv(SERVICE_ENV, service)
+    monkeypatch.setenv(JOB_ENV, "last-step")
+    engine, optimizer = tiered.initialize(make_model(), os.path.join(CONFIGS, "cpu.yaml"),
+                                          compute_dtype="fp32", device="cpu")
+    for idx in token_batches(3):
+        next_token_loss(engine(idx), idx).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    optimizer.synchronize()
+    job = next(job for job in service_status(service)["jobs"] if job["name"] == "last-step")
+    assert job["last_step"] == job["ranks"][0]["last_step"] == optimizer.steps_taken == 3
+    monkeypatch.setenv(RUNTIME_ENV, service)
+    assert tiered_cli(["daemon", "status"]) == 0
+    assert "job last-step: running; world 1, 1 ranks attached, 0 launcher(s), last step done 3" \
+        in capsys.readouterr().out
     engine.close()

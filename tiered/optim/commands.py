@@ -85,6 +85,8 @@ class Update:
 
     number: int
     """The training side's name for it, in what the host reports of it."""
+    step: int
+    """The ``optimizer.step()`` call it belongs to (``steps_taken`` after the call)."""
     units: tuple[int, ...]
     hypers: tuple[AdamWHyper, ...]
     """Per param group."""
@@ -97,6 +99,8 @@ class StepArrived:
     """Step what a step on arrival left of ``last``'s units (at ``optimizer.step()``)."""
 
     last: LastBackward
+    step: int
+    """The ``optimizer.step()`` call (``steps_taken`` after the call)."""
 
 
 Command = Union[GradientIn, ZeroGrad, Update, StepArrived]

@@ -77,6 +77,8 @@ class RankHost:
         self._queued_lock = threading.Lock()
         self._next = 0
         """The number of the next command to run: they run in the order sent."""
+        self.last_step = 0
+        """The last ``optimizer.step()`` call whose update this host finished."""
 
     # -- the commands ------------------------------------------------------------------------
 
@@ -90,8 +92,10 @@ class RankHost:
             self._zero_grad(command.set_to_none)
         elif isinstance(command, Update):
             self._update(command)
+            self.last_step = command.step
         else:
             self._step_ready(command.last, until_more_arrive=False)
+            self.last_step = command.step
 
     def queued(self, command: Command, change: int) -> None:
         """The sender counts a last backward's gradient as queued (+1) before it sends it, or

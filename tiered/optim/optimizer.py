@@ -244,7 +244,7 @@ class TieredAdamW(torch.optim.Optimizer):
             # (see _last_gradient_in); what it left is stepped here, with the hyperparameters
             # of the last backward's start (last.hypers), before any zero_grad() or later
             # gradient in the worker's queue.
-            self._host.send(StepArrived(last))
+            self._host.send(StepArrived(last, self._steps_called))
         if arrived and mode is UpdateMode.OVERLAPPED:
             # The worker is still stepping these (their readers wait in PendingWeights), and
             # ran the previous update before them; where units step on arrival (no clipping,
@@ -263,8 +263,8 @@ class TieredAdamW(torch.optim.Optimizer):
             if overlapped:
                 self._runtime.pending_weights.expect(update.units)
             try:
-                self._host.send(Update(update.number, tuple(update.units), self._hypers(),
-                                       loss_scale, mode))
+                self._host.send(Update(update.number, self._steps_called, tuple(update.units),
+                                       self._hypers(), loss_scale, mode))
             except BaseException:
                 self._pending = None
                 self._book.close(update)

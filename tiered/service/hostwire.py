@@ -117,11 +117,12 @@ def command_to_wire(command: Command) -> dict:
     if isinstance(command, ZeroGrad):
         return {"op": "zero_grad", "set_to_none": command.set_to_none}
     if isinstance(command, Update):
-        return {"op": "update", "number": command.number, "units": list(command.units),
+        return {"op": "update", "number": command.number, "step": command.step,
+                "units": list(command.units),
                 "hypers": [_hyper(h) for h in command.hypers],
                 "loss_scale": command.loss_scale, "mode": command.mode.value}
     assert isinstance(command, StepArrived)
-    return {"op": "step_arrived", "last": _last(command.last)}
+    return {"op": "step_arrived", "last": _last(command.last), "step": command.step}
 
 
 def command_from_wire(value: dict) -> Command:
@@ -133,11 +134,12 @@ def command_from_wire(value: dict) -> Command:
     if op == "zero_grad":
         return ZeroGrad(bool(value["set_to_none"]))
     if op == "update":
-        return Update(int(value["number"]), tuple(int(u) for u in value["units"]),
+        return Update(int(value["number"]), int(value["step"]),
+                      tuple(int(u) for u in value["units"]),
                       tuple(AdamWHyper(*h) for h in value["hypers"]),
                       float(value["loss_scale"]), UpdateMode(value["mode"]))
     if op == "step_arrived":
-        return StepArrived(_unlast(value["last"]))
+        return StepArrived(_unlast(value["last"]), int(value["step"]))
     raise ValueError(f"unknown host command {op!r}")
 
 

@@ -84,8 +84,8 @@ class TierService:
         self._norms: dict[str, JobNorm] = {}
         """Per job, the sum of its hosted ranks' gradient norms (see [Note: hosted ranks])."""
         self._norms_lock = threading.Lock()
-        self._hosted: dict[tuple[str, int], int] = {}
-        """The (job, rank) whose hosts run here, and their CPU update's threads."""
+        self._hosted: dict[tuple[str, int], tuple[int, HostedRank]] = {}
+        """The (job, rank) whose hosts run here: their CPU update's threads, and the host."""
         self.started = time.time()
         self._stopping = threading.Event()
         # The lock is ours, so a socket file there is a dead service's.
@@ -196,9 +196,14 @@ class TierService:
         status = self.registry.status()
         for job in status["jobs"]:
             for rank in job["ranks"]:
-                threads = self._hosted.get((job["name"], rank["rank"]))
-                rank["host"] = "service" if threads is not None else "trainer"
+                threads, hosted = self._hosted.get((job["name"], rank["rank"]), (None, None))
+                rank["host"] = "service" if hosted is not None else "trainer"
                 rank["threads"] = threads
+                rank["last_step"] = hosted.host.last_step if hosted is not None else None
+            steps = [rank["last_step"] for rank in job["ranks"]]
+            # The last step finished on every rank, where the service runs their updates.
+            job["last_step"] = (min(steps) if steps and None not in steps
+                                and len(steps) == job["world"] else None)
         return {"service": {"pid": os.getpid(), "version": __version__,
                             "folder": self.paths.folder,
                             "uptime_seconds": round(time.time() - self.started, 1),
@@ -288,7 +293,7 @@ class TierService:
             raise RefusedError(f"cannot run the host of job {job} rank {rank}: "
                                f"{type(e).__name__}: {e}") from None
         client.hosted = (job, hosted)
-        self._hosted[(job, rank)] = threads
+        self._hosted[(job, rank)] = threads, hosted
         log.info("job %s rank %d: its host runs here, %d thread(s) (set up in %.1f s)", job,
                  rank, threads, time.monotonic() - started)
         return {}, []
