@@ -3,6 +3,8 @@
     tiered-launch --nvme "$(mktemp -d)" --policy configs/nvme.yaml examples/train_gpt.py
     ... examples/train_gpt.py --checkpoint ckpt --save-every 50   # checkpoints as it goes
     ... examples/train_gpt.py --checkpoint ckpt --resume          # on from the latest one
+    tiered-launch --job NAME ... examples/train_gpt.py   # relaunched after a crash: on from the
+                                                         # node's service's kept state
     ... examples/train_gpt.py --lora 8            # adapters only: the rest frozen, weights alone
     ... examples/train_gpt.py --save-pretrained out             # safetensors at the end
     ... examples/train_gpt.py --init-from out --lora 8          # fine-tune from them
@@ -114,8 +116,12 @@ def main() -> None:
         f"compute {engine.policy.compute_dtype.value} on {engine.device}")
     log("placement of the first unit:", engine.placement()[engine.runtime.flats[0].name])
 
-    first = 1
-    if args.resume:
+    # steps_taken counts optimizer.step() calls, and this loop makes one per batch: a rank that
+    # took its state over from the node's service (its trainer died) goes on where it was.
+    first = optimizer.steps_taken + 1
+    if engine.reattached:
+        log(f"reattached to the service's kept state: on from step {first}")
+    elif args.resume:
         try:
             tag = engine.load_checkpoint(args.checkpoint)
         except tiered.CheckpointError as e:
@@ -123,7 +129,6 @@ def main() -> None:
             # A --resume with no checkpoint to resume from most likely names the wrong folder;
             # starting afresh would train from scratch and save beside what the user meant.
             fail(parser, f"--resume: {e}", say=rank == 0)
-        # steps_taken counts optimizer.step() calls, and this loop makes one per batch.
         first = optimizer.steps_taken + 1
         log(f"resumed from {args.checkpoint}/{tag} at step {first}")
     data = markov_batches(args.vocab, args.batch, args.seq, seed=1)

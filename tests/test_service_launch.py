@@ -91,7 +91,7 @@ def test_no_daemon_keeps_the_tiers_in_the_ranks_and_starts_no_service(folder, tm
 
 
 @pytest.mark.parametrize("flags, said", [
-    (["--no-daemon", "--job", "x"], "--job and --keep-failed are for the node's tiered service"),
+    (["--no-daemon", "--fresh"], "--job, --fresh and --keep-failed are for the node"),
     (["--no-daemon", "--keep-failed", "5"], "which --no-daemon does not use"),
     (["--job", "a/b"], "--job must be 1 to 100 letters, digits"),
     (["--keep-failed", "-1"], "--keep-failed must be >= 0 seconds, got -1.0"),
@@ -111,7 +111,8 @@ def test_a_killed_launchers_job_is_kept_then_freed_and_its_service_exits(folder,
     """The launcher's process group killed with SIGKILL (a scheduler's kill): its ranks die with
     it, the job counts as failed and its state is kept for --keep-failed; then the service
     frees it and, having been started for it, exits, leaving no process and no socket. A
-    relaunch of the same job meanwhile is told that its kept state was freed."""
+    relaunch of the same job at another world size meanwhile is refused, and one with --fresh
+    is told that its kept state was freed."""
     stdout = open(tmp_path / "stdout", "w+")
     launcher = launch(folder, "--nproc-per-node", 2, "--job", "killed", "--keep-failed", 8,
                       "--policy", CONFIGS / "cpu.yaml", EXAMPLE, *SMALL, "--steps", 1_000_000,
@@ -135,12 +136,20 @@ def test_a_killed_launchers_job_is_kept_then_freed_and_its_service_exits(folder,
     assert not any(rank["attached"] for rank in job["ranks"])
     assert 0 < job["freed_in_seconds"] <= 8
 
-    # Relaunched within the keep time: a fresh start, said in one line (reattach comes later).
-    again = finish(launch(folder, "--nproc-per-node", 1, "--job", "killed", "--policy",
-                          CONFIGS / "cpu.yaml", EXAMPLE, *SMALL, "--steps", 2,
+    # Relaunched within the keep time at another world size: refused in one line, nothing
+    # freed; with --fresh, a fresh start (tests/test_reattach.py relaunches it as it was).
+    refused = finish(launch(folder, "--nproc-per-node", 1, "--job", "killed", "--policy",
+                            CONFIGS / "cpu.yaml", EXAMPLE, *SMALL, "--steps", 2,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE), timeout=180)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "job killed ran at world size 2 and its state is kept" in refused.stderr
+    assert "relaunch it at 2, or with --fresh" in refused.stderr
+    again = finish(launch(folder, "--nproc-per-node", 1, "--job", "killed", "--fresh",
+                          "--policy", CONFIGS / "cpu.yaml", EXAMPLE, *SMALL, "--steps", 2,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE), timeout=180)
     assert again.returncode == 0, again.stderr
-    assert "job killed's kept state was freed: a new run of it starts afresh" in again.stderr
+    assert "job killed's kept state was freed: a new run of it starts afresh (--fresh)" \
+        in again.stderr
     wait_until(lambda: service_gone(folder), seconds=30)
     assert not psutil.pid_exists(service_pid) \
         or psutil.Process(service_pid).status() == psutil.STATUS_ZOMBIE

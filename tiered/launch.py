@@ -50,6 +50,10 @@ def _parser():
     parser.add_argument("--job", default=None, metavar="NAME",
                         help="the job's name at the node's tiered service (default: "
                         "torchrun's --rdzv-id when given, else a new name per launch)")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start the job afresh: discard what the node's service kept of "
+                        "a failed run of the same --job (by default its ranks go on from the "
+                        "last step every rank completed)")
     parser.add_argument("--no-daemon", action="store_true",
                         help="keep every tier in the training processes instead of using "
                         "(or starting) the node's tiered service")
@@ -109,9 +113,10 @@ def _check_nnodes(nnodes: str) -> None:
 def _check_torchrun_flags(args) -> int:
     """The torchrun flags that torchrun checks with an AssertionError or a traceback from deep
     inside, and ours beside them; returns the ranks per node."""
-    if args.no_daemon and (args.job is not None or args.keep_failed is not None):
-        raise UsageError("--job and --keep-failed are for the node's tiered service, which "
-                         "--no-daemon does not use")
+    if args.no_daemon and (args.job is not None or args.keep_failed is not None
+                           or args.fresh):
+        raise UsageError("--job, --fresh and --keep-failed are for the node's tiered service, "
+                         "which --no-daemon does not use")
     if args.keep_failed is not None and not args.keep_failed >= 0:
         raise UsageError(f"--keep-failed must be >= 0 seconds, got {args.keep_failed}")
     if args.job is not None and not _JOB_NAME.fullmatch(args.job):
@@ -242,7 +247,9 @@ def _hold_job_at_the_service(args):
         print(f"tiered-launch: warning: --keep-failed applies to a service this launch starts; "
               f"the one running in {folder} keeps its own setting (tiered daemon status)",
               file=sys.stderr)
-    hold = JobHold(folder, job)
+    one_node = args.nnodes in ("1", "1:1")  # else the world size is known once they meet
+    world = _ranks_per_node(args.nproc_per_node) if one_node else None
+    hold = JobHold(folder, job, fresh=args.fresh, world=world)
     if hold.note:
         print(f"tiered-launch: {hold.note}", file=sys.stderr)
     os.environ[SERVICE_ENV] = folder

@@ -85,6 +85,8 @@ class TierManager:
         self.plan: MemoryPlan | None = None
         """What :meth:`allocate` allocated."""
         self._staging: dict[str, torch.Tensor] = {}
+        self._swapped: set[int] = set()
+        """Units whose PARAM and PARAM_NEXT buffers are swapped (see :meth:`swap_params`)."""
         self.hbm = HbmTier(device, policy.hbm.budget)
         # Pinned only for a GPU's copies: a CPU engine on a machine with CUDA (a benchmark's
         # writer, a test) would register every slab (0.6 s/GiB) and start a CUDA context.
@@ -182,16 +184,18 @@ class TierManager:
             out[Tier.NVME] = self.nvme.usage.budget - self.nvme.usage.current
         return out
 
-    def allocate(self, plan: MemoryPlan) -> None:
+    def allocate(self, plan: MemoryPlan, kept: bool = False) -> None:
         """Check the plan against every budget, then allocate all of it.
 
         Optimizer moments start at zero: resident ones are zeroed, NVMe files read back as
-        zeros because they were just preallocated.
+        zeros because they were just preallocated. ``kept``: the DRAM source hands back slabs
+        that hold a rank's states already (a trainer reattached to its service's kept state),
+        which are used as they are.
         """
         self.check(plan)
         budgets = self.budgets_for(plan)
         self.hbm.usage.budget, self.dram.usage.budget = budgets[Tier.HBM], budgets[Tier.DRAM]
-        self._allocate(plan, zero_moments=True)
+        self._allocate(plan, zero_moments=not kept)
 
     def adopt(self, plan: MemoryPlan) -> None:
         """Take over ``plan``, which another process (a trainer) checked and allocated: its DRAM
@@ -372,6 +376,12 @@ class TierManager:
         following = self.shards[(unit, StateKind.PARAM_NEXT)]
         current.resident, following.resident = following.resident, current.resident
         current.file, following.file = following.file, current.file
+        self._swapped ^= {unit}
+
+    def swapped_units(self) -> list[int]:
+        """The units whose current weights are in the buffer the plan names PARAM_NEXT (swapped
+        an odd number of times): what another manager over the same memory swaps to agree."""
+        return sorted(self._swapped)
 
     def tier_of(self, unit: int, kind: StateKind) -> Tier:
         return self.shards[(unit, kind)].tier

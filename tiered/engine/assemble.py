@@ -5,7 +5,7 @@ Nothing is wired in after it is made: each part is given what it reports to when
 from __future__ import annotations
 
 from dataclasses import dataclass
-
+from typing import Callable
 
 from ..manager import TierManager
 from ..optim import TieredAdamW
@@ -38,6 +38,8 @@ class InService:
     """The rank's DRAM from the service: its job, and its segments in order."""
     threads: int
     """The CPU update's threads there."""
+    model_state: Callable[[], dict]
+    """The model's part of each step's record (reattach.StepRecorder)."""
 
 
 def assemble(flats: list[FlatParam], manager: TierManager, group: ProcessGroup,
@@ -50,8 +52,8 @@ def assemble(flats: list[FlatParam], manager: TierManager, group: ProcessGroup,
     ``in_service``, in the node's service."""
     device = group.device
     scaler = LossScaler(policy.loss_scale) if policy.compute_dtype is ComputeDtype.FP16 else None
-    remote = (RemoteHost(in_service.source.client.paths.folder, timeline) if in_service
-              else None)
+    remote = (RemoteHost(in_service.source.client.paths.folder, timeline,
+                         in_service.model_state) if in_service else None)
     if remote is not None:
         worker = remote.worker
     buffers = GradientBuffers(len(flats), manager.staging_names("grad"), manager.hbm.usage,
@@ -59,19 +61,19 @@ def assemble(flats: list[FlatParam], manager: TierManager, group: ProcessGroup,
     pending = PendingWeights(worker, timeline)
     book = UpdateBook(worker)
     events = TrainerEvents(buffers, pending, book)
-    names, trainable = [flat.name for flat in flats], [flat.has_trainable for flat in flats]
     if remote is not None:
         try:
-            remote.start(in_service.source.job, group.rank, HostRequest(
-                policy, manager.plan, in_service.source.segment_ids, names, trainable, ranges,
-                in_service.threads, traced=timeline.enabled), events)
+            remote.start(in_service.source.job, group.rank, host_request(
+                policy, manager.plan, flats, ranges, in_service.source.segment_ids,
+                in_service.threads, timeline.enabled), events)
         except BaseException:
             remote.close()
             raise
         link = remote
     else:
         link = LocalHost(worker, RankHost(HostSetup(
-            manager=manager, names=names, trainable=trainable,
+            manager=manager, names=[flat.name for flat in flats],
+            trainable=[flat.has_trainable for flat in flats],
             buffer_dtype=state_dtype(policy, StateKind.GRAD), ranges=ranges,
             device=optimizer_device(policy, device), one_pass=one_pass,
             sub_group_size=policy.optimizer.sub_group_size, norm_group=group.on_host(),
@@ -80,6 +82,14 @@ def assemble(flats: list[FlatParam], manager: TierManager, group: ProcessGroup,
     runtime = UnitRuntime(EngineContext(flats, manager, group, policy, worker, Streams(device),
                                         timeline, link, buffers, pending))
     return runtime, TieredAdamW(runtime, policy, scaler, book), scaler
+
+
+def host_request(policy: Policy, plan, flats: list[FlatParam],
+                 ranges: list[tuple[GroupRange, ...]], segments: list[int], threads: int,
+                 traced: bool) -> HostRequest:
+    """What this rank asks of the service to run its host there."""
+    return HostRequest(policy, plan, segments, [flat.name for flat in flats],
+                       [flat.has_trainable for flat in flats], ranges, threads, traced)
 
 
 def hostable_in_service(policy: Policy, local_world: int, world: int) -> bool:

@@ -147,9 +147,15 @@ def partition(flats: list[FlatParam], materializer: Materializer, manager: TierM
                 weights.fill(flat, shard)
         manager.store_weights(flat.spec.index, shard)
         del shard
+    drop_parameters(flats)
+    manager.hbm.usage.release(building)
+
+
+def drop_parameters(flats: list[FlatParam]) -> None:
+    """The units' parameters leave their modules, whose states the tiers hold now (built, or
+    taken over from a service's kept state: engine/reattach.py)."""
     for flat in flats:
         for param in flat.spec.params:
             for module, attr in param.holders:
                 module._parameters.pop(attr, None)
         flat.bind_placeholders()  # what a module holds while its unit is released
-    manager.hbm.usage.release(building)

@@ -29,9 +29,10 @@ from ..policy import Device, Policy, Tier, resolve
 from ..service.client import ServiceSlabSource, slab_source_from_env
 from ..tiers import SlabSource
 from ..timeline import Timeline
-from .assemble import InService, assemble, hostable_in_service
-from .build import (building_bytes, built_together, flat_units, memory_plan, partition,
-                    place_buffers)
+from . import reattach
+from .assemble import InService, assemble, host_request, hostable_in_service
+from .build import (building_bytes, built_together, drop_parameters, flat_units, memory_plan,
+                    partition, place_buffers)
 from .collectives import ProcessGroup
 from .hooks import UnitHooks
 from .init import Materializer, init_context_of
@@ -90,6 +91,15 @@ class TieredEngine:
     @property
     def manager(self) -> TierManager:
         return self.runtime.manager
+
+    @property
+    def reattached(self) -> bool:
+        """Whether ``initialize`` took this rank's state over from the node's service, where a
+        trainer of the same job had died (see [Note: reattach] in service/commits.py): then
+        ``optimizer.steps_taken`` is the last step every rank completed, as after
+        ``load_checkpoint``."""
+        source = self.manager.dram.source
+        return isinstance(source, ServiceSlabSource) and source.kept is not None
 
     @property
     def service_job(self) -> str | None:
@@ -336,10 +346,11 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
         if not flats:
             raise TieredError("the model has no parameters to train")
         ranges = shard_ranges(flats, policy.optimizer.param_groups)  # one matching nothing fails
-        if weights is not None:  # checked before anything large is allocated
+        source = dram_source or _service_source(policy, device, group)
+        kept = source.kept if isinstance(source, ServiceSlabSource) else None
+        if weights is not None and kept is None:  # checked before anything large is allocated
             start_weights = pretrained.open_weights(weights, flats, model, state_dict_keys,
                                                     strict, group)
-        source = dram_source or _service_source(policy, device, group)
         local_ranks = _ranks_on_this_node(group)
         # Whether the node's service runs this rank's CPU work (service/hosting.py).
         hosted = (isinstance(source, ServiceSlabSource)
@@ -358,6 +369,9 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
         threads = optimizer_threads(policy.cpu.optimizer_threads,
                                     drives_gpu=device.type == "cuda", ranks_on_node=local_ranks)
         manager.check(plan)  # before paying for a compile the budget forbids
+        if kept is not None:  # the same model and policy as the kept state's, before any use
+            reattach.check_kept(kept, host_request(policy, plan, flats, ranges, [], 0,
+                                                   False).fingerprint(), source.job)
         one_pass = None
         if not hosted:  # the service compiles its own
             worker = CpuWorker(threads)
@@ -367,8 +381,10 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
                                         grad_dtypes(policy, group.world_size),
                                         optimizer_device(policy, device), worker)
         with timeline.span("allocate tiers (pin DRAM, create NVMe extents)", "setup"):
-            manager.allocate(plan)
-        for built in built_together(flats):
+            manager.allocate(plan, kept=kept is not None)
+        if kept is not None:  # the units' states are the kept segments' already
+            drop_parameters(flats)
+        for built in built_together(flats) if kept is None else []:
             with timeline.span(f"build unit {built[-1].name}", "setup"):
                 partition(built, materializer, manager, group, start_weights)
         place_buffers(model, policy.compute_dtype.torch_dtype, group)
@@ -377,9 +393,12 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
             _warn_unmatched(start_weights.result, start_weights.source.where)
         runtime, optimizer, scaler = assemble(
             flats, manager, group, policy, worker, timeline, ranges, one_pass,
-            InService(source, threads) if hosted else None)
+            InService(source, threads, reattach.StepRecorder(model, state_dict_keys, device))
+            if hosted else None)
         worker = runtime.worker
         engine = TieredEngine(model, policy, runtime, optimizer, scaler, state_dict_keys)
+        if kept is not None:
+            reattach.restore(engine, kept)
     except BaseException:
         if worker is not None:
             worker.close()

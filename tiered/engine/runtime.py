@@ -40,11 +40,14 @@ class UnitRuntime:
         self.backwards_since_step = 0
         # Stepping a unit as its gradient arrives needs the step's last backward to be known
         # (accumulation_steps) and no global norm first (clipping, fp16 overflow checks).
-        # The delayed update steps at optimizer.step() by design.
+        # The delayed update steps at optimizer.step() by design. A host that keeps step
+        # records (the service's) steps only committed steps (see [Note: reattach] in
+        # service/commits.py), and a step is committed at optimizer.step().
         self.arrival_allowed = (self.accumulation_steps is not None
                                 and policy.optimizer.max_grad_norm is None
                                 and policy.compute_dtype is not ComputeDtype.FP16
-                                and not policy.optimizer.delayed_update.enabled)
+                                and not policy.optimizer.delayed_update.enabled
+                                and not context.host.records_steps)
         self.last_backward: LastBackward | None = None
         """Set while the backward running is the step's last (``accumulation_steps`` declares
         it): each unit's gradient is complete once it arrives, so it can be stepped then, or

@@ -79,6 +79,9 @@ class RankHost:
         """The number of the next command to run: they run in the order sent."""
         self.last_step = 0
         """The last ``optimizer.step()`` call whose update this host finished."""
+        self.last_update: dict | None = None
+        """The outcome of the last update it ran (its step, norm, overflow and the units it
+        wrote), for a relaunch that takes over the rank's state (final_state)."""
 
     # -- the commands ------------------------------------------------------------------------
 
@@ -239,6 +242,8 @@ class RankHost:
             self.stepper.step(order, update.hypers, divisor, delayed, on_unit=wrote)
         if overlapped:  # those an overflow skipped: their readers read the old weights
             self.events.weights_written([unit for unit in update.units if unit not in written])
+        self.last_update = {"step": update.step, "norm": norm, "overflowed": divisor is None,
+                            "written": sorted(written)}
         self.events.update_done(update.number, overflowed=divisor is None)
 
     def _grad_divisor(self, update: Update) -> tuple[float | None, float | None]:
@@ -274,6 +279,13 @@ class RankHost:
         self.setup.norm_group.all_reduce_sum(square_sum)
         return math.sqrt(square_sum.item())
 
+    def final_state(self) -> dict:
+        """What a relaunch taking this rank's state over needs of the host, with it idle: each
+        unit's AdamW step count and the last update's outcome (see [Note: reattach] in
+        service/commits.py)."""
+        return {"unit_steps": [float(step) for step in self.stepper.steps],
+                "last_update": self.last_update}
+
     def restore(self) -> None:
         """A checkpoint's state was loaded: no gradient or arrival is held any more."""
         self._ready = []
@@ -286,6 +298,8 @@ class LocalHost:
     lands_every_gradient = False
     """On a CPU device a later gradient reaches the host as the reduced shard itself (the
     service's host, in another process, needs every one in a landing buffer)."""
+    records_steps = False
+    """Its state dies with this process: no step record is kept (see RemoteHost)."""
 
     def __init__(self, worker: CpuWorker, rank_host: RankHost):
         self.worker = worker

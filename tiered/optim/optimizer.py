@@ -255,6 +255,7 @@ class TieredAdamW(torch.optim.Optimizer):
         self._runtime.step_taken()
         self._grads_loss_scale = None  # this step takes the gradients
         rest = [i for i in units if i not in arrived]
+        sent = None
         if rest:
             overlapped = mode is UpdateMode.OVERLAPPED
             update = self._book.open(self._runtime.forward_order(rest) if overlapped else rest,
@@ -269,8 +270,11 @@ class TieredAdamW(torch.optim.Optimizer):
                 self._pending = None
                 self._book.close(update)
                 raise
-            if mode is UpdateMode.BLOCKING:
-                self.synchronize()
+            sent = update
+        if self._host.records_steps:  # before a blocking update: it runs once this is in
+            self._host.step_record(self._steps_called, self._step_record(sent))
+        if sent is not None and mode is UpdateMode.BLOCKING:
+            self.synchronize()
         return loss
 
     def synchronize(self) -> None:
@@ -322,6 +326,26 @@ class TieredAdamW(torch.optim.Optimizer):
             self.synchronize()
         self._worker.drain()
         pending = self._pending
+        return {
+            **self._counters(),
+            "unit_steps": self._host.unit_steps(),
+            "pending": None if pending is None else {
+                "written": list(pending.written), "norm": pending.norm,
+                "overflowed": pending.overflowed, "loss_scale": pending.loss_scale},
+        }
+
+    def _step_record(self, sent: _Update | None) -> dict:
+        """This ``step()`` call's record for a host that keeps one (see [Note: reattach] in
+        service/commits.py): what :meth:`checkpoint_state` would say once ``sent`` (the update
+        this call sent, if any) is done, but for what only the host knows then (each unit's
+        step count, the update's outcome), and which units' delayed-update weights are
+        swapped."""
+        return {**self._counters(),
+                "update": None if sent is None else {"mode": sent.mode.value,
+                                                      "loss_scale": sent.loss_scale},
+                "swapped": self._manager.swapped_units()}
+
+    def _counters(self) -> dict:
         hypers = [{"lr": float(group["lr"]), "betas": list(group["betas"]), "eps": group["eps"],
                    "weight_decay": group["weight_decay"]} for group in self.param_groups]
         return {
@@ -330,12 +354,32 @@ class TieredAdamW(torch.optim.Optimizer):
             "last_grad_norm": self._last_grad_norm,
             "hyper": hypers[0],
             "group_hypers": hypers[1:],
-            "unit_steps": self._host.unit_steps(),
             "loss_scale": self.scaler.state() if self.scaler is not None else None,
-            "pending": None if pending is None else {
-                "written": list(pending.written), "norm": pending.norm,
-                "overflowed": pending.overflowed, "loss_scale": pending.loss_scale},
         }
+
+    def restore_step_record(self, record: dict, host: dict) -> None:
+        """Take over a rank whose trainer died (engine/reattach.py): its ``record`` of the last
+        committed ``step()`` call, and what its host left (RankHost.final_state), whose last
+        update is that call's where it sent one. The state is then :meth:`checkpoint_state`'s
+        after that call: an ordinary update finished and made current, a delayed one pending."""
+        state = {key: value for key, value in record.items() if key not in ("update", "swapped")}
+        state.update(unit_steps=host["unit_steps"], pending=None)
+        sent, outcome = record["update"], host["last_update"]
+        if sent is not None:
+            if outcome is None or outcome["step"] != record["steps_called"]:
+                raise TieredError(f"the kept state is inconsistent: step "
+                                  f"{record['steps_called']} sent an update its host did not "
+                                  f"finish")
+            if UpdateMode(sent["mode"]) is UpdateMode.DELAYED:
+                state["pending"] = {**outcome, "loss_scale": sent["loss_scale"]}
+        self.restore_state(state)
+        if sent is not None and UpdateMode(sent["mode"]) is not UpdateMode.DELAYED:
+            # What synchronize() would have made of it by the next step.
+            if outcome["norm"] is not None:
+                self._last_grad_norm = outcome["norm"]
+            if self.scaler is not None:
+                self.scaler.update(found_inf=outcome["overflowed"])
+                self.skipped_steps += outcome["overflowed"]
 
     def restore_state(self, state: dict) -> None:
         """Undo :meth:`checkpoint_state` (the engine has restored the shards)."""

@@ -89,18 +89,35 @@ class ServiceSlabSource:
     """DRAM slabs (tiers/dram.py's SlabSource) carved from segments the service reserves for
     this rank: the service's memory, mapped here and, on a GPU, registered with CUDA here."""
 
-    def __init__(self, client: ServiceClient, job: str, rank: int, world: int, pin: bool):
+    def __init__(self, client: ServiceClient, job: str, rank: int, world: int, pin: bool,
+                 fresh: bool = False):
+        """``fresh``: a state the service kept of the job is freed, never taken over."""
         self.client = client
         self.job = job
         self.pin = pin
-        reply, _ = client.request("attach", job=job, rank=rank, world=world)
+        reply, _ = client.request("attach", job=job, rank=rank, world=world, fresh=fresh)
         self.note: str = reply.get("note", "")
         """What the service said on attaching (a kept state it freed), for the trainer's log."""
+        self.kept: dict | None = reply.get("kept")
+        """What the rank takes over where the service kept the job's state (jobs.py): its
+        slabs are then the kept segments, mapped again, not new ones."""
+        self._kept_segments = list(self.kept["segments"]) if self.kept else []
         self._segments: dict[int, int] = {}
         """A slab's address -> the segment it maps, in the order they were reserved."""
 
     def __call__(self, nbytes: int) -> torch.Tensor:
-        reply, fds = self.client.request("reserve", nbytes=nbytes)
+        if self.kept is not None:
+            if not self._kept_segments:
+                raise ServiceError(f"job {self.job}'s kept state has fewer DRAM segments than "
+                                   f"this rank's plan packs")
+            reply, fds = self.client.request("map", segment=self._kept_segments.pop(0))
+            if reply["nbytes"] != nbytes:
+                for fd in fds:
+                    os.close(fd)
+                raise ServiceError(f"job {self.job}'s kept segment {reply['segment']} has "
+                                   f"{reply['nbytes']} bytes, this rank's plan packs {nbytes}")
+        else:
+            reply, fds = self.client.request("reserve", nbytes=nbytes)
         if len(fds) != 1:
             for fd in fds:
                 os.close(fd)
@@ -128,6 +145,8 @@ class ServiceSlabSource:
         if self.pin:
             torch.cuda.cudart().cudaHostUnregister(slab.data_ptr())
         segment = self._segments.pop(slab.data_ptr())
+        if self.client.closed:
+            return  # an unclean end: the service keeps it as the job's state
         try:
             self.client.request("release", segment=segment)
         except ServiceError:
@@ -152,6 +171,8 @@ SERVICE_ENV = "TIERED_SERVICE"
 """The service folder a rank takes its DRAM from (tiered-launch sets it unless --no-daemon)."""
 JOB_ENV = "TIERED_JOB"
 """The job's name (tiered-launch --job, or the launcher's own); else torchrun's run id."""
+FRESH_ENV = "TIERED_FRESH"
+"""Set to 1: a state the service kept of the job is freed, not taken over (--fresh)."""
 
 
 def slab_source_from_env(rank: int, world: int, pin: bool) -> ServiceSlabSource | None:
@@ -167,7 +188,8 @@ def slab_source_from_env(rank: int, world: int, pin: bool) -> ServiceSlabSource 
                            f"{JOB_ENV}, or run under tiered-launch")
     client = ServiceClient.connect(folder)
     try:
-        return ServiceSlabSource(client, job, rank, world, pin)
+        return ServiceSlabSource(client, job, rank, world, pin,
+                                 fresh=os.environ.get(FRESH_ENV) == "1")
     except BaseException:
         client.close()
         raise

@@ -123,10 +123,13 @@ class JobHold:
     lifecycle] in jobs.py): :meth:`end` says how it ended; a launcher that dies lets go of it
     as a failed job."""
 
-    def __init__(self, folder: str | None, job: str):
+    def __init__(self, folder: str | None, job: str, fresh: bool = False,
+                 world: int | None = None):
+        """``fresh``: a state the service kept of a failed run of ``job`` is freed, not taken
+        over by this run's ranks; ``world``: its ranks, where known."""
         self.client = ServiceClient.connect(folder)
         try:
-            reply, _ = self.client.request("hold", job=job)
+            reply, _ = self.client.request("hold", job=job, fresh=fresh, world=world)
         except BaseException:
             self.client.close()
             raise

@@ -9,8 +9,10 @@ plan over the same segments (DramTier packs blocks alike from the same plan, so 
 each state at the same offsets; a slab whose size differs is refused), compiles the one-pass
 AdamW once, and from then on runs the rank's commands in the order they come, each answered with
 events on the same connection. The global gradient norm of a step is summed here over the job's
-ranks, in rank order (JobNorm). A rank whose connection drops stops its host: commands already
-queued finish, nothing more is taken, and the job's other ranks waiting in a norm are told.
+ranks, in rank order (JobNorm). An update runs only once its step is committed on every rank
+(see [Note: reattach] in commits.py). A rank whose connection drops stops its host: commands
+already queued finish (an update not committed by then is not run, nor anything after it),
+nothing more is taken, and what the host leaves is the rank's kept state.
 """
 from __future__ import annotations
 
@@ -24,11 +26,13 @@ import torch
 from ..errors import TieredError
 from ..manager import TierManager
 from ..optim.adamw import one_pass_for
+from ..optim.commands import StepArrived, Update
 from ..optim.host import HostSetup, RankHost
 from ..optim.workers import CpuWorker
 from ..plan import StateKind, grad_dtypes, state_dtype
 from ..policy import ComputeDtype
 from ..timeline import timed
+from .commits import NotCommitted, StepCommits
 from .hostwire import HostRequest
 from .jobs import Segment
 from .segments import map_segment
@@ -166,9 +170,12 @@ class HostedRank:
     """One rank's host in the service (see [Note: hosted ranks])."""
 
     def __init__(self, request: HostRequest, segments: list[Segment], rank: int, world: int,
-                 norm: JobNorm, send: Callable[[dict], None]):
+                 norm: JobNorm, send: Callable[[dict], None], commits: tuple[StepCommits, int]):
+        """``commits``: the job's commits, and the round this host belongs to."""
         policy = request.policy
         self.rank = rank
+        self.commits, self._round = commits
+        self._norm = norm
 
         def tell(message: dict) -> None:  # a trainer that is gone is told nothing
             try:
@@ -198,7 +205,30 @@ class HostedRank:
         self.worker.on_failure(self._failed)
 
     def run(self, number: int, command) -> None:
-        self.worker.submit(partial(self.host.run, number, command))
+        if isinstance(command, (Update, StepArrived)):  # it changes the kept state: committed
+            self.worker.submit(partial(self._run_committed, number, command))
+        else:
+            self.worker.submit(partial(self.host.run, number, command))
+
+    def _run_committed(self, number: int, command: Update | StepArrived) -> None:
+        self.commits.wait(self._round, command.step)
+        self.host.run(number, command)
+
+    def step_record(self, step: int, record: dict) -> None:
+        """The trainer's record of ``step()`` call ``step``; what the host runs after it waits
+        for the step's commit, so that a host that ran what it was sent has its step settled
+        (see [Note: reattach])."""
+        self.commits.arrived(self._round, self.rank, step, record)
+        self.worker.submit(partial(self.commits.wait, self._round, step))
+
+    def final_state(self) -> dict | None:
+        """What the host leaves for a relaunch to take over, once its worker is closed: each
+        unit's AdamW step count and the last update's outcome; None when a task failed (an
+        update may have stopped half-way), other than a step not committed, which ran none."""
+        if self.worker is None or (self.worker.failed
+                                   and not isinstance(self.worker.error, NotCommitted)):
+            return None
+        return self.host.final_state()
 
     def after_queued(self, message: dict) -> None:
         """Send ``message`` once every command sent before it has run (a trainer's drain)."""
@@ -226,6 +256,9 @@ class HostedRank:
         self.worker.submit(swap)
 
     def _failed(self) -> None:
+        # The job's other ranks must not wait in a norm for this one's share (a step not
+        # committed is run by no rank, so none waits for it).
+        self._norm.broken(f"rank {self.rank}'s host failed: {self.worker.error}")
         self._send({"op": "failed", "error": f"{type(self.worker.error).__name__}: "
                                              f"{self.worker.error}"})
 

@@ -75,6 +75,15 @@ class HostRequest:
                 "ranges": [[[r.start, r.stop, r.group] for r in unit] for unit in self.ranges],
                 "threads": self.threads, "traced": self.traced}
 
+    def fingerprint(self) -> dict:
+        """What a relaunch of the rank must ask for alike to take its kept state over: the
+        policy, the plan (and so every unit's size and placement), the units and their param
+        groups; not where its segments are or how many threads it gets."""
+        value = self.to_wire()
+        for key in ("segments", "threads", "traced"):
+            del value[key]
+        return value
+
     @classmethod
     def from_wire(cls, value: dict) -> "HostRequest":
         return cls(Policy.from_dict(value["policy"]), plan_from_wire(value["plan"]),

@@ -13,9 +13,16 @@ JobState, changed only here:
   will fail in their next collective), and once the last is gone the job is kept for
   ``keep_seconds``, then freed.
 A job whose launcher ends it cleanly (every rank exited 0), or whose every rank detached
-cleanly without a launcher, is freed at once and forgotten. An attach naming a FAILED job
-starts it afresh: the state it kept is freed first (reattaching to it is not built yet, and the
-reply says so).
+cleanly without a launcher, is freed at once and forgotten. A rank whose host runs here counts
+as there until its host has run what it was sent (see [Note: reattach] in commits.py).
+
+A job whose ranks' hosts ran here and committed a step can be reattached: a relaunch of it
+(the same name, its kept state not yet freed, not ``--fresh``) finds every rank's segments and
+the records of the last committed step, and each rank maps its segments back instead of
+reserving new ones (the trainer checks that its model and policy are the same first). A rank
+that attaches while the last round's hosts still run waits for them: what they still run is
+part of the state it takes over. Any other kept state (nothing committed, hosts in the
+trainers) is freed by the relaunch, which starts afresh and says so.
 Every segment is counted against the pool's budget from its creation to its release, so the
 node's ranks together never hold more than the service was given.
 """
@@ -30,7 +37,11 @@ from typing import Callable
 
 from ..errors import BudgetError, TieredError
 from ..sizes import format_size
+from .commits import StepCommits
 from .segments import create_segment
+
+SETTLE_SECONDS = 600.0
+"""How long a relaunched rank waits for the last round's hosts to run what they were sent."""
 
 
 class JobState(enum.Enum):
@@ -55,6 +66,12 @@ class Rank:
     pid: int | None = None
     """The attached trainer's process, or None once it is gone."""
     segments: dict[int, Segment] = field(default_factory=dict)
+    host: dict | None = None
+    """What its host here was asked to run (service/hostwire.HostRequest): what a relaunch
+    must match to reattach."""
+    host_running: bool = False
+    final: dict | None = None
+    """What its host left when it ended (RankHost.final_state): unit steps, the last update."""
 
     @property
     def dram_bytes(self) -> int:
@@ -72,6 +89,12 @@ class Job:
     """Launchers holding it (see [Note: job lifecycle])."""
     gone_since: float | None = None
     """When its last attached rank or holder went (FAILED jobs are kept from then on)."""
+    commits: StepCommits | None = None
+    """Its records and commits, once a host of it runs here (see [Note: reattach])."""
+    handover: dict[int, dict] | None = None
+    """Per rank not yet reattached, what it takes over, fixed when the relaunch's first rank
+    attaches (the round its hosts open must not change what the later ranks find); empty once
+    all have."""
 
     @property
     def attached(self) -> list[Rank]:
@@ -79,8 +102,28 @@ class Job:
 
     @property
     def present(self) -> bool:
-        """A launcher or a trainer of it is there."""
-        return self.holders > 0 or bool(self.attached)
+        """A launcher, a trainer or a host of it is there."""
+        return (self.holders > 0 or bool(self.attached)
+                or any(rank.host_running for rank in self.ranks.values()))
+
+    @property
+    def settled(self) -> bool:
+        """No host of a round that broke still runs (see [Note: reattach])."""
+        return (self.commits is None or self.commits.open
+                or not any(rank.host_running for rank in self.ranks.values()))
+
+    def reattach_step(self) -> int:
+        """The step every rank's kept state is at, or 0 when it cannot be reattached: nothing
+        committed, a rank whose host did not run here, or a round still open."""
+        commits = self.commits
+        if commits is None or commits.step == 0 or commits.open or self.world is None:
+            return 0
+        for r in range(self.world):
+            rank = self.ranks.get(r)
+            if (rank is None or rank.final is None or rank.host is None or not rank.segments
+                    or r not in commits.records):
+                return 0
+        return commits.step
 
 
 class Registry:
@@ -92,6 +135,8 @@ class Registry:
         self.keep_seconds = keep_seconds
         self._clock = clock
         self._lock = threading.Lock()
+        self._settling = threading.Condition(self._lock)
+        """Notified when a host ends (relaunched ranks wait for the last round's)."""
         self._jobs: dict[str, Job] = {}
         self._next_segment = 0
         self.dram_used = 0
@@ -99,11 +144,13 @@ class Registry:
         """Jobs that ever attached (a service started for one job exits once it has served it
         and holds nothing)."""
 
-    def hold(self, name: str) -> str:
-        """A launcher holds job ``name`` while it runs; returns a note ("" or what was freed)."""
+    def hold(self, name: str, fresh: bool = False, world: int | None = None) -> str:
+        """A launcher holds job ``name`` while it runs ``world`` ranks (None: not known);
+        returns a note ("" or what was freed or is kept to reattach to). ``fresh``: a kept
+        state is freed, never reattached."""
         _check_name(name)
         with self._lock:
-            job, note = self._job_for(name)
+            job, note = self._job_for(name, fresh, world)
             job.holders += 1
             job.gone_since = None
             return note
@@ -121,14 +168,23 @@ class Registry:
             else:
                 self._went(job, failed=True)
 
-    def attach(self, name: str, rank: int, world: int, pid: int) -> str:
+    def attach(self, name: str, rank: int, world: int, pid: int,
+               fresh: bool = False) -> tuple[str, dict | None]:
         """Attach ``pid`` as rank ``rank`` of job ``name``; returns a note for the trainer to
-        show ("" when there is nothing to say)."""
+        show ("" when there is nothing to say) and, where the job's state can be reattached
+        to, what the rank takes over (see [Note: reattach]): the step, its segments in the
+        order they were reserved, its record of that step, what its host left and what it
+        was asked to run. ``fresh``: a kept state is freed, never reattached."""
         _check_name(name)
         if world < 1 or not 0 <= rank < world:
             raise RefusedError(f"attach needs 0 <= rank < world, got rank {rank}, world {world}")
         with self._lock:
-            job, note = self._job_for(name)
+            job, note = self._job_for(name, fresh, world)
+            if not self._settling.wait_for(lambda: job.settled, SETTLE_SECONDS):
+                raise RefusedError(f"job {name}: the hosts of its last run still run after "
+                                   f"{SETTLE_SECONDS:.0f} s; try again later")
+            if self._jobs.get(name) is not job:
+                raise RefusedError(f"job {name} was freed while this rank waited")
             if job.world is None:
                 job.world = world
             if job.world != world:
@@ -138,19 +194,44 @@ class Registry:
             if held is not None and held.pid is not None:
                 raise RefusedError(f"job {name} rank {rank} is attached already (pid "
                                    f"{held.pid}); a second job needs another --job")
-            job.ranks.setdefault(rank, Rank(rank)).pid = pid
+            owner = job.ranks.setdefault(rank, Rank(rank))
+            owner.pid = pid
             job.gone_since = None
-            return note
+            if not job.handover and job.reattach_step():  # the relaunch's first rank
+                job.handover = {r: {"step": job.commits.step,
+                                    "segments": sorted(job.ranks[r].segments),
+                                    "record": job.commits.records[r],
+                                    "final": job.ranks[r].final, "host": job.ranks[r].host}
+                                for r in range(job.world)}
+            kept = job.handover.pop(rank, None) if job.handover is not None else None
+            if kept is None and owner.segments:  # a restarted rank of a state not kept whole
+                self._free_rank(owner)
+            return note, kept
 
-    def _job_for(self, name: str) -> tuple[Job, str]:
-        """The job ``name`` to join, made when it is new; one that failed and was kept is
-        freed and made afresh (the note says so). Refuses a failed job still partly there."""
+    def _job_for(self, name: str, fresh: bool, world: int | None) -> tuple[Job, str]:
+        """The job ``name`` to join at ``world`` ranks (None: not known yet), made when it is
+        new. One that failed and was kept is reattached to where it can be and ``fresh`` is
+        not asked, else freed and made afresh (the note says which); one kept at another
+        world size is refused. Refuses a failed job still partly there."""
         note = ""
         job = self._jobs.get(name)
         if job is not None and job.state is JobState.FAILED and not job.present:
+            step = job.reattach_step()
+            if step and not fresh and world is not None and world != job.world:
+                raise RefusedError(
+                    f"job {name} ran at world size {job.world} and its state is kept to go on "
+                    f"from step {step}; this run has world size {world}: relaunch it at "
+                    f"{job.world}, or with --fresh to discard the kept state")
+            if step and not fresh:
+                job.state = JobState.RUNNING
+                job.gone_since = None
+                return job, (f"job {name} goes on from its kept state at step {step} "
+                             f"(--fresh discards it)")
             self._free(job)
-            note = (f"job {name}'s kept state was freed: a new run of it starts afresh "
-                    f"(reattaching to the state of a failed run is not built yet)")
+            note = (f"job {name}'s kept state was freed: a new run of it starts afresh"
+                    + (" (--fresh)" if fresh else
+                       "" if job.commits is None else
+                       " (no step of it was committed)" if job.commits.step == 0 else ""))
             job = None
         if job is None:
             job = self._jobs[name] = Job(name)
@@ -193,20 +274,49 @@ class Registry:
             owner.ranks[rank].segments[segment_id] = segment
             return segment
 
-    def segments_for_host(self, name: str, rank: int, pid: int,
-                          ids: list[int]) -> tuple[list[Segment], int]:
-        """The segments ``ids`` of the rank, for its host (service/hosting.py), and the job's
-        world size; refused unless ``pid`` is the rank's attached trainer and the segments are
-        all its own."""
+    def segment(self, name: str, rank: int, segment_id: int) -> Segment:
+        """A segment the rank holds (a reattached trainer maps its kept ones again)."""
+        with self._lock:
+            segment = self._rank(name, rank).segments.get(segment_id)
+            if segment is None:
+                raise RefusedError(f"job {name} rank {rank} holds no segment {segment_id}")
+            return segment
+
+    def host_started(self, name: str, rank: int, pid: int, ids: list[int],
+                     request: dict) -> tuple[list[Segment], int, StepCommits, int]:
+        """The rank's host starts here (service/hosting.py) over its segments ``ids``, asked
+        for ``request`` (what a relaunch must match); returns the segments, the job's world
+        size, its commits and the round the host belongs to. Refused unless ``pid`` is the
+        rank's attached trainer and the segments are all its own."""
         with self._lock:
             owner = self._rank(name, rank)
             if owner.pid != pid:
                 raise RefusedError(f"job {name} rank {rank} is attached by pid {owner.pid}, "
                                    f"not by pid {pid}: only a rank's own trainer starts its host")
+            if owner.host_running:
+                raise RefusedError(f"job {name} rank {rank} has a host running here already")
             missing = [i for i in ids if i not in owner.segments]
             if missing or len(set(ids)) != len(ids):
                 raise RefusedError(f"job {name} rank {rank} holds no segments {missing or ids}")
-            return [owner.segments[i] for i in ids], self._jobs[name].world
+            job = self._jobs[name]
+            if job.commits is None:
+                job.commits = StepCommits(job.world)
+            owner.host, owner.final, owner.host_running = request, None, True
+            return ([owner.segments[i] for i in ids], job.world, job.commits,
+                    job.commits.new_round())
+
+    def host_ended(self, name: str, rank: int, final: dict | None) -> None:
+        """The rank's host ran what it was sent and stopped; ``final``: what it left (None
+        when it failed: the job cannot be reattached to)."""
+        with self._lock:
+            job = self._jobs.get(name)
+            owner = job.ranks.get(rank) if job is not None else None
+            if owner is None or not owner.host_running:
+                return
+            owner.host_running, owner.final = False, final
+            self._settling.notify_all()
+            if not job.present:
+                self._gone(job)
 
     def release(self, name: str, rank: int, segment_id: int) -> None:
         with self._lock:
@@ -231,8 +341,11 @@ class Registry:
         ``engine.close()``): the launcher sees every rank's exit status and decides."""
         if failed and job.holders == 0:
             job.state = JobState.FAILED
-        if job.present:
-            return
+        if not job.present:
+            self._gone(job)
+
+    def _gone(self, job: Job) -> None:
+        """Nothing of ``job`` is there any more: kept when it failed, else freed."""
         if job.state is JobState.FAILED:
             job.gone_since = self._clock()
         else:  # every rank ended cleanly, with no launcher to wait for
@@ -263,8 +376,11 @@ class Registry:
                         else max(0.0, self.keep_seconds - (now - job.gone_since)))
                 jobs.append({
                     "name": job.name, "state": job.state.value, "world": job.world,
+                    "committed_step": job.commits.step if job.commits is not None else None,
+                    "resumable_step": job.reattach_step() or None,
                     "launchers": job.holders, "freed_in_seconds": kept,
                     "ranks": [{"rank": r.rank, "pid": r.pid, "attached": r.pid is not None,
+                               "host": "service" if r.host is not None else "trainer",
                                "dram_bytes": r.dram_bytes, "segments": len(r.segments)}
                               for r in sorted(job.ranks.values(), key=lambda r: r.rank)]})
             return {"dram": {"budget": self.dram_budget, "used": self.dram_used},
@@ -284,10 +400,14 @@ class Registry:
 
     def _free(self, job: Job) -> None:
         for rank in job.ranks.values():
-            for segment in rank.segments.values():
-                self._close(segment)
-            rank.segments.clear()
+            self._free_rank(rank)
         self._jobs.pop(job.name, None)
+
+    def _free_rank(self, rank: Rank) -> None:
+        for segment in rank.segments.values():
+            self._close(segment)
+        rank.segments.clear()
+        rank.host = rank.final = None
 
     def _close(self, segment: Segment) -> None:
         os.close(segment.fd)  # the memory goes once the trainer's mapping is gone too

@@ -13,6 +13,7 @@ import itertools
 import queue
 import socket
 import threading
+from typing import Callable
 
 from ..errors import TieredError
 from ..optim.commands import Command, GradientIn, HostEvents
@@ -74,13 +75,18 @@ class RemoteHost:
     lands_every_gradient = True
     """Every gradient after a step's first goes through a landing buffer the service can see,
     on a CPU device too (in-process the host adds the reduced shard as it is)."""
+    records_steps = True
+    """Each ``step()`` call sends its record: the service keeps the job's state to reattach to
+    (see [Note: reattach] in commits.py)."""
 
-    def __init__(self, folder: str, timeline: Timeline):
+    def __init__(self, folder: str, timeline: Timeline, model_state: Callable[[], dict]):
         """A connection to the service in ``folder``, for a host :meth:`start` asks it to run;
-        the spans the host times there go to ``timeline``. Its ``worker`` exists from here on,
-        for the mailboxes the host's events will fill."""
+        the spans the host times there go to ``timeline``; ``model_state`` makes the model's
+        part of each step's record (engine/reattach.py's StepRecorder). Its ``worker`` exists
+        from here on, for the mailboxes the host's events will fill."""
         self._client = ServiceClient.connect(folder)
         self._timeline = timeline
+        self._model_state = model_state
         self.worker = RemoteWorker(self)
         self._events: HostEvents | None = None
         self._numbers = itertools.count()
@@ -129,6 +135,12 @@ class RemoteHost:
         command."""
         if units:
             self._outbox.put(({"op": "params_swapped", "units": list(units)}, None))
+
+    def step_record(self, step: int, optimizer: dict) -> None:
+        """``step()`` call ``step``'s record: the optimizer's part, and the model's made now."""
+        self._outbox.put(({"op": "step_record", "step": step,
+                           "record": {"optimizer": optimizer, "model": self._model_state()}},
+                          None))
 
     def round_trip(self, op: str) -> dict:
         """Send ``op`` behind every command sent so far and wait for its answer."""

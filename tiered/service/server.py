@@ -127,6 +127,9 @@ class TierService:
                 os.unlink(self.paths.socket)
             except FileNotFoundError:
                 pass
+            for _, hosted in list(self._hosted.values()):  # no update waits for a commit now
+                hosted.commits.broken()
+                hosted.close()
             self.registry.close()
             self._lock.release()
             log.info("tiered service stopped")
@@ -197,13 +200,11 @@ class TierService:
         for job in status["jobs"]:
             for rank in job["ranks"]:
                 threads, hosted = self._hosted.get((job["name"], rank["rank"]), (None, None))
-                rank["host"] = "service" if hosted is not None else "trainer"
                 rank["threads"] = threads
                 rank["last_step"] = hosted.host.last_step if hosted is not None else None
-            steps = [rank["last_step"] for rank in job["ranks"]]
-            # The last step finished on every rank, where the service runs their updates.
-            job["last_step"] = (min(steps) if steps and None not in steps
-                                and len(steps) == job["world"] else None)
+            # The last step committed on every rank, where the service runs their updates
+            # (commits.py); the step a relaunch goes on from once they are gone.
+            job["last_step"] = job["committed_step"]
         return {"service": {"pid": os.getpid(), "version": __version__,
                             "folder": self.paths.folder,
                             "uptime_seconds": round(time.time() - self.started, 1),
@@ -222,10 +223,18 @@ class TierService:
                                "per rank")
         job = _field(message, "job", str)
         rank, world = _field(message, "rank", int), _field(message, "world", int)
-        note = self.registry.attach(job, rank, world, client.pid)
+        fresh = bool(message.get("fresh", False))
+        note, kept = self.registry.attach(job, rank, world, client.pid, fresh)
         client.attached = (job, rank)
-        log.info("job %s rank %d/%d attached (pid %s)", job, rank, world, client.pid)
-        return {"note": note}, []
+        log.info("job %s rank %d/%d attached (pid %s)%s", job, rank, world, client.pid,
+                 f", takes over step {kept['step']}" if kept else "")
+        return {"note": note, "kept": kept}, []
+
+    def _op_map(self, client, message):
+        """A kept segment of the rank, to map again (a reattached trainer: jobs.py)."""
+        job, rank = client.rank_of("map")
+        segment = self.registry.segment(job, rank, _field(message, "segment", int))
+        return {"segment": segment.id, "nbytes": segment.nbytes}, [segment.fd]
 
     def _op_reserve(self, client, message):
         job, rank = client.rank_of("reserve")
@@ -249,7 +258,9 @@ class TierService:
         if client.attached is not None or client.holds is not None:
             raise RefusedError("this connection holds or is a rank already")
         job = _field(message, "job", str)
-        note = self.registry.hold(job)
+        world = message.get("world")
+        note = self.registry.hold(job, bool(message.get("fresh", False)),
+                                  None if world is None else _field(message, "world", int))
         client.holds = job
         log.info("job %s held by its launcher (pid %s)", job, client.pid)
         return {"note": note}, []
@@ -277,8 +288,8 @@ class TierService:
         except (KeyError, TypeError, ValueError) as e:
             raise RefusedError(f"the host request of job {job} rank {rank} is malformed: "
                                f"{e}") from None
-        segments, world = self.registry.segments_for_host(job, rank, client.pid,
-                                                          request.segments)
+        segments, world, commits, round_ = self.registry.host_started(
+            job, rank, client.pid, request.segments, request.fingerprint())
         with self._norms_lock:
             norm = self._norms.setdefault(job, JobNorm(world))
         # The node's ranks share these cores: none is given more than its share, so that the
@@ -288,8 +299,10 @@ class TierService:
         request = dataclasses.replace(request, threads=threads)
         started = time.monotonic()
         try:
-            hosted = HostedRank(request, segments, rank, world, norm, client.send)
+            hosted = HostedRank(request, segments, rank, world, norm, client.send,
+                                (commits, round_))
         except Exception as e:  # a plan that does not fit its segments, a failed compile
+            self.registry.host_ended(job, rank, None)
             raise RefusedError(f"cannot run the host of job {job} rank {rank}: "
                                f"{type(e).__name__}: {e}") from None
         client.hosted = (job, hosted)
@@ -326,6 +339,8 @@ class TierService:
                     hosted.restored()
                 elif op == "params_swapped":
                     hosted.params_swapped([int(unit) for unit in message["units"]])
+                elif op == "step_record":
+                    hosted.step_record(int(message["step"]), dict(message["record"]))
                 else:
                     raise ValueError(f"unknown host message {op!r}")
             except (KeyError, TypeError, ValueError, TieredError) as e:
@@ -336,11 +351,13 @@ class TierService:
         job, hosted = client.hosted
         client.hosted = None
         self._hosted.pop((job, hosted.rank), None)
+        # No step is committed from here on (commits.py); one that was runs to its end, and
+        # what the host leaves is the rank's kept state.
+        hosted.commits.broken()
+        with self._norms_lock:  # a relaunch's hosts sum in a norm of their own
+            self._norms.pop(job, None)
         hosted.close()  # what was queued runs to its end; nothing more is taken
-        with self._norms_lock:
-            norm = self._norms.pop(job, None)
-        if norm is not None:
-            norm.broken(f"a rank of job {job} is gone")
+        self.registry.host_ended(job, hosted.rank, hosted.final_state())
 
 
 OPS = sorted(name[len("_op_"):] for name in vars(TierService) if name.startswith("_op_"))

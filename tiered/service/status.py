@@ -18,8 +18,9 @@ def status_table(status: dict) -> str:
         kept = job["freed_in_seconds"]
         state = job["state"] + (f", freed in {kept:.0f} s" if kept is not None else "")
         world = job["world"] if job["world"] is not None else "?"
-        step = (f", last step done {job['last_step']}" if job.get("last_step") is not None
-                else "")
+        step = (f", last step done {job['last_step']}" if job.get("last_step") else "")
+        if job.get("resumable_step"):
+            step += ", a relaunch of it goes on from there"
         lines.append(f"job {job['name']}: {state}; world {world}, "
                      f"{len([r for r in job['ranks'] if r['attached']])} ranks attached, "
                      f"{job['launchers']} launcher(s){step}")

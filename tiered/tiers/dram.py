@@ -35,8 +35,10 @@ class SlabSource(Protocol):
         """Give back a slab this source made (the tier drops its last reference after)."""
 
     def close(self, clean: bool) -> None:
-        """The tier is done with the source, every slab released: ``clean`` when the run ended
-        well (``engine.close()``); otherwise a service keeps the job's state for a while."""
+        """The tier is done with the source: ``clean`` when the run ended well
+        (``engine.close()``; every slab was released first); otherwise (before the slabs are
+        released) a service keeps the job's state for a while, and a release after the close
+        frees nothing there."""
 
 
 class PinnedSlabSource:
@@ -186,9 +188,14 @@ class DramTier:
         return blocks
 
     def close(self, clean: bool = False) -> None:
-        """Give every slab back, then the source (``clean``: see SlabSource.close)."""
+        """Give every slab back, then the source (``clean``: see SlabSource.close). After an
+        unclean end the source is closed first: a service then keeps what the slabs hold as
+        the job's state, and giving them back only unmaps them here."""
+        if not clean:
+            self.source.close(clean)
         for slab in self._slabs:
             self.source.release(slab)
         self._slabs.clear()
         self.usage.release(self.usage.current)
-        self.source.close(clean)
+        if clean:
+            self.source.close(clean)

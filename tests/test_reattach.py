@@ -1,0 +1,174 @@
+"""Reattach (issue 18): a trainer killed anywhere, relaunched under the same job, goes on from the
+state the node's service kept, and ends exactly where an uninterrupted run ends: every
+parameter, buffer and loss bit for bit, at one rank and at two (see [Note: reattach] in
+tiered/service/commits.py). A relaunch that asks for something else is refused by name;
+``--fresh`` starts over.
+
+The killed runs are real processes SIGKILLed at each point (tests/scripts/reattach_train.py);
+the relaunches and the uninterrupted references run in this process against the same service.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from helpers import REPO, clean_env, finish
+from tiered.engine.reattach import ReattachError
+from tiered.service import service_status, start_service, stop_service
+from tiered.service.client import FRESH_ENV, JOB_ENV, SERVICE_ENV
+from tiered.service.paths import RUNTIME_ENV
+
+SCRIPT = REPO / "tests" / "scripts" / "reattach_train.py"
+sys.path.insert(0, str(SCRIPT.parent))
+from reattach_train import MICRO, train  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("service") / "here")
+    start_service(folder, keep_seconds=600.0)
+    yield folder
+    stop_service(folder)
+
+
+@pytest.fixture(scope="module")
+def references(service, tmp_path_factory):
+    """Each case's uninterrupted run, trained here through the same service."""
+    out, made = tmp_path_factory.mktemp("references"), {}
+
+    def reference(case: str) -> dict:
+        if case not in made:
+            with _job(service, f"reference-{case}"):
+                made[case] = train(str(out / f"{case}.pt"), case)
+        return made[case]
+    return reference
+
+
+class _job:
+    """This process runs as ``name``'s trainer at ``service`` for the block."""
+
+    def __init__(self, service: str, name: str, **extra: str):
+        self.env = {SERVICE_ENV: service, JOB_ENV: name, **extra}
+
+    def __enter__(self):
+        self.saved = {key: os.environ.get(key) for key in self.env}
+        os.environ.update(self.env)
+
+    def __exit__(self, *exc):
+        for key, value in self.saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def killed_run(service: str, job: str, out, case: str, point: str, step: int) -> int:
+    """Run the script as job ``job`` until it dies at ``point`` of ``step``; its exit status."""
+    process = subprocess.Popen(
+        [sys.executable, str(SCRIPT), str(out), case, point, str(step)], cwd=REPO, text=True,
+        env=clean_env(**{SERVICE_ENV: service, JOB_ENV: job}), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE)
+    return finish(process).returncode
+
+
+def kept_job(service: str, name: str) -> dict:
+    """The job's status once its hosts ran what its dead trainer had sent (a relaunch's attach
+    waits for that too)."""
+    deadline = time.monotonic() + 60
+    while True:
+        job = next(j for j in service_status(service)["jobs"] if j["name"] == name)
+        if job["resumable_step"] is not None or time.monotonic() > deadline:
+            return job
+        time.sleep(0.05)
+
+
+def assert_same_run(resumed: dict, reference: dict, first: int) -> None:
+    info, expected = json.loads(resumed["info"]), json.loads(reference["info"])
+    assert info["reattached"] and info["first"] == first
+    assert info["steps_taken"] == expected["steps_taken"]
+    # The resumed steps' losses: the same data, weights, dropout masks and BatchNorm stats.
+    assert info["losses"] == expected["losses"][(first - 1) * MICRO:]
+    assert resumed["params"].keys() == reference["params"].keys()
+    for name, value in reference["params"].items():
+        assert torch.equal(resumed["params"][name], value), name
+
+
+# (case, where the trainer dies, at which step, the steps the relaunch may go on after). Killed
+# right after step() returned, the trainer may or may not have sent the step's record: either
+# way every rank is at the same step, and the run ends the same.
+POINTS = {
+    "in forward": ("plain", "forward", 3, {2}),
+    "in backward, accumulating": ("accumulation", "backward", 3, {2}),
+    "during the update": ("plain", "update", 2, {1, 2}),
+    "delayed update, in forward": ("delayed", "forward", 4, {3}),
+    "delayed update, during it": ("delayed", "update", 3, {2, 3}),
+    "during save_checkpoint": ("plain", "save", 3, {3}),
+    "clipped, in backward": ("clipped", "backward", 2, {1}),
+    "an exception, no close": ("plain", "raise", 4, {3}),
+}
+
+
+@pytest.mark.parametrize("where", POINTS)
+def test_a_trainer_killed_anywhere_goes_on_exactly_from_the_kept_state(where, service,
+                                                                         references, tmp_path):
+    case, point, step, kept = POINTS[where]
+    job = "killed-" + where.replace(" ", "-").replace(",", "")
+    code = killed_run(service, job, tmp_path / "killed.pt", case, point, step)
+    assert code == (1 if point == "raise" else -9)
+    held = kept_job(service, job)
+    assert held["state"] == "failed" and held["resumable_step"] in kept
+    with _job(service, job):
+        resumed = train(str(tmp_path / "resumed.pt"), case)
+    assert_same_run(resumed, references(case), first=held["resumable_step"] + 1)
+    # A clean end frees what was kept at once.
+    assert job not in [j["name"] for j in service_status(service)["jobs"]]
+
+
+def test_a_relaunch_with_another_policy_is_refused_by_name_and_fresh_starts_over(
+        service, references, tmp_path):
+    job = "mismatched"
+    assert killed_run(service, job, tmp_path / "killed.pt", "plain", "forward", 3) == -9
+    with _job(service, job), pytest.raises(ReattachError) as refused:
+        train(str(tmp_path / "other.pt"), "plain", lr=0.02)
+    message = str(refused.value)
+    assert "policy.optimizer.lr was 0.01, is 0.02" in message and "--fresh" in message
+    assert "\n" not in message
+    # The refusal changed nothing: the kept state is still there to go on from.
+    assert kept_job(service, job)["resumable_step"] == 2
+    with _job(service, job, **{FRESH_ENV: "1"}):
+        fresh = train(str(tmp_path / "fresh.pt"), "plain")
+    info = json.loads(fresh["info"])
+    assert not info["reattached"] and info["first"] == 1
+    expected = references("plain")["params"]
+    assert all(torch.equal(fresh["params"][name], value) for name, value in expected.items())
+
+
+def launch(runtime: str, job: str, out, *args: str, fresh: bool = False):
+    command = [sys.executable, "-m", "tiered.launch", "--nproc-per-node", "2", "--job", job,
+               *(["--fresh"] if fresh else []), "--keep-failed", "120", str(SCRIPT), str(out),
+               *args]
+    return finish(subprocess.Popen(command, cwd=REPO, text=True, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE,
+                                   env=clean_env(**{RUNTIME_ENV: runtime})), timeout=240)
+
+
+def test_two_ranks_one_killed_in_backward_relaunched_by_hand_end_as_an_uninterrupted_run(
+        tmp_path):
+    """Rank 1 dies in backward while rank 0 may have sent its update: no rank runs the step
+    (the commit barrier), both go on from the step before."""
+    runtime = str(tmp_path / "service")
+    reference = launch(runtime, "reference", tmp_path / "reference.pt", "plain")
+    assert reference.returncode == 0, reference.stderr
+    killed = launch(runtime, "pair", tmp_path / "killed.pt", "plain", "backward", "3")
+    assert killed.returncode != 0
+    resumed = launch(runtime, "pair", tmp_path / "resumed.pt", "plain")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "job pair goes on from its kept state at step 2" in resumed.stderr
+    assert_same_run(torch.load(tmp_path / "resumed.pt"), torch.load(tmp_path / "reference.pt"),
+                    first=3)
