@@ -262,6 +262,11 @@ def _run(parser, args, policy: Policy, ranks: int) -> int:
     os.environ[POLICY_ENV] = json.dumps(policy.to_dict())
     os.environ[LAUNCHED_ENV] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads_per_rank(ranks)))
+    # torchrun's agent keeps one TCPStore for every round of its rendezvous, and the ranks of
+    # a --max-restarts round found the killed round's keys there: gloo then connected to the
+    # dead ranks' ports (Connection refused, or a hang; pytorch/pytorch#135712). Unshared, rank
+    # 0 of each round hosts a store of its own.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     flags = _torchrun_flags(parser, args)  # as given, before standalone is set for them
     if _single_node_without_rendezvous(args):
         args.standalone = True

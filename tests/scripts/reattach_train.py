@@ -60,6 +60,8 @@ def die() -> None:
 
 def train(out: str, case: str, point: str | None = None, kill_step: int = 0,
           lr: float = 0.01) -> dict:
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        point = None  # a restart by torchrun (--max-restarts) runs on to the end
     torch.manual_seed(0)
     model = Net()
     engine, optimizer = tiered.initialize(
