@@ -145,8 +145,10 @@ class ServiceSlabSource:
         if self.pin:
             torch.cuda.cudart().cudaHostUnregister(slab.data_ptr())
         segment = self._segments.pop(slab.data_ptr())
-        if self.client.closed:
-            return  # an unclean end: the service keeps it as the job's state
+        if self.client.closed or self.kept is not None:
+            # An unclean end (the service keeps it as the job's state), or a kept segment: it
+            # is the job's, freed with it (a failed reservation must not free it).
+            return
         try:
             self.client.request("release", segment=segment)
         except ServiceError:

@@ -204,7 +204,11 @@ class Registry:
                                     "final": job.ranks[r].final, "host": job.ranks[r].host}
                                 for r in range(job.world)}
             kept = job.handover.pop(rank, None) if job.handover is not None else None
-            if kept is None and owner.segments:  # a restarted rank of a state not kept whole
+            if kept is None and job.commits is not None and not job.commits.open:
+                # A restarted job whose state was not kept whole starts afresh: its old
+                # records must not stand for steps the new round takes again.
+                job.commits = None
+            if kept is None and owner.segments:  # a restarted rank's old segments
                 self._free_rank(owner)
             return note, kept
 
