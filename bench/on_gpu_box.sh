@@ -1,15 +1,15 @@
 #!/bin/bash
 # The GPU-box checks, one stage per call so each fits the box's 10-minute command limit:
-#   bash bench/on_gpu_box.sh tests|offload|variants|hbm|tiled|io|nvme|large|clip|cpu|lora|load|service [OUT]
+#   bash bench/on_gpu_box.sh tests|offload|variants|hbm|tiled|io|nvme|large|clip|cpu|lora|load|service|reattach [OUT]
 # Each stage prints its table last and keeps logs and timelines in OUT (default ./gpu-out).
 # Stage times measured on the H100 box (16 cores, 125 GiB, 64 GiB free disk), tenth session:
 # tests 2.7 min, cpu 1.6 min, offload 6.3 min, lora 5 min, tiled 1.4 min, io 1.7 min; fourth
 # session: nvme 3.6 min, large 6.1 min. Estimated: variants 5 min, hbm 5 min, clip 4 min, load
-# 8 min, service 6 min. Every tiered process spends 50-95 s in setup there, 25-36 s of it
+# 8 min, service 6 min, reattach 6 min. Every tiered process spends 50-95 s in setup there, 25-36 s of it
 # compiling the one-pass AdamW (inductor's cache hits, yet the compile stays 25 s; 2.4 s on the
 # development machine).
 set -o pipefail
-stage=${1:?stage: tests, offload, variants, hbm, tiled, io, nvme, large, clip, cpu, lora, load or service}
+stage=${1:?stage: tests, offload, variants, hbm, tiled, io, nvme, large, clip, cpu, lora, load, service or reattach}
 out=${2:-gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -77,6 +77,10 @@ service)  # issue 18: DRAM from the node's service (shared memory the trainer re
     python bench/bench_offload.py --batches 8 --steps 7 --warmup 3 --out "$out/service.json" \
         --modes tiered:cpu+dpu,tiered:cpu+dpu+service,tiered:cpu,tiered:cpu+service 2>&1 \
         | grep -v -e Warning -e _conversion | tee "$out/service.log" ;;
+reattach)  # issue 18: a relaunch taking a killed run's state over from the service, against
+    # the same relaunch from a checkpoint on the box's disk (1.4 B GPT, cpu.yaml), one invocation
+    python bench/bench_reattach.py --layers 16 --dim 2560 --dir "$nvme/reattach-ckpt" 2>&1 \
+        | grep -v -e Warning -e _conversion | tee "$out/reattach.log" ;;
 load)  # pretrained weights: the 2.78 B GPT's bf16 safetensors into a model ready to train
     mkdir -p "$nvme"
     python bench/bench_load.py --layers 32 --dim 2560 --nvme "$nvme" \
@@ -84,6 +88,6 @@ load)  # pretrained weights: the 2.78 B GPT's bf16 safetensors into a model read
         2>&1 | grep -v -e Warning -e _conversion | tee "$out/load.log" ;;
 *)
     echo "unknown stage $stage: tests, offload, variants, hbm, tiled, io, nvme, large, clip," \
-        "cpu, lora, load, service" >&2
+        "cpu, lora, load, service, reattach" >&2
     exit 2 ;;
 esac

@@ -92,3 +92,11 @@ def test_load_and_cpu_update_benches_print_their_tables(tmp_path):
     table = _bench("bench_cpu_update.py", "--units", "2", "--unit-params", "1e5",
                    "--repeats", "1")
     assert "default pages" in table and "huge pages" in table, table
+
+
+def test_reattach_bench_prints_its_table(tmp_path):
+    table = _bench("bench_reattach.py", "--layers", "1", "--dim", "128", "--seq", "16",
+                   "--dir", str(tmp_path / "checkpoints"))
+    assert "both at step 2, same master weights" in table, table
+    rows = [line.split()[0] for line in table.splitlines()[-3:]]
+    assert rows == ["checkpoint", "checkpoint+service", "reattach"], table
