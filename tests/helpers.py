@@ -38,6 +38,20 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+@contextmanager
+def own_service(tmp_path_factory, **options):
+    """A service of a test module's own (a module fixture's body), started with ``options``
+    (start_service's) and stopped after."""
+    from tiered.service import start_service, stop_service
+
+    folder = str(tmp_path_factory.mktemp("service") / "here")
+    start_service(folder, **options)
+    try:
+        yield folder
+    finally:
+        stop_service(folder)
+
+
 def finish(process: subprocess.Popen, timeout: float = 120) -> subprocess.CompletedProcess:
     """Wait for ``process`` (killed if it outlasts ``timeout``) and return what it printed."""
     with process:

@@ -18,9 +18,9 @@ import time
 import pytest
 import torch
 
-from helpers import REPO, clean_env, finish
+from helpers import REPO, clean_env, finish, own_service
 from tiered.engine.reattach import ReattachError
-from tiered.service import service_status, start_service, stop_service
+from tiered.service import service_status
 from tiered.service.client import FRESH_ENV, JOB_ENV, SERVICE_ENV
 from tiered.service.paths import RUNTIME_ENV
 
@@ -31,10 +31,8 @@ from reattach_train import MICRO, train  # noqa: E402
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("service") / "here")
-    start_service(folder, keep_seconds=600.0)
-    yield folder
-    stop_service(folder)
+    with own_service(tmp_path_factory, keep_seconds=600.0) as folder:
+        yield folder
 
 
 @pytest.fixture(scope="module")
@@ -68,22 +66,23 @@ class _job:
                 os.environ[key] = value
 
 
-def killed_run(service: str, job: str, out, case: str, point: str, step: int) -> int:
-    """Run the script as job ``job`` until it dies at ``point`` of ``step``; its exit status."""
-    process = subprocess.Popen(
+def start_killed(service: str, job: str, out, case: str, point: str,
+                 step: int) -> subprocess.Popen:
+    """The script run as job ``job`` until it dies at ``point`` of ``step``."""
+    return subprocess.Popen(
         [sys.executable, str(SCRIPT), str(out), case, point, str(step)], cwd=REPO, text=True,
         env=clean_env(**{SERVICE_ENV: service, JOB_ENV: job}), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE)
-    return finish(process).returncode
 
 
 def kept_job(service: str, name: str) -> dict:
-    """The job's status once its hosts ran what its dead trainer had sent (a relaunch's attach
-    waits for that too)."""
+    """The job's status once the service has seen its trainer go and its hosts ran what the
+    trainer had sent (a relaunch's attach waits for that too)."""
     deadline = time.monotonic() + 60
     while True:
         job = next(j for j in service_status(service)["jobs"] if j["name"] == name)
-        if job["resumable_step"] is not None or time.monotonic() > deadline:
+        if job["state"] == "failed" and job["resumable_step"] is not None \
+                or time.monotonic() > deadline:
             return job
         time.sleep(0.05)
 
@@ -114,12 +113,24 @@ POINTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def killed(service, tmp_path_factory) -> dict[str, tuple[str, int]]:
+    """Each point's run, killed there (side by side: most of each is Python and torch
+    starting): its job and exit status."""
+    out = tmp_path_factory.mktemp("killed")
+    started = {}
+    for where, (case, point, step, _) in POINTS.items():
+        job = "killed-" + where.replace(" ", "-").replace(",", "")
+        started[where] = job, start_killed(service, job, out / f"{job}.pt", case, point, step)
+    return {where: (job, finish(process).returncode) for where, (job, process)
+            in started.items()}
+
+
 @pytest.mark.parametrize("where", POINTS)
-def test_a_trainer_killed_anywhere_goes_on_exactly_from_the_kept_state(where, service,
+def test_a_trainer_killed_anywhere_goes_on_exactly_from_the_kept_state(where, service, killed,
                                                                          references, tmp_path):
     case, point, step, kept = POINTS[where]
-    job = "killed-" + where.replace(" ", "-").replace(",", "")
-    code = killed_run(service, job, tmp_path / "killed.pt", case, point, step)
+    job, code = killed[where]
     assert code == (1 if point == "raise" else -9)
     held = kept_job(service, job)
     assert held["state"] == "failed" and held["resumable_step"] in kept
@@ -133,7 +144,8 @@ def test_a_trainer_killed_anywhere_goes_on_exactly_from_the_kept_state(where, se
 def test_a_relaunch_with_another_policy_is_refused_by_name_and_fresh_starts_over(
         service, references, tmp_path):
     job = "mismatched"
-    assert killed_run(service, job, tmp_path / "killed.pt", "plain", "forward", 3) == -9
+    run = start_killed(service, job, tmp_path / "killed.pt", "plain", "forward", 3)
+    assert finish(run).returncode == -9
     with _job(service, job), pytest.raises(ReattachError) as refused:
         train(str(tmp_path / "other.pt"), "plain", lr=0.02)
     message = str(refused.value)

@@ -122,7 +122,8 @@ def test_memory_of_a_segment_is_shared_and_counted_per_job_and_rank(service):
     slab.fill_(7)
     rank = job_status(folder, "shared")["ranks"][0]
     assert rank == {"rank": 1, "pid": os.getpid(), "attached": True, "dram_bytes": 64 << 10,
-                    "segments": 1, "host": "trainer", "threads": None, "last_step": None}
+                    "segments": 1, "host": "trainer", "threads": None, "last_step": None,
+                    "busy": None}
     assert service_status(folder)["dram"]["used"] == 64 << 10
     # The service holds the memory this process wrote (its memfd, reached through /proc).
     segment = source._segments[slab.data_ptr()]

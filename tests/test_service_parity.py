@@ -6,6 +6,7 @@ the service counts for each rank is what that rank's DRAM tier holds.
 from __future__ import annotations
 
 import os
+import re
 import signal
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 import tiered
 from distributed import run_ranks
 from gpt import next_token_loss
-from helpers import CONFIGS, assert_same, run_with_deadline
+from helpers import CONFIGS, assert_same, own_service, run_with_deadline
 from helpers_models import (OPTIM, assert_parity, make_model, run_engine, token_batches,
                             train_torch)
 from tiered.cli import main as tiered_cli
@@ -33,10 +34,8 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    folder = str(tmp_path_factory.mktemp("service") / "here")
-    start_service(folder, keep_seconds=0.0)
-    yield folder
-    stop_service(folder)
+    with own_service(tmp_path_factory, keep_seconds=0.0) as folder:
+        yield folder
 
 
 def train(case: str, nvme: str, rank: int = 0, world: int = 1,
@@ -168,9 +167,11 @@ def _report_threads(rank: int, world: int, folder: str, out: str) -> None:
     engine.close()
 
 
-def test_status_says_each_jobs_last_step_done(service, monkeypatch, capsys):
+def test_status_says_each_jobs_last_step_done_and_how_busy_its_pool_is(service, monkeypatch,
+                                                                         capsys):
     """Where the service runs a rank's update, ``tiered daemon status`` says the last
-    ``optimizer.step()`` whose update it finished: on every rank, for the job."""
+    ``optimizer.step()`` whose update it finished: on every rank, for the job; and how much of
+    the time since it started the rank's CPU worker there ran its commands."""
     monkeypatch.setenv(SERVICE_ENV, service)
     monkeypatch.setenv(JOB_ENV, "last-step")
     engine, optimizer = tiered.initialize(make_model(), os.path.join(CONFIGS, "cpu.yaml"),
@@ -182,8 +183,13 @@ def test_status_says_each_jobs_last_step_done(service, monkeypatch, capsys):
     optimizer.synchronize()
     job = next(job for job in service_status(service)["jobs"] if job["name"] == "last-step")
     assert job["last_step"] == job["ranks"][0]["last_step"] == optimizer.steps_taken == 3
+    # The worker ran three updates and every gradient's intake, and waited between them.
+    assert 0.0 < job["ranks"][0]["busy"] < 1.0
     monkeypatch.setenv(RUNTIME_ENV, service)
     assert tiered_cli(["daemon", "status"]) == 0
+    said = capsys.readouterr().out
     assert "job last-step: running; world 1, 1 ranks attached, 0 launcher(s), last step done 3" \
-        in capsys.readouterr().out
+        in said
+    assert re.search(r"CPU update in the service, \d+ thread\(s\), busy \d+% since it started",
+                     said), said
     engine.close()

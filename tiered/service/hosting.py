@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from functools import partial
 from typing import Callable
 
@@ -176,6 +177,9 @@ class HostedRank:
         self.rank = rank
         self.commits, self._round = commits
         self._norm = norm
+        self._started = time.monotonic()
+        self._busy = 0.0
+        """Seconds its worker spent running the rank's commands (not waiting for a commit)."""
 
         def tell(message: dict) -> None:  # a trainer that is gone is told nothing
             try:
@@ -208,11 +212,24 @@ class HostedRank:
         if isinstance(command, (Update, StepArrived)):  # it changes the kept state: committed
             self.worker.submit(partial(self._run_committed, number, command))
         else:
-            self.worker.submit(partial(self.host.run, number, command))
+            self.worker.submit(partial(self._run, number, command))
 
     def _run_committed(self, number: int, command: Update | StepArrived) -> None:
         self.commits.wait(self._round, command.step)
-        self.host.run(number, command)
+        self._run(number, command)
+
+    def _run(self, number: int, command) -> None:
+        start = time.monotonic()
+        try:
+            self.host.run(number, command)
+        finally:
+            self._busy += time.monotonic() - start
+
+    @property
+    def busy(self) -> float:
+        """The share of the time since the host started that its worker ran the rank's
+        commands (``tiered daemon status``)."""
+        return min(1.0, self._busy / max(time.monotonic() - self._started, 1e-9))
 
     def step_record(self, step: int, record: dict) -> None:
         """The trainer's record of ``step()`` call ``step``; what the host runs after it waits

@@ -381,7 +381,9 @@ class Registry:
                 jobs.append({
                     "name": job.name, "state": job.state.value, "world": job.world,
                     "committed_step": job.commits.step if job.commits is not None else None,
-                    "resumable_step": job.reattach_step() or None,
+                    # What a relaunch takes over, once no trainer of it is attached.
+                    "resumable_step": (job.reattach_step() or None) if not job.attached
+                    else None,
                     "launchers": job.holders, "freed_in_seconds": kept,
                     "ranks": [{"rank": r.rank, "pid": r.pid, "attached": r.pid is not None,
                                "host": "service" if r.host is not None else "trainer",

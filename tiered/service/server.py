@@ -202,6 +202,7 @@ class TierService:
                 threads, hosted = self._hosted.get((job["name"], rank["rank"]), (None, None))
                 rank["threads"] = threads
                 rank["last_step"] = hosted.host.last_step if hosted is not None else None
+                rank["busy"] = round(hosted.busy, 3) if hosted is not None else None
             # The last step committed on every rank, where the service runs their updates
             # (commits.py); the step a relaunch goes on from once they are gone.
             job["last_step"] = job["committed_step"]

@@ -29,7 +29,9 @@ def status_table(status: dict) -> str:
             lines.append(f"  rank {rank['rank']:>3}  {who:<12} DRAM "
                          f"{format_size(rank['dram_bytes'])} in {rank['segments']} segment(s); "
                          f"CPU update in the {rank['host']}"
-                         + (f", {rank['threads']} thread(s)" if rank["threads"] else ""))
+                         + (f", {rank['threads']} thread(s)" if rank["threads"] else "")
+                         + (f", busy {rank['busy']:.0%} since it started"
+                            if rank.get("busy") is not None else ""))
     return "\n".join(lines)
 
 
