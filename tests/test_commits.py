@@ -122,3 +122,26 @@ def test_a_restart_that_cannot_take_over_starts_with_no_old_record():
     commits.broken()  # rank 1 never came: the step is not run
     waited.join(5)
     assert outcome == ["not run"]
+
+
+def test_a_relaunch_whose_rank_died_before_its_host_started_is_taken_over_again():
+    """Relaunch 1's rank 0 attaches (taking its part over) and dies before its host starts;
+    relaunch 2 takes the same state over, every rank of it."""
+    registry = Registry(1 << 30, keep_seconds=600)
+    _run_and_die(registry, "j", steps=3)
+    _, first = registry.attach("j", 0, 2, 200)
+    registry.detach("j", 0, clean=False)
+    _, kept0 = registry.attach("j", 0, 2, 300)
+    _, kept1 = registry.attach("j", 1, 2, 301)
+    assert kept0 == first and kept0["step"] == kept1["step"] == 3
+    assert registry.dram_used == 2 * 4096, "a kept segment was freed"
+
+
+def test_a_host_that_could_not_be_built_leaves_the_kept_state_as_it_was():
+    registry = Registry(1 << 30, keep_seconds=600)
+    _run_and_die(registry, "j", steps=2)
+    _, kept = registry.attach("j", 0, 2, 200)
+    registry.host_started("j", 0, 200, kept["segments"], {"plan": "p"})
+    registry.host_ended("j", 0, None, ran=False)  # its compile failed: nothing ran
+    registry.detach("j", 0, clean=False)
+    assert [j["resumable_step"] for j in registry.status()["jobs"]] == [2]

@@ -197,7 +197,9 @@ class Registry:
             owner = job.ranks.setdefault(rank, Rank(rank))
             owner.pid = pid
             job.gone_since = None
-            if not job.handover and job.reattach_step():  # the relaunch's first rank
+            # The relaunch's first rank fixes what every rank takes over; so does a rank that
+            # took its part over before, in a relaunch that died before its hosts ran.
+            if job.reattach_step() and (not job.handover or rank not in job.handover):
                 job.handover = {r: {"step": job.commits.step,
                                     "segments": sorted(job.ranks[r].segments),
                                     "record": job.commits.records[r],
@@ -305,19 +307,23 @@ class Registry:
             job = self._jobs[name]
             if job.commits is None:
                 job.commits = StepCommits(job.world)
-            owner.host, owner.final, owner.host_running = request, None, True
+            owner.host, owner.host_running = request, True
             return ([owner.segments[i] for i in ids], job.world, job.commits,
                     job.commits.new_round())
 
-    def host_ended(self, name: str, rank: int, final: dict | None) -> None:
+    def host_ended(self, name: str, rank: int, final: dict | None, ran: bool = True) -> None:
         """The rank's host ran what it was sent and stopped; ``final``: what it left (None
-        when it failed: the job cannot be reattached to)."""
+        when it failed: the job cannot be reattached to). ``ran``: False for a host that could
+        not be built, which changed nothing. Either way no step is committed after it."""
         with self._lock:
             job = self._jobs.get(name)
             owner = job.ranks.get(rank) if job is not None else None
             if owner is None or not owner.host_running:
                 return
-            owner.host_running, owner.final = False, final
+            job.commits.broken()
+            owner.host_running = False
+            if ran:
+                owner.final = final
             self._settling.notify_all()
             if not job.present:
                 self._gone(job)

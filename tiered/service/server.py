@@ -303,7 +303,7 @@ class TierService:
             hosted = HostedRank(request, segments, rank, world, norm, client.send,
                                 (commits, round_))
         except Exception as e:  # a plan that does not fit its segments, a failed compile
-            self.registry.host_ended(job, rank, None)
+            self.registry.host_ended(job, rank, None, ran=False)
             raise RefusedError(f"cannot run the host of job {job} rank {rank}: "
                                f"{type(e).__name__}: {e}") from None
         client.hosted = (job, hosted)
