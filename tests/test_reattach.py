@@ -110,6 +110,7 @@ POINTS = {
     "during save_checkpoint": ("plain", "save", 3, {3}),
     "clipped, in backward": ("clipped", "backward", 2, {1}),
     "an exception, no close": ("plain", "raise", 4, {3}),
+    "a scheduler made after initialize": ("scheduled", "forward", 4, {3}),
 }
 
 

@@ -29,6 +29,7 @@ CASES = {
     "accumulation": {"accumulation_steps": MICRO},
     "delayed": {"delayed_update": {"enabled": True, "warmup_steps": 1}},
     "clipped": {"max_grad_norm": 0.05},
+    "scheduled": {},  # a LambdaLR made after initialize, stepped after each step()
 }
 
 
@@ -70,6 +71,11 @@ def train(out: str, case: str, point: str | None = None, kill_step: int = 0,
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     first = optimizer.steps_taken + 1
+    scheduler = None
+    if case == "scheduled":  # made after initialize, brought to the step it resumes at
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + s))
+        for _ in range(first - 1):
+            scheduler.step()
     state = {"step": first, "micro": 0}
 
     def in_forward(module, args):
@@ -107,6 +113,8 @@ def train(out: str, case: str, point: str | None = None, kill_step: int = 0,
         optimizer.step()
         if point == "update" and step == kill_step and rank == world - 1:
             die()
+        if scheduler is not None:
+            scheduler.step()
         optimizer.zero_grad()
         if point == "save":
             engine.save_checkpoint(os.path.join(out + ".checkpoints"))

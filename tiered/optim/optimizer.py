@@ -343,7 +343,10 @@ class TieredAdamW(torch.optim.Optimizer):
         return {**self._counters(),
                 "update": None if sent is None else {"mode": sent.mode.value,
                                                       "loss_scale": sent.loss_scale},
-                "swapped": self._manager.swapped_units()}
+                "swapped": self._manager.swapped_units(),
+                # A torch LR scheduler's base: one made after a reattach (which restores these
+                # inside tiered.initialize, before the script can make it) starts from them.
+                "initial_lrs": [group.get("initial_lr") for group in self.param_groups]}
 
     def _counters(self) -> dict:
         hypers = [{"lr": float(group["lr"]), "betas": list(group["betas"]), "eps": group["eps"],
@@ -362,7 +365,11 @@ class TieredAdamW(torch.optim.Optimizer):
         committed ``step()`` call, and what its host left (RankHost.final_state), whose last
         update is that call's where it sent one. The state is then :meth:`checkpoint_state`'s
         after that call: an ordinary update finished and made current, a delayed one pending."""
-        state = {key: value for key, value in record.items() if key not in ("update", "swapped")}
+        state = {key: value for key, value in record.items()
+                 if key not in ("update", "swapped", "initial_lrs")}
+        for group, initial in zip(self.param_groups, record["initial_lrs"]):
+            if initial is not None:
+                group["initial_lr"] = initial
         state.update(unit_steps=host["unit_steps"], pending=None)
         sent, outcome = record["update"], host["last_update"]
         if sent is not None:
