@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from helpers import REPO, clean_env, finish, own_service
+from tiered.cli import main as tiered_cli
 from tiered.engine.reattach import ReattachError
 from tiered.service import service_status
 from tiered.service.client import FRESH_ENV, JOB_ENV, SERVICE_ENV
@@ -143,10 +144,17 @@ def test_a_trainer_killed_anywhere_goes_on_exactly_from_the_kept_state(where, se
 
 
 def test_a_relaunch_with_another_policy_is_refused_by_name_and_fresh_starts_over(
-        service, references, tmp_path):
+        service, references, tmp_path, monkeypatch, capsys):
     job = "mismatched"
     run = start_killed(service, job, tmp_path / "killed.pt", "plain", "forward", 3)
     assert finish(run).returncode == -9
+    kept_job(service, job)
+    monkeypatch.setenv(RUNTIME_ENV, service)
+    assert tiered_cli(["daemon", "status"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines()
+                if line.startswith(f"job {job}: "))
+    assert line.startswith(f"job {job}: failed, freed in ") and line.endswith(
+        "last step done 2, a relaunch of it goes on from there"), line
     with _job(service, job), pytest.raises(ReattachError) as refused:
         train(str(tmp_path / "other.pt"), "plain", lr=0.02)
     message = str(refused.value)
