@@ -61,7 +61,8 @@ from .folder import check_folder, claim, release_folders
 from .format import CheckpointError, Entry, Reader, Writer, file_digest
 from .latest import LATEST, MANIFEST, check_tag, chosen_tag, complete_tags
 from .manifest import FORMAT_VERSION, rank_file, read_manifest
-from .pretrained import EXTRA_STATE, extra_state_module, persistent_buffers, store_model_state
+from .pretrained import (RNG_STATES, extra_states, persistent_buffers, rng_states,
+                         set_rng_states, store_model_state)
 
 __all__ = ["save", "load", "release_folders"]  # release_folders: for engine.close
 
@@ -163,17 +164,11 @@ def _refuse_held_gradients(engine) -> None:
             f"(or after zero_grad())")
 
 
-def _extra_states(engine) -> dict[str, object]:
-    """The model's modules' ``get_extra_state()``, by state-dict key."""
-    return {key: extra_state_module(engine.module, key).get_extra_state()
-            for key in engine.state_dict_keys if key.endswith(EXTRA_STATE)}
-
-
 def _json_extra_states(engine) -> dict[str, object]:
     """The extra states that are not tensors (those are in the rank files), as JSON: a value
     JSON cannot hold is left out with a warning, as save_pretrained leaves it out."""
     out = {}
-    for key, value in _extra_states(engine).items():
+    for key, value in extra_states(engine.module, engine.state_dict_keys).items():
         if isinstance(value, torch.Tensor):
             continue
         try:
@@ -201,11 +196,12 @@ def _write_rank(engine, path: str, pending: set[int]) -> tuple[int, str]:
         if unit in pending or not manager.has(unit, StateKind.MASTER):
             entries.append(Entry(f"unit{unit}.param", compute, (flat.shard_numel,)))
             sources.append((unit, StateKind.PARAM))
-    small = _rng_states(engine.device)  # written whole, after the units
+    small = rng_states(engine.device)  # written whole, after the units
     small.update({f"buffer.{name}": value.detach().cpu() for name, value in
                   persistent_buffers(engine.module, engine.state_dict_keys).items()})
     small.update({f"extra.{key}": value.detach().cpu() for key, value in
-                  _extra_states(engine).items() if isinstance(value, torch.Tensor)})
+                  extra_states(engine.module, engine.state_dict_keys).items()
+                  if isinstance(value, torch.Tensor)})
     entries += [Entry(name, value.dtype, tuple(value.shape)) for name, value in small.items()]
     writer = Writer(path, entries)
     try:
@@ -218,13 +214,6 @@ def _write_rank(engine, path: str, pending: set[int]) -> tuple[int, str]:
         writer.abort()
         raise
     return writer.size, writer.close()
-
-
-def _rng_states(device: torch.device) -> dict[str, torch.Tensor]:
-    states = {"rng.cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        states["rng.cuda"] = torch.cuda.get_rng_state(device)
-    return states
 
 
 def _gather_files(group, size: int, digest: str) -> tuple[list[int], list[str]]:
@@ -423,7 +412,7 @@ def _plan_reads(engine, manifest: dict, readers: dict[str, Reader],
 def _check_rng(own_file: Reader | None) -> None:
     if own_file is None:  # another world size: the RNG states are not restored
         return
-    for name in ("rng.cpu", "rng.cuda"):
+    for name in RNG_STATES:
         if name in own_file.entries and own_file.entry(name).dtype is not torch.uint8:
             raise CheckpointError(f"{own_file.path}: {name!r} is not a byte tensor")
 
@@ -439,7 +428,7 @@ def _read_model_state(engine, manifest: dict, reader: Reader) -> dict[str, objec
         if entry in reader.entries:
             out[name] = _read_like(reader, entry, buffer.dtype, tuple(buffer.shape))
     saved_objects = manifest.get("extra_states", {})
-    for key, value in _extra_states(engine).items():
+    for key, value in extra_states(engine.module, engine.state_dict_keys).items():
         entry = f"extra.{key}"
         if entry in reader.entries:
             out[key] = _read_whole(reader, entry)
@@ -491,9 +480,8 @@ def _load_states(engine, manifest: dict, reads: dict[tuple[int, StateKind], layo
     engine.runtime.grads.zero_grad(set_to_none=True)
     engine.optimizer.restore_state(dict(state, pending=pending, unit_steps=steps))
     if own_file is not None:
-        torch.set_rng_state(_read_whole(own_file, "rng.cpu"))
-        if engine.device.type == "cuda" and "rng.cuda" in own_file.entries:
-            torch.cuda.set_rng_state(_read_whole(own_file, "rng.cuda"), engine.device)
+        set_rng_states({name: _read_whole(own_file, name) for name in RNG_STATES
+                        if name in own_file.entries}, engine.device)
 
 
 def _read_whole(reader: Reader, name: str) -> torch.Tensor:

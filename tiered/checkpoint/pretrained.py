@@ -112,6 +112,31 @@ def store_model_state(model: nn.Module, values: dict[str, object]) -> None:
             buffers[key].copy_(value)
 
 
+def extra_states(model: nn.Module, state_dict_keys) -> dict[str, object]:
+    """The model's modules' ``get_extra_state()``, by state-dict key."""
+    return {key: extra_state_module(model, key).get_extra_state()
+            for key in state_dict_keys if key.endswith(EXTRA_STATE)}
+
+
+RNG_STATES = ("rng.cpu", "rng.cuda")
+"""The names a checkpoint and a step record keep the RNG states under."""
+
+
+def rng_states(device: torch.device) -> dict[str, torch.Tensor]:
+    """The RNG states dropout and the like draw from: the CPU's, and ``device``'s on a GPU."""
+    states = {"rng.cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["rng.cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def set_rng_states(states: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Undo :func:`rng_states` (a GPU's state only on a GPU, where it was kept)."""
+    torch.set_rng_state(states["rng.cpu"])
+    if device.type == "cuda" and "rng.cuda" in states:
+        torch.cuda.set_rng_state(states["rng.cuda"], device)
+
+
 def persistent_buffers(model: nn.Module, state_dict_keys) -> dict[str, torch.Tensor]:
     """The model's buffers that its state dict holds, by state-dict name."""
     keys = set(state_dict_keys)

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from ..checkpoint.format import DTYPES, NAMES
-from ..checkpoint.pretrained import EXTRA_STATE, extra_state_module, persistent_buffers
-from ..checkpoint.pretrained import store_model_state
+from ..checkpoint.pretrained import (EXTRA_STATE, extra_states, persistent_buffers, rng_states,
+                                     set_rng_states, store_model_state)
 from ..errors import TieredError
 from ..tiers.aio import host_buffer
 
@@ -57,26 +57,25 @@ class StepRecorder:
     def __call__(self) -> dict:
         """The RNG states, persistent buffers and extra states as JSON values; or, where they
         cannot travel (too large, an extra state JSON cannot hold), why not."""
-        rng = {"cpu": tensor_to_wire(torch.get_rng_state())}
-        if self._device.type == "cuda":
-            rng["cuda"] = tensor_to_wire(torch.cuda.get_rng_state(self._device))
+        rng = {name: tensor_to_wire(value) for name, value in rng_states(self._device).items()}
         state = {name: tensor_to_wire(buffer) for name, buffer
                  in persistent_buffers(self._module, self._keys).items()}
-        for key in self._keys:
-            if key.endswith(EXTRA_STATE):
-                value = extra_state_module(self._module, key).get_extra_state()
-                state[key] = ({"tensor": tensor_to_wire(value)}
-                              if isinstance(value, torch.Tensor) else {"json": value})
-        record = {"rng": rng, "state": state}
-        try:
-            size = len(json.dumps(record))
-        except (TypeError, ValueError):
-            return {"unrecorded": "an extra state of the model is neither a tensor nor JSON"}
+        size = sum(len(value[2]) for value in (*rng.values(), *state.values()))
+        for key, value in extra_states(self._module, self._keys).items():
+            if isinstance(value, torch.Tensor):
+                state[key] = {"tensor": tensor_to_wire(value)}
+                size += len(state[key]["tensor"][2])
+                continue
+            try:  # only these need a trial: the rest is base64 text
+                size += len(json.dumps(value))
+            except (TypeError, ValueError):
+                return {"unrecorded": f"the extra state {key} is neither a tensor nor JSON"}
+            state[key] = {"json": value}
         if size > RECORD_BYTES:
-            return {"unrecorded": f"the model's buffers and extra states take {size} bytes "
-                                  f"on the wire, more than a step's record holds "
-                                  f"({RECORD_BYTES})"}
-        return record
+            return {"unrecorded": f"the model's RNG states, buffers and extra states take "
+                                  f"{size} bytes on the wire, more than a step's record "
+                                  f"holds ({RECORD_BYTES})"}
+        return {"rng": rng, "state": state}
 
 
 def check_kept(kept: dict, asked: dict, job: str) -> None:
@@ -119,9 +118,8 @@ def restore(engine, kept: dict) -> None:
     engine.runtime.host.params_swapped(swapped)
     engine.optimizer.restore_step_record(record["optimizer"], kept["final"])
     model = record["model"]
-    torch.set_rng_state(tensor_from_wire(model["rng"]["cpu"]))
-    if engine.device.type == "cuda" and "cuda" in model["rng"]:
-        torch.cuda.set_rng_state(tensor_from_wire(model["rng"]["cuda"]), engine.device)
+    set_rng_states({name: tensor_from_wire(value) for name, value in model["rng"].items()},
+                    engine.device)
     values = {}
     for key, value in model["state"].items():
         if key.endswith(EXTRA_STATE):
