@@ -221,6 +221,10 @@ class Registry:
         world size is refused. Refuses a failed job still partly there."""
         note = ""
         job = self._jobs.get(name)
+        if job is not None and job.state is JobState.FAILED and not job.attached \
+                and job.holders == 0:
+            # Its hosts may still run what its dead trainers sent: part of what is kept.
+            self._settling.wait_for(lambda: not job.present, SETTLE_SECONDS)
         if job is not None and job.state is JobState.FAILED and not job.present:
             step = job.reattach_step()
             if step and not fresh and world is not None and world != job.world:

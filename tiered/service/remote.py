@@ -153,11 +153,18 @@ class RemoteHost:
             return self._answers.pop(request)
 
     def close(self) -> None:
-        """Let the host go: the service runs what was sent, then stops it."""
+        """Let the host go: the service runs what was sent, then stops it; this returns once it
+        has, so that the rank's detach that follows finds no host of it running (a clean end
+        frees the job at once)."""
         if self._closed:
             return
         self._closed = True
         if self._sender.is_alive():
+            if not self.worker.failed:
+                try:
+                    self.round_trip("end")
+                except TieredError:
+                    pass  # the service is gone, or the host failed: nothing runs there now
             self._outbox.put(None)
             self._sender.join()
         try:  # wakes the reader (a close alone may leave its recv waiting)

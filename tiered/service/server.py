@@ -342,6 +342,10 @@ class TierService:
                     hosted.params_swapped([int(unit) for unit in message["units"]])
                 elif op == "step_record":
                     hosted.step_record(int(message["step"]), dict(message["record"]))
+                elif op == "end":  # the trainer closes: its host ends before it detaches
+                    self._end_host(client)
+                    client.send({"op": "ended", "request": int(message["request"])})
+                    return
                 else:
                     raise ValueError(f"unknown host message {op!r}")
             except (KeyError, TypeError, ValueError, TieredError) as e:
