@@ -13,6 +13,8 @@ from tiered.service.commits import NotCommitted, StepCommits
 from tiered.service.jobs import Registry
 
 FINAL = {"unit_steps": [1.0], "last_update": None}
+REQUEST = {"plan": {"shards": []}}
+"""What a host was asked to run, as the registry sees it: a plan with nothing on NVMe."""
 
 
 def test_a_step_commits_with_every_ranks_record_and_not_before():
@@ -58,8 +60,8 @@ def _run_and_die(registry: Registry, job: str, steps: int, pid: int = 100,
     for rank in (0, 1):
         registry.attach(job, rank, 2, pid + rank)
         segment = registry.reserve(job, rank, 4096)
-        _, _, commits, round_ = registry.host_started(job, rank, pid + rank, [segment.id],
-                                                      {"plan": "p"})
+        _, _, _, commits, round_ = registry.host_started(job, rank, pid + rank, [segment.id],
+                                                      REQUEST)
     for step in range(1, steps + 1):
         for rank in (0, 1):
             commits.arrived(round_, rank, step, {"rank": rank, "step": step})
@@ -75,12 +77,12 @@ def test_every_rank_of_a_relaunch_takes_over_the_same_step_however_its_hosts_int
     note, kept0 = registry.attach("j", 0, 2, 200)
     assert "goes on from its kept state at step 3" in note
     # Rank 0's new host opens a round before rank 1 attaches: rank 1 still takes over step 3.
-    _, _, commits, round_ = registry.host_started("j", 0, 200, kept0["segments"], {"plan": "p"})
+    _, _, _, commits, round_ = registry.host_started("j", 0, 200, kept0["segments"], REQUEST)
     assert commits.open
     _, kept1 = registry.attach("j", 1, 2, 201)
     assert kept0["step"] == kept1["step"] == 3
     assert (kept0["record"], kept1["record"]) == ({"rank": 0, "step": 3}, {"rank": 1, "step": 3})
-    assert kept1["final"] == FINAL and kept1["host"] == {"plan": "p"}
+    assert kept1["final"] == FINAL and kept1["host"] == REQUEST
 
 
 def test_fresh_frees_the_kept_state_and_another_world_size_is_refused_by_name():
@@ -104,7 +106,7 @@ def test_a_restart_that_cannot_take_over_starts_with_no_old_record():
     _, kept = registry.attach("j", 0, 2, 300)
     assert kept is None
     segment = registry.reserve("j", 0, 4096)
-    _, _, commits, round_ = registry.host_started("j", 0, 300, [segment.id], {"plan": "p"})
+    _, _, _, commits, round_ = registry.host_started("j", 0, 300, [segment.id], REQUEST)
     assert commits.step == 0
     commits.arrived(round_, 0, 1, {})
     outcome = []
@@ -141,7 +143,7 @@ def test_a_host_that_could_not_be_built_leaves_the_kept_state_as_it_was():
     registry = Registry(1 << 30, keep_seconds=600)
     _run_and_die(registry, "j", steps=2)
     _, kept = registry.attach("j", 0, 2, 200)
-    registry.host_started("j", 0, 200, kept["segments"], {"plan": "p"})
+    registry.host_started("j", 0, 200, kept["segments"], REQUEST)
     registry.host_ended("j", 0, None, ran=False)  # its compile failed: nothing ran
     registry.detach("j", 0, clean=False)
     assert [j["resumable_step"] for j in registry.status()["jobs"]] == [2]

@@ -25,6 +25,8 @@ from tiered.errors import BudgetError
 from tiered.service import (ServiceClient, ServiceError, ServiceSlabSource, service_paths,
                             service_status, start_service, stop_service)
 from tiered.service import wire
+from tiered.service.remote_nvme import ServiceNvme
+from tiered.tiers.aio import IoSettings
 from tiered.service.paths import RUNTIME_ENV
 
 
@@ -126,7 +128,8 @@ def test_memory_of_a_segment_is_shared_and_counted_per_job_and_rank(service):
                     "busy": None}
     assert service_status(folder)["dram"]["used"] == 64 << 10
     # The service holds the memory this process wrote (its memfd, reached through /proc).
-    segment = source._segments[slab.data_ptr()]
+    segment, at = source.locate(slab)
+    assert at == 0
     name = f"/memfd:tiered-shared-rank1-{segment} (deleted)"
     held = [fd for fd in os.listdir(f"/proc/{pid}/fd")
             if os.readlink(f"/proc/{pid}/fd/{fd}") == name]
@@ -313,6 +316,64 @@ def test_another_jobs_segment_cannot_be_released(service):
     assert job_status(folder, "owner")["ranks"][0]["dram_bytes"] == 4096
     owner.close(clean=True)
     thief.close(clean=True)
+
+
+BAD_FILE_REQUESTS = {
+    "an unknown op": ({"op": "truncate"}, "unknown NVMe request 'truncate'"),
+    "no such shard": ({"op": "read", "shard": 7, "segment": 0, "at": 0, "nbytes": 4096,
+                       "offset": 0}, "the rank has no NVMe shard 7 (it has 1)"),
+    "past its segment": ({"op": "read", "shard": 0, "segment": 0, "at": 4096, "nbytes": 4096,
+                          "offset": 0}, "bytes 4096..8192 are outside segment 0"),
+    "another job's segment": ({"op": "read", "shard": 0, "segment": 1, "at": 0, "nbytes": 4096,
+                               "offset": 0}, "job files rank 0 holds no segment 1"),
+    "no such version": ({"op": "write", "version": 3, "segment": 0, "at": 0, "nbytes": 4096,
+                         "offset": 0}, "no open NVMe version 3"),
+    "a field missing": ({"op": "version"}, "'shard'"),
+}
+"""Each: a request on a rank's file stream, and what the error answer says."""
+
+
+def test_bad_file_requests_get_errors_and_the_files_and_other_jobs_go_on(service, tmp_path):
+    """A rank's file stream (service/files.py) answers each bad request with an error naming
+    it, moves no byte for it, and reaches no other job's memory; garbage ends the stream, and
+    the rank's files are as they were for the next one."""
+    folder, _ = service
+    owner = attached(folder, "files")
+    block = owner(4096)
+    other = attached(folder, "other")
+    theirs = other(4096)
+    theirs.fill_(9)
+    with raw(folder) as sock:
+        wire.send(sock, {"op": "files", "job": "files", "rank": 0, "root": str(tmp_path),
+                         "block_size": 4096, "queue_depth": 2})
+        assert wire.receive(sock)[0]["ok"] is True
+        wire.send(sock, {"op": "create", "id": 0, "what": "w", "nbytes": 4096,
+                         "budget": 1 << 20})
+        assert wire.receive(sock)[0]["shard"] == 0
+        for number, (request, said) in enumerate(BAD_FILE_REQUESTS.values(), start=1):
+            wire.send(sock, {**request, "id": number})
+            answer, _ = wire.receive(sock)
+            assert answer["id"] == number and said in answer["error"], answer
+        sock.sendall(b"garbage, then nothing more")
+        assert dropped(sock)
+    assert int(theirs.sum()) == 9 * 4096
+    # The next stream of the rank finds its shard, and moves its bytes both ways.
+    files = ServiceNvme(owner, str(tmp_path), None, 0, IoSettings(4096, 2))
+    shard = files.create("w", 4096)
+    assert shard.number == 0
+    block.fill_(5)
+    version = shard.next_version()
+    version.write(block).wait()
+    version.commit()
+    version.wait()
+    block.zero_()
+    shard.read_into(block)
+    assert int(block.sum()) == 5 * 4096
+    assert job_status(folder, "files")["ranks"][0]["nvme_bytes"] == 4 * 4096  # and 3 spares
+    files.close()
+    owner.close(clean=True)
+    other.close(clean=True)
+    assert os.listdir(tmp_path) == []  # the job's files went with it
 
 
 def test_descriptors_sent_to_the_service_are_closed_not_kept(service):

@@ -47,12 +47,13 @@ def train(case: str, nvme: str, rank: int = 0, world: int = 1,
     if status_to is not None:
         job = next(job for job in service_status(os.environ[SERVICE_ENV])["jobs"]
                    if job["name"] == engine.service_job)
-        held = {r["rank"]: r["dram_bytes"] for r in job["ranks"]}
-        hosts = {r["rank"]: r["host"] for r in job["ranks"]}
-        torch.save({"job": engine.service_job, "world": job["world"], "held": held[rank],
+        mine = next(r for r in job["ranks"] if r["rank"] == rank)
+        torch.save({"job": engine.service_job, "world": job["world"], "held": mine["dram_bytes"],
                     "dram": engine.memory_report()["dram"]["current"],
+                    "nvme": engine.memory_report()["nvme"]["current"],
+                    "nvme_held": mine.get("nvme_bytes"), "nvme_folder": mine.get("folder"),
                     "host": type(engine.runtime.host).__name__,
-                    "status_host": hosts[rank]}, status_to)
+                    "status_host": mine["host"]}, status_to)
     state = run_engine(engine, opt, rank=rank, world=world)
     engine.close()
     return state
@@ -69,10 +70,12 @@ def test_one_rank_through_the_service_equals_in_process_bit_for_bit(case, servic
     status = torch.load(tmp_path / "status.pt")
     assert status["job"] == os.environ[JOB_ENV] and status["world"] == 1
     assert status["held"] == status["dram"] > 0  # the service counts what the tier holds
-    # Every state in DRAM: the service runs the rank's host; NVMe files are still the trainer's.
-    in_service = CASES[case][0] != "nvme"
-    assert status["host"] == ("RemoteHost" if in_service else "LocalHost")
-    assert status["status_host"] == ("service" if in_service else "trainer")
+    # The service runs the rank's host, over its NVMe files too.
+    assert (status["host"], status["status_host"]) == ("RemoteHost", "service")
+    assert status["nvme_held"] == (status["nvme"] if CASES[case][0] == "nvme" else None)
+    if CASES[case][0] == "nvme":
+        assert status["nvme"] > 0 and status["nvme_folder"].startswith(str(tmp_path))
+        assert not os.path.exists(status["nvme_folder"])  # removed with the job
     if case == "cpu":  # and training is training: PyTorch's, to the bit
         model = make_model()
         reference = train_torch(model, torch.optim.AdamW(model.parameters(), fused=True, **OPTIM))
@@ -90,8 +93,8 @@ def _two_ranks(rank: int, world: int, folder: str, out: str) -> None:
 
 
 def test_two_ranks_through_the_service_match_pytorch(service, tmp_path):
-    """Two ranks, their hosts in the service for the DRAM policies (the clipped run's norm
-    summed there over both), in the trainers for NVMe."""
+    """Two ranks, their hosts in the service (the clipped run's norm summed there over both),
+    over its NVMe files for the NVMe policy."""
     run_ranks(2, _two_ranks, service, str(tmp_path))
     references = {}
     for clip in (None, 0.5):  # the service sums the clipped case's norm over both ranks
@@ -104,20 +107,26 @@ def test_two_ranks_through_the_service_match_pytorch(service, tmp_path):
             status = torch.load(tmp_path / f"status-{case}-{rank}.pt")
             assert (status["job"], status["world"]) == ("parity-two-ranks", 2)
             assert status["held"] == status["dram"] > 0
+            assert status["status_host"] == "service"
+            assert status["nvme_held"] == (status["nvme"] if case == "nvme" else None)
     assert service_status(service)["jobs"] == []
     assert not [p for p in os.listdir(tmp_path) if p.startswith("tiered-")]
 
 
-def test_a_service_killed_mid_run_is_an_error_naming_it_not_a_hang(tmp_path, monkeypatch):
-    """The rank's host runs in the service: when the service dies, whatever waits for it (the
-    next forward's weights, a drain) wakes with an error that says so, and the engine closes."""
-    folder = str(tmp_path / "service")
+def test_a_service_killed_mid_run_is_an_error_naming_it_and_the_next_removes_its_files(
+        tmp_path, monkeypatch):
+    """The rank's host and NVMe files are the service's: when the service dies, whatever waits
+    for it (the next forward's weights, a drain) wakes with an error that says so, and the
+    engine closes. The dead service's files are removed by the next service that makes files
+    there, which says so."""
+    folder, nvme = str(tmp_path / "service"), tmp_path / "nvme"
+    nvme.mkdir()
     pid = start_service(folder, keep_seconds=0.0)
     monkeypatch.setenv(SERVICE_ENV, folder)
     monkeypatch.setenv(JOB_ENV, "killed-service")
-    engine, optimizer = tiered.initialize(make_model(), os.path.join(CONFIGS, "cpu.yaml"),
+    engine, optimizer = tiered.initialize(make_model(), os.path.join(CONFIGS, "nvme.yaml"),
                                           compute_dtype="fp32", device="cpu",
-                                          optimizer=dict(OPTIM))
+                                          nvme={"path": str(nvme)}, optimizer=dict(OPTIM))
     assert type(engine.runtime.host).__name__ == "RemoteHost"
     idx = token_batches(1)[0]
     next_token_loss(engine(idx), idx).backward()
@@ -132,8 +141,27 @@ def test_a_service_killed_mid_run_is_an_error_naming_it_not_a_hang(tmp_path, mon
         optimizer.synchronize()
 
     with pytest.raises(tiered.TieredError, match="the node's service is gone"):
-        run_with_deadline(next_step, seconds=60)
-    run_with_deadline(engine.close, seconds=60)
+        run_with_deadline(next_step, seconds=60)  # the weights' read from NVMe
+    # The update the last step() queued never finished: close() says so, and closes.
+    with pytest.raises(tiered.TieredError, match="CPU worker failed: the node's service is gone"):
+        run_with_deadline(engine.close, seconds=60)
+    engine.close()
+    [left] = os.listdir(nvme)
+    assert f"-{pid}-" in left  # the dead service's
+
+    start_service(folder, keep_seconds=0.0)
+    try:
+        monkeypatch.setenv(JOB_ENV, "after-it")
+        with pytest.warns(UserWarning, match=f"service removed {nvme / left}, the NVMe folder "
+                                             f"of a run that is gone, freeing "):
+            engine, _ = tiered.initialize(make_model(), os.path.join(CONFIGS, "nvme.yaml"),
+                                          compute_dtype="fp32", device="cpu",
+                                          nvme={"path": str(nvme)})
+        assert left not in os.listdir(nvme)
+        engine.close()
+    finally:
+        stop_service(folder)
+    assert os.listdir(nvme) == []
 
 
 def test_the_ranks_hosted_on_a_node_never_run_more_threads_than_its_cores(tmp_path):
@@ -167,15 +195,17 @@ def _report_threads(rank: int, world: int, folder: str, out: str) -> None:
     engine.close()
 
 
-def test_status_says_each_jobs_last_step_done_and_how_busy_its_pool_is(service, monkeypatch,
-                                                                         capsys):
+def test_status_says_each_jobs_last_step_done_and_how_busy_its_pool_and_queue_are(
+        service, monkeypatch, capsys, tmp_path):
     """Where the service runs a rank's update, ``tiered daemon status`` says the last
-    ``optimizer.step()`` whose update it finished: on every rank, for the job; and how much of
-    the time since it started the rank's CPU worker there ran its commands."""
+    ``optimizer.step()`` whose update it finished: on every rank, for the job; how much of
+    the time since it started the rank's CPU worker there ran its commands; and what its NVMe
+    files hold and its I/O queue moved."""
     monkeypatch.setenv(SERVICE_ENV, service)
     monkeypatch.setenv(JOB_ENV, "last-step")
-    engine, optimizer = tiered.initialize(make_model(), os.path.join(CONFIGS, "cpu.yaml"),
-                                          compute_dtype="fp32", device="cpu")
+    engine, optimizer = tiered.initialize(make_model(), os.path.join(CONFIGS, "nvme.yaml"),
+                                          compute_dtype="fp32", device="cpu",
+                                          nvme={"path": str(tmp_path)})
     for idx in token_batches(3):
         next_token_loss(engine(idx), idx).backward()
         optimizer.step()
@@ -192,4 +222,9 @@ def test_status_says_each_jobs_last_step_done_and_how_busy_its_pool_is(service, 
         in said
     assert re.search(r"CPU update in the service, \d+ thread\(s\), busy \d+% since it started",
                      said), said
+    rank = job["ranks"][0]
+    assert rank["nvme_bytes"] == engine.memory_report()["nvme"]["current"] > 0
+    assert rank["read_bytes"] > 0 and rank["written_bytes"] > 0 and rank["io_in_flight"] == 0
+    assert re.search(rf"NVMe [\d.]+ \w*B in {re.escape(rank['folder'])}; I/O queue: 0 in "
+                     rf"flight, [\d.]+ \w*B read, [\d.]+ \w*B written", said), said
     engine.close()

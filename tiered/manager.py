@@ -70,13 +70,17 @@ def _staging_name(kind: StateKind) -> str:
 class TierManager:
     def __init__(self, policy: Policy, device: torch.device, rank: int,
                  dram_source: SlabSource | None = None, ranks: int = 1,
-                 agree: Callable[[int], int] = int):
+                 agree: Callable[[int], int] = int, nvme_tier: Callable[..., NvmeTier] = NvmeTier):
         """``ranks``: the ranks on this node, which share its DRAM and its drive when no budget
         is set. ``agree``: a collective that turns this rank's measured share into the one every
         rank uses (the smallest any measured: ProcessGroup.smallest). Each rank then makes the
         same plan, so all of them fit or all refuse, and none is left waiting in a collective
         for a rank that refused; and no rank spills more than another, to be waited for. (The
         HBM default, the device's capacity, is agreed the same way, for devices that differ.)
+
+        ``nvme_tier``: what makes the NVMe tier, called as NvmeTier is (root, budget, rank, I/O
+        settings, ranks); the node's service holds a rank's files in another process
+        (service/files.py), whose face the trainer's tier then is.
 
         Raises BudgetError when the policy sets a budget larger than this rank's share of the
         node (see :func:`budgets_past_the_node`), leaving nothing behind."""
@@ -101,7 +105,7 @@ class TierManager:
         self.nvme = None
         try:  # from here on a failure (or an interrupt) must not leave the NVMe run folder, nor
             # a service's connection open (the DRAM source's)
-            self.nvme = (NvmeTier(policy.nvme.path, policy.nvme.budget, rank, io, ranks)
+            self.nvme = (nvme_tier(policy.nvme.path, policy.nvme.budget, rank, io, ranks)
                          if policy.uses_nvme else None)
             for tier, budget in ((self.hbm, policy.hbm.budget), (self.dram, policy.dram.budget),
                                  (self.nvme, policy.nvme.budget)):
@@ -200,11 +204,12 @@ class TierManager:
     def adopt(self, plan: MemoryPlan) -> None:
         """Take over ``plan``, which another process (a trainer) checked and allocated: its DRAM
         states are found in the slabs this manager's source hands back (the trainer's, in the
-        order it reserved them), as they are: nothing is zeroed. Only DRAM-resident plans are
-        adopted (the node's service runs their hosts: see service/hosting.py)."""
-        if any(buf.tier is not Tier.DRAM
+        order it reserved them), and its NVMe states in the shards its NVMe tier hands back,
+        as they are: nothing is zeroed. Plans with nothing in HBM are adopted (the node's
+        service runs their hosts: see service/hosting.py)."""
+        if any(buf.tier is Tier.HBM
                for buf in (*plan.shards.values(), *plan.staging.values())):
-            raise TieredError("only a plan whose states all live in DRAM can be adopted")
+            raise TieredError("only a plan with nothing in HBM can be adopted")
         self.dram.usage.budget = plan.needed(Tier.DRAM)
         self._allocate(plan, zero_moments=False)
 

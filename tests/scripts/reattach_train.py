@@ -30,7 +30,20 @@ CASES = {
     "delayed": {"delayed_update": {"enabled": True, "warmup_steps": 1}},
     "clipped": {"max_grad_norm": 0.05},
     "scheduled": {},  # a LambdaLR made after initialize, stepped after each step()
+    "nvme": {"delayed_update": {"enabled": True, "warmup_steps": 1}},  # weights and states
 }
+
+
+def policy(case: str) -> dict:
+    """The policy's arguments: nvme.yaml for the NVMe case, its files in a folder beside the
+    service's (the same for a relaunch, as the policy must be), else the default."""
+    if case != "nvme":
+        return {}
+    root = os.path.join(os.path.dirname(os.environ["TIERED_SERVICE"]), "nvme")
+    os.makedirs(root, exist_ok=True)
+    here = os.path.dirname(os.path.abspath(__file__))
+    return {"policy": os.path.join(here, "..", "..", "configs", "nvme.yaml"),
+            "nvme": {"path": root}}
 
 
 class Net(nn.Module):
@@ -67,7 +80,7 @@ def train(out: str, case: str, point: str | None = None, kill_step: int = 0,
     model = Net()
     engine, optimizer = tiered.initialize(
         model, device="cpu", compute_dtype="fp32",
-        optimizer={"lr": lr, "weight_decay": 0.1, **CASES[case]})
+        optimizer={"lr": lr, "weight_decay": 0.1, **CASES[case]}, **policy(case))
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     first = optimizer.steps_taken + 1

@@ -93,12 +93,11 @@ def host_request(policy: Policy, plan, flats: list[FlatParam],
 
 
 def hostable_in_service(policy: Policy, local_world: int, world: int) -> bool:
-    """Whether the node's service can run this rank's host (see [Note: hosted ranks]): every
-    state in DRAM (the service never touches CUDA, and NVMe files are still the trainer's), no
-    spill, and every rank of the job on this node (the service sums the gradient norm over the
-    ranks it hosts)."""
+    """Whether the node's service can run this rank's host (see [Note: hosted ranks]): no
+    state in HBM (the service never touches CUDA; it holds the rank's NVMe files), and every
+    rank of the job on this node (the service sums the gradient norm over the ranks it
+    hosts)."""
     tiers = (policy.params.tier, policy.grads.tier, policy.optimizer.tier)
-    return (all(tier is Tier.DRAM for tier in tiers) and policy.dram.spill is not Tier.NVME
-            and local_world == world)
+    return all(tier is not Tier.HBM for tier in tiers) and local_world == world
 
 

@@ -10,6 +10,7 @@ import threading
 import warnings
 import weakref
 from collections import OrderedDict
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,8 @@ from ..optim.workers import CpuWorker, optimizer_threads
 from ..plan import grad_dtypes, optimizer_device, state_kinds
 from ..policy import Device, Policy, Tier, resolve
 from ..service.client import ServiceSlabSource, slab_source_from_env
-from ..tiers import SlabSource
+from ..service.remote_nvme import ServiceNvme
+from ..tiers import NvmeTier, SlabSource
 from ..timeline import Timeline
 from . import reattach
 from .assemble import InService, assemble, host_request, hostable_in_service
@@ -355,7 +357,9 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
         # Whether the node's service runs this rank's CPU work (service/hosting.py).
         hosted = (isinstance(source, ServiceSlabSource)
                   and hostable_in_service(policy, local_ranks, group.world_size))
-        manager = TierManager(policy, device, group.rank, source, local_ranks, group.smallest)
+        # A hosted rank's NVMe files are the service's too (service/files.py).
+        manager = TierManager(policy, device, group.rank, source, local_ranks, group.smallest,
+                              partial(ServiceNvme, source) if hosted else NvmeTier)
         # Before the plan: what building a unit materializes counts in it (hbm_working_set).
         materializer = Materializer(model, [flat.spec for flat in flats], device,
                                     context.param_init_fn if context is not None else None)

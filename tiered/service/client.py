@@ -94,6 +94,7 @@ class ServiceSlabSource:
         """``fresh``: a state the service kept of the job is freed, never taken over."""
         self.client = client
         self.job = job
+        self.rank = rank
         self.pin = pin
         reply, _ = client.request("attach", job=job, rank=rank, world=world, fresh=fresh)
         self.note: str = reply.get("note", "")
@@ -102,8 +103,9 @@ class ServiceSlabSource:
         """What the rank takes over where the service kept the job's state (jobs.py): its
         slabs are then the kept segments, mapped again, not new ones."""
         self._kept_segments = list(self.kept["segments"]) if self.kept else []
-        self._segments: dict[int, int] = {}
-        """A slab's address -> the segment it maps, in the order they were reserved."""
+        self._segments: dict[int, tuple[int, int]] = {}
+        """A slab's address -> the segment it maps and its bytes, in the order they were
+        reserved."""
 
     def __call__(self, nbytes: int) -> torch.Tensor:
         if self.kept is not None:
@@ -133,18 +135,27 @@ class ServiceSlabSource:
                 raise MemoryError(f"cudaHostRegister could not pin the service's segment of "
                                   f"{nbytes} bytes (CUDA error {int(status)}); lower "
                                   f"dram.budget")
-        self._segments[slab.data_ptr()] = reply["segment"]
+        self._segments[slab.data_ptr()] = reply["segment"], nbytes
         return slab
 
     @property
     def segment_ids(self) -> list[int]:
         """The segments this rank holds, in the order its DRAM tier reserved them."""
-        return list(self._segments.values())
+        return [segment for segment, _ in self._segments.values()]
+
+    def locate(self, block: torch.Tensor) -> tuple[int, int]:
+        """(segment, byte offset) of the slab memory ``block`` starts at: a block the service
+        moves bytes to or from (service/remote_nvme.py)."""
+        address = block.data_ptr()
+        for start, (segment, nbytes) in self._segments.items():
+            if start <= address < start + nbytes:
+                return segment, address - start
+        raise ServiceError("a block outside this rank's segments cannot cross to the service")
 
     def release(self, slab: torch.Tensor) -> None:
         if self.pin:
             torch.cuda.cudart().cudaHostUnregister(slab.data_ptr())
-        segment = self._segments.pop(slab.data_ptr())
+        segment, _ = self._segments.pop(slab.data_ptr())
         if self.client.closed or self.kept is not None:
             # An unclean end (the service keeps it as the job's state), or a kept segment: it
             # is the job's, freed with it (a failed reservation must not free it).

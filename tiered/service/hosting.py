@@ -2,11 +2,11 @@
 runs in a thread of its own, here on the rank's DRAM segments, on a CPU worker of the service.
 
 [Note: hosted ranks]
-A rank whose states all live in DRAM (the service never touches CUDA, and NVMe files are still
-the trainer's) asks the service to run its host: it sends its plan, its setup and the order in
-which its DRAM tier reserved its segments. The service builds a TierManager that adopts that
-plan over the same segments (DramTier packs blocks alike from the same plan, so both sides find
-each state at the same offsets; a slab whose size differs is refused), compiles the one-pass
+A rank whose states all live in DRAM or on NVMe (the service never touches CUDA) asks the service
+to run its host: it sends its plan, its setup and the order in which its DRAM tier reserved its
+segments. The service builds a TierManager that adopts that plan over the same segments (DramTier
+packs blocks alike from the same plan, so both sides find each state at the same offsets; a slab
+whose size differs is refused) and the rank's NVMe files (files.py), compiles the one-pass
 AdamW once, and from then on runs the rank's commands in the order they come, each answered with
 events on the same connection. The global gradient norm of a step is summed here over the job's
 ranks, in rank order (JobNorm). An update runs only once its step is committed on every rank
@@ -34,6 +34,7 @@ from ..plan import StateKind, grad_dtypes, state_dtype
 from ..policy import ComputeDtype
 from ..timeline import timed
 from .commits import NotCommitted, StepCommits
+from .files import RankFiles
 from .hostwire import HostRequest
 from .jobs import Segment
 from .segments import map_segment
@@ -170,9 +171,11 @@ class _WireEvents:
 class HostedRank:
     """One rank's host in the service (see [Note: hosted ranks])."""
 
-    def __init__(self, request: HostRequest, segments: list[Segment], rank: int, world: int,
-                 norm: JobNorm, send: Callable[[dict], None], commits: tuple[StepCommits, int]):
-        """``commits``: the job's commits, and the round this host belongs to."""
+    def __init__(self, request: HostRequest, segments: list[Segment], files: RankFiles | None,
+                 rank: int, world: int, norm: JobNorm, send: Callable[[dict], None],
+                 commits: tuple[StepCommits, int]):
+        """``files``: the rank's NVMe files, where its plan has shards there; ``commits``: the
+        job's commits, and the round this host belongs to."""
         policy = request.policy
         self.rank = rank
         self.commits, self._round = commits
@@ -188,7 +191,8 @@ class HostedRank:
                 pass
 
         self._send = tell
-        self.manager = TierManager(policy, CPU, rank, SegmentSlabSource(segments))
+        self.manager = TierManager(policy, CPU, rank, SegmentSlabSource(segments),
+                                   nvme_tier=lambda *_: files.adopted())
         self.worker = None
         try:
             self.manager.adopt(request.plan)

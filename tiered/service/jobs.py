@@ -33,11 +33,13 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import BudgetError, TieredError
 from ..sizes import format_size
 from .commits import StepCommits
+if TYPE_CHECKING:
+    from .files import RankFiles
 from .segments import create_segment
 
 SETTLE_SECONDS = 600.0
@@ -72,6 +74,10 @@ class Rank:
     host_running: bool = False
     final: dict | None = None
     """What its host left when it ended (RankHost.final_state): unit steps, the last update."""
+    files: "RankFiles | None" = None
+    """Its NVMe files, where its plan has shards on NVMe (see [Note: NVMe in the service])."""
+    files_open: bool = False
+    """A trainer's file stream is open on them (its transfers may still move)."""
 
     @property
     def dram_bytes(self) -> int:
@@ -104,7 +110,7 @@ class Job:
     def present(self) -> bool:
         """A launcher, a trainer or a host of it is there."""
         return (self.holders > 0 or bool(self.attached)
-                or any(rank.host_running for rank in self.ranks.values()))
+                or any(rank.host_running or rank.files_open for rank in self.ranks.values()))
 
     @property
     def settled(self) -> bool:
@@ -121,7 +127,7 @@ class Job:
         for r in range(self.world):
             rank = self.ranks.get(r)
             if (rank is None or rank.final is None or rank.host is None or not rank.segments
-                    or r not in commits.records):
+                    or r not in commits.records or (rank.files is None and _has_nvme(rank.host))):
                 return 0
         return commits.step
 
@@ -180,7 +186,9 @@ class Registry:
             raise RefusedError(f"attach needs 0 <= rank < world, got rank {rank}, world {world}")
         with self._lock:
             job, note = self._job_for(name, fresh, world)
-            if not self._settling.wait_for(lambda: job.settled, SETTLE_SECONDS):
+            # A rank that went just now may still have its transfers settling (files.py).
+            if not self._settling.wait_for(lambda: job.settled and not (
+                    rank in job.ranks and job.ranks[rank].files_open), SETTLE_SECONDS):
                 raise RefusedError(f"job {name}: the hosts of its last run still run after "
                                    f"{SETTLE_SECONDS:.0f} s; try again later")
             if self._jobs.get(name) is not job:
@@ -210,7 +218,7 @@ class Registry:
                 # A restarted job whose state was not kept whole starts afresh: its old
                 # records must not stand for steps the new round takes again.
                 job.commits = None
-            if kept is None and owner.segments:  # a restarted rank's old segments
+            if kept is None and (owner.segments or owner.files):  # a restarted rank's old state
                 self._free_rank(owner)
             return note, kept
 
@@ -292,17 +300,15 @@ class Registry:
                 raise RefusedError(f"job {name} rank {rank} holds no segment {segment_id}")
             return segment
 
-    def host_started(self, name: str, rank: int, pid: int, ids: list[int],
-                     request: dict) -> tuple[list[Segment], int, StepCommits, int]:
-        """The rank's host starts here (service/hosting.py) over its segments ``ids``, asked
-        for ``request`` (what a relaunch must match); returns the segments, the job's world
-        size, its commits and the round the host belongs to. Refused unless ``pid`` is the
-        rank's attached trainer and the segments are all its own."""
+    def host_started(self, name: str, rank: int, pid: int, ids: list[int], request: dict
+                     ) -> tuple[list[Segment], "RankFiles | None", int, StepCommits, int]:
+        """The rank's host starts here (service/hosting.py) over its segments ``ids`` and its
+        NVMe files, asked for ``request`` (what a relaunch must match); returns the segments,
+        the files, the job's world size, its commits and the round the host belongs to.
+        Refused unless ``pid`` is the rank's attached trainer and the segments are all its
+        own."""
         with self._lock:
-            owner = self._rank(name, rank)
-            if owner.pid != pid:
-                raise RefusedError(f"job {name} rank {rank} is attached by pid {owner.pid}, "
-                                   f"not by pid {pid}: only a rank's own trainer starts its host")
+            owner = self._own_rank(name, rank, pid, "starts its host")
             if owner.host_running:
                 raise RefusedError(f"job {name} rank {rank} has a host running here already")
             missing = [i for i in ids if i not in owner.segments]
@@ -311,9 +317,38 @@ class Registry:
             job = self._jobs[name]
             if job.commits is None:
                 job.commits = StepCommits(job.world)
+            if _has_nvme(request) and owner.files is None:
+                raise RefusedError(f"job {name} rank {rank}'s plan has shards on NVMe, but the "
+                                   f"rank has no files here")
             owner.host, owner.host_running = request, True
-            return ([owner.segments[i] for i in ids], job.world, job.commits,
+            return ([owner.segments[i] for i in ids], owner.files, job.world, job.commits,
                     job.commits.new_round())
+
+    def files_opened(self, name: str, rank: int, pid: int,
+                     make: Callable[[], "RankFiles"]) -> tuple["RankFiles", bool]:
+        """The rank's trainer ``pid`` opens its file stream: returns the rank's files and
+        whether they are a kept state's (a reattached rank's), else new ones ``make`` made."""
+        with self._lock:
+            owner = self._own_rank(name, rank, pid, "opens its files")
+            if owner.files_open:
+                raise RefusedError(f"job {name} rank {rank} has its files open already")
+            kept = owner.files is not None
+            if not kept:
+                owner.files = make()
+            owner.files_open = True
+            return owner.files, kept
+
+    def files_closed(self, name: str, rank: int) -> None:
+        """The rank's file stream ended and what it left in flight has settled."""
+        with self._lock:
+            job = self._jobs.get(name)
+            owner = job.ranks.get(rank) if job is not None else None
+            if owner is None or not owner.files_open:
+                return
+            owner.files_open = False
+            self._settling.notify_all()
+            if not job.present:
+                self._gone(job)
 
     def host_ended(self, name: str, rank: int, final: dict | None, ran: bool = True) -> None:
         """The rank's host ran what it was sent and stopped; ``final``: what it left (None
@@ -397,7 +432,8 @@ class Registry:
                     "launchers": job.holders, "freed_in_seconds": kept,
                     "ranks": [{"rank": r.rank, "pid": r.pid, "attached": r.pid is not None,
                                "host": "service" if r.host is not None else "trainer",
-                               "dram_bytes": r.dram_bytes, "segments": len(r.segments)}
+                               "dram_bytes": r.dram_bytes, "segments": len(r.segments),
+                               **(r.files.status() if r.files is not None else {})}
                               for r in sorted(job.ranks.values(), key=lambda r: r.rank)]})
             return {"dram": {"budget": self.dram_budget, "used": self.dram_used},
                     "keep_seconds": self.keep_seconds, "jobs": jobs}
@@ -407,6 +443,13 @@ class Registry:
         with self._lock:
             for job in list(self._jobs.values()):
                 self._free(job)
+
+    def _own_rank(self, name: str, rank: int, pid: int, what: str) -> Rank:
+        owner = self._rank(name, rank)
+        if owner.pid != pid:
+            raise RefusedError(f"job {name} rank {rank} is attached by pid {owner.pid}, not by "
+                               f"pid {pid}: only a rank's own trainer {what}")
+        return owner
 
     def _rank(self, name: str, rank: int) -> Rank:
         job = self._jobs.get(name)
@@ -423,7 +466,9 @@ class Registry:
         for segment in rank.segments.values():
             self._close(segment)
         rank.segments.clear()
-        rank.host = rank.final = None
+        if rank.files is not None:
+            rank.files.close()
+        rank.host = rank.final = rank.files = None
 
     def _close(self, segment: Segment) -> None:
         os.close(segment.fd)  # the memory goes once the trainer's mapping is gone too
@@ -432,6 +477,11 @@ class Registry:
 
 JOB_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 JOB_NAME_MAX = 100
+
+
+def _has_nvme(request: dict) -> bool:
+    """Whether a host request's plan (hostwire.HostRequest.to_wire) has shards on NVMe."""
+    return any(buffer[1] == "nvme" for _, _, buffer in request["plan"]["shards"])
 
 
 def _check_name(name: str) -> None:

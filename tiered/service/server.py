@@ -33,7 +33,9 @@ from .. import __version__
 from ..errors import BudgetError, TieredError
 from ..limits import usable_cores
 from ..liveness import HeldElsewhere, OwnerLock
+from ..tiers.aio import IoSettings
 from . import wire
+from .files import FileStream, RankFiles
 from .hosting import HostedRank, JobNorm
 from .hostwire import COMMAND_OPS, HostRequest, command_from_wire
 from .jobs import RefusedError, Registry
@@ -161,11 +163,16 @@ class TierService:
                 if client.hosted is not None:
                     self._host_stream(client)
                     return
+                if client.files is not None:
+                    client.files[2].serve(conn)
+                    return
         except OSError as e:  # the peer went mid-reply, or the socket failed
             log.info("pid %s: connection ended (%s)", client.pid, e)
         finally:
             if client.hosted is not None:
                 self._end_host(client)
+            if client.files is not None:
+                self.registry.files_closed(*client.files[:2])
             if client.attached is not None:
                 job, rank = client.attached
                 self.registry.detach(job, rank, clean=False)
@@ -289,7 +296,7 @@ class TierService:
         except (KeyError, TypeError, ValueError) as e:
             raise RefusedError(f"the host request of job {job} rank {rank} is malformed: "
                                f"{e}") from None
-        segments, world, commits, round_ = self.registry.host_started(
+        segments, files, world, commits, round_ = self.registry.host_started(
             job, rank, client.pid, request.segments, request.fingerprint())
         with self._norms_lock:
             norm = self._norms.setdefault(job, JobNorm(world))
@@ -300,7 +307,7 @@ class TierService:
         request = dataclasses.replace(request, threads=threads)
         started = time.monotonic()
         try:
-            hosted = HostedRank(request, segments, rank, world, norm, client.send,
+            hosted = HostedRank(request, segments, files, rank, world, norm, client.send,
                                 (commits, round_))
         except Exception as e:  # a plan that does not fit its segments, a failed compile
             self.registry.host_ended(job, rank, None, ran=False)
@@ -311,6 +318,32 @@ class TierService:
         log.info("job %s rank %d: its host runs here, %d thread(s) (set up in %.1f s)", job,
                  rank, threads, time.monotonic() - started)
         return {}, []
+
+    def _op_files(self, client, message):
+        """The NVMe files of an attached rank (see [Note: NVMe in the service]); the connection
+        then carries their transfers until it closes."""
+        if client.attached is not None or client.holds is not None:
+            raise RefusedError("this connection holds or is a rank already; a rank's files "
+                               "need a connection of their own")
+        job, rank = _field(message, "job", str), _field(message, "rank", int)
+        root = _field(message, "root", str)
+        block_size, depth = _field(message, "block_size", int), _field(message, "queue_depth", int)
+        if not os.path.isabs(root) or block_size < 4096 or block_size % 4096 or not (
+                1 <= depth <= 1024):
+            raise RefusedError(f"NVMe files need an absolute root, a block size that is a "
+                               f"multiple of 4096 and a queue depth of 1 to 1024, got {root!r}, "
+                               f"{block_size}, {depth}")
+        files, kept = self.registry.files_opened(
+            job, rank, client.pid, lambda: RankFiles(root, rank, IoSettings(block_size, depth)))
+
+        def segment_of(segment_id: int) -> tuple[int, int]:
+            segment = self.registry.segment(job, rank, segment_id)
+            return segment.fd, segment.nbytes
+        client.files = (job, rank, FileStream(files, kept, segment_of, client.send))
+        log.info("job %s rank %d: its NVMe files are %s%s", job, rank, files.tier.run_dir,
+                 " (kept)" if kept else "")
+        return {"folder": files.tier.run_dir, "kept": kept, "held": files.tier.usage.current,
+                "removed": [] if kept else [list(pair) for pair in files.tier.removed]}, []
 
     def _host_stream(self, client: "_Client") -> None:
         """A hosted rank's commands, in the order they come, until the trainer goes."""
@@ -408,6 +441,8 @@ class _Client:
         """(job, rank) once attached, until a detach."""
         self.hosted: tuple[str, HostedRank] | None = None
         """The job and the rank's host this connection runs (service/hosting.py)."""
+        self.files: tuple[str, int, FileStream] | None = None
+        """The job, rank and file stream of the NVMe files this connection serves."""
         self._sending = threading.Lock()  # a host's events and this thread's replies
         self.holds: str | None = None
         """The job this connection's launcher holds, until it lets go."""

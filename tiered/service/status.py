@@ -32,6 +32,11 @@ def status_table(status: dict) -> str:
                          + (f", {rank['threads']} thread(s)" if rank["threads"] else "")
                          + (f", busy {rank['busy']:.0%} since it started"
                             if rank.get("busy") is not None else ""))
+            if rank.get("nvme_bytes") is not None:
+                lines.append(f"{'':<20}NVMe {format_size(rank['nvme_bytes'])} in "
+                             f"{rank['folder']}; I/O queue: {rank['io_in_flight']} in flight, "
+                             f"{format_size(rank['read_bytes'])} read, "
+                             f"{format_size(rank['written_bytes'])} written")
     return "\n".join(lines)
 
 

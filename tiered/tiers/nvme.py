@@ -406,7 +406,8 @@ class NvmeTier:
         root = os.path.abspath(root)  # the run folder is removed at close, whatever the cwd
         check_nvme_path(root)
         self.root = root
-        remove_dead_runs(root)  # before measuring: what they held is free again
+        self.removed = remove_dead_runs(root)  # before measuring: what they held is free again
+        """(folder, bytes) of each dead run's folder removed, each said in a warning."""
         self.usage = TierUsage("nvme", free_bytes(root) // max(1, ranks) if budget is None
                                else budget)
         name = f"tiered-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}-rank{rank}"

@@ -34,5 +34,12 @@ class TierUsage:
             assert 0 <= nbytes <= self.current, (self.name, nbytes, self.current)
             self.current -= nbytes
 
+    def follow(self, current: int) -> None:
+        """Take ``current`` as the bytes held: a tier whose bytes another process holds (the
+        node's service) counts what that process says it holds."""
+        with self._lock:
+            self.current = current
+            self.peak = max(self.peak, current)
+
     def report(self) -> dict[str, int]:
         return {"current": self.current, "peak": self.peak, "budget": self.budget}

@@ -1,0 +1,270 @@
+"""A rank's NVMe files, held by the node's service: the rank's run folder of extents (tiers/nvme.py),
+and the I/O queue that moves its shards between those files and the rank's DRAM segments.
+
+[Note: NVMe in the service]
+A shard on NVMe lives in one of several extents, the one holding its current version, and that
+changes with every write (see [Note: atomic shard writes] in tiers/nvme.py). So one process must
+own the mapping from shards to extents, and it must outlive the trainer for a relaunch to find
+its weights and moments: the service. The trainer's NVMe tier (service/remote_nvme.py) holds
+no file: each read or write is a request naming the shard (its number in the order the plan
+made them, the same on both sides) and a place in one of the rank's segments, which the
+service maps too; the service moves the bytes and answers when they have moved. The rank's
+host here uses the same shards, in the same process, for the optimizer states it streams.
+
+The run folder is made, and locked, by the service: while it lives no one removes it, and a
+service that is killed leaves it to the next NVMe tier that starts on that path (a service's or
+a trainer's), which removes it and says so ([Note: run folders of dead runs]). The files are
+the job's: kept with its segments while the job is kept, removed when it is freed.
+
+A trainer that goes leaves its transfers to finish here (they write into the kept segments) and
+its versions not committed are abandoned: a shard never switches to a version half written.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from typing import Callable
+
+import torch
+
+from ..errors import BudgetError, NvmeError, TieredError
+from ..tiers.aio import IoSettings, Transfer
+from ..tiers.nvme import NextVersion, NvmeShard, NvmeTier, extent_bytes
+from . import wire
+from .segments import map_segment
+
+log = logging.getLogger("tiered.service")
+
+
+class RankFiles:
+    """One rank's NVMe tier in the service: its extents and shards, and the segments its
+    transfers move bytes to and from (see [Note: NVMe in the service])."""
+
+    def __init__(self, root: str, rank: int, io: IoSettings):
+        # Its budget is the trainer's, sent with each shard it makes (the trainer agrees it
+        # with the job's other ranks).
+        self.tier = NvmeTier(root, None, rank, io)
+        self.shards: list[NvmeShard] = []
+        """In the order the rank's plan made them: the number a request names a shard by."""
+        self._mapped: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self.in_flight = 0
+        """Transfers queued or moving (``tiered daemon status``'s I/O queue)."""
+        self.moved = {"read": 0, "write": 0}
+
+    def shard(self, number: int) -> NvmeShard:
+        if not 0 <= number < len(self.shards):
+            raise TieredError(f"the rank has no NVMe shard {number} (it has {len(self.shards)})")
+        return self.shards[number]
+
+    def adopted(self) -> "AdoptedFiles":
+        """The shards as a tier a TierManager adopting the rank's plan takes them from."""
+        return AdoptedFiles(self)
+
+    def block(self, segment_of: Callable[[int], tuple[int, int]], segment: int, at: int,
+              nbytes: int) -> torch.Tensor:
+        """``nbytes`` of the rank's segment ``segment`` from byte ``at``; ``segment_of``: the
+        segment's descriptor and size (the registry's), mapped here once."""
+        with self._lock:
+            mapping = self._mapped.get(segment)
+            if mapping is None:
+                fd, size = segment_of(segment)
+                mapping = self._mapped[segment] = map_segment(fd, size)
+        if not (0 <= at and 0 < nbytes and at + nbytes <= mapping.numel()):
+            raise TieredError(f"bytes {at}..{at + nbytes} are outside segment {segment} "
+                              f"({mapping.numel()} bytes)")
+        return mapping[at:at + nbytes]
+
+    def status(self) -> dict:
+        with self._lock:
+            return {"nvme_bytes": self.tier.usage.current, "folder": self.tier.run_dir,
+                    "io_in_flight": self.in_flight, "read_bytes": self.moved["read"],
+                    "written_bytes": self.moved["write"]}
+
+    def counted(self, verb: str, nbytes: int, transfer: Transfer) -> Transfer:
+        with self._lock:
+            self.in_flight += 1
+            self.moved[verb] += nbytes
+
+        def done(_failure) -> None:
+            with self._lock:
+                self.in_flight -= 1
+        transfer.on_done(done)
+        return transfer
+
+    def close(self) -> None:
+        """Remove the rank's files (the job is freed)."""
+        self.tier.close()
+        self._mapped.clear()
+
+
+class AdoptedFiles:
+    """What a TierManager that adopts a rank's plan takes as its NVMe tier (hosting.py): the
+    rank's shards, handed out in the order the plan makes them, each checked for its size;
+    closing it leaves the files, which are the job's."""
+
+    def __init__(self, files: RankFiles):
+        self._files = files
+        self._taken = 0
+        self.usage = files.tier.usage
+
+    def create(self, what: str, nbytes: int) -> NvmeShard:
+        number, self._taken = self._taken, self._taken + 1
+        return check_size(self._files, number, what, nbytes)
+
+    def close(self) -> None:
+        pass
+
+    def live_runs_hint(self) -> str:
+        return ""
+
+
+def check_size(files: RankFiles, number: int, what: str, nbytes: int) -> NvmeShard:
+    """The rank's shard ``number``, which the plan makes as ``what`` of ``nbytes``."""
+    if number >= len(files.shards):
+        raise TieredError(f"the plan's NVMe shard {number} ({what}) is not among the rank's "
+                          f"{len(files.shards)} kept ones")
+    shard = files.shards[number]
+    if shard.nbytes != extent_bytes(nbytes):
+        raise TieredError(f"the rank's NVMe shard {number} has {shard.nbytes} bytes, the plan "
+                          f"makes {what} of {nbytes}: another plan")
+    return shard
+
+
+class FileStream:
+    """The requests of one trainer's NVMe tier, on its own connection (remote_nvme.py speaks the
+    other end): each answered with ``{"op": "done", "id": ...}`` once it is carried out, a
+    transfer's from the I/O thread that finished it, so that many move at once."""
+
+    def __init__(self, files: RankFiles, kept: bool, segment_of: Callable[[int], tuple[int, int]],
+                 send: Callable[[dict], None]):
+        self._files = files
+        self._kept = kept
+        """The rank's shards are a kept state's: ``create`` hands them out again in order."""
+        self._created = 0
+        self._segment_of = segment_of
+        self._send = send
+        self._versions: dict[int, NextVersion] = {}
+        self._next_version = 0
+        self._transfers: list[Transfer] = []
+
+    def serve(self, conn) -> None:
+        """Answer requests until the trainer goes; then settle what it left (see the Note)."""
+        try:
+            while True:
+                try:
+                    message, fds = wire.receive(conn)
+                except wire.Closed:
+                    return
+                except wire.WireError as e:
+                    log.warning("a malformed NVMe request (%s); the rank's file stream ends", e)
+                    return
+                for fd in fds:
+                    os.close(fd)
+                self._answer(message)
+        finally:
+            for transfer in self._transfers:
+                transfer.settle()
+            for version in self._versions.values():
+                version.abandon()
+                with contextlib.suppress(NvmeError):
+                    version.wait()
+            self._versions.clear()
+
+    def _answer(self, message: dict) -> None:
+        request = message.get("id")
+        try:
+            op = message["op"]
+            handler = getattr(self, f"_{op}", None) if op in FILE_OPS else None
+            if handler is None:
+                raise TieredError(f"unknown NVMe request {op!r}")
+            handler(request, message)
+        except BudgetError as e:
+            self._fail(request, e, kind="budget", shortfalls=e.shortfalls)
+        except (TieredError, KeyError, TypeError, ValueError) as e:
+            self._fail(request, e)
+
+    def _done(self, request, **fields) -> None:
+        with contextlib.suppress(OSError):  # a trainer that is gone is told nothing
+            self._send({"op": "done", "id": request, **fields})
+
+    def _fail(self, request, error: BaseException, **fields) -> None:
+        if isinstance(error, NvmeError):
+            fields.update(errno=error.errno, path=error.path, offset=error.offset,
+                          size=error.size, kind="nvme")
+        self._done(request, error=str(error), **fields)
+
+    def _answer_when(self, request, transfer: Transfer) -> None:
+        self._transfers = [t for t in self._transfers if not t.done()]
+        self._transfers.append(transfer)
+
+        def finished(failure: BaseException | None) -> None:
+            if failure is None:
+                self._done(request)
+            else:
+                self._fail(request, failure)
+        transfer.on_done(finished)
+
+    def _block(self, message: dict) -> torch.Tensor:
+        return self._files.block(self._segment_of, int(message["segment"]), int(message["at"]),
+                                 int(message["nbytes"]))
+
+    # -- the requests --------------------------------------------------------------------------
+
+    def _create(self, request, message: dict) -> None:
+        what, nbytes = str(message["what"]), int(message["nbytes"])
+        if self._kept:
+            shard = check_size(self._files, self._created, what, nbytes)
+        else:
+            tier = self._files.tier
+            tier.usage.budget = int(message["budget"])
+            shard = tier.create(what, nbytes)
+            self._files.shards.append(shard)
+        self._created += 1
+        self._done(request, shard=self._created - 1, path=shard.path,
+                   held=self._files.tier.usage.current)
+
+    def _read(self, request, message: dict) -> None:
+        block = self._block(message)
+        shard = self._files.shard(int(message["shard"]))
+        self._answer_when(request, self._files.counted(
+            "read", block.numel(), shard.start_read(block, int(message["offset"]),
+                                                    block.numel())))
+
+    def _version(self, request, message: dict) -> None:
+        number, self._next_version = self._next_version, self._next_version + 1
+        self._versions[number] = self._files.shard(int(message["shard"])).next_version()
+        self._done(request, version=number)
+
+    def _write(self, request, message: dict) -> None:
+        version = self._version_of(message)
+        block = self._block(message)
+        self._answer_when(request, self._files.counted(
+            "write", block.numel(), version.write(block, int(message["offset"]),
+                                                  block.numel())))
+
+    def _commit(self, request, message: dict) -> None:
+        version = self._versions.pop(int(message["version"]), None)
+        if version is None:
+            raise TieredError(f"no open NVMe version {message['version']}")
+        if message.get("abandon"):
+            version.abandon()
+        else:
+            version.commit()
+        try:
+            version.wait()
+        except NvmeError as e:
+            self._fail(request, e)
+            return
+        self._done(request)
+
+    def _version_of(self, message: dict) -> NextVersion:
+        version = self._versions.get(int(message["version"]))
+        if version is None:
+            raise TieredError(f"no open NVMe version {message['version']}")
+        return version
+
+
+FILE_OPS = ("create", "read", "version", "write", "commit")
