@@ -202,7 +202,7 @@ def _measure(args, model, step, batch: int, flops_per_token: int) -> dict:
         torch.cuda.reset_peak_memory_stats()
     idx = torch.randint(0, VOCAB, (batch, args.seq), device="cuda" if cuda else "cpu")
     nvme = getattr(getattr(model, "manager", None), "nvme", None)
-    moved = [nvme.io.bytes_moved()] if nvme is not None else []
+    moved = [nvme.bytes_moved()] if nvme is not None else []
     times, losses = [], []
     for _ in range(args.steps):
         sync()
@@ -212,7 +212,7 @@ def _measure(args, model, step, batch: int, flops_per_token: int) -> dict:
         times.append(time.perf_counter() - t)
         io = ""
         if nvme is not None:
-            moved.append(nvme.io.bytes_moved())
+            moved.append(nvme.bytes_moved())
             io = ", NVMe read {:.1f} GB, written {:.1f} GB".format(
                 *(moved[-1][v] / 1e9 - moved[-2][v] / 1e9 for v in ("read", "write")))
         print(f"{args.run} batch {batch} step {len(times)}: {times[-1]:.3f} s, "
@@ -223,8 +223,10 @@ def _measure(args, model, step, batch: int, flops_per_token: int) -> dict:
                   tflops=flops_per_token * tokens / step_s / 1e12,
                   peak_hbm_GiB=torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
                   times=times, losses=losses)
-    if moved:  # the last step's NVMe traffic (a step moves the same bytes as the one before)
-        result["nvme_GB_per_step"] = {v: (moved[-1][v] - moved[-2][v]) / 1e9
+    if moved:  # the measured steps' NVMe traffic, per step: an update still running when a
+        # step ends (in the service, or delayed) has moved part of its bytes by then
+        measured = len(times) - args.warmup
+        result["nvme_GB_per_step"] = {v: (moved[-1][v] - moved[args.warmup][v]) / 1e9 / measured
                                       for v in ("read", "write")}
     return result
 

@@ -50,9 +50,6 @@ class RankFiles:
         """In the order the rank's plan made them: the number a request names a shard by."""
         self._mapped: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
-        self.in_flight = 0
-        """Transfers queued or moving (``tiered daemon status``'s I/O queue)."""
-        self.moved = {"read": 0, "write": 0}
 
     def shard(self, number: int) -> NvmeShard:
         if not 0 <= number < len(self.shards):
@@ -78,21 +75,12 @@ class RankFiles:
         return mapping[at:at + nbytes]
 
     def status(self) -> dict:
-        with self._lock:
-            return {"nvme_bytes": self.tier.usage.current, "folder": self.tier.run_dir,
-                    "io_in_flight": self.in_flight, "read_bytes": self.moved["read"],
-                    "written_bytes": self.moved["write"]}
-
-    def counted(self, verb: str, nbytes: int, transfer: Transfer) -> Transfer:
-        with self._lock:
-            self.in_flight += 1
-            self.moved[verb] += nbytes
-
-        def done(_failure) -> None:
-            with self._lock:
-                self.in_flight -= 1
-        transfer.on_done(done)
-        return transfer
+        """What ``tiered daemon status`` shows of the rank's files and I/O queue (the trainer's
+        transfers and its host's together)."""
+        moved = self.tier.bytes_moved()
+        return {"nvme_bytes": self.tier.usage.current, "folder": self.tier.run_dir,
+                "io_in_flight": self.tier.io.in_flight(), "read_bytes": moved["read"],
+                "written_bytes": moved["write"]}
 
     def close(self) -> None:
         """Remove the rank's files (the job is freed)."""
@@ -229,9 +217,11 @@ class FileStream:
     def _read(self, request, message: dict) -> None:
         block = self._block(message)
         shard = self._files.shard(int(message["shard"]))
-        self._answer_when(request, self._files.counted(
-            "read", block.numel(), shard.start_read(block, int(message["offset"]),
-                                                    block.numel())))
+        self._answer_when(request, shard.start_read(block, int(message["offset"]),
+                                                    block.numel()))
+
+    def _moved(self, request, message: dict) -> None:
+        self._done(request, moved=self._files.tier.bytes_moved())
 
     def _version(self, request, message: dict) -> None:
         number, self._next_version = self._next_version, self._next_version + 1
@@ -241,9 +231,7 @@ class FileStream:
     def _write(self, request, message: dict) -> None:
         version = self._version_of(message)
         block = self._block(message)
-        self._answer_when(request, self._files.counted(
-            "write", block.numel(), version.write(block, int(message["offset"]),
-                                                  block.numel())))
+        self._answer_when(request, version.write(block, int(message["offset"]), block.numel()))
 
     def _commit(self, request, message: dict) -> None:
         version = self._versions.pop(int(message["version"]), None)
@@ -267,4 +255,4 @@ class FileStream:
         return version
 
 
-FILE_OPS = ("create", "read", "version", "write", "commit")
+FILE_OPS = ("create", "read", "version", "write", "commit", "moved")

@@ -114,6 +114,11 @@ class ServiceNvme:
                                    f"run") from None
         return answer
 
+    def bytes_moved(self) -> dict[str, int]:
+        """Bytes the service read and wrote for this rank so far: the trainer's transfers and
+        its host's (NvmeTier.bytes_moved)."""
+        return {verb: int(n) for verb, n in self.call("moved").wait()["moved"].items()}
+
     def place(self, block: torch.Tensor, nbytes: int) -> dict:
         """Where the first ``nbytes`` of ``block`` lie in the rank's segments, for a request."""
         segment, at = self._source.locate(block)

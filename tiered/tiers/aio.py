@@ -117,6 +117,7 @@ class IoEngine:
         self._readers = ThreadPoolExecutor(settings.queue_depth, "tiered-nvme-read")
         self._writers = ThreadPoolExecutor(settings.queue_depth, "tiered-nvme-write")
         self._moved = {"read": 0, "write": 0}
+        self._in_flight = 0
         self._moved_lock = threading.Lock()  # transfers start on several threads
 
     def bytes_moved(self) -> dict[str, int]:
@@ -124,6 +125,11 @@ class IoEngine:
         I/O floor is computed from."""
         with self._moved_lock:
             return dict(self._moved)
+
+    def in_flight(self) -> int:
+        """Requests queued or moving (the service's status shows each rank's queue)."""
+        with self._moved_lock:
+            return self._in_flight
 
     def read(self, fd: int, path: str, offset: int, buffer: memoryview) -> Transfer:
         """Start reading ``len(buffer)`` bytes at ``offset`` of the file into ``buffer``."""
@@ -138,13 +144,20 @@ class IoEngine:
         self._writers.shutdown(wait=True)
 
     def _split(self, pool, syscall, verb, fd, path, offset, buffer) -> Transfer:
+        step = self.settings.block_size
+        starts = range(0, len(buffer), step)
         with self._moved_lock:
             self._moved[verb] += len(buffer)
-        step = self.settings.block_size
+            self._in_flight += len(starts)
         blocks = [pool.submit(_request, syscall, verb, fd, path, offset + start,
-                              buffer[start:start + step])
-                  for start in range(0, len(buffer), step)]
+                              buffer[start:start + step]) for start in starts]
+        for block in blocks:
+            block.add_done_callback(self._finished)
         return Transfer(blocks)
+
+    def _finished(self, _block) -> None:
+        with self._moved_lock:
+            self._in_flight -= 1
 
 
 def _request(syscall, verb: str, fd: int, path: str, offset: int, view: memoryview) -> None:

@@ -513,6 +513,10 @@ class NvmeTier:
         self._remove_run_dir()
         self.usage.release(self.usage.current)
 
+    def bytes_moved(self) -> dict[str, int]:
+        """Bytes read and written so far (IoEngine.bytes_moved)."""
+        return self.io.bytes_moved()
+
     def live_runs_hint(self) -> str:
         """What the folders of other live runs hold on this path (see :func:`live_runs_hint`)."""
         return live_runs_hint(self.root, self.run_dir)
