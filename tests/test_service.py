@@ -82,8 +82,12 @@ def wait_until(condition, seconds: float = 10.0) -> None:
 # --- lifecycle -----------------------------------------------------------------------------
 
 def test_the_daemon_commands_start_report_and_stop_a_service_that_leaves_nothing(
-        folder, capsys, monkeypatch):
+        folder, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv(RUNTIME_ENV, folder)
+    nvme = tmp_path / "nvme"
+    dead = nvme / f"tiered-{socket.gethostname()}-{2**22 + 1}-abcdef-rank0"  # no such pid
+    (dead / "extent-00000.bin").parent.mkdir(parents=True)
+    (dead / "extent-00000.bin").write_bytes(b"x" * 4096)
 
     def tiered_daemon(*args) -> tuple[int, str, str]:
         code = tiered(["daemon", *args])
@@ -93,8 +97,11 @@ def test_the_daemon_commands_start_report_and_stop_a_service_that_leaves_nothing
     code, _, err = tiered_daemon("start", "--cores", "3-1")
     assert code == 2 and "--cores '3-1': expected a list such as 0-7,12,14-15" in err, err
     assert not os.path.exists(folder)
-    code, out, err = tiered_daemon("start", "--dram", "1MiB")
+    code, _, err = tiered_daemon("start", "--nvme", str(tmp_path / "none"))
+    assert code == 2 and f"NVMe path {tmp_path / 'none'} does not exist" in err, err
+    code, out, err = tiered_daemon("start", "--dram", "1MiB", "--nvme", str(nvme))
     assert code == 0, err
+    assert os.listdir(nvme) == []  # a dead run's folder, removed as the service started
     pid = int(out.split("pid ")[1].split(")")[0])
     process = psutil.Process(pid)
     # Detached: no child of the command that started it, in a session of its own.
@@ -105,6 +112,13 @@ def test_the_daemon_commands_start_report_and_stop_a_service_that_leaves_nothing
 
     code, out, _ = tiered_daemon("status")
     assert code == 0 and "DRAM pool: 0 B of 1.00 MiB held" in out, out
+    assert f"; NVMe files under {nvme}\n" in out, out
+    rank = attached(folder, "elsewhere")
+    with pytest.raises(ServiceError, match=f"this service makes NVMe files only under {nvme} "
+                                           f"\\(tiered daemon start --nvme\\); job elsewhere's "
+                                           f"nvme.path is {tmp_path}"):
+        ServiceNvme(rank, str(tmp_path), None, 0, IoSettings(4096, 1))
+    rank.close(clean=True)
     code, out, _ = tiered_daemon("status", "--json")
     as_json = json.loads(out)
     assert as_json["service"]["pid"] == pid and as_json["dram"] == {"budget": 1 << 20, "used": 0}

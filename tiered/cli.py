@@ -3,7 +3,8 @@
     tiered check-policy FILE [--nvme PATH]          validate a policy and print it resolved
     tiered bench-io --nvme PATH [--size 4GiB] [--policy FILE] [--json]   NVMe engine bandwidth,
                                                     and a sweep: a table, or JSON with --json
-    tiered daemon start [--dram BYTES] [--keep-failed SECONDS] [--cores LIST] [--foreground]
+    tiered daemon start [--dram BYTES] [--nvme PATH] [--keep-failed SECONDS] [--cores LIST]
+                        [--foreground]
     tiered daemon status [--json]                   the node's service: its pool, jobs, ranks
     tiered daemon stop
     tiered version
@@ -94,8 +95,10 @@ def _daemon_start(args) -> int:
             return run_service((["--dram", str(dram)] if dram is not None else [])
                                + (["--keep-failed", str(args.keep_failed)]
                                   if args.keep_failed is not None else [])
-                               + (["--cores", args.cores] if args.cores is not None else []))
-        pid = start_service(dram=dram, keep_seconds=args.keep_failed, cores=args.cores)
+                               + (["--cores", args.cores] if args.cores is not None else [])
+                               + (["--nvme", args.nvme] if args.nvme is not None else []))
+        pid = start_service(dram=dram, keep_seconds=args.keep_failed, cores=args.cores,
+                            nvme=args.nvme)
     except (TieredError, ValueError) as e:
         print(f"tiered: error: {e}", file=sys.stderr)
         return 2
@@ -146,6 +149,9 @@ def _add_daemon(commands) -> None:
     start.add_argument("--dram", default=None, metavar="BYTES",
                        help="DRAM it may hand out, all jobs together (default: 7/8 of the "
                        "memory available now)")
+    start.add_argument("--nvme", default=None, metavar="PATH",
+                       help="the folder on the node's drive its jobs' NVMe files go under: a "
+                       "job whose nvme.path is elsewhere is refused (default: any)")
     start.add_argument("--keep-failed", type=float, default=None, metavar="SECONDS",
                        help="how long a failed job's state is kept after its last trainer is "
                        "gone (default: 900)")

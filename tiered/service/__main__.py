@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cores", default=None, metavar="LIST",
                         help="cores its CPU work runs on, e.g. 0-7,12 (default: those it may "
                         "use); each hosted rank gets its share")
+    parser.add_argument("--nvme", default=None, metavar="PATH",
+                        help="the folder its jobs' NVMe files go under (default: any)")
     parser.add_argument("--until-idle", action="store_true",
                         help="exit once the jobs served are gone and nothing is held")
     parser.add_argument("--background", action="store_true",
@@ -40,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--keep-failed must be >= 0 seconds, got {args.keep_failed}")
         config = ServiceConfig(args.folder or default_folder(), dram, args.keep_failed,
                                args.until_idle,
-                               parse_cores(args.cores) if args.cores is not None else None)
+                               parse_cores(args.cores) if args.cores is not None else None,
+                               os.path.abspath(os.path.expanduser(args.nvme))
+                               if args.nvme is not None else None)
     except (TieredError, ValueError) as e:
         print(f"tiered service: error: {e}", file=sys.stderr)
         return 2

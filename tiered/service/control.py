@@ -40,7 +40,7 @@ def running_service(folder: str | None = None) -> dict | None:
 
 def start_service(folder: str | None = None, *, dram: int | None = None,
                   keep_seconds: float | None = None, until_idle: bool = False,
-                  cores: str | None = None) -> int:
+                  cores: str | None = None, nvme: str | None = None) -> int:
     """Start a service in the background and wait until it serves; returns its pid. Raises
     ServiceError (with its words) when it cannot start, or when one already runs."""
     paths = service_paths(folder, create=True)
@@ -53,6 +53,8 @@ def start_service(folder: str | None = None, *, dram: int | None = None,
         command.append("--until-idle")
     if cores is not None:
         command += ["--cores", cores]
+    if nvme is not None:
+        command += ["--nvme", nvme]
     try:
         started = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True,
                                  text=True, timeout=START_SECONDS)

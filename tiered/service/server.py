@@ -34,6 +34,7 @@ from ..errors import BudgetError, TieredError
 from ..limits import usable_cores
 from ..liveness import HeldElsewhere, OwnerLock
 from ..tiers.aio import IoSettings
+from ..tiers.nvme import check_nvme_path, remove_dead_runs
 from . import wire
 from .files import FileStream, RankFiles
 from .hosting import HostedRank, JobNorm
@@ -62,6 +63,9 @@ class ServiceConfig:
     started for its job)."""
     cores: tuple[int, ...] | None = None
     """The cores its CPU work runs on (``--cores``); None: those it was started with."""
+    nvme: str | None = None
+    """The folder its jobs' NVMe files go under (``--nvme``); None: wherever a job's policy
+    says."""
 
 
 class TierService:
@@ -81,6 +85,9 @@ class TierService:
                                    f"run there ({e.strerror}); it may use "
                                    f"{_cores_text(sorted(os.sched_getaffinity(0)))}") from None
         self.cores = usable_cores()
+        if config.nvme is not None:  # what a killed service left there goes now, said in its log
+            check_nvme_path(config.nvme)
+            remove_dead_runs(config.nvme)
         """The cores the hosted ranks' CPU work shares (the affinity and cgroup quota's)."""
         self.registry = Registry(config.dram_budget, config.keep_seconds)
         self._norms: dict[str, JobNorm] = {}
@@ -218,6 +225,7 @@ class TierService:
                             "uptime_seconds": round(time.time() - self.started, 1),
                             "until_idle": self.config.until_idle,
                             "cores": sorted(os.sched_getaffinity(0)),
+                            "nvme": self.config.nvme,
                             "usable_cores": self.cores}, **status}, []
 
     def _op_stop(self, client, message):
@@ -333,6 +341,10 @@ class TierService:
             raise RefusedError(f"NVMe files need an absolute root, a block size that is a "
                                f"multiple of 4096 and a queue depth of 1 to 1024, got {root!r}, "
                                f"{block_size}, {depth}")
+        allowed = self.config.nvme
+        if allowed is not None and os.path.commonpath([allowed, root]) != allowed:
+            raise RefusedError(f"this service makes NVMe files only under {allowed} (tiered "
+                               f"daemon start --nvme); job {job}'s nvme.path is {root}")
         files, kept = self.registry.files_opened(
             job, rank, client.pid, lambda: RankFiles(root, rank, IoSettings(block_size, depth)))
 

@@ -9,7 +9,8 @@ def status_table(status: dict) -> str:
     lines = [f"tiered service {service['version']}, pid {service['pid']}, up "
              f"{service['uptime_seconds']:.0f} s, in {service['folder']}"
              + (" (exits once its jobs are gone)" if service.get("until_idle") else ""),
-             f"CPU work on {service['usable_cores']} core(s): {_ranges(service['cores'])}",
+             f"CPU work on {service['usable_cores']} core(s): {_ranges(service['cores'])}"
+             + (f"; NVMe files under {service['nvme']}" if service.get("nvme") else ""),
              f"DRAM pool: {format_size(dram['used'])} of {format_size(dram['budget'])} held; "
              f"a failed job's state is kept {status['keep_seconds']:.0f} s"]
     if not status["jobs"]:
