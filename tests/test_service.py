@@ -22,6 +22,7 @@ import pytest
 
 from tiered.cli import main as tiered
 from tiered.errors import BudgetError
+from tiered.sizes import format_size
 from tiered.service import (ServiceClient, ServiceError, ServiceSlabSource, service_paths,
                             service_status, start_service, stop_service)
 from tiered.service import wire
@@ -121,7 +122,8 @@ def test_the_daemon_commands_start_report_and_stop_a_service_that_leaves_nothing
     rank.close(clean=True)
     code, out, _ = tiered_daemon("status", "--json")
     as_json = json.loads(out)
-    assert as_json["service"]["pid"] == pid and as_json["dram"] == {"budget": 1 << 20, "used": 0}
+    assert as_json["service"]["pid"] == pid
+    assert as_json["dram"] == {"budget": 1 << 20, "used": 0, "spare": 0}
 
     code, out, _ = tiered_daemon("stop")
     assert code == 0 and f"pid {pid}" in out
@@ -129,6 +131,21 @@ def test_the_daemon_commands_start_report_and_stop_a_service_that_leaves_nothing
     process.wait(timeout=10)
     code, _, err = tiered_daemon("status")
     assert code == 1 and "no tiered service runs" in err
+
+
+def memfds_of(pid: int, nbytes: int, value: int) -> list[str]:
+    """The descriptors of process ``pid`` that are segments of ``nbytes`` all ``value``."""
+    found = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        path = f"/proc/{pid}/fd/{fd}"
+        try:
+            if os.readlink(path).startswith("/memfd:tiered-") and os.stat(path).st_size == nbytes:
+                with open(path, "rb") as theirs:
+                    if theirs.read() == bytes([value]) * nbytes:
+                        found.append(fd)
+        except OSError:  # closed meanwhile
+            pass
+    return found
 
 
 def test_memory_of_a_segment_is_shared_and_counted_per_job_and_rank(service):
@@ -142,11 +159,7 @@ def test_memory_of_a_segment_is_shared_and_counted_per_job_and_rank(service):
                     "busy": None}
     assert service_status(folder)["dram"]["used"] == 64 << 10
     # The service holds the memory this process wrote (its memfd, reached through /proc).
-    segment, at = source.locate(slab)
-    assert at == 0
-    name = f"/memfd:tiered-shared-rank1-{segment} (deleted)"
-    held = [fd for fd in os.listdir(f"/proc/{pid}/fd")
-            if os.readlink(f"/proc/{pid}/fd/{fd}") == name]
+    held = memfds_of(pid, 64 << 10, 7)
     assert len(held) == 1, os.listdir(f"/proc/{pid}/fd")
     with open(f"/proc/{pid}/fd/{held[0]}", "rb") as theirs:
         assert theirs.read() == bytes([7]) * (64 << 10)
@@ -154,6 +167,37 @@ def test_memory_of_a_segment_is_shared_and_counted_per_job_and_rank(service):
     assert service_status(folder)["dram"]["used"] == 0
     source.close(clean=True)
     assert job_status(folder, "shared") is None
+
+
+def test_a_job_that_ended_leaves_its_segments_to_the_next_and_they_give_way_to_a_budget(
+        service, capsys, monkeypatch):
+    """The warm start: a segment freed with its job is a spare, handed as it is to the next
+    reservation of its size (no new memfd, its pages there); spares count against the pool and
+    go first when a reservation needs their room."""
+    folder, pid = service
+    before = service_status(folder)["dram"]["spare"]  # what earlier tests' jobs left: < 1 MiB
+    first = attached(folder, "first")
+    first(1 << 20).fill_(5)
+    first.close(clean=True)
+    assert service_status(folder)["dram"] == {"budget": 2 << 20, "used": 0,
+                                              "spare": before + (1 << 20)}
+    monkeypatch.setenv(RUNTIME_ENV, folder)
+    assert tiered(["daemon", "status"]) == 0
+    spare = format_size(before + (1 << 20))
+    assert f"DRAM pool: 0 B of 2.00 MiB held, {spare} kept spare for the next jobs; " in \
+        capsys.readouterr().out
+    second = attached(folder, "second")
+    reused = second(1 << 20)
+    assert int(reused[:4096].sum()) == 5 * 4096  # the same memory, as the first job left it
+    assert len(memfds_of(pid, 1 << 20, 5)) == 1  # and no second memfd of its size
+    assert service_status(folder)["dram"] == {"budget": 2 << 20, "used": 1 << 20,
+                                              "spare": before}
+    second.close(clean=True)
+    third = attached(folder, "third")
+    third((3 << 20) // 2)  # another size, which the largest spare's room is needed for
+    assert service_status(folder)["dram"] == {"budget": 2 << 20, "used": (3 << 20) // 2,
+                                              "spare": before}
+    third.close(clean=True)
 
 
 def test_the_pool_refuses_past_its_budget_naming_who_holds_it(service):
@@ -332,19 +376,16 @@ def test_another_jobs_segment_cannot_be_released(service):
     thief.close(clean=True)
 
 
-BAD_FILE_REQUESTS = {
-    "an unknown op": ({"op": "truncate"}, "unknown NVMe request 'truncate'"),
-    "no such shard": ({"op": "read", "shard": 7, "segment": 0, "at": 0, "nbytes": 4096,
-                       "offset": 0}, "the rank has no NVMe shard 7 (it has 1)"),
-    "past its segment": ({"op": "read", "shard": 0, "segment": 0, "at": 4096, "nbytes": 4096,
-                          "offset": 0}, "bytes 4096..8192 are outside segment 0"),
-    "another job's segment": ({"op": "read", "shard": 0, "segment": 1, "at": 0, "nbytes": 4096,
-                               "offset": 0}, "job files rank 0 holds no segment 1"),
-    "no such version": ({"op": "write", "version": 3, "segment": 0, "at": 0, "nbytes": 4096,
-                         "offset": 0}, "no open NVMe version 3"),
-    "a field missing": ({"op": "version"}, "'shard'"),
-}
-"""Each: a request on a rank's file stream, and what the error answer says."""
+def bad_file_requests(mine: int, theirs: int) -> list[tuple[dict, str]]:
+    """Requests on a rank's file stream whose segment is ``mine`` (another job's is
+    ``theirs``), and what the error answer to each says."""
+    read = {"op": "read", "shard": 0, "segment": mine, "at": 0, "nbytes": 4096, "offset": 0}
+    return [({"op": "truncate"}, "unknown NVMe request 'truncate'"),
+            ({**read, "shard": 7}, "the rank has no NVMe shard 7 (it has 1)"),
+            ({**read, "at": 4096}, f"bytes 4096..8192 are outside segment {mine}"),
+            ({**read, "segment": theirs}, f"job files rank 0 holds no segment {theirs}"),
+            ({**read, "op": "write", "version": 3}, "no open NVMe version 3"),
+            ({"op": "version"}, "'shard'")]
 
 
 def test_bad_file_requests_get_errors_and_the_files_and_other_jobs_go_on(service, tmp_path):
@@ -364,7 +405,8 @@ def test_bad_file_requests_get_errors_and_the_files_and_other_jobs_go_on(service
         wire.send(sock, {"op": "create", "id": 0, "what": "w", "nbytes": 4096,
                          "budget": 1 << 20})
         assert wire.receive(sock)[0]["shard"] == 0
-        for number, (request, said) in enumerate(BAD_FILE_REQUESTS.values(), start=1):
+        requests = bad_file_requests(owner.locate(block)[0], other.locate(theirs)[0])
+        for number, (request, said) in enumerate(requests, start=1):
             wire.send(sock, {**request, "id": number})
             answer, _ = wire.receive(sock)
             assert answer["id"] == number and said in answer["error"], answer

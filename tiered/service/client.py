@@ -125,7 +125,9 @@ class ServiceSlabSource:
                 os.close(fd)
             raise ServiceError(f"the tiered service sent {len(fds)} descriptors for one segment")
         try:
-            slab = map_segment(fds[0], nbytes)
+            # A tier touches all of it: pages mapped before (a spare's, a kept segment's) are
+            # mapped faster in one pass; new ones are faster faulted in (segments.py).
+            slab = map_segment(fds[0], nbytes, populate=bool(reply.get("populate")))
         finally:
             os.close(fds[0])  # the mapping keeps the memory
         if self.pin:

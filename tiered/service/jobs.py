@@ -40,7 +40,7 @@ from ..sizes import format_size
 from .commits import StepCommits
 if TYPE_CHECKING:
     from .files import RankFiles
-from .segments import create_segment
+from .segments import SpareSegments, create_segment
 
 SETTLE_SECONDS = 600.0
 """How long a relaunched rank waits for the last round's hosts to run what they were sent."""
@@ -60,6 +60,9 @@ class Segment:
     id: int
     fd: int
     nbytes: int
+    touched: bool = False
+    """A trainer mapped its pages before (a spare): mapping it again populates them in one
+    pass (segments.map_segment)."""
 
 
 @dataclass
@@ -146,6 +149,9 @@ class Registry:
         self._jobs: dict[str, Job] = {}
         self._next_segment = 0
         self.dram_used = 0
+        """Bytes of the segments jobs hold."""
+        self.spares = SpareSegments()
+        """Segments of jobs that ended, for the next ones (the warm start)."""
         self.jobs_served = 0
         """Jobs that ever attached (a service started for one job exits once it has served it
         and holds nothing)."""
@@ -261,7 +267,8 @@ class Registry:
         return job, note
 
     def reserve(self, name: str, rank: int, nbytes: int) -> Segment:
-        """A new segment of ``nbytes`` for the rank, counted against the pool."""
+        """A segment of ``nbytes`` for the rank, counted against the pool: a spare of that size
+        where there is one, else a new one (spares go first when the pool is short)."""
         if not 0 < nbytes <= 1 << 50:
             raise RefusedError(f"a segment of {nbytes} bytes cannot be reserved")
         with self._lock:
@@ -273,21 +280,26 @@ class Registry:
                     f"{format_size(self.dram_budget)} are held (tiered daemon status shows by "
                     f"whom); start the service with a larger --dram, or lower dram.budget",
                     {"dram": (self.dram_used + nbytes, self.dram_budget)})
+            fd = self.spares.take(nbytes)
+            spare = fd is not None
+            if fd is None:
+                self.spares.evict(self.dram_used + self.spares.nbytes + nbytes - self.dram_budget)
             self.dram_used += nbytes  # counted before the slow fallocate, unlocked below
             segment_id = self._next_segment
             self._next_segment += 1
-        try:
-            fd = create_segment(nbytes, f"tiered-{name}-rank{rank}-{segment_id}")
-        except BaseException:
-            with self._lock:
-                self.dram_used -= nbytes
-            raise
+        if fd is None:
+            try:
+                fd = create_segment(nbytes, f"tiered-{name}-rank{rank}-{segment_id}")
+            except BaseException:
+                with self._lock:
+                    self.dram_used -= nbytes
+                raise
         with self._lock:
-            segment = Segment(segment_id, fd, nbytes)
+            segment = Segment(segment_id, fd, nbytes, touched=spare)
             owner = self._jobs.get(name)
             if owner is None or owner.ranks.get(rank) is None:  # freed meanwhile
-                os.close(fd)
                 self.dram_used -= nbytes
+                self.spares.give(fd, nbytes)
                 raise RefusedError(f"job {name} rank {rank} was freed while reserving")
             owner.ranks[rank].segments[segment_id] = segment
             return segment
@@ -435,7 +447,8 @@ class Registry:
                                "dram_bytes": r.dram_bytes, "segments": len(r.segments),
                                **(r.files.status() if r.files is not None else {})}
                               for r in sorted(job.ranks.values(), key=lambda r: r.rank)]})
-            return {"dram": {"budget": self.dram_budget, "used": self.dram_used},
+            return {"dram": {"budget": self.dram_budget, "used": self.dram_used,
+                             "spare": self.spares.nbytes},
                     "keep_seconds": self.keep_seconds, "jobs": jobs}
 
     def close(self) -> None:
@@ -443,6 +456,7 @@ class Registry:
         with self._lock:
             for job in list(self._jobs.values()):
                 self._free(job)
+            self.spares.close()
 
     def _own_rank(self, name: str, rank: int, pid: int, what: str) -> Rank:
         owner = self._rank(name, rank)
@@ -471,8 +485,10 @@ class Registry:
         rank.host = rank.final = rank.files = None
 
     def _close(self, segment: Segment) -> None:
-        os.close(segment.fd)  # the memory goes once the trainer's mapping is gone too
+        """The segment is no job's now: a spare for the next (its memory goes once it is
+        evicted and the trainer's mapping is gone too)."""
         self.dram_used -= segment.nbytes
+        self.spares.give(segment.fd, segment.nbytes)
 
 
 JOB_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")

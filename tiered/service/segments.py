@@ -41,13 +41,55 @@ def create_segment(nbytes: int, name: str) -> int:
     return fd
 
 
-def map_segment(fd: int, nbytes: int) -> torch.Tensor:
+def map_segment(fd: int, nbytes: int, populate: bool = False) -> torch.Tensor:
     """The segment as a uint8 CPU tensor of ``nbytes`` (page aligned); the tensor keeps the
-    mapping alive, and the descriptor may be closed once it is made."""
-    mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED,
+    mapping alive, and the descriptor may be closed once it is made. ``populate``: every page is
+    mapped now, in one pass of the kernel's, for a trainer that touches all of them at once.
+    Measured here, 1 GB: pages another mapping had touched, 0.08 s against 0.16-0.19 s of
+    faults at the first touch; pages never mapped, 0.40 s against 0.21 s (so only the former
+    are populated)."""
+    mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate
+                                                             else 0),
                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
     return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
 def segment_size(fd: int) -> int:
     return os.fstat(fd).st_size
+
+
+class SpareSegments:
+    """Segments of jobs that ended, kept for the next reservations of their size: the warm
+    start. A segment is made by zeroing every page of it (``fallocate``, 0.3 s per GB here); a
+    spare is handed out as it is, its pages still there, with what the last job left in them
+    (the same user's: a tier writes every state before it reads it, or zeroes it). Spares are
+    the pool's too: they count against its budget, and go first when a reservation needs
+    their room. Not thread-safe: the registry's lock guards it."""
+
+    def __init__(self):
+        self._by_size: dict[int, list[int]] = {}
+        self.nbytes = 0
+
+    def take(self, nbytes: int) -> int | None:
+        """A spare's descriptor of exactly ``nbytes``, or None."""
+        fds = self._by_size.get(nbytes)
+        if not fds:
+            return None
+        self.nbytes -= nbytes
+        return fds.pop()
+
+    def give(self, fd: int, nbytes: int) -> None:
+        self._by_size.setdefault(nbytes, []).append(fd)
+        self.nbytes += nbytes
+
+    def evict(self, needed: int) -> None:
+        """Free spares, the largest first, until ``needed`` bytes of them are gone (or all)."""
+        for size in sorted(self._by_size, reverse=True):
+            fds = self._by_size[size]
+            while fds and needed > 0:
+                os.close(fds.pop())
+                self.nbytes -= size
+                needed -= size
+
+    def close(self) -> None:
+        self.evict(self.nbytes)

@@ -250,12 +250,13 @@ class TierService:
         """A kept segment of the rank, to map again (a reattached trainer: jobs.py)."""
         job, rank = client.rank_of("map")
         segment = self.registry.segment(job, rank, _field(message, "segment", int))
-        return {"segment": segment.id, "nbytes": segment.nbytes}, [segment.fd]
+        return {"segment": segment.id, "nbytes": segment.nbytes, "populate": True}, [segment.fd]
 
     def _op_reserve(self, client, message):
         job, rank = client.rank_of("reserve")
         segment = self.registry.reserve(job, rank, _field(message, "nbytes", int))
-        return {"segment": segment.id, "nbytes": segment.nbytes}, [segment.fd]
+        return ({"segment": segment.id, "nbytes": segment.nbytes, "populate": segment.touched},
+                [segment.fd])
 
     def _op_release(self, client, message):
         job, rank = client.rank_of("release")

@@ -11,8 +11,10 @@ def status_table(status: dict) -> str:
              + (" (exits once its jobs are gone)" if service.get("until_idle") else ""),
              f"CPU work on {service['usable_cores']} core(s): {_ranges(service['cores'])}"
              + (f"; NVMe files under {service['nvme']}" if service.get("nvme") else ""),
-             f"DRAM pool: {format_size(dram['used'])} of {format_size(dram['budget'])} held; "
-             f"a failed job's state is kept {status['keep_seconds']:.0f} s"]
+             f"DRAM pool: {format_size(dram['used'])} of {format_size(dram['budget'])} held"
+             + (f", {format_size(dram['spare'])} kept spare for the next jobs"
+                if dram.get("spare") else "")
+             + f"; a failed job's state is kept {status['keep_seconds']:.0f} s"]
     if not status["jobs"]:
         lines.append("no jobs")
     for job in status["jobs"]:
