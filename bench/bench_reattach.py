@@ -43,7 +43,7 @@ def train_and_die(args) -> None:
     engine, optimizer = tiered.initialize(model)
     for step in range(2):
         idx = torch.randint(0, VOCAB, (2, args.seq), generator=torch.Generator()
-                            .manual_seed(step))
+                            .manual_seed(step)).to("cuda" if torch.cuda.is_available() else "cpu")
         engine.backward(engine(idx).float().square().mean())
         optimizer.step()
         optimizer.zero_grad()

@@ -38,7 +38,7 @@ def start_up(args) -> None:
     engine, optimizer = tiered.initialize(model)
     seconds = time.perf_counter() - start
     assert type(engine.runtime.host).__name__ == "RemoteHost", "the update is not in the service"
-    idx = torch.randint(0, VOCAB, (2, 64))
+    idx = torch.randint(0, VOCAB, (2, 64), device="cuda" if torch.cuda.is_available() else "cpu")
     engine.backward(engine(idx).float().square().mean())
     optimizer.step()
     engine.close()

@@ -1,15 +1,16 @@
 #!/bin/bash
 # The GPU-box checks, one stage per call so each fits the box's 10-minute command limit:
-#   bash bench/on_gpu_box.sh tests|offload|variants|hbm|tiled|io|nvme|large|clip|cpu|lora|load|service|reattach [OUT]
+#   bash bench/on_gpu_box.sh tests|offload|variants|hbm|tiled|io|nvme|large|clip|cpu|lora|load|service|reattach|warm [OUT]
 # Each stage prints its table last and keeps logs and timelines in OUT (default ./gpu-out).
 # Stage times measured on the H100 box (16 cores, 125 GiB, 64 GiB free disk), tenth session:
 # tests 2.7 min, cpu 1.6 min, offload 6.3 min, lora 5 min, tiled 1.4 min, io 1.7 min; fourth
 # session: nvme 3.6 min, large 6.1 min. Estimated: variants 5 min, hbm 5 min, clip 4 min, load
-# 8 min, service 6 min, reattach 6 min. Every tiered process spends 50-95 s in setup there, 25-36 s of it
+# 8 min, service 6 min, reattach 6 min, warm 6 min; nvme with its service twin since the
+# thirteenth session, 7 min. Every tiered process spends 50-95 s in setup there, 25-36 s of it
 # compiling the one-pass AdamW (inductor's cache hits, yet the compile stays 25 s; 2.4 s on the
 # development machine).
 set -o pipefail
-stage=${1:?stage: tests, offload, variants, hbm, tiled, io, nvme, large, clip, cpu, lora, load, service or reattach}
+stage=${1:?stage: tests, offload, variants, hbm, tiled, io, nvme, large, clip, cpu, lora, load, service, reattach or warm}
 out=${2:-gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -46,9 +47,10 @@ io)  # issue 4: the engine at its defaults against the sweep on this disk
     mkdir -p "$nvme"
     python -m tiered.cli bench-io --nvme "$nvme" --size 4GiB --sweep-size 1GiB --repeats 3 2>&1 \
         | tee "$out/io.log" ;;
-nvme)  # issue 4: ZeRO-Infinity's placement (params and optimizer on NVMe), 2.78 B, batch 8
+nvme)  # issue 4: ZeRO-Infinity's placement (params and optimizer on NVMe), 2.78 B, batch 8; and
+    # issue 18: the same with the files and the update in the node's service
     mkdir -p "$nvme"
-    python bench/bench_offload.py --modes tiered:nvme --nvme "$nvme" --steps 3 \
+    python bench/bench_offload.py --modes tiered:nvme,tiered:nvme+service --nvme "$nvme" --steps 3 \
         --out "$out/nvme.json" 2>&1 | grep -v -e Warning -e _conversion | tee "$out/nvme.log" ;;
 large)  # issue 4: 10.1 B parameters in 104 GiB of DRAM plus the disk (compact gradients)
     mkdir -p "$nvme"
@@ -81,6 +83,10 @@ reattach)  # issue 18: a relaunch taking a killed run's state over from the serv
     # the same relaunch from a checkpoint on the box's disk (1.4 B GPT, cpu.yaml), one invocation
     python bench/bench_reattach.py --layers 16 --dim 2560 --dir "$nvme/reattach-ckpt" 2>&1 \
         | grep -v -e Warning -e _conversion | tee "$out/reattach.log" ;;
+warm)  # issue 18: three jobs in a row on one service, 2.78 B GPT (cpu.yaml): the first cold
+    # (the service compiles, makes its segments), the others on its spare segments
+    python bench/bench_warm_start.py --layers 32 --dim 2560 --jobs 3 2>&1 \
+        | grep -v -e Warning -e _conversion | tee "$out/warm.log" ;;
 load)  # pretrained weights: the 2.78 B GPT's bf16 safetensors into a model ready to train
     mkdir -p "$nvme"
     python bench/bench_load.py --layers 32 --dim 2560 --nvme "$nvme" \
@@ -88,6 +94,6 @@ load)  # pretrained weights: the 2.78 B GPT's bf16 safetensors into a model read
         2>&1 | grep -v -e Warning -e _conversion | tee "$out/load.log" ;;
 *)
     echo "unknown stage $stage: tests, offload, variants, hbm, tiled, io, nvme, large, clip," \
-        "cpu, lora, load, service, reattach" >&2
+        "cpu, lora, load, service, reattach, warm" >&2
     exit 2 ;;
 esac

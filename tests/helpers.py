@@ -27,6 +27,22 @@ SMALL = ["--dim", "32", "--layers", "2", "--heads", "2", "--vocab", "64", "--seq
 """The example's model and data at a size that trains 20 steps in about a second."""
 
 
+def left_behind(nvme) -> list[str]:
+    """What is in the NVMe folder ``nvme`` other than the folders of failed jobs that the
+    session's service keeps (they are the jobs' state, removed with it at its keep time:
+    tests/test_service_parity.py, test_reattach.py)."""
+    from tiered.service import ServiceError, service_status
+    from tiered.service.paths import RUNTIME_ENV
+
+    try:
+        jobs = service_status(os.environ[RUNTIME_ENV])["jobs"]
+    except ServiceError:  # none runs: it keeps nothing
+        jobs = []
+    kept = {os.path.basename(rank["folder"]) for job in jobs if job["state"] == "failed"
+            for rank in job["ranks"] if rank.get("folder")}
+    return sorted(set(os.listdir(nvme)) - kept)
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     """This environment without what a launcher or a run sets, and with no GPU: the CPU plays
     the device, so that two ranks need no two GPUs."""

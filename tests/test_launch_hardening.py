@@ -25,7 +25,7 @@ import torch
 
 import tiered
 from gpt import next_token_loss
-from helpers import CONFIGS, EXAMPLE, REPO, SMALL, clean_env, finish
+from helpers import CONFIGS, EXAMPLE, REPO, SMALL, clean_env, finish, left_behind
 from helpers_models import OPTIM, make_model, token_batches
 
 TORCH_LOG_LINE = re.compile(r"^[DIWEF]\d{4} \d\d:\d\d:\d\d\.\d+ .*\n", re.MULTILINE)
@@ -116,11 +116,12 @@ def stopped(tmp_path_factory) -> dict[str, Stopped]:
 def test_ranks_die_with_a_launcher_killed_by_sigkill(stopped):
     """torchrun starts ranks in new sessions with no parent-death signal: they trained on
     and wrote checkpoints beside the next job. Now the kernel sends each SIGTERM as the
-    launcher dies, on which it exits and removes its NVMe folder."""
+    launcher dies, on which it exits; its NVMe folder is the node's service's, kept with the
+    failed job for its keep time, and nothing else is left."""
     run = stopped["SIGKILL"]
     assert run.result.returncode == -signal.SIGKILL
     assert run.alive == [], f"ranks {run.alive} outlived their launcher"
-    assert os.listdir(run.nvme) == []
+    assert left_behind(run.nvme) == []
 
 
 @pytest.mark.parametrize("name", ["SIGHUP", "SIGINT"])
@@ -138,7 +139,7 @@ def test_a_hangup_or_ctrl_c_stops_the_ranks_with_one_line(stopped, name):
     assert said == [f"tiered-launch: stopped by {name}; the ranks were stopped with it"], \
         run.result.stderr[-3000:]
     assert run.alive == []
-    assert os.listdir(run.nvme) == []
+    assert left_behind(run.nvme) == []
 
 
 # -- the example's checkpoint flags, refused before it trains ----------------------------------

@@ -13,8 +13,11 @@ mechanism is a commit barrier, not an undo log (nothing is copied per step):
   every rank's ``Update s`` has arrived too, and the service runs them all to their end whatever
   becomes of the trainers (a host's queued commands run on after its trainer is gone). Step
   ``s`` is then *committed*.
-- A rank's host that ends (its trainer died or closed) breaks the round: no step not committed
-  by then is ever run, on any rank, and records that come later are dropped.
+- A rank's host that ends (its trainer died, or closed) breaks the round: no step not committed
+  by then is ever run, on any rank, and records that come later are dropped. A trainer that
+  dies ends its host at once; one that closes (``engine.close()``, or its exit right after a
+  ``step()``) ends it once what it sent has run, its last update included when every rank's
+  record of it comes in (a rank that ends first is no crash).
 So the shards in the segments are, once the round's hosts are all done, exactly those after the
 last committed step on every rank. Units a step on arrival would step during backward are
 stepped at the step instead where the service runs the host (runtime.arrival_allowed): the

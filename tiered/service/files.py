@@ -138,19 +138,23 @@ class FileStream:
         self._next_version = 0
         self._transfers: list[Transfer] = []
 
-    def serve(self, conn) -> None:
-        """Answer requests until the trainer goes; then settle what it left (see the Note)."""
+    def serve(self, conn) -> int | None:
+        """Answer requests until the trainer goes, or asks to end (the id of its request is
+        returned, to be answered once the rank's files count as closed); then settle what it
+        left (see the Note)."""
         try:
             while True:
                 try:
                     message, fds = wire.receive(conn)
                 except wire.Closed:
-                    return
+                    return None
                 except wire.WireError as e:
                     log.warning("a malformed NVMe request (%s); the rank's file stream ends", e)
-                    return
+                    return None
                 for fd in fds:
                     os.close(fd)
+                if message["op"] == "end":
+                    return message.get("id")
                 self._answer(message)
         finally:
             for transfer in self._transfers:

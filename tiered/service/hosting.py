@@ -251,6 +251,12 @@ class HostedRank:
             return None
         return self.host.final_state()
 
+    def run_queued(self) -> None:
+        """Wait until the worker ran every command sent so far (an update waits for its
+        commit); a failure among them is the trainer's to hear of, told already."""
+        with contextlib.suppress(TieredError):
+            self.worker.drain()
+
     def after_queued(self, message: dict) -> None:
         """Send ``message`` once every command sent before it has run (a trainer's drain)."""
         self.worker.submit(partial(self._send, message))

@@ -129,11 +129,14 @@ class ServiceNvme:
 
     def close(self) -> None:
         """Wait for every request's answer (a transfer may still move bytes of a slab about to
-        go), then end the connection: the files stay the job's."""
+        go), then end the stream and wait until the service has (a clean end that follows frees
+        the job at once): the files stay the job's."""
         with self._lock:
             waiting = list(self._answers.values())
         for answer in waiting:
             answer._came.wait()
+        with contextlib.suppress(ServiceError):  # a service that is gone ended it already
+            self.call("end").wait()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:

@@ -171,7 +171,12 @@ class TierService:
                     self._host_stream(client)
                     return
                 if client.files is not None:
-                    client.files[2].serve(conn)
+                    ended = client.files[2].serve(conn)
+                    job, rank, _ = client.files
+                    client.files = None
+                    self.registry.files_closed(job, rank)
+                    if ended is not None:  # the trainer closes: its job may be freed now
+                        client.send({"op": "done", "id": ended})
                     return
         except OSError as e:  # the peer went mid-reply, or the socket failed
             log.info("pid %s: connection ended (%s)", client.pid, e)
@@ -389,6 +394,9 @@ class TierService:
                 elif op == "step_record":
                     hosted.step_record(int(message["step"]), dict(message["record"]))
                 elif op == "end":  # the trainer closes: its host ends before it detaches
+                    # What it sent runs first, its last step's update too once every rank's
+                    # record of it is in (a rank ending right after step() is no crash).
+                    hosted.run_queued()
                     self._end_host(client)
                     client.send({"op": "ended", "request": int(message["request"])})
                     return
