@@ -228,3 +228,36 @@ def test_status_says_each_jobs_last_step_done_and_how_busy_its_pool_and_queue_ar
     assert re.search(rf"NVMe [\d.]+ \w*B in {re.escape(rank['folder'])}; I/O queue: 0 in "
                      rf"flight, [\d.]+ \w*B read, [\d.]+ \w*B written", said), said
     engine.close()
+
+
+def test_a_checkpoint_crosses_the_service_both_ways_on_nvme(service, tmp_path, monkeypatch):
+    """A checkpoint saved by a rank whose NVMe files the service holds (every state read through
+    it) resumes in-process, and one saved in-process loads into such a rank (every state
+    written through it): each run ends bit for bit where the uninterrupted run ends."""
+    nvme = str(tmp_path)
+    whole = train("nvme", nvme)
+
+    def run(through_service: bool, load: str | None, save: str | None, steps: slice) -> dict:
+        if through_service:
+            monkeypatch.setenv(SERVICE_ENV, service)
+            monkeypatch.setenv(JOB_ENV, "checkpoint-crossing")
+        else:
+            monkeypatch.delenv(SERVICE_ENV, raising=False)
+        engine, optimizer = tiered.initialize(make_model(), os.path.join(CONFIGS, "nvme.yaml"),
+                                              compute_dtype="fp32", device="cpu",
+                                              nvme={"path": nvme}, optimizer=dict(OPTIM))
+        assert type(engine.runtime.host).__name__ == (
+            "RemoteHost" if through_service else "LocalHost")
+        if load is not None:
+            engine.load_checkpoint(load)
+        state = run_engine(engine, optimizer, steps=steps)
+        if save is not None:
+            engine.save_checkpoint(save)
+        engine.close()
+        return state
+
+    for first, then in ((True, False), (False, True)):
+        folder = str(tmp_path / f"checkpoint-{first}")
+        run(first, None, folder, slice(0, 2))
+        assert_same(run(then, folder, None, slice(2, None)), whole, f"saved by service {first}")
+    assert service_status(service)["jobs"] == []

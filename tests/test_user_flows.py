@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import CONFIGS, EXAMPLE, REPO, SMALL, clean_env, finish
+from helpers import CONFIGS, EXAMPLE, REPO, SMALL, clean_env, finish, left_behind
 from tiered.sizes import parse_size
 
 LOSS_LINE = re.compile(r"^step\s+(\d+)\s+loss (\S+)", re.MULTILINE)
@@ -192,10 +192,12 @@ def interrupted(request, tmp_path_factory):
     return getattr(signal, name), ranks, root, nvme, ck, result
 
 
-def test_interrupted_run_removes_every_nvme_run_folder(interrupted):
+def test_an_interrupted_run_leaves_no_nvme_folder_but_its_kept_jobs(interrupted):
+    """The ranks' NVMe folders are the node's service's: kept with the interrupted (failed)
+    job for its keep time, to relaunch from; nothing else is left."""
     _, _, _, nvme, _, result = interrupted
     assert result.returncode != 0
-    assert os.listdir(nvme) == []
+    assert left_behind(nvme) == []
 
 
 def test_interrupted_run_keeps_its_latest_checkpoint_complete(interrupted):
