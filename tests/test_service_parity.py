@@ -165,33 +165,42 @@ def test_a_service_killed_mid_run_is_an_error_naming_it_and_the_next_removes_its
 
 
 def test_the_ranks_hosted_on_a_node_never_run_more_threads_than_its_cores(tmp_path):
-    """Each rank's update asks for 2 threads; a service given cores 0 and 1 gives two ranks
-    one each (their share), so the node's cores are never oversubscribed, and says so."""
+    """Two ranks whose updates ask for 2 threads each, on a service given one core: each gets
+    one thread (its share, at least one), and the node's pool lets one run at a time, so the
+    cores are never oversubscribed; a rank that waits for the other's share of the clipped
+    norm gives its core back meanwhile (else neither could go on), and both train as torch."""
     folder = str(tmp_path / "service")
-    start_service(folder, keep_seconds=0.0, cores="0,1")
+    start_service(folder, keep_seconds=0.0, cores="0")
     try:
         run_ranks(2, _report_threads, folder, str(tmp_path))
         seen = [torch.load(tmp_path / f"threads{rank}.pt") for rank in range(2)]
+        service = service_status(folder)["service"]
     finally:
         stop_service(folder)
-    assert all(s["cores"] == [0, 1] and s["usable_cores"] == 2 for s in seen)
-    threads = [s["threads"][rank] for rank, s in enumerate(seen)]
-    assert threads == [1, 1] and sum(threads) <= 2
+    assert all(s["cores"] == [0] and s["usable_cores"] == 1 for s in seen)
+    assert [s["threads"][rank] for rank, s in enumerate(seen)] == [1, 1]
+    assert (service["threads_peak"], service["threads_running"]) == (1, 0)
+    model = make_model()
+    reference = train_torch(model, torch.optim.AdamW(model.parameters(), **OPTIM),
+                            max_grad_norm=0.5)
+    for s in seen:
+        assert_parity(s["state"], reference)
 
 
 def _report_threads(rank: int, world: int, folder: str, out: str) -> None:
     os.environ[SERVICE_ENV] = folder
     os.environ[JOB_ENV] = "threads"
-    engine, _ = tiered.initialize(make_model(), os.path.join(CONFIGS, "cpu.yaml"),
-                                  compute_dtype="fp32", device="cpu",
-                                  cpu={"optimizer_threads": 2})
+    engine, optimizer = tiered.initialize(make_model(), os.path.join(CONFIGS, "cpu.yaml"),
+                                          compute_dtype="fp32", device="cpu",
+                                          cpu={"optimizer_threads": 2},
+                                          optimizer=dict(OPTIM, max_grad_norm=0.5))
     status = service_status(folder)
     job = next(job for job in status["jobs"] if job["name"] == "threads")
+    state = run_engine(engine, optimizer, rank=rank, world=world)
     torch.save({"cores": status["service"]["cores"],
                 "usable_cores": status["service"]["usable_cores"],
-                "threads": {r["rank"]: r["threads"] for r in job["ranks"]}},
+                "threads": {r["rank"]: r["threads"] for r in job["ranks"]}, "state": state},
                os.path.join(out, f"threads{rank}.pt"))
-    engine.runtime.group.barrier()  # both have looked before either leaves
     engine.close()
 
 

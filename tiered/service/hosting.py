@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
@@ -34,6 +35,7 @@ from ..plan import StateKind, grad_dtypes, state_dtype
 from ..policy import ComputeDtype
 from ..timeline import timed
 from .commits import NotCommitted, StepCommits
+from .cores import CorePool
 from .files import RankFiles
 from .hostwire import HostRequest
 from .jobs import Segment
@@ -100,18 +102,39 @@ class JobNorm:
             self._changed.notify_all()
 
 
+@dataclass(frozen=True)
+class HostSeat:
+    """What the service gives a rank's host: the rank's memory and files, and what it shares
+    with the job's other ranks and the node's."""
+
+    rank: int
+    world: int
+    segments: list[Segment]
+    """The rank's segments, in the order its DRAM tier reserved them."""
+    files: RankFiles | None
+    """Its NVMe files, where its plan has shards there."""
+    norm: JobNorm
+    commits: StepCommits
+    round: int
+    """The round of the job's commits this host belongs to."""
+    cores: CorePool
+    threads: int
+    """Its worker's threads: its share of the cores."""
+
+
 class _RankNorm:
     """What RankHost takes as its norm group: one rank's view of its job's JobNorm."""
 
     device = CPU
 
-    def __init__(self, job: JobNorm, rank: int):
-        self._job = job
-        self._rank = rank
+    def __init__(self, seat: HostSeat):
+        self._seat = seat
         self._round = 0
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
-        total = self._job.sum(self._round, self._rank, float(tensor))
+        seat = self._seat
+        with seat.cores.given_back(seat.threads):  # the other ranks' shares need cores too
+            total = seat.norm.sum(self._round, seat.rank, float(tensor))
         self._round += 1
         tensor.fill_(total)
 
@@ -171,15 +194,11 @@ class _WireEvents:
 class HostedRank:
     """One rank's host in the service (see [Note: hosted ranks])."""
 
-    def __init__(self, request: HostRequest, segments: list[Segment], files: RankFiles | None,
-                 rank: int, world: int, norm: JobNorm, send: Callable[[dict], None],
-                 commits: tuple[StepCommits, int]):
-        """``files``: the rank's NVMe files, where its plan has shards there; ``commits``: the
-        job's commits, and the round this host belongs to."""
+    def __init__(self, request: HostRequest, seat: HostSeat, send: Callable[[dict], None]):
         policy = request.policy
-        self.rank = rank
-        self.commits, self._round = commits
-        self._norm = norm
+        self.seat = seat
+        self.rank = seat.rank
+        self.commits = seat.commits
         self._started = time.monotonic()
         self._busy = 0.0
         """Seconds its worker spent running the rank's commands (not waiting for a commit)."""
@@ -191,19 +210,19 @@ class HostedRank:
                 pass
 
         self._send = tell
-        self.manager = TierManager(policy, CPU, rank, SegmentSlabSource(segments),
-                                   nvme_tier=lambda *_: files.adopted())
+        self.manager = TierManager(policy, CPU, seat.rank, SegmentSlabSource(seat.segments),
+                                   nvme_tier=lambda *_: seat.files.adopted())
         self.worker = None
         try:
             self.manager.adopt(request.plan)
-            self.worker = CpuWorker(request.threads)
+            self.worker = CpuWorker(seat.threads)
             compute = policy.compute_dtype.torch_dtype
-            one_pass = one_pass_for(compute, grad_dtypes(policy, world), CPU, self.worker)
+            one_pass = one_pass_for(compute, grad_dtypes(policy, seat.world), CPU, self.worker)
             self.host = RankHost(HostSetup(
                 manager=self.manager, names=request.names, trainable=request.trainable,
                 buffer_dtype=state_dtype(policy, StateKind.GRAD), ranges=request.ranges,
                 device=CPU, one_pass=one_pass, sub_group_size=policy.optimizer.sub_group_size,
-                norm_group=_RankNorm(norm, rank),
+                norm_group=_RankNorm(seat),
                 max_grad_norm=policy.optimizer.max_grad_norm,
                 fp16=policy.compute_dtype is ComputeDtype.FP16,
                 timeline=_SpanSender(tell, request.traced)), _WireEvents(tell))
@@ -219,15 +238,16 @@ class HostedRank:
             self.worker.submit(partial(self._run, number, command))
 
     def _run_committed(self, number: int, command: Update | StepArrived) -> None:
-        self.commits.wait(self._round, command.step)
+        self.commits.wait(self.seat.round, command.step)
         self._run(number, command)
 
     def _run(self, number: int, command) -> None:
-        start = time.monotonic()
-        try:
-            self.host.run(number, command)
-        finally:
-            self._busy += time.monotonic() - start
+        with self.seat.cores.held(self.seat.threads):
+            start = time.monotonic()
+            try:
+                self.host.run(number, command)
+            finally:
+                self._busy += time.monotonic() - start
 
     @property
     def busy(self) -> float:
@@ -239,8 +259,8 @@ class HostedRank:
         """The trainer's record of ``step()`` call ``step``; what the host runs after it waits
         for the step's commit, so that a host that ran what it was sent has its step settled
         (see [Note: reattach])."""
-        self.commits.arrived(self._round, self.rank, step, record)
-        self.worker.submit(partial(self.commits.wait, self._round, step))
+        self.commits.arrived(self.seat.round, self.rank, step, record)
+        self.worker.submit(partial(self.commits.wait, self.seat.round, step))
 
     def final_state(self) -> dict | None:
         """What the host leaves for a relaunch to take over, once its worker is closed: each
@@ -285,7 +305,7 @@ class HostedRank:
     def _failed(self) -> None:
         # The job's other ranks must not wait in a norm for this one's share (a step not
         # committed is run by no rank, so none waits for it).
-        self._norm.broken(f"rank {self.rank}'s host failed: {self.worker.error}")
+        self.seat.norm.broken(f"rank {self.rank}'s host failed: {self.worker.error}")
         self._send({"op": "failed", "error": f"{type(self.worker.error).__name__}: "
                                              f"{self.worker.error}"})
 

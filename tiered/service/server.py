@@ -20,7 +20,6 @@ the service frees every segment, removes its socket and exits.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
@@ -37,7 +36,8 @@ from ..tiers.aio import IoSettings
 from ..tiers.nvme import check_nvme_path, remove_dead_runs
 from . import wire
 from .files import FileStream, RankFiles
-from .hosting import HostedRank, JobNorm
+from .cores import CorePool
+from .hosting import HostedRank, HostSeat, JobNorm
 from .hostwire import COMMAND_OPS, HostRequest, command_from_wire
 from .jobs import RefusedError, Registry
 from .paths import ServiceError, service_paths
@@ -85,10 +85,12 @@ class TierService:
                                    f"run there ({e.strerror}); it may use "
                                    f"{_cores_text(sorted(os.sched_getaffinity(0)))}") from None
         self.cores = usable_cores()
+        """The cores the hosted ranks' CPU work shares (the affinity and cgroup quota's)."""
+        self.core_pool = CorePool(self.cores)
+        """What the hosted ranks' updates run on, together (cores.py)."""
         if config.nvme is not None:  # what a killed service left there goes now, said in its log
             check_nvme_path(config.nvme)
             remove_dead_runs(config.nvme)
-        """The cores the hosted ranks' CPU work shares (the affinity and cgroup quota's)."""
         self.registry = Registry(config.dram_budget, config.keep_seconds)
         self._norms: dict[str, JobNorm] = {}
         """Per job, the sum of its hosted ranks' gradient norms (see [Note: hosted ranks])."""
@@ -231,7 +233,10 @@ class TierService:
                             "until_idle": self.config.until_idle,
                             "cores": sorted(os.sched_getaffinity(0)),
                             "nvme": self.config.nvme,
-                            "usable_cores": self.cores}, **status}, []
+                            "usable_cores": self.cores,
+                            # threads of the hosted ranks' updates running now, and at most
+                            "threads_running": self.core_pool.running,
+                            "threads_peak": self.core_pool.peak}, **status}, []
 
     def _op_stop(self, client, message):
         log.info("stop requested by pid %s", client.pid)
@@ -314,15 +319,14 @@ class TierService:
             job, rank, client.pid, request.segments, request.fingerprint())
         with self._norms_lock:
             norm = self._norms.setdefault(job, JobNorm(world))
-        # The node's ranks share these cores: none is given more than its share, so that the
-        # ranks' updates together never run more threads than the cores (one of each rank at
-        # least, where there are more ranks than cores).
+        # The node's ranks share these cores: none is given more than its share, and where
+        # there are more ranks than cores (one thread each) the pool bounds what runs at once
+        # (cores.py), so that the ranks' updates together never run more threads than cores.
         threads = max(1, min(request.threads, self.cores // world))
-        request = dataclasses.replace(request, threads=threads)
         started = time.monotonic()
         try:
-            hosted = HostedRank(request, segments, files, rank, world, norm, client.send,
-                                (commits, round_))
+            hosted = HostedRank(request, HostSeat(rank, world, segments, files, norm, commits,
+                                                  round_, self.core_pool, threads), client.send)
         except Exception as e:  # a plan that does not fit its segments, a failed compile
             self.registry.host_ended(job, rank, None, ran=False)
             raise RefusedError(f"cannot run the host of job {job} rank {rank}: "

@@ -10,6 +10,8 @@ def status_table(status: dict) -> str:
              f"{service['uptime_seconds']:.0f} s, in {service['folder']}"
              + (" (exits once its jobs are gone)" if service.get("until_idle") else ""),
              f"CPU work on {service['usable_cores']} core(s): {_ranges(service['cores'])}"
+             + (f", {service['threads_running']} update thread(s) running, at most "
+                f"{service['threads_peak']} at once" if "threads_peak" in service else "")
              + (f"; NVMe files under {service['nvme']}" if service.get("nvme") else ""),
              f"DRAM pool: {format_size(dram['used'])} of {format_size(dram['budget'])} held"
              + (f", {format_size(dram['spare'])} kept spare for the next jobs"
