@@ -110,10 +110,8 @@ POINTS = {
     "delayed update, in forward": ("delayed", "forward", 4, {2, 3}),
     "delayed update, during it": ("delayed", "update", 3, {2, 3}),
     "during save_checkpoint": ("plain", "save", 3, {3}),
-    "clipped, in backward": ("clipped", "backward", 2, {1}),
     "an exception, no close": ("plain", "raise", 4, {3}),
     "a scheduler made after initialize": ("scheduled", "forward", 4, {3}),
-    "on NVMe, delayed, in forward": ("nvme", "forward", 4, {2, 3}),
     "on NVMe, delayed, during it": ("nvme", "update", 3, {2, 3}),
 }
 

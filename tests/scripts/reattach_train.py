@@ -28,7 +28,6 @@ CASES = {
     "plain": {},
     "accumulation": {"accumulation_steps": MICRO},
     "delayed": {"delayed_update": {"enabled": True, "warmup_steps": 1}},
-    "clipped": {"max_grad_norm": 0.05},
     "scheduled": {},  # a LambdaLR made after initialize, stepped after each step()
     "nvme": {"delayed_update": {"enabled": True, "warmup_steps": 1}},  # weights and states
 }
