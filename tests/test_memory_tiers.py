@@ -231,3 +231,50 @@ def test_dram_reservation_is_all_or_nothing_when_a_slab_cannot_be_had(monkeypatc
         tier.reserve({"a": 2 * BLOCK, "b": 2 * BLOCK, "c": BLOCK})
     assert len(source.made) == 1 and source.released == source.made, "first slab kept pinned"
     assert tier.usage.current == 0 and tier._slabs == []
+
+
+def test_a_plan_is_adopted_over_the_blocks_its_descriptors_name_and_refused_without_them():
+    """The seam between a trainer and the node's service: the trainer's manager names where each
+    DRAM state and staging buffer lies (descriptors); a manager that adopts the plan over
+    blocks found by those descriptors computes on the very same memory, and one missing a
+    block, or given a smaller one, is refused naming it."""
+    from tiered.errors import TieredError
+    from tiered.manager import TierManager
+    from tiered.plan import Buffer, MemoryPlan, StateKind
+    from tiered.policy import Policy, Tier
+
+    cpu = torch.device("cpu")
+    plan = MemoryPlan(shards={
+        (0, StateKind.MASTER): Buffer("unit 0 master", Tier.DRAM, 1000, torch.float32),
+        (0, StateKind.EXP_AVG): Buffer("unit 0 exp_avg", Tier.DRAM, 1000, torch.float32),
+        (1, StateKind.MASTER): Buffer("unit 1 master", Tier.DRAM, 3000, torch.float32)},
+        staging={"grad0": Buffer("grad landing", Tier.DRAM, 8192, torch.uint8)}, working_set=0)
+    trainer = TierManager(Policy(), cpu, 0)
+    trainer.allocate(plan)
+    memory = {}  # one "segment" per slab of the trainer's, as the service names them
+
+    def locate(block: torch.Tensor) -> tuple[int, int]:
+        for number, slab in enumerate(trainer.dram._slabs):
+            start = slab.data_ptr()
+            if start <= block.data_ptr() < start + slab.numel():
+                memory[number] = slab
+                return number, block.data_ptr() - start
+        raise AssertionError("a block outside the slabs")
+
+    described = trainer.descriptors(locate)
+    assert set(described) == {*plan.shards, ("staging", "grad0")}
+    blocks = {key: memory[segment][at:at + nbytes]
+              for key, (segment, at, nbytes) in described.items()}
+    host = TierManager(Policy(), cpu, 0)
+    host.adopt(plan, blocks)
+    trainer.load(1, StateKind.MASTER).fill_(3.0)
+    assert torch.equal(host.load(1, StateKind.MASTER), torch.full((3000,), 3.0))
+    assert host.staging_block("grad0").data_ptr() == trainer.staging_block("grad0").data_ptr()
+    short = dict(blocks)
+    del short[(0, StateKind.EXP_AVG)]
+    with pytest.raises(TieredError, match=r"no block of the plan's size for \(0, <StateKind"):
+        TierManager(Policy(), cpu, 0).adopt(plan, short)
+    short[(0, StateKind.EXP_AVG)] = blocks[(0, StateKind.EXP_AVG)][:2048]
+    with pytest.raises(TieredError, match="1 of 4"):
+        TierManager(Policy(), cpu, 0).adopt(plan, short)
+    trainer.close()

@@ -17,7 +17,7 @@ import torch
 
 from .errors import BudgetError, TieredError
 from .limits import memory_bound
-from .plan import MemoryPlan, StateKind
+from .plan import Buffer, MemoryPlan, StateKind
 from .policy import Device, Policy, Tier
 from .tiers import DramTier, HbmTier, NvmeShard, NvmeTier, PinnedSlabSource, SlabSource
 from .sizes import align_up, even_pieces, format_size
@@ -201,23 +201,47 @@ class TierManager:
         self.hbm.usage.budget, self.dram.usage.budget = budgets[Tier.HBM], budgets[Tier.DRAM]
         self._allocate(plan, zero_moments=not kept)
 
-    def adopt(self, plan: MemoryPlan) -> None:
+    def adopt(self, plan: MemoryPlan, blocks: dict[tuple, torch.Tensor]) -> None:
         """Take over ``plan``, which another process (a trainer) checked and allocated: its DRAM
-        states are found in the slabs this manager's source hands back (the trainer's, in the
-        order it reserved them), and its NVMe states in the shards its NVMe tier hands back,
-        as they are: nothing is zeroed. Plans with nothing in HBM are adopted (the node's
-        service runs their hosts: see service/hosting.py)."""
+        states and staging buffers are ``blocks`` (keyed as :meth:`descriptors` keys them: the
+        trainer's memory, as this process maps it), and its NVMe states the shards its NVMe
+        tier hands back, as they are: nothing is zeroed. Plans with nothing in HBM are adopted
+        (the node's service runs their hosts: see service/hosting.py)."""
         if any(buf.tier is Tier.HBM
                for buf in (*plan.shards.values(), *plan.staging.values())):
             raise TieredError("only a plan with nothing in HBM can be adopted")
-        self.dram.usage.budget = plan.needed(Tier.DRAM)
-        self._allocate(plan, zero_moments=False)
+        needed = {key: buf.nbytes for key, buf in _dram_buffers(plan).items()}
+        wrong = [key for key, nbytes in needed.items()
+                 if key not in blocks or blocks[key].numel() < nbytes]
+        if wrong:
+            raise TieredError(f"the trainer's memory holds no block of the plan's size for "
+                              f"{wrong[0]} ({len(wrong)} of {len(needed)}): another plan")
+        self._allocate(plan, zero_moments=False, blocks=blocks)
 
-    def _allocate(self, plan: MemoryPlan, zero_moments: bool) -> None:
+    def descriptors(self, locate: Callable[[torch.Tensor], tuple[int, int]]
+                    ) -> dict[tuple, tuple[int, int, int]]:
+        """Where each DRAM state and staging buffer of the plan lies: (segment, byte offset,
+        bytes) of the DRAM source's memory, ``locate`` giving a block's segment and offset. A
+        process that maps the same segments wraps them as the same states (:meth:`adopt`)."""
+        blocks = {}
+        for key, buf in _dram_buffers(self.plan).items():
+            if key[0] == "staging":
+                block = self._staging[key[1]]
+            else:  # the plan's buffer, whichever weights are current (swap_params)
+                unit, kind = key
+                if unit in self._swapped and kind in (StateKind.PARAM, StateKind.PARAM_NEXT):
+                    kind = (StateKind.PARAM_NEXT if kind is StateKind.PARAM
+                            else StateKind.PARAM)
+                block = self.shards[(unit, kind)].resident
+            blocks[key] = (*locate(block), buf.nbytes)
+        return blocks
+
+    def _allocate(self, plan: MemoryPlan, zero_moments: bool,
+                  blocks: dict[tuple, torch.Tensor] | None = None) -> None:
         self.plan = plan
-        dram = {key: buf.nbytes for key, buf in plan.shards.items() if buf.tier is Tier.DRAM}
-        dram.update({("staging", name): buf.nbytes for name, buf in plan.staging.items()})
-        blocks = self.dram.reserve(dram)
+        if blocks is None:
+            blocks = self.dram.reserve({key: buf.nbytes
+                                        for key, buf in _dram_buffers(plan).items()})
         for name in plan.staging:
             self._staging[name] = blocks[("staging", name)]
         for (unit, kind), buf in plan.shards.items():
@@ -413,6 +437,13 @@ class TierManager:
         if self.nvme is not None:
             self.nvme.close()
         self.dram.close(clean)
+
+
+def _dram_buffers(plan: MemoryPlan) -> dict[tuple, Buffer]:
+    """The plan's DRAM states by (unit, kind) and its staging buffers by ("staging", name)."""
+    buffers = {key: buf for key, buf in plan.shards.items() if buf.tier is Tier.DRAM}
+    buffers.update({("staging", name): buf for name, buf in plan.staging.items()})
+    return buffers
 
 
 PastTheNode = dict[str, tuple[str, tuple[int, int]]]

@@ -64,8 +64,9 @@ def assemble(flats: list[FlatParam], manager: TierManager, group: ProcessGroup,
     if remote is not None:
         try:
             remote.start(in_service.source.job, group.rank, host_request(
-                policy, manager.plan, flats, ranges, in_service.source.segment_ids,
-                in_service.threads, timeline.enabled), events)
+                policy, manager.plan, flats, ranges,
+                manager.descriptors(in_service.source.locate), in_service.threads,
+                timeline.enabled), events)
         except BaseException:
             remote.close()
             raise
@@ -85,10 +86,10 @@ def assemble(flats: list[FlatParam], manager: TierManager, group: ProcessGroup,
 
 
 def host_request(policy: Policy, plan, flats: list[FlatParam],
-                 ranges: list[tuple[GroupRange, ...]], segments: list[int], threads: int,
+                 ranges: list[tuple[GroupRange, ...]], blocks: dict, threads: int,
                  traced: bool) -> HostRequest:
     """What this rank asks of the service to run its host there."""
-    return HostRequest(policy, plan, segments, [flat.name for flat in flats],
+    return HostRequest(policy, plan, blocks, [flat.name for flat in flats],
                        [flat.has_trainable for flat in flats], ranges, threads, traced)
 
 

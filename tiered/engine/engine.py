@@ -374,7 +374,7 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
                                     drives_gpu=device.type == "cuda", ranks_on_node=local_ranks)
         manager.check(plan)  # before paying for a compile the budget forbids
         if kept is not None:  # the same model and policy as the kept state's, before any use
-            reattach.check_kept(kept, host_request(policy, plan, flats, ranges, [], 0,
+            reattach.check_kept(kept, host_request(policy, plan, flats, ranges, {}, 0,
                                                    False).fingerprint(), source.job)
         one_pass = None
         if not hosted:  # the service compiles its own

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
 from typing import Callable
 
 import torch
@@ -33,7 +32,7 @@ from ..errors import BudgetError, NvmeError, TieredError
 from ..tiers.aio import IoSettings, Transfer
 from ..tiers.nvme import NextVersion, NvmeShard, NvmeTier, extent_bytes
 from . import wire
-from .segments import map_segment
+from .segments import SegmentViews
 
 log = logging.getLogger("tiered.service")
 
@@ -42,14 +41,16 @@ class RankFiles:
     """One rank's NVMe tier in the service: its extents and shards, and the segments its
     transfers move bytes to and from (see [Note: NVMe in the service])."""
 
-    def __init__(self, root: str, rank: int, io: IoSettings):
+    def __init__(self, root: str, rank: int, io: IoSettings,
+                 segment_of: Callable[[int], tuple[int, int]]):
+        """``segment_of``: one of the rank's segments' descriptor and size (the registry's)."""
         # Its budget is the trainer's, sent with each shard it makes (the trainer agrees it
         # with the job's other ranks).
         self.tier = NvmeTier(root, None, rank, io)
         self.shards: list[NvmeShard] = []
         """In the order the rank's plan made them: the number a request names a shard by."""
-        self._mapped: dict[int, torch.Tensor] = {}
-        self._lock = threading.Lock()
+        self.segments = SegmentViews(segment_of)
+        """The rank's segments, which its transfers move bytes to and from."""
 
     def shard(self, number: int) -> NvmeShard:
         if not 0 <= number < len(self.shards):
@@ -59,20 +60,6 @@ class RankFiles:
     def adopted(self) -> "AdoptedFiles":
         """The shards as a tier a TierManager adopting the rank's plan takes them from."""
         return AdoptedFiles(self)
-
-    def block(self, segment_of: Callable[[int], tuple[int, int]], segment: int, at: int,
-              nbytes: int) -> torch.Tensor:
-        """``nbytes`` of the rank's segment ``segment`` from byte ``at``; ``segment_of``: the
-        segment's descriptor and size (the registry's), mapped here once."""
-        with self._lock:
-            mapping = self._mapped.get(segment)
-            if mapping is None:
-                fd, size = segment_of(segment)
-                mapping = self._mapped[segment] = map_segment(fd, size)
-        if not (0 <= at and 0 < nbytes and at + nbytes <= mapping.numel()):
-            raise TieredError(f"bytes {at}..{at + nbytes} are outside segment {segment} "
-                              f"({mapping.numel()} bytes)")
-        return mapping[at:at + nbytes]
 
     def status(self) -> dict:
         """What ``tiered daemon status`` shows of the rank's files and I/O queue (the trainer's
@@ -85,7 +72,7 @@ class RankFiles:
     def close(self) -> None:
         """Remove the rank's files (the job is freed)."""
         self.tier.close()
-        self._mapped.clear()
+        self.segments.close()
 
 
 class AdoptedFiles:
@@ -126,13 +113,11 @@ class FileStream:
     other end): each answered with ``{"op": "done", "id": ...}`` once it is carried out, a
     transfer's from the I/O thread that finished it, so that many move at once."""
 
-    def __init__(self, files: RankFiles, kept: bool, segment_of: Callable[[int], tuple[int, int]],
-                 send: Callable[[dict], None]):
+    def __init__(self, files: RankFiles, kept: bool, send: Callable[[dict], None]):
         self._files = files
         self._kept = kept
         """The rank's shards are a kept state's: ``create`` hands them out again in order."""
         self._created = 0
-        self._segment_of = segment_of
         self._send = send
         self._versions: dict[int, NextVersion] = {}
         self._next_version = 0
@@ -200,8 +185,8 @@ class FileStream:
         transfer.on_done(finished)
 
     def _block(self, message: dict) -> torch.Tensor:
-        return self._files.block(self._segment_of, int(message["segment"]), int(message["at"]),
-                                 int(message["nbytes"]))
+        return self._files.segments.view(int(message["segment"]), int(message["at"]),
+                                         int(message["nbytes"]))
 
     # -- the requests --------------------------------------------------------------------------
 

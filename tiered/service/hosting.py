@@ -4,9 +4,10 @@ runs in a thread of its own, here on the rank's DRAM segments, on a CPU worker o
 [Note: hosted ranks]
 A rank whose states all live in DRAM or on NVMe (the service never touches CUDA) asks the service
 to run its host: it sends its plan, its setup and the order in which its DRAM tier reserved its
-segments. The service builds a TierManager that adopts that plan over the same segments (DramTier
-packs blocks alike from the same plan, so both sides find each state at the same offsets; a slab
-whose size differs is refused) and the rank's NVMe files (files.py), compiles the one-pass
+segments. The service builds a TierManager that adopts that plan over the same memory: the
+trainer names where each of its DRAM states and staging buffers lies, by descriptor (segment,
+byte offset, bytes), which the service wraps as tensors over its own mapping of the segment, and
+its NVMe states are the rank's files here (files.py). It compiles the one-pass
 AdamW once, and from then on runs the rank's commands in the order they come, each answered with
 events on the same connection. The global gradient norm of a step is summed here over the job's
 ranks, in rank order (JobNorm). An update runs only once its step is committed on every rank
@@ -39,33 +40,9 @@ from .cores import CorePool
 from .files import RankFiles
 from .hostwire import HostRequest
 from .jobs import Segment
-from .segments import map_segment
+from .segments import SegmentViews
 
 CPU = torch.device("cpu")
-
-
-class SegmentSlabSource:
-    """The DRAM tier's slabs in the service: the rank's segments, mapped here, in the order the
-    trainer's tier reserved them (see [Note: hosted ranks])."""
-
-    def __init__(self, segments: list[Segment]):
-        self._left = list(segments)
-
-    def __call__(self, nbytes: int) -> torch.Tensor:
-        if not self._left:
-            raise TieredError("the rank's plan needs more DRAM slabs than it reserved")
-        segment = self._left.pop(0)
-        if segment.nbytes != nbytes:
-            raise TieredError(f"the rank's slab {segment.id} has {segment.nbytes} bytes, its "
-                              f"plan packs {nbytes} into it: the trainer and the service "
-                              f"disagree on the plan")
-        return map_segment(segment.fd, nbytes)
-
-    def release(self, slab: torch.Tensor) -> None:
-        pass  # the segment is the job's, freed with it
-
-    def close(self, clean: bool) -> None:
-        pass
 
 
 class JobNorm:
@@ -210,11 +187,15 @@ class HostedRank:
                 pass
 
         self._send = tell
-        self.manager = TierManager(policy, CPU, seat.rank, SegmentSlabSource(seat.segments),
+        segments = {segment.id: segment for segment in seat.segments}
+        self.memory = SegmentViews(lambda i: (segments[i].fd, segments[i].nbytes))
+        """The rank's segments, as the trainer's descriptors name them."""
+        self.manager = TierManager(policy, CPU, seat.rank,
                                    nvme_tier=lambda *_: seat.files.adopted())
         self.worker = None
         try:
-            self.manager.adopt(request.plan)
+            self.manager.adopt(request.plan, {key: self.memory.view(*where)
+                                              for key, where in request.blocks.items()})
             self.worker = CpuWorker(seat.threads)
             compute = policy.compute_dtype.torch_dtype
             one_pass = one_pass_for(compute, grad_dtypes(policy, seat.world), CPU, self.worker)
@@ -313,5 +294,6 @@ class HostedRank:
         if self.worker is not None:
             self.worker.close()
         self.manager.close()
+        self.memory.close()
 
 

@@ -58,8 +58,9 @@ class HostRequest:
 
     policy: Policy
     plan: MemoryPlan
-    segments: list[int]
-    """The rank's segments in the order its DRAM tier reserved them."""
+    blocks: dict[tuple, tuple[int, int, int]]
+    """Where each DRAM state ((unit, StateKind)) and staging buffer (("staging", name)) lies
+    in the rank's segments: (segment, byte offset, bytes) (TierManager.descriptors)."""
     names: list[str]
     trainable: list[bool]
     ranges: list[tuple[GroupRange, ...]]
@@ -70,7 +71,8 @@ class HostRequest:
 
     def to_wire(self) -> dict:
         return {"policy": self.policy.to_dict(), "plan": plan_to_wire(self.plan),
-                "segments": list(self.segments), "names": list(self.names),
+                "blocks": [[_block_key(key), *where] for key, where in self.blocks.items()],
+                "names": list(self.names),
                 "trainable": list(self.trainable),
                 "ranges": [[[r.start, r.stop, r.group] for r in unit] for unit in self.ranges],
                 "threads": self.threads, "traced": self.traced}
@@ -78,20 +80,38 @@ class HostRequest:
     def fingerprint(self) -> dict:
         """What a relaunch of the rank must ask for alike to take its kept state over: the
         policy, the plan (and so every unit's size and placement), the units and their param
-        groups; not where its segments are or how many threads it gets."""
+        groups; not where its memory lies or how many threads it gets."""
         value = self.to_wire()
-        for key in ("segments", "threads", "traced"):
+        for key in ("blocks", "threads", "traced"):
             del value[key]
         return value
 
     @classmethod
     def from_wire(cls, value: dict) -> "HostRequest":
         return cls(Policy.from_dict(value["policy"]), plan_from_wire(value["plan"]),
-                   [int(s) for s in value["segments"]], [str(n) for n in value["names"]],
+                   {_unblock_key(key): (int(segment), int(at), int(nbytes))
+                    for key, segment, at, nbytes in value["blocks"]},
+                   [str(n) for n in value["names"]],
                    [bool(t) for t in value["trainable"]],
                    [tuple(GroupRange(int(a), int(b), None if g is None else int(g))
                           for a, b, g in unit) for unit in value["ranges"]],
                    int(value["threads"]), bool(value.get("traced", False)))
+
+
+    @property
+    def segment_ids(self) -> list[int]:
+        """The segments its blocks lie in."""
+        return sorted({segment for segment, _, _ in self.blocks.values()})
+
+
+def _block_key(key: tuple) -> list:
+    first, second = key
+    return ["staging", second] if first == "staging" else [first, second.value]
+
+
+def _unblock_key(value: list) -> tuple:
+    first, second = value
+    return ("staging", str(second)) if first == "staging" else (int(first), StateKind(second))
 
 
 def _hyper(hyper: AdamWHyper) -> list:

@@ -29,7 +29,6 @@ node's ranks together never hold more than the service was given.
 from __future__ import annotations
 
 import enum
-import os
 import threading
 import time
 from dataclasses import dataclass, field

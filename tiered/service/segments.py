@@ -15,10 +15,12 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import threading
+from typing import Callable
 
 import torch
 
-from ..errors import BudgetError
+from ..errors import BudgetError, TieredError
 from ..sizes import format_size
 
 
@@ -93,3 +95,31 @@ class SpareSegments:
 
     def close(self) -> None:
         self.evict(self.nbytes)
+
+
+class SegmentViews:
+    """Bytes of a rank's segments named by descriptor (segment, byte offset, bytes), as tensors
+    over this process's own mapping of each segment, made at its first use: how the service
+    reaches what a trainer names (a host's states, a file transfer's block)."""
+
+    def __init__(self, segment_of: Callable[[int], tuple[int, int]]):
+        """``segment_of``: a segment's descriptor and size, refused (TieredError) for a segment
+        that is not the rank's."""
+        self._segment_of = segment_of
+        self._mapped: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def view(self, segment: int, at: int, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            mapping = self._mapped.get(segment)
+            if mapping is None:
+                fd, size = self._segment_of(segment)
+                mapping = self._mapped[segment] = map_segment(fd, size)
+        if not (0 <= at and 0 < nbytes and at + nbytes <= mapping.numel()):
+            raise TieredError(f"bytes {at}..{at + nbytes} are outside segment {segment} "
+                              f"({mapping.numel()} bytes)")
+        return mapping[at:at + nbytes]
+
+    def close(self) -> None:
+        with self._lock:
+            self._mapped.clear()

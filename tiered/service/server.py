@@ -316,7 +316,7 @@ class TierService:
             raise RefusedError(f"the host request of job {job} rank {rank} is malformed: "
                                f"{e}") from None
         segments, files, world, commits, round_ = self.registry.host_started(
-            job, rank, client.pid, request.segments, request.fingerprint())
+            job, rank, client.pid, request.segment_ids, request.fingerprint())
         with self._norms_lock:
             norm = self._norms.setdefault(job, JobNorm(world))
         # The node's ranks share these cores: none is given more than its share, and where
@@ -355,13 +355,13 @@ class TierService:
         if allowed is not None and os.path.commonpath([allowed, root]) != allowed:
             raise RefusedError(f"this service makes NVMe files only under {allowed} (tiered "
                                f"daemon start --nvme); job {job}'s nvme.path is {root}")
-        files, kept = self.registry.files_opened(
-            job, rank, client.pid, lambda: RankFiles(root, rank, IoSettings(block_size, depth)))
 
         def segment_of(segment_id: int) -> tuple[int, int]:
             segment = self.registry.segment(job, rank, segment_id)
             return segment.fd, segment.nbytes
-        client.files = (job, rank, FileStream(files, kept, segment_of, client.send))
+        files, kept = self.registry.files_opened(job, rank, client.pid, lambda: RankFiles(
+            root, rank, IoSettings(block_size, depth), segment_of))
+        client.files = (job, rank, FileStream(files, kept, client.send))
         log.info("job %s rank %d: its NVMe files are %s%s", job, rank, files.tier.run_dir,
                  " (kept)" if kept else "")
         return {"folder": files.tier.run_dir, "kept": kept, "held": files.tier.usage.current,
