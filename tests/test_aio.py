@@ -22,7 +22,7 @@ from gpt import GPT, next_token_loss
 from tiered.plan import OPTIMIZER_STATES, StateKind
 from tiered.sizes import align_up
 from tiered.tiers import DramTier, NvmeTier, PinnedSlabSource
-from tiered.tiers.aio import IoEngine, IoSettings, host_buffer, inject_faults
+from tiered.tiers.aio import IoEngine, IoQueue, IoSettings, host_buffer, inject_faults
 from tiered.tiers.nvme import SPARE_EXTENTS
 
 BLOCK = 4096
@@ -548,3 +548,41 @@ def test_bench_io_refuses_zero_repeats(tmp_path):
     assert result.returncode == 2
     assert "--repeats must be at least 1, got 0" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_engines_sharing_a_queue_never_have_more_requests_in_flight_than_its_depth(tmp_path):
+    """The node's service gives every rank's files one queue: two engines reading at once,
+    each set to a depth of 4, move no more requests at a time than the shared queue's 2; and
+    closing one waits for its own requests only, leaving the queue to the other."""
+    active, most = [0], [0]
+    lock = threading.Lock()
+
+    def count(verb, path, offset, size):
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        time.sleep(0.02)  # long enough for the other engine's requests to pile up
+        with lock:
+            active[0] -= 1
+        return None
+
+    nbytes = 8 * BLOCK
+    paths = [str(tmp_path / f"{name}.bin") for name in ("a", "b")]
+    fds = [direct_file(path, nbytes) for path in paths]
+    blocks = aligned_blocks({"a": nbytes, "b": nbytes})
+    queue = IoQueue(2)
+    engines = [IoEngine(IoSettings(BLOCK, 4), queue) for _ in paths]
+    try:
+        with inject_faults(count):
+            transfers = [engine.read(fd, path, 0, view(blocks[name]))
+                         for engine, fd, path, name in zip(engines, fds, paths, "ab")]
+            for transfer in transfers:
+                transfer.wait()
+        engines[0].close()
+        engines[1].read(fds[1], paths[1], 0, view(blocks["b"])).wait()  # the queue serves on
+    finally:
+        engines[1].close()
+        queue.close()
+        for fd in fds:
+            os.close(fd)
+    assert most[0] == 2

@@ -231,6 +231,7 @@ def test_status_says_each_jobs_last_step_done_and_how_busy_its_pool_and_queue_ar
         in said
     assert re.search(r"CPU update in the service, \d+ thread\(s\), busy \d+% since it started",
                      said), said
+    assert "; one I/O queue, 16 deep each way" in said  # every rank's files share it
     rank = job["ranks"][0]
     assert rank["nvme_bytes"] == engine.memory_report()["nvme"]["current"] > 0
     assert rank["read_bytes"] > 0 and rank["written_bytes"] > 0 and rank["io_in_flight"] == 0

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from ..errors import BudgetError, NvmeError, TieredError
-from ..tiers.aio import IoSettings, Transfer
+from ..tiers.aio import IoQueue, IoSettings, Transfer
 from ..tiers.nvme import NextVersion, NvmeShard, NvmeTier, extent_bytes
 from . import wire
 from .segments import SegmentViews
@@ -42,11 +42,12 @@ class RankFiles:
     transfers move bytes to and from (see [Note: NVMe in the service])."""
 
     def __init__(self, root: str, rank: int, io: IoSettings,
-                 segment_of: Callable[[int], tuple[int, int]]):
-        """``segment_of``: one of the rank's segments' descriptor and size (the registry's)."""
+                 segment_of: Callable[[int], tuple[int, int]], queue: IoQueue):
+        """``segment_of``: one of the rank's segments' descriptor and size (the registry's);
+        ``queue``: the node's I/O queue, which every rank's files share."""
         # Its budget is the trainer's, sent with each shard it makes (the trainer agrees it
         # with the job's other ranks).
-        self.tier = NvmeTier(root, None, rank, io)
+        self.tier = NvmeTier(root, None, rank, io, queue=queue)
         self.shards: list[NvmeShard] = []
         """In the order the rank's plan made them: the number a request names a shard by."""
         self.segments = SegmentViews(segment_of)

@@ -32,7 +32,7 @@ from .. import __version__
 from ..errors import BudgetError, TieredError
 from ..limits import usable_cores
 from ..liveness import HeldElsewhere, OwnerLock
-from ..tiers.aio import IoSettings
+from ..tiers.aio import IoQueue, IoSettings
 from ..tiers.nvme import check_nvme_path, remove_dead_runs
 from . import wire
 from .files import FileStream, RankFiles
@@ -88,6 +88,9 @@ class TierService:
         """The cores the hosted ranks' CPU work shares (the affinity and cgroup quota's)."""
         self.core_pool = CorePool(self.cores)
         """What the hosted ranks' updates run on, together (cores.py)."""
+        self.io_queue: IoQueue | None = None
+        """The I/O queue every rank's NVMe files share (files.py), made with the first."""
+        self._queue_made = threading.Lock()
         if config.nvme is not None:  # what a killed service left there goes now, said in its log
             check_nvme_path(config.nvme)
             remove_dead_runs(config.nvme)
@@ -142,6 +145,8 @@ class TierService:
                 hosted.commits.broken()
                 hosted.close()
             self.registry.close()
+            if self.io_queue is not None:
+                self.io_queue.close()
             self._lock.release()
             log.info("tiered service stopped")
 
@@ -236,7 +241,10 @@ class TierService:
                             "usable_cores": self.cores,
                             # threads of the hosted ranks' updates running now, and at most
                             "threads_running": self.core_pool.running,
-                            "threads_peak": self.core_pool.peak}, **status}, []
+                            "threads_peak": self.core_pool.peak,
+                            "io_queue_depth": (self.io_queue.depth
+                                               if self.io_queue is not None else None)},
+                **status}, []
 
     def _op_stop(self, client, message):
         log.info("stop requested by pid %s", client.pid)
@@ -359,8 +367,11 @@ class TierService:
         def segment_of(segment_id: int) -> tuple[int, int]:
             segment = self.registry.segment(job, rank, segment_id)
             return segment.fd, segment.nbytes
+        with self._queue_made:  # one queue on the drive, as deep as the first job asked
+            if self.io_queue is None:
+                self.io_queue = IoQueue(depth)
         files, kept = self.registry.files_opened(job, rank, client.pid, lambda: RankFiles(
-            root, rank, IoSettings(block_size, depth), segment_of))
+            root, rank, IoSettings(block_size, depth), segment_of, self.io_queue))
         client.files = (job, rank, FileStream(files, kept, client.send))
         log.info("job %s rank %d: its NVMe files are %s%s", job, rank, files.tier.run_dir,
                  " (kept)" if kept else "")

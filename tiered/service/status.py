@@ -12,7 +12,9 @@ def status_table(status: dict) -> str:
              f"CPU work on {service['usable_cores']} core(s): {_ranges(service['cores'])}"
              + (f", {service['threads_running']} update thread(s) running, at most "
                 f"{service['threads_peak']} at once" if "threads_peak" in service else "")
-             + (f"; NVMe files under {service['nvme']}" if service.get("nvme") else ""),
+             + (f"; NVMe files under {service['nvme']}" if service.get("nvme") else "")
+             + (f"; one I/O queue, {service['io_queue_depth']} deep each way"
+                if service.get("io_queue_depth") else ""),
              f"DRAM pool: {format_size(dram['used'])} of {format_size(dram['budget'])} held"
              + (f", {format_size(dram['spare'])} kept spare for the next jobs"
                 if dram.get("spare") else "")

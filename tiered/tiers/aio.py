@@ -111,14 +111,31 @@ class Transfer:
         return next((b.exception() for b in self._blocks if b.exception()), None)
 
 
+class IoQueue:
+    """The threads that carry out requests, ``depth`` for reads and as many for writes: an
+    engine's own, or one that several engines share, so that the drive sees one queue of that
+    depth however many tiers use it (the node's service: one for every rank's files)."""
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self.readers = ThreadPoolExecutor(depth, "tiered-nvme-read")
+        self.writers = ThreadPoolExecutor(depth, "tiered-nvme-write")
+
+    def close(self) -> None:
+        self.readers.shutdown(wait=True)
+        self.writers.shutdown(wait=True)
+
+
 class IoEngine:
-    def __init__(self, settings: IoSettings):
+    def __init__(self, settings: IoSettings, queue: IoQueue | None = None):
+        """``queue``: a queue shared with other engines (its depth, not the settings', bounds
+        the requests in flight); by default one of the engine's own, closed with it."""
         self.settings = settings
-        self._readers = ThreadPoolExecutor(settings.queue_depth, "tiered-nvme-read")
-        self._writers = ThreadPoolExecutor(settings.queue_depth, "tiered-nvme-write")
+        self._queue = queue or IoQueue(settings.queue_depth)
+        self._owns_queue = queue is None
         self._moved = {"read": 0, "write": 0}
         self._in_flight = 0
-        self._moved_lock = threading.Lock()  # transfers start on several threads
+        self._moved_lock = threading.Condition()  # transfers start on several threads
 
     def bytes_moved(self) -> dict[str, int]:
         """Bytes of every transfer started so far, by verb ("read", "write"): what a step's
@@ -133,15 +150,19 @@ class IoEngine:
 
     def read(self, fd: int, path: str, offset: int, buffer: memoryview) -> Transfer:
         """Start reading ``len(buffer)`` bytes at ``offset`` of the file into ``buffer``."""
-        return self._split(self._readers, os.preadv, "read", fd, path, offset, buffer)
+        return self._split(self._queue.readers, os.preadv, "read", fd, path, offset, buffer)
 
     def write(self, fd: int, path: str, offset: int, buffer: memoryview) -> Transfer:
         """Start writing ``buffer`` at ``offset`` of the file."""
-        return self._split(self._writers, os.pwritev, "write", fd, path, offset, buffer)
+        return self._split(self._queue.writers, os.pwritev, "write", fd, path, offset, buffer)
 
     def close(self) -> None:
-        self._readers.shutdown(wait=True)
-        self._writers.shutdown(wait=True)
+        """Wait for this engine's requests, and close its queue if it is its own."""
+        if self._owns_queue:
+            self._queue.close()
+            return
+        with self._moved_lock:
+            self._moved_lock.wait_for(lambda: self._in_flight == 0)
 
     def _split(self, pool, syscall, verb, fd, path, offset, buffer) -> Transfer:
         step = self.settings.block_size
@@ -158,6 +179,7 @@ class IoEngine:
     def _finished(self, _block) -> None:
         with self._moved_lock:
             self._in_flight -= 1
+            self._moved_lock.notify_all()
 
 
 def _request(syscall, verb: str, fd: int, path: str, offset: int, view: memoryview) -> None:

@@ -44,7 +44,7 @@ from ..errors import NvmeError
 from ..liveness import LOCK_NAME, MAKING_PREFIX, HeldElsewhere, OwnerLock, describe_owner, \
     is_held, make_owned_folder
 from ..sizes import align_up, format_size
-from .aio import Countdown, IoEngine, IoSettings, Transfer, host_buffer
+from .aio import Countdown, IoEngine, IoQueue, IoSettings, Transfer, host_buffer
 from .dram import BLOCK_ALIGN
 from .usage import TierUsage
 
@@ -400,9 +400,10 @@ def _remove_run_folder(run_dir: str, owner: OwnerLock) -> None:
 
 class NvmeTier:
     def __init__(self, root: str, budget: int | None, rank: int, io: IoSettings,
-                 ranks: int = 1):
+                 ranks: int = 1, queue: IoQueue | None = None):
         """``budget`` None: one of ``ranks`` equal shares (the ranks on this node, whose run
-        folders share ``root``) of the free space there."""
+        folders share ``root``) of the free space there. ``queue``: the I/O queue it shares
+        with other tiers (IoEngine), else one of its own."""
         root = os.path.abspath(root)  # the run folder is removed at close, whatever the cwd
         check_nvme_path(root)
         self.root = root
@@ -426,7 +427,7 @@ class NvmeTier:
             if not self.direct:
                 warnings.warn(f"{root} does not support O_DIRECT; the NVMe tier uses buffered "
                               f"I/O there (the page cache will hold copies of what it writes)")
-            self.io = IoEngine(io)
+            self.io = IoEngine(io, queue)
         except BaseException:
             # The folder is this tier's, and no tier object will exist to remove it at close.
             self._remove_run_dir()
