@@ -376,14 +376,16 @@ def test_another_jobs_segment_cannot_be_released(service):
     thief.close(clean=True)
 
 
-def bad_file_requests(mine: int, theirs: int) -> list[tuple[dict, str]]:
+def bad_file_requests(mine: int, theirs: int, released: int) -> list[tuple[dict, str]]:
     """Requests on a rank's file stream whose segment is ``mine`` (another job's is
-    ``theirs``), and what the error answer to each says."""
+    ``theirs``; one it released, ``released``), and what the error answer to each says."""
     read = {"op": "read", "shard": 0, "segment": mine, "at": 0, "nbytes": 4096, "offset": 0}
     return [({"op": "truncate"}, "unknown NVMe request 'truncate'"),
             ({**read, "shard": 7}, "the rank has no NVMe shard 7 (it has 1)"),
             ({**read, "at": 4096}, f"bytes 4096..8192 are outside segment {mine}"),
+            ({**read, "offset": 4096}, "bytes 4096..8192 are outside the shard's 4096"),
             ({**read, "segment": theirs}, f"job files rank 0 holds no segment {theirs}"),
+            ({**read, "segment": released}, f"job files rank 0 holds no segment {released}"),
             ({**read, "op": "write", "version": 3}, "no open NVMe version 3"),
             ({"op": "version"}, "'shard'")]
 
@@ -405,7 +407,13 @@ def test_bad_file_requests_get_errors_and_the_files_and_other_jobs_go_on(service
         wire.send(sock, {"op": "create", "id": 0, "what": "w", "nbytes": 4096,
                          "budget": 1 << 20})
         assert wire.receive(sock)[0]["shard"] == 0
-        requests = bad_file_requests(owner.locate(block)[0], other.locate(theirs)[0])
+        gone = owner(4096)
+        released = owner.locate(gone)[0]
+        wire.send(sock, {"op": "read", "id": 99, "shard": 0, "segment": released, "at": 0,
+                         "nbytes": 4096, "offset": 0})  # mapped by the service, then released
+        assert "error" not in wire.receive(sock)[0]
+        owner.release(gone)
+        requests = bad_file_requests(owner.locate(block)[0], other.locate(theirs)[0], released)
         for number, (request, said) in enumerate(requests, start=1):
             wire.send(sock, {**request, "id": number})
             answer, _ = wire.receive(sock)

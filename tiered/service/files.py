@@ -161,7 +161,7 @@ class FileStream:
             handler(request, message)
         except BudgetError as e:
             self._fail(request, e, kind="budget", shortfalls=e.shortfalls)
-        except (TieredError, KeyError, TypeError, ValueError) as e:
+        except Exception as e:  # a request's failure is its answer, not the stream's end
             self._fail(request, e)
 
     def _done(self, request, **fields) -> None:
@@ -185,9 +185,14 @@ class FileStream:
                 self._fail(request, failure)
         transfer.on_done(finished)
 
-    def _block(self, message: dict) -> torch.Tensor:
-        return self._files.segments.view(int(message["segment"]), int(message["at"]),
-                                         int(message["nbytes"]))
+    def _block(self, message: dict, nbytes_there: int) -> torch.Tensor:
+        """The block a request names, whose bytes must fit the ``nbytes_there`` of its shard
+        from the request's offset."""
+        offset, nbytes = int(message["offset"]), int(message["nbytes"])
+        if not 0 <= offset <= offset + nbytes <= nbytes_there:
+            raise TieredError(f"bytes {offset}..{offset + nbytes} are outside the shard's "
+                              f"{nbytes_there}")
+        return self._files.segments.view(int(message["segment"]), int(message["at"]), nbytes)
 
     # -- the requests --------------------------------------------------------------------------
 
@@ -205,8 +210,8 @@ class FileStream:
                    held=self._files.tier.usage.current)
 
     def _read(self, request, message: dict) -> None:
-        block = self._block(message)
         shard = self._files.shard(int(message["shard"]))
+        block = self._block(message, shard.nbytes)
         self._answer_when(request, shard.start_read(block, int(message["offset"]),
                                                     block.numel()))
 
@@ -220,7 +225,7 @@ class FileStream:
 
     def _write(self, request, message: dict) -> None:
         version = self._version_of(message)
-        block = self._block(message)
+        block = self._block(message, version.nbytes)
         self._answer_when(request, version.write(block, int(message["offset"]), block.numel()))
 
     def _commit(self, request, message: dict) -> None:

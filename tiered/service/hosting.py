@@ -3,8 +3,7 @@ runs in a thread of its own, here on the rank's DRAM segments, on a CPU worker o
 
 [Note: hosted ranks]
 A rank whose states all live in DRAM or on NVMe (the service never touches CUDA) asks the service
-to run its host: it sends its plan, its setup and the order in which its DRAM tier reserved its
-segments. The service builds a TierManager that adopts that plan over the same memory: the
+to run its host: it sends its plan and its setup. The service builds a TierManager that adopts that plan over the same memory: the
 trainer names where each of its DRAM states and staging buffers lies, by descriptor (segment,
 byte offset, bytes), which the service wraps as tensors over its own mapping of the segment, and
 its NVMe states are the rank's files here (files.py). It compiles the one-pass
@@ -87,7 +86,7 @@ class HostSeat:
     rank: int
     world: int
     segments: list[Segment]
-    """The rank's segments, in the order its DRAM tier reserved them."""
+    """The rank's segments that its blocks' descriptors name."""
     files: RankFiles | None
     """Its NVMe files, where its plan has shards there."""
     norm: JobNorm

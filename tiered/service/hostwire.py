@@ -43,8 +43,8 @@ def plan_to_wire(plan: MemoryPlan) -> dict:
 
 
 def plan_from_wire(value: dict) -> MemoryPlan:
-    """The plan as the trainer made it, in the same order: the order decides the packing of
-    the DRAM tier's slabs (DramTier.reserve), which both sides must agree on."""
+    """The plan as the trainer made it, in the same order (the order in which NVMe shards are
+    made names them: service/files.py)."""
     return MemoryPlan(
         shards={(int(unit), StateKind(kind)): _unbuffer(buffer)
                 for unit, kind, buffer in value["shards"]},

@@ -380,9 +380,12 @@ class Registry:
 
     def release(self, name: str, rank: int, segment_id: int) -> None:
         with self._lock:
-            segment = self._rank(name, rank).segments.pop(segment_id, None)
+            owner = self._rank(name, rank)
+            segment = owner.segments.pop(segment_id, None)
             if segment is None:
                 raise RefusedError(f"job {name} rank {rank} holds no segment {segment_id}")
+            if owner.files is not None:  # its transfers may not reach the segment any more
+                owner.files.segments.forget(segment_id)
             self._close(segment)
 
     def detach(self, name: str, rank: int, clean: bool) -> None:

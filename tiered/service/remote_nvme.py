@@ -84,6 +84,7 @@ class ServiceNvme:
         self._ids = itertools.count()
         self._answers: dict[int, _Answer] = {}
         self._lock = threading.Lock()
+        self._sending = threading.Lock()
         self._gone: str | None = None
         self._sock: socket.socket = self._client.socket
         self._sock.settimeout(None)
@@ -106,12 +107,16 @@ class ServiceNvme:
                                    f"cannot run")
             number = next(self._ids)
             self._answers[number] = answer
-            try:
+        try:
+            # Not under the answers' lock: the reader takes it to hand answers out, and a send
+            # may wait for the service to read, which may wait for this side to read.
+            with self._sending:
                 wire.send(self._sock, {"op": op, "id": number, **fields})
-            except OSError as e:
-                self._answers.pop(number)
-                raise ServiceError(f"the node's service is gone ({e}): NVMe {op} cannot "
-                                   f"run") from None
+        except OSError as e:
+            with self._lock:
+                self._answers.pop(number, None)
+            raise ServiceError(f"the node's service is gone ({e}): NVMe {op} cannot "
+                               f"run") from None
         return answer
 
     def bytes_moved(self) -> dict[str, int]:

@@ -120,6 +120,11 @@ class SegmentViews:
                               f"({mapping.numel()} bytes)")
         return mapping[at:at + nbytes]
 
+    def forget(self, segment: int) -> None:
+        """Drop the mapping of a segment the rank released (its pages go with the spare)."""
+        with self._lock:
+            self._mapped.pop(segment, None)
+
     def close(self) -> None:
         with self._lock:
             self._mapped.clear()

@@ -360,7 +360,8 @@ class TierService:
                                f"multiple of 4096 and a queue depth of 1 to 1024, got {root!r}, "
                                f"{block_size}, {depth}")
         allowed = self.config.nvme
-        if allowed is not None and os.path.commonpath([allowed, root]) != allowed:
+        if allowed is not None and os.path.commonpath(
+                [os.path.realpath(allowed), os.path.realpath(root)]) != os.path.realpath(allowed):
             raise RefusedError(f"this service makes NVMe files only under {allowed} (tiered "
                                f"daemon start --nvme); job {job}'s nvme.path is {root}")
 

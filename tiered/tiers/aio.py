@@ -166,14 +166,16 @@ class IoEngine:
 
     def _split(self, pool, syscall, verb, fd, path, offset, buffer) -> Transfer:
         step = self.settings.block_size
-        starts = range(0, len(buffer), step)
         with self._moved_lock:
             self._moved[verb] += len(buffer)
-            self._in_flight += len(starts)
-        blocks = [pool.submit(_request, syscall, verb, fd, path, offset + start,
-                              buffer[start:start + step]) for start in starts]
-        for block in blocks:
+        blocks = []
+        for start in range(0, len(buffer), step):
+            block = pool.submit(_request, syscall, verb, fd, path, offset + start,
+                                buffer[start:start + step])
+            with self._moved_lock:  # counted once submitted: a refused submit is not in flight
+                self._in_flight += 1
             block.add_done_callback(self._finished)
+            blocks.append(block)
         return Transfer(blocks)
 
     def _finished(self, _block) -> None:

@@ -297,6 +297,10 @@ class NextVersion:
         self._failure: BaseException | None = None
         self._settled = threading.Event()
 
+    @property
+    def nbytes(self) -> int:
+        return self._spare.nbytes
+
     def write(self, block: torch.Tensor, offset: int = 0, nbytes: int | None = None) -> Transfer:
         """Start writing ``nbytes`` (default: all) of ``block`` at byte ``offset``; ``block``
         must stay untouched until the returned transfer is done."""
@@ -500,6 +504,8 @@ class NvmeTier:
 
     def give_back(self, extent: Extent) -> None:
         with self._spare_returned:
+            if extent.nbytes not in self._spares:  # the tier closed meanwhile: nothing to keep
+                return
             self._spares[extent.nbytes].append(extent)
             self._spare_returned.notify_all()
 
