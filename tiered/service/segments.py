@@ -104,17 +104,21 @@ class SegmentViews:
 
     def __init__(self, segment_of: Callable[[int], tuple[int, int]]):
         """``segment_of``: a segment's descriptor and size, refused (TieredError) for a segment
-        that is not the rank's."""
+        that is not the rank's; asked at every view, not only the first (a segment the rank
+        released may be another job's by now), and never under this object's lock (it takes
+        the registry's, whose holder may be closing these views)."""
         self._segment_of = segment_of
         self._mapped: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
 
     def view(self, segment: int, at: int, nbytes: int) -> torch.Tensor:
+        fd, size = self._segment_of(segment)
         with self._lock:
             mapping = self._mapped.get(segment)
-            if mapping is None:
-                fd, size = self._segment_of(segment)
-                mapping = self._mapped[segment] = map_segment(fd, size)
+        if mapping is None:
+            made = map_segment(fd, size)
+            with self._lock:
+                mapping = self._mapped.setdefault(segment, made)
         if not (0 <= at and 0 < nbytes and at + nbytes <= mapping.numel()):
             raise TieredError(f"bytes {at}..{at + nbytes} are outside segment {segment} "
                               f"({mapping.numel()} bytes)")
