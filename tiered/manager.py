@@ -222,19 +222,12 @@ class TierManager:
                     ) -> dict[tuple, tuple[int, int, int]]:
         """Where each DRAM state and staging buffer of the plan lies: (segment, byte offset,
         bytes) of the DRAM source's memory, ``locate`` giving a block's segment and offset. A
-        process that maps the same segments wraps them as the same states (:meth:`adopt`)."""
-        blocks = {}
-        for key, buf in _dram_buffers(self.plan).items():
-            if key[0] == "staging":
-                block = self._staging[key[1]]
-            else:  # the plan's buffer, whichever weights are current (swap_params)
-                unit, kind = key
-                if unit in self._swapped and kind in (StateKind.PARAM, StateKind.PARAM_NEXT):
-                    kind = (StateKind.PARAM_NEXT if kind is StateKind.PARAM
-                            else StateKind.PARAM)
-                block = self.shards[(unit, kind)].resident
-            blocks[key] = (*locate(block), buf.nbytes)
-        return blocks
+        process that maps the same segments wraps them as the same states (:meth:`adopt`).
+        Asked before any delayed-update swap, so each state is where the plan put it."""
+        assert not self._swapped, "descriptors are the plan's, asked before any swap_params"
+        return {key: (*locate(self._staging[key[1]] if key[0] == "staging"
+                              else self.shards[key].resident), buf.nbytes)
+                for key, buf in _dram_buffers(self.plan).items()}
 
     def _allocate(self, plan: MemoryPlan, zero_moments: bool,
                   blocks: dict[tuple, torch.Tensor] | None = None) -> None:

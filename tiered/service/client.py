@@ -15,7 +15,7 @@ import threading
 
 import torch
 
-from ..errors import BudgetError
+from ..errors import BudgetError, NvmeError
 from . import wire
 from .paths import ServiceError, ServicePaths, service_paths
 from .segments import map_segment
@@ -64,12 +64,7 @@ class ServiceClient:
         if not reply.get("ok"):
             for fd in fds:
                 os.close(fd)
-            error = str(reply.get("error", "no reason given"))
-            if reply.get("kind") == "budget":
-                shortfalls = {tier: tuple(pair) for tier, pair
-                              in (reply.get("shortfalls") or {}).items()}
-                raise BudgetError(error, shortfalls)
-            raise ServiceError(f"the tiered service refused {op!r}: {error}")
+            raise refusal(reply, f"the tiered service refused {op!r}")
         return reply, fds
 
     @property
@@ -83,6 +78,21 @@ class ServiceClient:
 
     def close(self) -> None:
         self._sock.close()
+
+
+def refusal(reply: dict, what: str) -> Exception:
+    """The error a refused request's reply carries: a BudgetError with its shortfalls for a pool
+    too small, an NvmeError with its file and offset for a failed transfer, else a ServiceError
+    saying ``what`` with the service's words."""
+    error = str(reply.get("error", "no reason given"))
+    kind = reply.get("kind")
+    if kind == "budget":
+        return BudgetError(error, {tier: tuple(pair) for tier, pair
+                                   in (reply.get("shortfalls") or {}).items()})
+    if kind == "nvme":
+        return NvmeError(error, errno=reply.get("errno"), path=reply.get("path"),
+                         offset=reply.get("offset"), size=reply.get("size"))
+    return ServiceError(f"{what}: {error}")
 
 
 class ServiceSlabSource:

@@ -1,5 +1,5 @@
-"""A rank's NVMe files, held by the node's service: the rank's run folder of extents (tiers/nvme.py),
-and the I/O queue that moves its shards between those files and the rank's DRAM segments.
+"""A rank's NVMe files, held by the node's service: the rank's run folder of extents
+(tiers/nvme.py), moved by the node's I/O queue between those files and the rank's DRAM segments.
 
 [Note: NVMe in the service]
 A shard on NVMe lives in one of several extents, the one holding its current version, and that
@@ -58,6 +58,18 @@ class RankFiles:
             raise TieredError(f"the rank has no NVMe shard {number} (it has {len(self.shards)})")
         return self.shards[number]
 
+    def kept_shard(self, number: int, what: str, nbytes: int) -> NvmeShard:
+        """The rank's shard ``number``, which a plan taking the files over makes as ``what`` of
+        ``nbytes``: refused unless it is there, of that size."""
+        if number >= len(self.shards):
+            raise TieredError(f"the plan's NVMe shard {number} ({what}) is not among the rank's "
+                              f"{len(self.shards)} kept ones")
+        shard = self.shards[number]
+        if shard.nbytes != extent_bytes(nbytes):
+            raise TieredError(f"the rank's NVMe shard {number} has {shard.nbytes} bytes, the "
+                              f"plan makes {what} of {nbytes}: another plan")
+        return shard
+
     def adopted(self) -> "AdoptedFiles":
         """The shards as a tier a TierManager adopting the rank's plan takes them from."""
         return AdoptedFiles(self)
@@ -88,25 +100,13 @@ class AdoptedFiles:
 
     def create(self, what: str, nbytes: int) -> NvmeShard:
         number, self._taken = self._taken, self._taken + 1
-        return check_size(self._files, number, what, nbytes)
+        return self._files.kept_shard(number, what, nbytes)
 
     def close(self) -> None:
         pass
 
     def live_runs_hint(self) -> str:
         return ""
-
-
-def check_size(files: RankFiles, number: int, what: str, nbytes: int) -> NvmeShard:
-    """The rank's shard ``number``, which the plan makes as ``what`` of ``nbytes``."""
-    if number >= len(files.shards):
-        raise TieredError(f"the plan's NVMe shard {number} ({what}) is not among the rank's "
-                          f"{len(files.shards)} kept ones")
-    shard = files.shards[number]
-    if shard.nbytes != extent_bytes(nbytes):
-        raise TieredError(f"the rank's NVMe shard {number} has {shard.nbytes} bytes, the plan "
-                          f"makes {what} of {nbytes}: another plan")
-    return shard
 
 
 class FileStream:
@@ -199,7 +199,7 @@ class FileStream:
     def _create(self, request, message: dict) -> None:
         what, nbytes = str(message["what"]), int(message["nbytes"])
         if self._kept:
-            shard = check_size(self._files, self._created, what, nbytes)
+            shard = self._files.kept_shard(self._created, what, nbytes)
         else:
             tier = self._files.tier
             tier.usage.budget = int(message["budget"])
@@ -229,24 +229,19 @@ class FileStream:
         self._answer_when(request, version.write(block, int(message["offset"]), block.numel()))
 
     def _commit(self, request, message: dict) -> None:
-        version = self._versions.pop(int(message["version"]), None)
-        if version is None:
-            raise TieredError(f"no open NVMe version {message['version']}")
+        version = self._version_of(message, take=True)
         if message.get("abandon"):
             version.abandon()
         else:
             version.commit()
-        try:
-            version.wait()
-        except NvmeError as e:
-            self._fail(request, e)
-            return
+        version.wait()  # a failed write is this request's answer (_answer)
         self._done(request)
 
-    def _version_of(self, message: dict) -> NextVersion:
-        version = self._versions.get(int(message["version"]))
+    def _version_of(self, message: dict, take: bool = False) -> NextVersion:
+        number = int(message["version"])
+        version = self._versions.pop(number, None) if take else self._versions.get(number)
         if version is None:
-            raise TieredError(f"no open NVMe version {message['version']}")
+            raise TieredError(f"no open NVMe version {number}")
         return version
 
 

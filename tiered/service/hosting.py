@@ -3,12 +3,12 @@ runs in a thread of its own, here on the rank's DRAM segments, on a CPU worker o
 
 [Note: hosted ranks]
 A rank whose states all live in DRAM or on NVMe (the service never touches CUDA) asks the service
-to run its host: it sends its plan and its setup. The service builds a TierManager that adopts that plan over the same memory: the
-trainer names where each of its DRAM states and staging buffers lies, by descriptor (segment,
-byte offset, bytes), which the service wraps as tensors over its own mapping of the segment, and
-its NVMe states are the rank's files here (files.py). It compiles the one-pass
-AdamW once, and from then on runs the rank's commands in the order they come, each answered with
-events on the same connection. The global gradient norm of a step is summed here over the job's
+to run its host: it sends its plan and its setup. The service builds a TierManager that adopts
+that plan over the same memory: the trainer names where each of its DRAM states and staging
+buffers lies, by descriptor (segment, byte offset, bytes), which the service wraps as tensors
+over its own mapping of the segment, and its NVMe states are the rank's files here (files.py).
+It compiles the one-pass AdamW once, and from then on runs the rank's commands in the order
+they come, each answered with events on the same connection. The global gradient norm of a step is summed here over the job's
 ranks, in rank order (JobNorm). An update runs only once its step is committed on every rank
 (see [Note: reattach] in commits.py). A rank whose connection drops stops its host: commands
 already queued finish (an update not committed by then is not run, nor anything after it),

@@ -17,13 +17,12 @@ import warnings
 
 import torch
 
-from ..errors import BudgetError, NvmeError
 from ..sizes import format_size
 from ..tiers.aio import IoSettings
 from ..tiers.nvme import check_nvme_path, extent_bytes, free_bytes, live_runs_hint
 from ..tiers.usage import TierUsage
 from . import wire
-from .client import ServiceClient, ServiceSlabSource
+from .client import ServiceClient, ServiceSlabSource, refusal
 from .paths import ServiceError
 
 
@@ -41,17 +40,9 @@ class _Answer:
 
     def wait(self) -> dict:
         self._came.wait()
-        reply = self._reply
-        error = reply.get("error")
-        if error is None:
-            return reply
-        if reply.get("kind") == "budget":
-            raise BudgetError(error, {tier: tuple(pair) for tier, pair
-                                      in (reply.get("shortfalls") or {}).items()})
-        if reply.get("kind") == "nvme":
-            raise NvmeError(error, errno=reply.get("errno"), path=reply.get("path"),
-                            offset=reply.get("offset"), size=reply.get("size"))
-        raise ServiceError(f"the tiered service could not {self.op} on NVMe: {error}")
+        if "error" in self._reply:
+            raise refusal(self._reply, f"the tiered service could not {self.op} on NVMe")
+        return self._reply
 
 
 class ServiceNvme:
