@@ -18,9 +18,9 @@ from typing import Any, Mapping
 import torch
 
 from .errors import PolicyError
-from .policy_values import (as_betas, as_bool, as_class_names, as_number, as_path,
-                            as_size_or_none, as_whole_number, keep_path_as_string, optional,
-                            parsed_by)
+from .policy_values import (as_betas, as_bool, as_class_names, as_norm_bound, as_number,
+                            as_path, as_size_or_none, as_whole_number, keep_path_as_string,
+                            optional, parsed_by)
 from .policy_yaml import read_yaml
 from .sizes import parse_size
 
@@ -138,8 +138,9 @@ class OptimizerPolicy:
     betas: tuple[float, float] = field(default=(0.9, 0.999), metadata=parsed_by(as_betas))
     eps: float = field(default=1e-8, metadata=parsed_by(as_number))
     weight_decay: float = field(default=0.0, metadata=parsed_by(as_number))
-    max_grad_norm: float | None = field(default=None, metadata=optional(as_number))
-    """Clip the global gradient norm to this before each step (``clip_grad_norm_`` semantics)."""
+    max_grad_norm: float | None = field(default=None, metadata=optional(as_norm_bound))
+    """Clip the global gradient norm to this before each step (``clip_grad_norm_`` semantics);
+    ``.inf`` takes the norm (``optimizer.last_grad_norm``) and never clips."""
     accumulation_steps: int | None = field(default=None, metadata=optional(as_whole_number))
     """Backward calls per ``optimizer.step()``. When set (and neither clipping nor fp16 needs the
     global norm first), each unit is stepped as soon as its gradient of the last backward lands,

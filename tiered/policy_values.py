@@ -29,6 +29,17 @@ def as_number(value: object, expected: str = "a number") -> float:
     return number
 
 
+def as_norm_bound(value: object) -> float:
+    """A gradient norm bound: a finite number, or infinity (YAML ``.inf``), which measures the
+    norm and never clips, as ``clip_grad_norm_(max_norm=inf)`` does (Hugging Face's Trainer logs
+    ``grad_norm`` so when it does not clip)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == math.inf:
+        return math.inf
+    if isinstance(value, str) and value.strip().lower() in ("inf", ".inf", "infinity"):
+        return math.inf
+    return as_number(value, "a number or .inf")
+
+
 def as_whole_number(value: object) -> int:
     """A whole number; ``int()`` silently truncated 2.5 to 2 and raised TypeError for null."""
     number = as_number(value, expected="a whole number")

@@ -149,6 +149,26 @@ class TieredEngine:
         self.optimizer.synchronize()
         return self.train(False)
 
+    def named_parameters(self, prefix: str = "", remove_duplicate: bool = True):
+        """The model's parameters by ``model.named_parameters()`` name, as placeholders: each has
+        the parameter's shape, compute dtype and ``requires_grad``, but no values, which live in
+        the tiers ([Note: released weights]); for counting (``num_parameters``, Hugging Face's
+        Trainer) and inspection. A tied parameter comes once, under its first name, unless
+        ``remove_duplicate`` is False."""
+        for flat in self.runtime.flats:
+            for spec, placeholder in zip(flat.spec.params, flat.placeholders):
+                for name in spec.names[:1] if remove_duplicate else spec.names:
+                    yield prefix + name, placeholder
+
+    def parameters(self):
+        """The placeholders of :meth:`named_parameters`."""
+        for _, placeholder in self.named_parameters():
+            yield placeholder
+
+    def num_parameters(self, trainable_only: bool = False) -> int:
+        """How many elements the model's parameters hold (tied ones counted once)."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
+
     def memory_report(self) -> dict[str, dict[str, int | None]]:
         """Bytes each tier holds now, the most it has held, and its budget (on a CPU device the
         hbm and dram budgets split the same RAM: TierManager.budgets_for)."""

@@ -64,6 +64,11 @@ class FlatParam:
         """What the modules hold while the unit is released ([Note: released weights])."""
 
     @property
+    def placeholders(self) -> list[ReleasedWeight]:
+        """What the modules hold for each parameter (in spec order) while the unit is released."""
+        return self._placeholders
+
+    @property
     def name(self) -> str:
         name = self.spec.path or "<root>"
         return f"{name} (frozen)" if self.spec.frozen_part else name

@@ -6,7 +6,8 @@ small and often computed in ``__init__``, like rotary frequencies). ``tiered.ini
 materializes the model one unit at a time on the compute device: real storage for that unit's
 parameters, initialization, partitioning, each shard sent to its tier, the unit freed.
 
-Initialization runs ``param_init_fn(module)`` (default: the module's ``reset_parameters``) for
+Initialization runs ``param_init_fn(module)`` (default: the module's ``reset_parameters``, or a
+Hugging Face ``transformers`` model's own ``_init_weights``, see own_init_of) for
 every module that holds parameters, children before parents as in eager construction, so a parent
 that re-initializes a child's parameter (``nn.MultiheadAttention`` zeroing ``out_proj.bias``) wins.
 A tied parameter takes the init of the module that created it (the embedding, not the head tied
@@ -118,6 +119,17 @@ def reset_module(module: nn.Module) -> None:
         f"tiered.init(param_init_fn=fn) where fn(module) initializes a module's own parameters")
 
 
+def own_init_of(model: nn.Module) -> Callable[[nn.Module], None]:
+    """The initialization a model gives its modules when built eagerly: a Hugging Face
+    ``transformers`` model's ``_init_weights(module)`` (its ``post_init`` runs it over every
+    module, after they are built, on the meta tensors under tiered.init), else each module's
+    own ``reset_parameters`` (reset_module)."""
+    own = getattr(model, "_init_weights", None)
+    if callable(own) and hasattr(model, "config") and hasattr(model, "post_init"):
+        return own
+    return reset_module
+
+
 def _current(spec: ParamSpec) -> torch.Tensor:
     module, attr = spec.holders[0]
     return module._parameters[attr]
@@ -129,7 +141,7 @@ class Materializer:
     def __init__(self, model: nn.Module, units: list[UnitSpec], device: torch.device,
                  param_init_fn: Callable[[nn.Module], None] | None):
         self.device = device
-        self.init_fn = param_init_fn or reset_module
+        self.init_fn = param_init_fn or own_init_of(model)
         self.spec_of = {id(_current(p)): p for u in units for p in u.params}
         self.post_order = {id(m): i for i, m in enumerate(_post_order(model))}
         # Keyed by spec: specs live as long as this object, so their ids stay unique (a freed

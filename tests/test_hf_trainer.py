@@ -1,0 +1,202 @@
+"""TieredTrainer against plain Hugging Face Trainer: the same tiny Llama, data and
+TrainingArguments give the same weights and logs; resume is exact; exports load with
+from_pretrained; load_model reads a folder straight into the tiers; what the engine cannot
+honour is refused by name."""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from helpers_hf import (STEPS, arguments, assert_close_states, config, dataset, llama, step_logs,
+                        train_plain)
+
+transformers = pytest.importorskip("transformers")
+
+import tiered  # noqa: E402
+from tiered.integrations.transformers import TieredTrainer, load_model  # noqa: E402
+
+CPU = {"device": "cpu"}
+
+
+def tiered_run(model, args, data, **kwargs):
+    trainer = TieredTrainer(model=model, args=args, train_dataset=data, policy=CPU, **kwargs)
+    trainer.train()
+    return trainer
+
+
+def test_trains_as_plain_trainer_and_logs_the_same(tmp_path):
+    data = dataset()
+    expected, expected_logs = train_plain(llama(), arguments(tmp_path / "plain"), data)
+    trainer = tiered_run(llama(), arguments(tmp_path / "tiered"), data)
+    got = trainer.engine.full_state_dict()
+    logs = step_logs(trainer)
+    trainer.engine.close()
+    assert_close_states(got, expected)
+    assert not torch.equal(got["lm_head.weight"], llama().state_dict()["lm_head.weight"])
+    assert len(logs) == len(expected_logs) == STEPS
+    for ours, theirs in zip(logs, expected_logs):
+        assert ours["learning_rate"] == theirs["learning_rate"]
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-6)
+        assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+
+
+def test_no_decay_set_and_hyperparameters_follow_the_arguments(tmp_path):
+    args = arguments(tmp_path, adam_beta1=0.8, adam_beta2=0.9, max_grad_norm=0.0)
+    trainer = TieredTrainer(model=llama(), args=args, policy=CPU)
+    optimizer = trainer.optimizer
+    assert optimizer.max_grad_norm == float("inf")  # no clipping, but the norm is logged
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+    assert all(g["betas"] == (0.8, 0.9) and g["eps"] == 1e-6 for g in optimizer.param_groups)
+    no_decay = trainer.engine.policy.optimizer.param_groups[0].match
+    assert sorted(no_decay) == ["model.layers.0.input_layernorm.weight",
+                                "model.layers.0.post_attention_layernorm.weight",
+                                "model.layers.1.input_layernorm.weight",
+                                "model.layers.1.post_attention_layernorm.weight",
+                                "model.norm.weight"]
+    assert trainer.engine.num_parameters() == sum(p.numel() for p in llama().parameters())
+    trainer.engine.close()
+
+
+def test_resume_from_checkpoint_is_exact(tmp_path):
+    """Stopped after step 3 with a checkpoint at 2 (the one save_total_limit keeps), then
+    resumed: step 6's weights equal an uninterrupted run's, bit for bit."""
+    data = dataset()
+
+    class StopAt3(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 3
+
+    def run(folder, resume=None, stop=False):
+        args = arguments(folder, save_strategy="steps", save_steps=2, save_total_limit=1)
+        trainer = TieredTrainer(model=llama(), args=args, train_dataset=data, policy=CPU,
+                                callbacks=[StopAt3()] if stop else None)
+        trainer.train(resume_from_checkpoint=resume)
+        state = trainer.engine.full_state_dict()
+        trainer.engine.close()
+        return state, trainer
+
+    uninterrupted, _ = run(tmp_path / "whole")
+    run(tmp_path / "parts", stop=True)
+    assert sorted(os.listdir(tmp_path / "parts")) == ["checkpoint-2"]
+    resumed, trainer = run(tmp_path / "parts", resume=True)
+    assert trainer.state.global_step == STEPS
+    for name, value in uninterrupted.items():
+        assert torch.equal(resumed[name], value), name
+
+
+def test_resume_refuses_a_folder_without_the_engines_checkpoint(tmp_path):
+    plain = transformers.Trainer(model=llama(), args=arguments(
+        tmp_path, save_strategy="steps", save_steps=1, max_steps=1), train_dataset=dataset())
+    plain.train()
+    trainer = TieredTrainer(model=llama(), args=arguments(tmp_path), train_dataset=dataset(),
+                            policy=CPU)
+    with pytest.raises(tiered.TieredError, match=r"checkpoint-1: no tiered/ folder.*load_model"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    trainer.engine.close()
+
+
+def test_save_model_loads_with_from_pretrained(tmp_path):
+    data = dataset()
+    trainer = tiered_run(llama(), arguments(tmp_path), data)
+    trainer.save_model(str(tmp_path / "export"))
+    batch = torch.stack([row["input_ids"] for row in data[:2]])
+    with torch.no_grad():
+        logits = trainer.engine(input_ids=batch).logits
+    trained = trainer.engine.full_state_dict()
+    trainer.engine.close()
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "export")
+    assert loaded.config.hidden_size == 32 and loaded.config.num_hidden_layers == 2
+    assert os.path.isfile(tmp_path / "export" / "generation_config.json")
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, trained[name]), name
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=batch).logits, logits)
+
+
+def test_evaluate_and_predict_touch_no_state(tmp_path):
+    data = dataset()
+    plain = transformers.Trainer(model=llama(), args=arguments(tmp_path / "plain"))
+    expected = plain.evaluate(eval_dataset=data[:6])["eval_loss"]
+    trainer = tiered_run(llama(), arguments(tmp_path / "tiered", max_steps=2), data)
+    before, steps = trainer.engine.full_state_dict(), trainer.optimizer.steps_taken
+    trainer.predict(data[:4])
+    trainer.evaluate(eval_dataset=data[:6])
+    after = trainer.engine.full_state_dict()
+    assert trainer.optimizer.steps_taken == steps
+    assert all(torch.equal(after[name], value) for name, value in before.items())
+    trainer.engine.close()
+    fresh = TieredTrainer(model=llama(), args=arguments(tmp_path / "fresh"), policy=CPU)
+    assert fresh.evaluate(eval_dataset=data[:6])["eval_loss"] == pytest.approx(expected,
+                                                                               rel=1e-6)
+    fresh.engine.close()
+
+
+def test_load_model_reads_the_folder_when_training_starts(tmp_path):
+    """Built with nothing allocated; its weights come from the folder, never initialized, and
+    training matches plain Trainer on ``from_pretrained`` of the same folder."""
+    llama(tie_word_embeddings=True).save_pretrained(tmp_path / "base")
+    model = load_model(str(tmp_path / "base"), policy=CPU)
+    assert all(p.is_meta for p in model.parameters())
+    data = dataset()
+    trainer = tiered_run(model, arguments(tmp_path / "tiered"), data)
+    got = trainer.engine.full_state_dict()
+    trainer.engine.close()
+    plain = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "base")
+    expected, _ = train_plain(plain, arguments(tmp_path / "plain"), data)
+    assert_close_states(got, expected)
+
+
+def test_load_model_needs_a_config(tmp_path):
+    with pytest.raises(tiered.TieredError, match="no config.json"):
+        load_model(str(tmp_path))
+
+
+def test_a_model_built_under_init_takes_its_own_initialization():
+    """transformers models initialize in _init_weights, not reset_parameters (RMSNorm has
+    none): under tiered.init that is what initialize runs, so the norms are ones and the
+    linear layers draw from the config's initializer_range, as eagerly."""
+    with tiered.init(CPU, compute_dtype="fp32"):
+        model = transformers.LlamaForCausalLM(config())
+    engine, _ = tiered.initialize(model)
+    state = engine.full_state_dict()
+    engine.close()
+    eager = llama().state_dict()
+    assert state.keys() == eager.keys()
+    for name, value in state.items():
+        if "norm" in name:
+            assert torch.equal(value, torch.ones_like(value)), name
+        else:
+            assert value.std().item() == pytest.approx(0.02, rel=0.3), name
+            assert abs(value.mean().item()) < 0.01, name
+
+
+@pytest.mark.parametrize("given, message", [
+    (dict(optim="adafactor"), "optim='adafactor'"),
+    (dict(optim="adamw_torch", optim_args="foo=1"), "optim_args='foo=1'"),
+    (dict(fp16=True), "fp16=True"),
+    (dict(torch_compile=True), "torch_compile=True"),
+    (dict(auto_find_batch_size=True), "auto_find_batch_size=True"),
+    (dict(fsdp=True), "fsdp=True"),
+])
+def test_arguments_it_cannot_honour_are_refused_by_name(tmp_path, given, message):
+    model = llama()
+    with pytest.raises(tiered.TieredError, match="cannot honour") as refused:
+        TieredTrainer(model=model, args=arguments(tmp_path, **given), policy=CPU)
+    assert message in str(refused.value)
+    assert len(list(model.parameters())) > 0  # refused before the engine took the model
+
+
+def test_trainer_arguments_it_cannot_honour_are_refused(tmp_path):
+    model = llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(tiered.TieredError, match="optimizers=..."):
+        TieredTrainer(model=model, args=arguments(tmp_path), optimizers=(optimizer, None))
+    with pytest.raises(tiered.TieredError, match="takes the model, not an engine"):
+        engine, _ = tiered.initialize(copy.deepcopy(model), CPU)
+        try:
+            TieredTrainer(model=engine, args=arguments(tmp_path))
+        finally:
+            engine.close()

@@ -1,0 +1,256 @@
+"""Hugging Face ``Trainer`` over a tiered engine: ``TieredTrainer``, its mixin, ``load_model``.
+
+    model = load_model("path/to/checkpoint")                     # nothing materialized
+    trainer = TieredTrainer(model=model, args=args, train_dataset=data, policy="configs/nvme.yaml")
+    trainer.train()
+
+[Note: Trainer over the engine]
+Trainer's own loop runs unchanged (data order, accumulation, the scheduler, logging, callbacks,
+evaluation); what it would do to a model's parameters is the engine's instead:
+- The model is partitioned at construction (``tiered.initialize``), before ``Trainer`` moves
+  it anywhere, with a policy whose optimizer section says what the ``TrainingArguments`` say:
+  ``learning_rate``, the betas, ``adam_epsilon``, ``weight_decay`` with Trainer's own no-decay
+  set (``get_decay_parameter_names``) as a param group of weight decay 0, and ``max_grad_norm``
+  (``.inf`` when Trainer would not clip: it still logs the norm).
+- The optimizer Trainer steps is the engine's ``TieredAdamW``, never wrapped by accelerate (whose
+  wrapper would move its state dict, which lives in the tiers); the scheduler Trainer makes
+  drives its ``param_groups``.
+- The model Trainer calls is the engine, never wrapped in DDP: the engine reduces gradients
+  itself. Clipping is the engine's, inside the update: Trainer's ``clip_grad_norm_`` over the
+  model's parameters is not run, and the ``grad_norm`` logged is ``optimizer.last_grad_norm``
+  (under the delayed update, the last finished update's).
+- ``save_model`` exports the weights streamed from the tiers (``engine.save_pretrained``) with
+  the model's config and generation config, a folder ``from_pretrained`` loads.
+An argument whose meaning the engine cannot give is refused at construction, by name.
+"""
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+try:
+    import transformers
+    from transformers import Trainer
+except ImportError as error:  # pragma: no cover - the message is the point
+    raise ImportError("tiered.integrations.transformers needs Hugging Face transformers and "
+                      "accelerate: pip install 'tiered[hf]'") from error
+
+from ..engine import initialize
+from ..engine.engine import TieredEngine
+from ..errors import TieredError
+from ..policy import Policy, resolve
+
+ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused")
+"""``TrainingArguments.optim`` values that mean ``torch.optim.AdamW``, which the engine runs."""
+
+CHECKPOINT_TAG = "tiered"
+"""The engine's checkpoint inside each of Trainer's ``checkpoint-<step>`` folders."""
+SCHEDULER_FILE = "scheduler.pt"
+"""Trainer's name for the scheduler's state in a checkpoint folder."""
+
+_weights_of: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+"""The checkpoint folder ``load_model`` built each model from, read when training starts."""
+
+
+def load_model(path: str, cls: Any = None, *, policy=None, **kwargs) -> nn.Module:
+    """The model of the checkpoint folder ``path``, built from its ``config.json`` under
+    ``tiered.init``: no parameter is allocated here. ``TieredTrainer`` (or
+    ``tiered.initialize(model, weights=path)``) reads the folder's safetensors straight into the
+    tiers, each rank only its shards, so a folder larger than DRAM fine-tunes.
+
+    ``cls``: the model class (default ``AutoModelForCausalLM``); ``policy``: as for
+    ``tiered.init``; ``kwargs`` go to ``cls.from_config`` (``dtype``/``torch_dtype``,
+    ``attn_implementation``, ``trust_remote_code``, ...)."""
+    from ..engine.init import init
+
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise TieredError(f"{path}: no config.json; load_model reads a checkpoint folder as "
+                          f"save_pretrained writes it (config.json and safetensors)")
+    cls = cls or transformers.AutoModelForCausalLM
+    trust = kwargs.get("trust_remote_code", False)
+    config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust)
+    with init(policy):
+        model = cls.from_config(config, **kwargs)
+    _weights_of[model] = path
+    return model
+
+
+def trainer_policy(args, model: nn.Module, policy, decay_names: list[str]) -> Policy:
+    """``policy`` (as ``tiered.initialize`` takes it) with its optimizer and compute dtype set
+    from the TrainingArguments (see [Note: Trainer over the engine])."""
+    no_decay = [name for name, param in model.named_parameters(remove_duplicate=False)
+                if name not in decay_names and param.requires_grad]
+    optimizer = dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                     eps=args.adam_epsilon, weight_decay=args.weight_decay,
+                     max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else float("inf"))
+    if no_decay and args.weight_decay != 0:
+        optimizer["param_groups"] = [{"match": [_literal(name) for name in no_decay],
+                                      "weight_decay": 0.0}]
+    compute = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    return resolve(policy, {"optimizer": optimizer, "compute_dtype": compute})
+
+
+def _literal(name: str) -> str:
+    """A shell pattern (param group ``match``) that matches ``name`` alone."""
+    return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
+
+
+def refusals(args, given: dict[str, Any]) -> list[str]:
+    """What the engine cannot honour among the TrainingArguments and the Trainer arguments
+    ``given``, each said with what to do instead."""
+    refused = []
+    optim = getattr(args.optim, "value", args.optim)  # an OptimizerNames member
+    if optim not in ADAMW_NAMES:
+        refused.append(f"optim={optim!r}: the engine runs torch.optim.AdamW's update "
+                       f"(optim in {list(ADAMW_NAMES)})")
+    if args.optim_args:
+        refused.append(f"optim_args={args.optim_args!r}: the engine's AdamW takes its settings "
+                       f"from learning_rate, adam_beta1/2, adam_epsilon and weight_decay")
+    if args.deepspeed:
+        refused.append("deepspeed=...: tiered is the offload engine here; drop deepspeed")
+    if args.fsdp:
+        refused.append(f"fsdp={args.fsdp!r}: tiered shards the model itself (ZeRO-3); drop fsdp")
+    if args.fp16:
+        refused.append("fp16=True: not supported by TieredTrainer yet (its loss scaling is the "
+                       "engine's); use bf16=True or fp32")
+    if args.torch_compile:
+        refused.append("torch_compile=True: the engine gathers each unit in hooks around its "
+                       "module, which a compiled model would bypass")
+    if args.auto_find_batch_size:
+        refused.append("auto_find_batch_size=True: the engine's memory is planned once, at "
+                       "construction; set per_device_train_batch_size")
+    if args.n_gpu > 1:
+        refused.append(f"{args.n_gpu} GPUs in one process (DataParallel): start one process per "
+                       f"GPU with tiered-launch")
+    for name in ("model_init", "optimizers", "optimizer_cls_and_kwargs"):
+        value = given.get(name)
+        if value is not None and value != (None, None):
+            refused.append(f"{name}=...: the optimizer and the model's partitioning are the "
+                           f"engine's, made from the model and policy TieredTrainer is given")
+    return refused
+
+
+class TieredTrainerMixin:
+    """Makes a ``transformers.Trainer`` subclass train through a tiered engine (see [Note:
+    Trainer over the engine]): ``class MySFT(TieredTrainerMixin, SFTTrainer)``.
+
+    Takes ``policy=`` (a YAML path, dict or ``tiered.Policy``; default: the one the model was
+    built under, else the launcher's, as ``tiered.initialize``) besides the trainer's own
+    arguments. After construction ``self.engine`` is the engine and ``self.optimizer`` its
+    ``TieredAdamW``; ``self.model`` stays the model, whose parameters live in the tiers."""
+
+    def __init__(self, model: nn.Module | None = None, args=None, *pos, policy=None, **kwargs):
+        if pos:
+            raise TieredError("TieredTrainer takes its arguments after args= by name")
+        if model is None:
+            raise TieredError("TieredTrainer needs model=: the model to partition (model_init "
+                              "is not supported)")
+        if isinstance(model, TieredEngine):
+            raise TieredError("TieredTrainer takes the model, not an engine: it initializes "
+                              "the engine itself, from the model and policy")
+        if args is None:
+            args = transformers.TrainingArguments(output_dir="tmp_trainer")
+        refused = refusals(args, kwargs)
+        if refused:
+            raise TieredError("TieredTrainer cannot honour these arguments:\n  - "
+                              + "\n  - ".join(refused))
+        decay = Trainer.get_decay_parameter_names(self, model)
+        self.engine, optimizer = initialize(model, trainer_policy(args, model, policy, decay),
+                                            weights=_weights_of.get(model))
+        super().__init__(model=model, args=args, optimizers=(optimizer, None), **kwargs)
+
+    # -- the engine in place of what Trainer would wrap -----------------------------------------
+
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        return self.engine
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        if self._created_lr_scheduler:  # as Trainer: a new schedule for each train()
+            self.lr_scheduler = None
+            self._created_lr_scheduler = False
+        self.create_scheduler(num_training_steps=max_steps)
+        self.model_wrapped = self.engine
+        if resume_from_checkpoint is not None:
+            self._load_optimizer_and_scheduler(resume_from_checkpoint)
+        for attr in ("model", "optimizer", "lr_scheduler"):
+            setattr(self.callback_handler, attr, getattr(self, attr))
+        self.callback_handler.train_dataloader = train_dataloader
+        return self.engine, train_dataloader
+
+    def create_optimizer(self, model=None):
+        return self.optimizer  # the engine's, made at construction
+
+    def _clip_grad_norm(self, model):
+        return None  # the engine clips inside the update: policy optimizer.max_grad_norm
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return None  # known once the update has it: _maybe_log_save_evaluate reads it
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, model, *args, **kwargs):
+        if self.control.should_log and self.state.global_step > self._globalstep_last_logged:
+            grad_norm = self.optimizer.last_grad_norm
+        return super()._maybe_log_save_evaluate(tr_loss, grad_norm, model, *args, **kwargs)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The engine's checkpoint (every tier's state, atomically, each rank its part) under
+        ``output_dir/tiered``, and the scheduler's state as Trainer saves it."""
+        self.engine.save_checkpoint(output_dir, CHECKPOINT_TAG)
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """Checks the folder only: the engine's checkpoint is loaded with the optimizer's state
+        (_load_optimizer_and_scheduler), after the scheduler is made, whose construction sets
+        the learning rates that the checkpoint's param groups then restore."""
+        if not os.path.isdir(os.path.join(resume_from_checkpoint, CHECKPOINT_TAG)):
+            raise TieredError(
+                f"{resume_from_checkpoint}: no {CHECKPOINT_TAG}/ folder, so not a checkpoint "
+                f"TieredTrainer saved (its optimizer state would be lost); to start from its "
+                f"weights alone, build the model with load_model({resume_from_checkpoint!r})")
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Weights, moments, step counts and each param group's hyperparameters from the
+        engine's checkpoint in the folder, and the scheduler's position."""
+        if checkpoint is None:
+            return
+        self.engine.load_checkpoint(checkpoint, CHECKPOINT_TAG)
+        path = os.path.join(checkpoint, SCHEDULER_FILE)
+        if os.path.isfile(path) and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
+
+    # -- saving ---------------------------------------------------------------------------------
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """The trained weights as a folder ``from_pretrained`` loads: safetensors streamed from
+        the tiers, the config and generation config, the tokenizer and the TrainingArguments.
+        Every rank must call it (each gathers its shards); rank 0 writes."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        self.engine.save_pretrained(output_dir, dtype=_weights_dtype(self.engine))
+        if not self.args.should_save:
+            return
+        config = getattr(self.model, "config", None)
+        if config is not None:
+            config.save_pretrained(output_dir)
+        generation = getattr(self.model, "generation_config", None)
+        if generation is not None and getattr(self.model, "can_generate", lambda: False)():
+            generation.save_pretrained(output_dir)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+
+def _weights_dtype(engine: TieredEngine) -> torch.dtype:
+    """The dtype the model gave its (first) parameter: what an export writes, as the model's
+    own ``save_pretrained`` would."""
+    return engine.runtime.flats[0].spec.params[0].dtype
+
+
+class TieredTrainer(TieredTrainerMixin, Trainer):
+    """``transformers.Trainer`` training through a tiered engine; takes ``policy=`` besides
+    Trainer's arguments (see TieredTrainerMixin)."""
