@@ -27,10 +27,13 @@ def tiered_run(model, args, data, **kwargs):
     return trainer
 
 
-def test_trains_as_plain_trainer_and_logs_the_same(tmp_path):
+@pytest.mark.parametrize("max_grad_norm", [1.0, 0.0])  # 0: Trainer logs the norm, never clips
+def test_trains_as_plain_trainer_and_logs_the_same(tmp_path, max_grad_norm):
     data = dataset()
-    expected, expected_logs = train_plain(llama(), arguments(tmp_path / "plain"), data)
-    trainer = tiered_run(llama(), arguments(tmp_path / "tiered"), data)
+    expected, expected_logs = train_plain(
+        llama(), arguments(tmp_path / "plain", max_grad_norm=max_grad_norm), data)
+    trainer = tiered_run(llama(), arguments(tmp_path / "tiered", max_grad_norm=max_grad_norm),
+                         data)
     got = trainer.engine.full_state_dict()
     logs = step_logs(trainer)
     trainer.engine.close()

@@ -382,7 +382,8 @@ def test_optimizer_range_checks(optimizer, fragment):
     ("optimizer: {eps: .nan}", "optimizer.eps"),
     ("optimizer: {lr: yes}", "optimizer.lr"),
     ("optimizer: {betas: [null, 0.9]}", "optimizer.betas"),
-    ("optimizer: {max_grad_norm: .inf}", "optimizer.max_grad_norm"),
+    ("optimizer: {max_grad_norm: .nan}", "optimizer.max_grad_norm"),
+    ("optimizer: {max_grad_norm: -.inf}", "optimizer.max_grad_norm"),
     ("loss_scale: {growth_interval: null}", "loss_scale.growth_interval"),
     ("loss_scale: {growth_interval: 2.5}", "loss_scale.growth_interval"),
     ("dram: {huge_pages: 1}", "dram.huge_pages"),
@@ -575,3 +576,10 @@ def test_a_policy_built_in_code_from_enums_and_sections_is_the_one_from_dict(tmp
                    nvme=NvmePolicy(path=str(tmp_path)))
     assert built == Policy.from_dict({"compute_dtype": "fp32", "params": {"tier": "nvme"},
                                       "nvme": {"path": str(tmp_path)}})
+
+
+def test_an_infinite_max_grad_norm_measures_without_clipping(tmp_path):
+    """``.inf`` is clip_grad_norm_'s max_norm=inf: the norm is taken, nothing is clipped."""
+    path = tmp_path / "policy.yaml"
+    path.write_text("optimizer: {max_grad_norm: .inf}\n")
+    assert tiered.Policy.from_yaml(path).optimizer.max_grad_norm == float("inf")
