@@ -203,3 +203,70 @@ def test_trainer_arguments_it_cannot_honour_are_refused(tmp_path):
             TieredTrainer(model=engine, args=arguments(tmp_path))
         finally:
             engine.close()
+
+
+# -- peft ------------------------------------------------------------------------------------------
+
+def lora(model):
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(1)  # the adapters' draws
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8,
+                                                      target_modules=["q_proj", "v_proj"]))
+
+
+def test_lora_trains_as_plain_peft_and_saves_an_adapter_peft_loads(tmp_path):
+    from peft import PeftModel
+
+    data = dataset()
+    expected, expected_logs = train_plain(lora(llama()), arguments(tmp_path / "plain"), data)
+    trainer = tiered_run(lora(llama()), arguments(tmp_path / "tiered"), data)
+    # per layer: q_proj's A (4x32) and B (32x4), v_proj's A (4x32) and B (16x4)
+    assert trainer.engine.num_parameters(trainable_only=True) == 2 * (128 + 128 + 128 + 64)
+    got = trainer.engine.full_state_dict()
+    assert_close_states(got, expected)
+    assert [log["loss"] for log in step_logs(trainer)] == pytest.approx(
+        [log["loss"] for log in expected_logs], rel=1e-6)
+    trainer.save_model(str(tmp_path / "adapter"))
+    batch = torch.stack([row["input_ids"] for row in data[:2]])
+    with torch.no_grad():
+        logits = trainer.engine(input_ids=batch).logits
+    trainer.engine.close()
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= set(
+        os.listdir(tmp_path / "adapter"))
+    loaded = PeftModel.from_pretrained(llama(), tmp_path / "adapter")
+    merged = loaded.merge_and_unload()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=batch).logits, logits)
+
+
+def test_lora_over_load_model_starts_from_the_base_model(tmp_path):
+    """Under tiered.init the adapters are built on the meta device: they take peft's own
+    initialization when materialized (lora_B zeros, lora_A kaiming-uniform), never
+    nn.Linear's, and the base weights come from the folder under peft's renamed keys; so before
+    any step the model computes exactly what the base model does."""
+    base = llama()
+    base.save_pretrained(tmp_path / "base")
+    model = lora(load_model(str(tmp_path / "base"), policy=CPU))
+    trainer = TieredTrainer(model=model, args=arguments(tmp_path / "run", max_steps=2),
+                            train_dataset=dataset(), policy=CPU)
+    state = trainer.engine.full_state_dict()
+    adapters = {name: value for name, value in state.items() if ".lora_" in name}
+    assert len(adapters) == 8
+    for name, value in adapters.items():
+        if ".lora_B." in name:
+            assert torch.equal(value, torch.zeros_like(value)), name
+        else:  # kaiming_uniform_(a=sqrt(5)): within 1/sqrt(fan_in)
+            assert 0 < value.abs().max().item() <= 32 ** -0.5, name
+    batch = torch.stack([row["input_ids"] for row in dataset()[:2]])
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.engine(input_ids=batch).logits,
+                                   base(input_ids=batch).logits, rtol=0, atol=0)
+    trainer.train()
+    trained = trainer.engine.full_state_dict()
+    trainer.engine.close()
+    for name, value in base.state_dict().items():  # frozen: the folder's, untouched
+        ours = "base_model.model." + name.replace("q_proj.", "q_proj.base_layer.").replace(
+            "v_proj.", "v_proj.base_layer.")
+        assert torch.equal(trained[ours], value), name
+    assert not torch.equal(trained[next(n for n in adapters if ".lora_B." in n)],
+                           adapters[next(n for n in adapters if ".lora_B." in n)])

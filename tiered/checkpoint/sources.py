@@ -110,8 +110,35 @@ class SafetensorsSource:
         self._readers = []
 
 
+class RenamedSource:
+    """Another source's tensors under the model's names: ``names`` maps a model name to the
+    source's name for it (a ``peft`` model's ``base_model.model.<...>.base_layer.weight`` to the
+    base checkpoint's ``<...>.weight``). The source's tensors no name maps to keep their own."""
+
+    def __init__(self, source: WeightSource, names: Mapping[str, str]):
+        self._source = source
+        self.where = source.where
+        self.objects = source.objects
+        self._name_in_source = {ours: theirs for ours, theirs in names.items()
+                                if theirs in source.tensors}
+        renamed = set(self._name_in_source.values())
+        self.tensors = {name: value for name, value in source.tensors.items()
+                        if name not in renamed}
+        self.tensors.update({ours: source.tensors[theirs]
+                             for ours, theirs in self._name_in_source.items()})
+
+    def read(self, name: str, start: int, count: int) -> torch.Tensor:
+        return self._source.read(self._name_in_source.get(name, name), start, count)
+
+    def close(self) -> None:
+        self._source.close()
+
+
 def open_source(weights) -> WeightSource:
-    """A source for ``weights``: a path (folder or file) or a mapping of tensors."""
+    """A source for ``weights``: a path (folder or file), a mapping of tensors, or a source
+    already open (RenamedSource)."""
+    if isinstance(weights, RenamedSource):
+        return weights
     if isinstance(weights, Mapping):
         return StateDictSource(weights)
     if isinstance(weights, (str, os.PathLike)):

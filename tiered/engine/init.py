@@ -123,11 +123,59 @@ def own_init_of(model: nn.Module) -> Callable[[nn.Module], None]:
     """The initialization a model gives its modules when built eagerly: a Hugging Face
     ``transformers`` model's ``_init_weights(module)`` (its ``post_init`` runs it over every
     module, after they are built, on the meta tensors under tiered.init), else each module's
-    own ``reset_parameters`` (reset_module)."""
+    own ``reset_parameters`` (reset_module); in a ``peft`` model, each adapter as its LoRA layer
+    initializes it (see _AdapterInit), the base model as above."""
+    peft_config = getattr(model, "peft_config", None)
+    if isinstance(peft_config, dict) and callable(getattr(model, "get_base_model", None)):
+        return _AdapterInit(model, peft_config, own_init_of(model.get_base_model()))
     own = getattr(model, "_init_weights", None)
     if callable(own) and hasattr(model, "config") and hasattr(model, "post_init"):
         return own
     return reset_module
+
+
+class _AdapterInit:
+    """A ``peft`` model's initialization. Its LoRA layers initialize their adapters in
+    ``reset_lora_parameters(adapter, init_lora_weights)`` when built, which under tiered.init
+    writes meta tensors: without this, ``lora_B`` took ``nn.Linear``'s init instead of PEFT's
+    zeros, and a fine-tune started from another model than the base. Each (layer, adapter) is
+    initialized once, whichever of its modules (``lora_A[name]``, ``lora_B[name]``, the
+    embedding adapters' ParameterDicts, the layer) comes first; any other module as the base
+    model initializes it."""
+
+    def __init__(self, model: nn.Module, peft_config: dict, base_init):
+        self.base_init = base_init
+        self.init_of = {name: getattr(config, "init_lora_weights", True)
+                        for name, config in peft_config.items()}
+        self.layer_of: dict[int, nn.Module] = {}
+        for layer in model.modules():
+            if not callable(getattr(layer, "reset_lora_parameters", None)):
+                continue
+            self.layer_of[id(layer)] = layer
+            for kind in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
+                container = getattr(layer, kind, None)
+                if isinstance(container, nn.ModuleDict):
+                    self.layer_of.update({id(m): layer for m in container.values()})
+                if isinstance(container, (nn.ModuleDict, nn.ParameterDict)):
+                    self.layer_of[id(container)] = layer
+        self.done: set[tuple[int, str]] = set()
+
+    def __call__(self, module: nn.Module) -> None:
+        layer = self.layer_of.get(id(module))
+        if layer is None:
+            self.base_init(module)
+            return
+        for adapter in list(layer.lora_A) + list(getattr(layer, "lora_embedding_A", {})):
+            if (id(layer), adapter) in self.done:
+                continue
+            init = self.init_of.get(adapter, True)
+            if not (isinstance(init, bool) or init == "gaussian"):
+                raise TieredError(
+                    f"adapter {adapter!r}: init_lora_weights={init!r} computes the adapter from "
+                    f"the base weights, which tiered.init has not loaded yet; use True, False "
+                    f"or 'gaussian', or build the peft model outside tiered.init")
+            layer.reset_lora_parameters(adapter, init)
+            self.done.add((id(layer), adapter))
 
 
 def _current(spec: ParamSpec) -> torch.Tensor:

@@ -25,7 +25,9 @@ An argument whose meaning the engine cannot give is refused at construction, by 
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
 import weakref
 from typing import Any
 
@@ -39,6 +41,8 @@ except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError("tiered.integrations.transformers needs Hugging Face transformers and "
                       "accelerate: pip install 'tiered[hf]'") from error
 
+from ..checkpoint.pretrained import listing
+from ..checkpoint.sources import RenamedSource, SafetensorsSource
 from ..engine import initialize
 from ..engine.engine import TieredEngine
 from ..errors import TieredError
@@ -159,8 +163,9 @@ class TieredTrainerMixin:
             raise TieredError("TieredTrainer cannot honour these arguments:\n  - "
                               + "\n  - ".join(refused))
         decay = Trainer.get_decay_parameter_names(self, model)
-        self.engine, optimizer = initialize(model, trainer_policy(args, model, policy, decay),
-                                            weights=_weights_of.get(model))
+        policy = trainer_policy(args, model, policy, decay)
+        with _start_weights(model) as (weights, strict):
+            self.engine, optimizer = initialize(model, policy, weights=weights, strict=strict)
         super().__init__(model=model, args=args, optimizers=(optimizer, None), **kwargs)
 
     # -- the engine in place of what Trainer would wrap -----------------------------------------
@@ -228,21 +233,99 @@ class TieredTrainerMixin:
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The trained weights as a folder ``from_pretrained`` loads: safetensors streamed from
-        the tiers, the config and generation config, the tokenizer and the TrainingArguments.
-        Every rank must call it (each gathers its shards); rank 0 writes."""
+        the tiers, the config and generation config, the tokenizer and the TrainingArguments;
+        for a ``peft`` model its adapters as ``peft`` saves them (``adapter_model.safetensors``
+        and ``adapter_config.json``, for ``PeftModel.from_pretrained``). Every rank must call it
+        (each gathers its shards); rank 0 writes."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        self.engine.save_pretrained(output_dir, dtype=_weights_dtype(self.engine))
+        if _peft_base(self.model) is not None:
+            adapters = _trainable_state(self.engine)
+            self.model.save_pretrained(output_dir, state_dict=adapters,
+                                       is_main_process=self.args.should_save)
+        else:
+            self.engine.save_pretrained(output_dir, dtype=_weights_dtype(self.engine))
+            if self.args.should_save:
+                _save_configs(self.model, output_dir)
         if not self.args.should_save:
             return
-        config = getattr(self.model, "config", None)
-        if config is not None:
-            config.save_pretrained(output_dir)
-        generation = getattr(self.model, "generation_config", None)
-        if generation is not None and getattr(self.model, "can_generate", lambda: False)():
-            generation.save_pretrained(output_dir)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+
+def _save_configs(model: nn.Module, output_dir: str) -> None:
+    """The model's config and, for a model that generates, its generation config."""
+    config = getattr(model, "config", None)
+    if config is not None:
+        config.save_pretrained(output_dir)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and getattr(model, "can_generate", lambda: False)():
+        generation.save_pretrained(output_dir)
+
+
+def _trainable_state(engine: TieredEngine) -> dict[str, torch.Tensor]:
+    """The trained parameters (a peft model's adapters) by state-dict name, fp32, on every rank;
+    every unit is gathered in turn (a collective), the frozen ones' values dropped."""
+    trained = {name for name, param in engine.named_parameters(remove_duplicate=False)
+               if param.requires_grad}
+    state = {}
+    for flat, full in engine.consolidated_units():
+        state.update({name: value for name, value in flat.by_name(full).items()
+                      if name in trained})
+    return state
+
+
+def _peft_base(model: nn.Module) -> nn.Module | None:
+    """The base model of a ``peft`` model, None for any other."""
+    if isinstance(getattr(model, "peft_config", None), dict) and hasattr(model, "get_base_model"):
+        return model.get_base_model()
+    return None
+
+
+def peft_base_name(name: str) -> str:
+    """The base model's name of a ``peft`` model's parameter: without the ``base_model.model.``
+    prefix and the ``base_layer`` a LoRA layer puts its wrapped layer under."""
+    name = name.removeprefix("base_model.model.")
+    return ".".join(part for part in name.split(".") if part != "base_layer")
+
+
+@contextlib.contextmanager
+def _start_weights(model: nn.Module):
+    """The weights ``load_model`` built ``model`` (or a ``peft`` model's base) from, under the
+    model's names, and whether to hold them to strict matching (``initialize``'s ``strict``).
+    A peft model's adapters are not in a base checkpoint: they start as peft initializes them,
+    not warned about; anything else of the model must be there (a tied parameter under any of
+    its names)."""
+    base = _peft_base(model)
+    path = _weights_of.get(model) or (_weights_of.get(base) if base is not None else None)
+    if path is None:
+        yield None, True
+        return
+    if base is None:
+        yield path, True
+        return
+    keys = list(model.state_dict().keys())
+    source = RenamedSource(SafetensorsSource(path), {key: peft_base_name(key) for key in keys})
+    try:
+        names_of: dict[int, list[str]] = {}
+        trainable: set[int] = set()
+        for name, param in model.named_parameters(remove_duplicate=False):
+            names_of.setdefault(id(param), []).append(name)
+            if param.requires_grad:
+                trainable.add(id(param))
+        held = {name for names in names_of.values() for name in names}
+        missing = [names[0] for key, names in names_of.items()
+                   if key not in trainable and not source.tensors.keys() & set(names)]
+        missing += [key for key in keys if key not in held and key not in source.tensors]
+        if missing:
+            raise TieredError(f"{path} lacks {len(missing)} of the base model's weights: "
+                              f"{listing(missing)}")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"tiered: \d+ parameters, buffers or "
+                                    r"extra states are not in")
+            yield source, False
+    finally:
+        source.close()
 
 
 def _weights_dtype(engine: TieredEngine) -> torch.dtype:
