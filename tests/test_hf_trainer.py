@@ -10,13 +10,14 @@ import os
 import pytest
 import torch
 
-from helpers_hf import (STEPS, arguments, assert_close_states, config, dataset, llama, step_logs,
-                        train_plain)
+from helpers_hf import (STEPS, arguments, assert_close_states, char_tokenizer, config, dataset,
+                        library_text, llama, step_logs, train_plain)
 
 transformers = pytest.importorskip("transformers")
 
 import tiered  # noqa: E402
-from tiered.integrations.transformers import TieredTrainer, load_model  # noqa: E402
+from tiered.integrations.transformers import (TieredTrainer, TieredTrainerMixin,  # noqa: E402
+                                              load_model)
 
 CPU = {"device": "cpu"}
 
@@ -44,6 +45,18 @@ def test_trains_as_plain_trainer_and_logs_the_same(tmp_path, max_grad_norm):
         assert ours["learning_rate"] == theirs["learning_rate"]
         assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-6)
         assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+
+
+def test_gradient_checkpointing_trains_as_plain_trainer(tmp_path):
+    """Hugging Face layers checkpoint their forward inside their call: the recomputation in
+    backward runs no unit hook (see [Note: checkpointing inside the hooks])."""
+    data = dataset()
+    args = dict(gradient_checkpointing=True, max_steps=3)
+    expected, _ = train_plain(llama(), arguments(tmp_path / "plain", **args), data)
+    trainer = tiered_run(llama(), arguments(tmp_path / "tiered", **args), data)
+    got = trainer.engine.full_state_dict()
+    trainer.engine.close()
+    assert_close_states(got, expected)
 
 
 def test_no_decay_set_and_hyperparameters_follow_the_arguments(tmp_path):
@@ -270,3 +283,25 @@ def test_lora_over_load_model_starts_from_the_base_model(tmp_path):
         assert torch.equal(trained[ours], value), name
     assert not torch.equal(trained[next(n for n in adapters if ".lora_B." in n)],
                            adapters[next(n for n in adapters if ".lora_B." in n)])
+
+
+def test_sft_trainer_with_the_mixin_trains(tmp_path):
+    """trl's SFTTrainer (which subclasses Trainer, and turns gradient checkpointing on) gets the
+    engine through the mixin; on real text its loss falls."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+
+    class TieredSFTTrainer(TieredTrainerMixin, trl.SFTTrainer):
+        pass
+
+    args = trl.SFTConfig(output_dir=str(tmp_path), max_steps=16, per_device_train_batch_size=4,
+                         learning_rate=3e-3, logging_steps=4, report_to="none", use_cpu=True,
+                         disable_tqdm=True, max_length=64, save_strategy="no")
+    trainer = TieredSFTTrainer(
+        model=llama(), args=args, processing_class=char_tokenizer(), policy=CPU,
+        train_dataset=datasets.Dataset.from_dict({"text": library_text(64, 60)}))
+    assert trainer.args.gradient_checkpointing
+    trainer.train()
+    losses = [log["loss"] for log in step_logs(trainer)]
+    trainer.engine.close()
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.3, losses

@@ -178,7 +178,29 @@ class UnitHooks:
         # A forward recomputed inside backward keeps its unit; a whole-forward unit is released
         # at the end of the model's forward.
         if not _in_backward_pass() and not flat.spec.whole_forward:
+            if _checkpoints_inside(module):
+                self._gather_before_backward(flat, output)
             self.runtime.done(flat)
+
+    def _gather_before_backward(self, flat: FlatParam, output) -> None:
+        """[Note: checkpointing inside the hooks]
+        Hugging Face's layers (GradientCheckpointingLayer) checkpoint their ``forward``, not
+        their call, so that module hooks stay outside the checkpoint (FSDP2's do). Their
+        forward then saves no view of the unit's weights for an unpack to gather by, and its
+        recomputation in backward runs no pre-hook: it read the released placeholders. So the
+        first gradient to reach such a unit's outputs gathers it (a need, as an unpack's) and
+        binds its views, for the recomputation to read; its gradient releases it as usual."""
+        outputs = [tensor for tensor in tree_leaves(output)
+                   if isinstance(tensor, torch.Tensor) and tensor.requires_grad]
+        if outputs:
+            self._input_hooks.append(torch.autograd.graph.register_multi_grad_hook(
+                outputs, partial(self._before_backward, flat), mode="any"))
+
+    def _before_backward(self, flat: FlatParam, grad) -> None:
+        self._enter_backward()
+        self._use_in_backward(flat)
+        with torch.enable_grad():  # off in a backward hook: the recomputation's views must
+            flat.bind_views()      # reach ``full``, for its gradient
 
     def _pack(self, outer: _SavedHooks | None, tensor: torch.Tensor):
         flat = self.runtime.owner_of(tensor)
@@ -287,6 +309,13 @@ def _no_backward_from(output) -> bool:
     return all(not leaf.requires_grad if isinstance(leaf, torch.Tensor)
                else leaf is None or isinstance(leaf, (bool, int, float, str))
                for leaf in tree_leaves(output))
+
+
+def _checkpoints_inside(module: nn.Module) -> bool:
+    """Whether the module checkpoints its own forward inside its call (see [Note:
+    checkpointing inside the hooks]): a Hugging Face layer with gradient checkpointing on."""
+    return (getattr(module, "gradient_checkpointing", False) is True and module.training
+            and torch.is_grad_enabled())
 
 
 def _outer_saved_hooks() -> _SavedHooks | None:
