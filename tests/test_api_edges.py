@@ -669,3 +669,22 @@ def assert_equal_weights(state: dict, expected: dict) -> None:
     assert list(state) == list(expected)
     different = [name for name in expected if not torch.equal(state[name], expected[name])]
     assert not different, f"not bit for bit: {different}"
+
+
+def test_model_parameters_are_placeholders_and_a_torch_clip_is_refused():
+    """After initialize ``model.parameters()`` counts as before (its placeholders: shape,
+    requires_grad, the compute device), while torch-level gradient code over them, which would
+    find no gradient and clip or step nothing, is refused by name."""
+    model = make_gpt(2, qkv_bias=False)
+    count = sum(p.numel() for p in model.parameters())
+    own = [name for name, _ in model.named_parameters(recurse=False)]
+    engine, _ = tiered.initialize(model, CPU_YAML, compute_dtype="fp32", device="cpu")
+    assert sum(p.numel() for p in model.parameters()) == engine.num_parameters() == count
+    assert {p.device for p in model.parameters()} == {engine.device}
+    assert [name for name, _ in model.named_parameters(recurse=False)] == own == ["pos"]
+    with pytest.raises(tiered.TieredError, match="clip with the policy's optimizer.max_grad_norm"):
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(tiered.TieredError, match="gradients live in the engine's shards"):
+        torch.optim.AdamW(model.parameters()).zero_grad()
+    engine.close()
+    assert list(model.parameters()) == []

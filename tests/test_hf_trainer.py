@@ -165,6 +165,23 @@ def test_load_model_reads_the_folder_when_training_starts(tmp_path):
     assert_close_states(got, expected)
 
 
+def test_generate_and_peft_counting_work_on_a_tiered_model(tmp_path):
+    """``model.parameters()`` holds the placeholders: ``generate`` finds the device (greedy
+    tokens equal the eager model's), peft counts the trainable parameters."""
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        expected = llama().generate(prompt, max_new_tokens=6, do_sample=False)
+    trainer = TieredTrainer(model=llama(), args=arguments(tmp_path), policy=CPU)
+    with torch.no_grad():
+        assert torch.equal(trainer.model.generate(prompt, max_new_tokens=6, do_sample=False),
+                           expected)
+    trainer.engine.close()
+    trainer = TieredTrainer(model=lora(llama()), args=arguments(tmp_path), policy=CPU)
+    trainable, total = trainer.model.get_nb_trainable_parameters()
+    assert (trainable, total) == (896, sum(p.numel() for p in llama().parameters()) + 896)
+    trainer.engine.close()
+
+
 def test_load_model_needs_a_config(tmp_path):
     with pytest.raises(tiered.TieredError, match="no config.json"):
         load_model(str(tmp_path))

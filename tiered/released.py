@@ -23,6 +23,8 @@ _METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tens
 """Tensor methods that read no values (besides property getters, which all pass)."""
 _REQUIRES_GRAD = torch._C.TensorBase.__dict__["requires_grad"]
 """The ``requires_grad`` descriptor: its ``__set__`` is what ``p.requires_grad = x`` calls."""
+_GRAD = torch._C.TensorBase.__dict__["grad"]
+"""The ``grad`` descriptor: its ``__get__`` is what reading ``p.grad`` calls."""
 
 
 class ReleasedWeight(torch.Tensor):
@@ -30,14 +32,30 @@ class ReleasedWeight(torch.Tensor):
 
     @staticmethod
     def __new__(cls, shape: torch.Size, dtype: torch.dtype, name: str, unit: str,
-                requires_grad: bool = False):
+                requires_grad: bool = False, device: torch.device | None = None):
         weight = torch.Tensor._make_subclass(cls, torch.empty(shape, dtype=dtype, device="meta"),
                                              requires_grad)
         weight.released_from = (name, unit)
+        weight.compute_device = device or torch.device("meta")
         return weight
+
+    @property
+    def device(self) -> torch.device:
+        """The device the parameter computes on when gathered, as a model's ``device`` (and
+        Hugging Face's ``generate``) reads it from its first parameter."""
+        return self.compute_device
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__self__", None) is _GRAD:
+            name, unit = args[0].released_from
+            raise TieredError(
+                f"{name}: a tiered model's gradients live in the engine's shards, not on its "
+                f"parameters (unit {unit}), so torch-level gradient code (clip_grad_norm_ over "
+                f"model.parameters(), an optimizer of one's own) would see none; clip with the "
+                f"policy's optimizer.max_grad_norm and step the optimizer tiered.initialize "
+                f"returned (with Hugging Face's Trainer: tiered.integrations.transformers."
+                f"TieredTrainer)")
         if func in _METADATA or getattr(func, "__name__", None) == "__get__":
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))

@@ -76,6 +76,13 @@ class TieredEngine:
         module.zero_grad = optimizer.zero_grad
         module.state_dict = self._model_state_dict
         module.load_state_dict = self.load_state_dict
+        # Its modules' parameters() would be empty: counting gave 0 (peft divided by it),
+        # generate() found no device, and clip_grad_norm_ over them clipped nothing, silently.
+        # They are the placeholders instead, whose gradient a torch-level clip reads and is
+        # refused. Every module's: a peft model generates through its inner model.
+        for path, submodule in module.named_modules():
+            submodule.named_parameters = partial(self._model_named_parameters,
+                                                 f"{path}." if path else "")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``optimizer.zero_grad``, as ``model.zero_grad`` is in PyTorch."""
@@ -159,6 +166,15 @@ class TieredEngine:
             for spec, placeholder in zip(flat.spec.params, flat.placeholders):
                 for name in spec.names[:1] if remove_duplicate else spec.names:
                     yield prefix + name, placeholder
+
+    def _model_named_parameters(self, path: str, prefix: str = "", recurse: bool = True,
+                                remove_duplicate: bool = True):
+        """``module.named_parameters()`` after initialize, for the module at ``path`` (its
+        state-dict prefix, "" for the model): the placeholders under it (with ``recurse=False``,
+        its own only), named as torch names them."""
+        for name, placeholder in self.named_parameters(remove_duplicate=remove_duplicate):
+            if name.startswith(path) and (recurse or "." not in name[len(path):]):
+                yield prefix + name[len(path):], placeholder
 
     def parameters(self):
         """The placeholders of :meth:`named_parameters`."""
@@ -312,6 +328,8 @@ class TieredEngine:
             self._hooks.remove()
             for name in ("zero_grad", "state_dict", "load_state_dict"):
                 self.module.__dict__.pop(name, None)
+            for submodule in self.module.modules():
+                submodule.__dict__.pop("named_parameters", None)
             if self._finalizer.detach() is not None:  # not shut down at exit meanwhile
                 _shut_down(self.runtime, clean)
             self._closed = True

@@ -59,8 +59,8 @@ class FlatParam:
         self._writer = self.full.data  # see [Note: gathered storage]
         self._storage_bytes = self.padded_numel * dtype.itemsize
         self.residency = Residency.RELEASED
-        self._placeholders = [ReleasedWeight(p.shape, dtype, p.names[0], self.name, p.trainable)
-                              for p in spec.params]
+        self._placeholders = [ReleasedWeight(p.shape, dtype, p.names[0], self.name, p.trainable,
+                                             device) for p in spec.params]
         """What the modules hold while the unit is released ([Note: released weights])."""
 
     @property
