@@ -187,15 +187,20 @@ def test_load_model_needs_a_config(tmp_path):
         load_model(str(tmp_path))
 
 
-def test_a_model_built_under_init_takes_its_own_initialization():
+def test_a_model_built_under_init_takes_its_own_initialization(tmp_path):
     """transformers models initialize in _init_weights, not reset_parameters (RMSNorm has
     none): under tiered.init that is what initialize runs, so the norms are ones and the
-    linear layers draw from the config's initializer_range, as eagerly."""
+    linear layers draw from the config's initializer_range, as eagerly. Its export carries
+    its config: from_pretrained builds the same model (not the class's default size)."""
     with tiered.init(CPU, compute_dtype="fp32"):
         model = transformers.LlamaForCausalLM(config())
     engine, _ = tiered.initialize(model)
     state = engine.full_state_dict()
+    engine.save_pretrained(str(tmp_path))
     engine.close()
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    assert loaded.config.to_diff_dict() == config().to_diff_dict() | {"dtype": "float32"}
+    assert all(torch.equal(value, state[name]) for name, value in loaded.state_dict().items())
     eager = llama().state_dict()
     assert state.keys() == eager.keys()
     for name, value in state.items():

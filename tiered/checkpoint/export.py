@@ -2,7 +2,8 @@
 Hugging Face's ``from_pretrained`` reads, streamed unit by unit.
 
 Files are ``model.safetensors``, or ``model-0000k-of-0000n.safetensors`` with a
-``model.safetensors.index.json`` mapping each name to its file. Every rank takes part in
+``model.safetensors.index.json`` mapping each name to its file, and a Hugging Face model's
+``config.json`` (and ``generation_config.json``). Every rank takes part in
 gathering one unit at a time; rank 0 writes it and drops it, so no rank holds the whole model
 (only a TiledLinear's tiles wait for each other, to be written as the one layer they are). Names
 and shapes are those of the original ``model.state_dict()``; tied parameters are written under
@@ -77,11 +78,26 @@ def save_pretrained(engine, directory: str, dtype: torch.dtype = torch.float32,
                 writer.close()
             _write_index(directory, plan, files)
             _remove_stale(directory, set(writers))
+            _write_configs(model, directory)
         except Exception as error:
             failure = error
     if not group.agree(failure is None):
         raise failure or CheckpointError("rank 0 could not write the export")
     return list(writers) if group.rank == 0 else []
+
+
+def _write_configs(model: nn.Module, directory: str) -> None:
+    """A Hugging Face model's ``config.json`` and, for one that generates, its
+    ``generation_config.json``: without them ``from_pretrained`` of the folder built the
+    default config of the class (a 7 B Llama for a tiny one)."""
+    config = getattr(model, "config", None)
+    if callable(getattr(config, "save_pretrained", None)):
+        config.save_pretrained(directory)
+    generation = getattr(model, "generation_config", None)
+    can_generate = getattr(model, "can_generate", None)
+    if (callable(getattr(generation, "save_pretrained", None)) and callable(can_generate)
+            and can_generate()):
+        generation.save_pretrained(directory)
 
 
 def _tile_names(engine, tiled: dict[str, TiledLinear]) -> dict[str, set[str]]:

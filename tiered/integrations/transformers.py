@@ -242,25 +242,13 @@ class TieredTrainerMixin:
             adapters = _trainable_state(self.engine)
             self.model.save_pretrained(output_dir, state_dict=adapters,
                                        is_main_process=self.args.should_save)
-        else:
+        else:  # with the config and generation config
             self.engine.save_pretrained(output_dir, dtype=_weights_dtype(self.engine))
-            if self.args.should_save:
-                _save_configs(self.model, output_dir)
         if not self.args.should_save:
             return
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
-
-
-def _save_configs(model: nn.Module, output_dir: str) -> None:
-    """The model's config and, for a model that generates, its generation config."""
-    config = getattr(model, "config", None)
-    if config is not None:
-        config.save_pretrained(output_dir)
-    generation = getattr(model, "generation_config", None)
-    if generation is not None and getattr(model, "can_generate", lambda: False)():
-        generation.save_pretrained(output_dir)
 
 
 def _trainable_state(engine: TieredEngine) -> dict[str, torch.Tensor]:
