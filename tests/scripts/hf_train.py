@@ -12,7 +12,6 @@ import json
 import os
 import sys
 
-import tiered  # noqa: F401  (first: it quiets torch's warning about a missing numpy)
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))

@@ -91,6 +91,9 @@ def trainer_policy(args, model: nn.Module, policy, decay_names: list[str]) -> Po
     optimizer = dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
                      eps=args.adam_epsilon, weight_decay=args.weight_decay,
                      max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else float("inf"))
+    if args.gradient_accumulation_steps == 1:
+        # One backward a step, always: bf16 gradients stay bf16 (half the grads tier).
+        optimizer["accumulation_steps"] = 1
     if no_decay and args.weight_decay != 0:
         optimizer["param_groups"] = [{"match": [_literal(name) for name in no_decay],
                                       "weight_decay": 0.0}]
