@@ -61,23 +61,3 @@ def assert_close_states(got: dict, expected: dict, **tolerance) -> None:
     for name, value in expected.items():
         torch.testing.assert_close(got[name], value, **(tolerance or PARITY), msg=name)
 
-
-def char_tokenizer() -> "transformers.PreTrainedTokenizerFast":
-    """A character-level tokenizer over printable ASCII, built here (no download)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    printable = [chr(code) for code in range(32, 127)]
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(printable)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>",
-                                                eos_token="<eos>", unk_token="<unk>")
-
-
-def library_text(rows: int, width: int) -> list[str]:
-    """Lines of text no one here wrote: the Python standard library's own source."""
-    import inspect
-    import os
-
-    text = inspect.getsource(os)
-    return [text[i * width:(i + 1) * width] for i in range(rows)]

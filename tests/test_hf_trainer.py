@@ -10,12 +10,13 @@ import os
 import pytest
 import torch
 
-from helpers_hf import (STEPS, arguments, assert_close_states, char_tokenizer, config, dataset,
-                        library_text, llama, step_logs, train_plain)
+from helpers_hf import (STEPS, arguments, assert_close_states, config, dataset, llama, step_logs,
+                        train_plain)
 
 transformers = pytest.importorskip("transformers")
 
 import tiered  # noqa: E402
+from finetune_hf import char_tokenizer, library_text  # noqa: E402  (examples/, the example's)
 from tiered.integrations.transformers import (TieredTrainer, TieredTrainerMixin,  # noqa: E402
                                               load_model)
 
@@ -319,9 +320,11 @@ def test_sft_trainer_with_the_mixin_trains(tmp_path):
     args = trl.SFTConfig(output_dir=str(tmp_path), max_steps=16, per_device_train_batch_size=4,
                          learning_rate=3e-3, logging_steps=4, report_to="none", use_cpu=True,
                          disable_tqdm=True, max_length=64, save_strategy="no")
+    text = library_text(64 * 60)
     trainer = TieredSFTTrainer(
         model=llama(), args=args, processing_class=char_tokenizer(), policy=CPU,
-        train_dataset=datasets.Dataset.from_dict({"text": library_text(64, 60)}))
+        train_dataset=datasets.Dataset.from_dict({"text": [text[i:i + 60]
+                                                            for i in range(0, len(text), 60)]}))
     assert trainer.args.gradient_checkpointing
     trainer.train()
     losses = [log["loss"] for log in step_logs(trainer)]
