@@ -1,16 +1,16 @@
 #!/bin/bash
 # The GPU-box checks, one stage per call so each fits the box's 10-minute command limit:
-#   bash bench/on_gpu_box.sh tests|offload|variants|hbm|tiled|io|nvme|large|clip|cpu|lora|load|service|reattach|warm [OUT]
+#   bash bench/on_gpu_box.sh tests|offload|variants|hbm|tiled|io|nvme|large|clip|cpu|lora|load|service|reattach|warm|hf [OUT]
 # Each stage prints its table last and keeps logs and timelines in OUT (default ./gpu-out).
 # Stage times measured on the H100 box (16 cores, 125 GiB, 64 GiB free disk), tenth session:
 # tests 2.7 min, cpu 1.6 min, offload 6.3 min, lora 5 min, tiled 1.4 min, io 1.7 min; fourth
 # session: nvme 3.6 min, large 6.1 min. Estimated: variants 5 min, hbm 5 min, clip 4 min, load
-# 8 min, service 6 min, reattach 6 min, warm 6 min; nvme with its service twin since the
+# 8 min, service 6 min, reattach 6 min, warm 6 min, hf 8 min; nvme with its service twin since the
 # thirteenth session, 7 min. Every tiered process spends 50-95 s in setup there, 25-36 s of it
 # compiling the one-pass AdamW (inductor's cache hits, yet the compile stays 25 s; 2.4 s on the
 # development machine).
 set -o pipefail
-stage=${1:?stage: tests, offload, variants, hbm, tiled, io, nvme, large, clip, cpu, lora, load, service, reattach or warm}
+stage=${1:?stage: tests, offload, variants, hbm, tiled, io, nvme, large, clip, cpu, lora, load, service, reattach, warm or hf}
 out=${2:-gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -87,6 +87,14 @@ warm)  # issue 18: three jobs in a row on one service, 2.78 B GPT (cpu.yaml): th
     # (the service compiles, makes its segments), the others on its spare segments
     python bench/bench_warm_start.py --layers 32 --dim 2560 --jobs 3 2>&1 \
         | grep -v -e Warning -e _conversion | tee "$out/warm.log" ;;
+hf)  # issue 19: TieredTrainer (cpu.yaml, the delayed update) against Trainer with DeepSpeed
+    # ZeRO-3 CPU offload, an HF Llama of 32 x 4096 (6.7 B), bf16, batch 8 x 1024, one invocation.
+    # The image lacks the hf extra and DeepSpeed: their wheels come in WHEELS (carried).
+    pip install -q --no-index --find-links "${WHEELS:-gpu-wheels}" transformers accelerate \
+        peft trl deepspeed 2>&1 | tail -2
+    python bench/bench_hf_trainer.py --layers 32 --dim 4096 --vocab 32000 --seq 1024 \
+        --batch 8 --steps 6 --bf16 --delayed --modes tiered,deepspeed 2>&1 \
+        | grep -v -e Warning -e _conversion | tee "$out/hf.log" ;;
 load)  # pretrained weights: the 2.78 B GPT's bf16 safetensors into a model ready to train
     mkdir -p "$nvme"
     python bench/bench_load.py --layers 32 --dim 2560 --nvme "$nvme" \
@@ -94,6 +102,6 @@ load)  # pretrained weights: the 2.78 B GPT's bf16 safetensors into a model read
         2>&1 | grep -v -e Warning -e _conversion | tee "$out/load.log" ;;
 *)
     echo "unknown stage $stage: tests, offload, variants, hbm, tiled, io, nvme, large, clip," \
-        "cpu, lora, load, service, reattach, warm" >&2
+        "cpu, lora, load, service, reattach, warm, hf" >&2
     exit 2 ;;
 esac
