@@ -16,7 +16,7 @@ from helpers_hf import (STEPS, arguments, assert_close_states, config, dataset, 
 transformers = pytest.importorskip("transformers")
 
 import tiered  # noqa: E402
-from finetune_hf import char_tokenizer, library_text  # noqa: E402  (examples/, the example's)
+from finetune_hf import char_tokenizer, library_text, token_rows  # noqa: E402  (examples/)
 from tiered.integrations.transformers import (TieredTrainer, TieredTrainerMixin,  # noqa: E402
                                               load_model)
 
@@ -212,10 +212,29 @@ def test_a_model_built_under_init_takes_its_own_initialization(tmp_path):
             assert abs(value.mean().item()) < 0.01, name
 
 
+def test_fp16_scales_through_the_engine_and_a_skipped_step_holds_the_schedule(tmp_path):
+    """fp16: accelerate's backward scales the loss by the engine's loss scale. An initial scale
+    of 2**40 overflows fp16 gradients: those steps are skipped, the scale halved each time, and
+    the scheduler is not stepped for them, as Trainer does with a GradScaler; then it trains."""
+    policy = dict(CPU, loss_scale={"initial_scale": 2.0 ** 40})
+    trainer = TieredTrainer(model=llama(), args=arguments(tmp_path, fp16=True, max_steps=40,
+                                                          learning_rate=3e-3),
+                            train_dataset=token_rows(char_tokenizer(), 160, 32),
+                            policy=policy)
+    trainer.train()
+    skipped = trainer.optimizer.skipped_steps
+    losses = [log["loss"] for log in step_logs(trainer)]
+    assert trainer.engine.policy.compute_dtype.value == "fp16"
+    assert 10 <= skipped < 40  # 2**40 down to the largest scale fp16 gradients fit
+    assert trainer.engine.scaler.scale <= 2.0 ** (40 - skipped)
+    assert trainer.lr_scheduler.last_epoch == 40 - skipped
+    assert losses[-1] < losses[0]
+    trainer.engine.close()
+
+
 @pytest.mark.parametrize("given, message", [
     (dict(optim="adafactor"), "optim='adafactor'"),
     (dict(optim="adamw_torch", optim_args="foo=1"), "optim_args='foo=1'"),
-    (dict(fp16=True), "fp16=True"),
     (dict(torch_compile=True), "torch_compile=True"),
     (dict(auto_find_batch_size=True), "auto_find_batch_size=True"),
     (dict(fsdp=True), "fsdp=True"),

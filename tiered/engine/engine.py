@@ -131,19 +131,25 @@ class TieredEngine:
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """``loss.backward(**kwargs)``, multiplied by the loss scale under fp16 compute."""
-        self._refuse_if_closed()
-        if self.scaler is None:
-            loss.backward(**kwargs)
-            return
-        self._scaled_backward = True
-        self.optimizer.note_loss_scale(self.scaler.scale)
         try:
-            (loss.float() * self.scaler.scale).backward(**kwargs)
+            self.scaled_loss(loss).backward(**kwargs)
         finally:
             self._scaled_backward = False
 
+    def scaled_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the loss scale under fp16 compute, for a caller that runs the backward
+        itself (Hugging Face's accelerate: ``scaled_loss(loss).backward()``); the next backward
+        counts as scaled. Without fp16, ``loss`` as it is."""
+        self._refuse_if_closed()
+        if self.scaler is None:
+            return loss
+        self._scaled_backward = True
+        self.optimizer.note_loss_scale(self.scaler.scale)
+        return loss.float() * self.scaler.scale
+
     def _check_backward(self) -> None:
-        if self.scaler is not None and not self._scaled_backward:
+        scaled, self._scaled_backward = self._scaled_backward, False  # one backward's word
+        if self.scaler is not None and not scaled:
             raise TieredError("compute_dtype fp16 needs engine.backward(loss) instead of "
                               "loss.backward(), so that the loss is scaled")
 

@@ -121,9 +121,6 @@ def refusals(args, given: dict[str, Any]) -> list[str]:
         refused.append("deepspeed=...: tiered is the offload engine here; drop deepspeed")
     if args.fsdp:
         refused.append(f"fsdp={args.fsdp!r}: tiered shards the model itself (ZeRO-3); drop fsdp")
-    if args.fp16:
-        refused.append("fp16=True: not supported by TieredTrainer yet (its loss scaling is the "
-                       "engine's); use bf16=True or fp32")
     if args.torch_compile:
         refused.append("torch_compile=True: the engine gathers each unit in hooks around its "
                        "module, which a compiled model would bypass")
@@ -170,6 +167,9 @@ class TieredTrainerMixin:
         with _start_weights(model) as (weights, strict):
             self.engine, optimizer = initialize(model, policy, weights=weights, strict=strict)
         super().__init__(model=model, args=args, optimizers=(optimizer, None), **kwargs)
+        if self.engine.scaler is not None:
+            # accelerate runs the backward as scaler.scale(loss).backward(): the engine's scale.
+            self.accelerator.scaler = _EngineLossScale(self.engine)
 
     # -- the engine in place of what Trainer would wrap -----------------------------------------
 
@@ -182,6 +182,9 @@ class TieredTrainerMixin:
             self._created_lr_scheduler = False
         self.create_scheduler(num_training_steps=max_steps)
         self.model_wrapped = self.engine
+        # accelerate's optimizer_step_was_skipped (the loop steps the scheduler unless an fp16
+        # overflow skipped the step) asks its optimizers, of which the engine's is not one.
+        self.accelerator._optimizers.append(self.optimizer)
         if resume_from_checkpoint is not None:
             self._load_optimizer_and_scheduler(resume_from_checkpoint)
         for attr in ("model", "optimizer", "lr_scheduler"):
@@ -221,6 +224,12 @@ class TieredTrainerMixin:
                 f"{resume_from_checkpoint}: no {CHECKPOINT_TAG}/ folder, so not a checkpoint "
                 f"TieredTrainer saved (its optimizer state would be lost); to start from its "
                 f"weights alone, build the model with load_model({resume_from_checkpoint!r})")
+
+    def _save_scaler(self, output_dir: str) -> None:
+        pass  # the fp16 loss scale is in the engine's checkpoint
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        pass
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """Weights, moments, step counts and each param group's hyperparameters from the
@@ -317,6 +326,17 @@ def _start_weights(model: nn.Module):
             yield source, False
     finally:
         source.close()
+
+
+class _EngineLossScale:
+    """What accelerate's backward scales the loss with under fp16 (its GradScaler's place):
+    the engine's loss scale, which its optimizer unscales, skips and adjusts."""
+
+    def __init__(self, engine: TieredEngine):
+        self.engine = engine
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.engine.scaled_loss(loss)
 
 
 def _weights_dtype(engine: TieredEngine) -> torch.dtype:

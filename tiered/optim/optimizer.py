@@ -162,6 +162,7 @@ class TieredAdamW(torch.optim.Optimizer):
         self._grads_loss_scale: float | None = None
         """The loss scale the gradients held now were computed with (see note_loss_scale)."""
         self.skipped_steps = 0
+        self._last_skipped = False
         """Updates skipped because fp16 gradients overflowed."""
 
     @property
@@ -190,6 +191,12 @@ class TieredAdamW(torch.optim.Optimizer):
             self._worker.raise_if_failed()
             return update.norm
         return self._last_grad_norm
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last finished update was skipped because fp16 gradients overflowed (a
+        scheduler then does not step: accelerate's name for it)."""
+        return self._last_skipped
 
     @property
     def steps_taken(self) -> int:
@@ -300,6 +307,7 @@ class TieredAdamW(torch.optim.Optimizer):
         if self.scaler is not None:
             self.scaler.update(found_inf=update.overflowed)
             self.skipped_steps += update.overflowed
+            self._last_skipped = update.overflowed
 
     def note_loss_scale(self, scale: float) -> None:
         """``engine.backward`` under fp16: its loss is multiplied by ``scale``. The step unscales
