@@ -168,7 +168,8 @@ def test_load_model_reads_the_folder_when_training_starts(tmp_path):
 
 def test_generate_and_peft_counting_work_on_a_tiered_model(tmp_path):
     """``model.parameters()`` holds the placeholders: ``generate`` finds the device (greedy
-    tokens equal the eager model's), peft counts the trainable parameters."""
+    tokens equal the eager model's, also through a peft model), peft counts the trainable
+    parameters."""
     prompt = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
         expected = llama().generate(prompt, max_new_tokens=6, do_sample=False)
@@ -180,6 +181,10 @@ def test_generate_and_peft_counting_work_on_a_tiered_model(tmp_path):
     trainer = TieredTrainer(model=lora(llama()), args=arguments(tmp_path), policy=CPU)
     trainable, total = trainer.model.get_nb_trainable_parameters()
     assert (trainable, total) == (896, sum(p.numel() for p in llama().parameters()) + 896)
+    with torch.no_grad():  # through the wrapped model (see [Note: entering the model below
+        # its root]); lora_B is zero, so the base model's tokens
+        assert torch.equal(trainer.model.generate(input_ids=prompt, max_new_tokens=6,
+                                                  do_sample=False), expected)
     trainer.engine.close()
 
 

@@ -83,6 +83,11 @@ class UnitHooks:
         """Frozen halves whose forward since the last backward hooked no input: released with
         their trainable half's gradient (see [Note: frozen units])."""
         self._whole_forward = [flat for flat in runtime.flats if flat.spec.whole_forward]
+        self._model = model
+        self._entered_by: nn.Module | None = None
+        """The model while its forward runs (set by its pre-hook, also when the forward was
+        entered below it: [Note: entering the model below its root])."""
+        self._inner_skipped: list[bool] = []
         self._handles = [model.register_forward_hook(self._end_forward, always_call=True)]
         self._end_forward_id = self._handles[0].id
         self._post_forward_ids: list[int] = []
@@ -104,12 +109,21 @@ class UnitHooks:
                 partial(self._pre_forward, flat), with_kwargs=True, prepend=True))
         self._handles.append(model.register_forward_pre_hook(self._start_forward,
                                                              with_kwargs=True, prepend=True))
+        self._root_units = [flat for flat in runtime.flats if flat.spec.module is model]
+        inner = _inner_entry(model, self._root_units + self._whole_forward)
+        if inner is not None:
+            self._handles += [
+                inner.register_forward_pre_hook(self._enter_inner, with_kwargs=True,
+                                                prepend=True),
+                inner.register_forward_hook(self._leave_inner, always_call=True)]
 
     def unwind_forward(self) -> None:
         """Pop the saved-tensor hooks of unit forwards a BaseException other than an Exception
         left (torch runs ``always_call`` hooks for an Exception only: a KeyboardInterrupt)."""
         while self._saved_hooks:
             self._saved_hooks.pop().__exit__(None, None, None)
+        self._entered_by = None
+        self._inner_skipped.clear()
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -123,6 +137,7 @@ class UnitHooks:
             self._end_backward()  # a backward that raised never reached its end callback
         module._forward_hooks.move_to_end(self._end_forward_id)  # after the user's
         if not _in_backward_pass():
+            self._entered_by = module
             for flat in self._whole_forward:
                 self.runtime.use(flat)
                 flat.bind_views()
@@ -131,11 +146,32 @@ class UnitHooks:
         cast = partial(_cast_floating, dtype=self.compute_dtype)
         return tree_map_only(torch.Tensor, cast, (args, kwargs))
 
+    def _enter_inner(self, module, args, kwargs):
+        """Pre-hook of the inner entry: when it runs outside the model's forward, the model's
+        forward starts here (its pre-hook, its own units' pre-hooks)."""
+        skip = self._entered_by is not None or _in_backward_pass()
+        self._inner_skipped.append(skip)
+        if skip:
+            return None
+        cast = self._start_forward(self._model, args, kwargs)
+        args, kwargs = cast if cast is not None else (args, kwargs)
+        for flat in self._root_units:
+            self._pre_forward(flat, self._model, args, kwargs)
+        return args, kwargs
+
+    def _leave_inner(self, module, args, output) -> None:
+        if self._inner_skipped.pop():
+            return
+        for flat in reversed(self._root_units):
+            self._post_forward(flat, self._model, args, output)
+        self._end_forward(self._model, args, output)
+
     def _end_forward(self, module, args, output) -> None:
         """Model post-hook: release what the whole forward held; a forward without grad has no
         backward to wait for."""
-        if _in_backward_pass():
+        if _in_backward_pass() or self._entered_by is not module:
             return
+        self._entered_by = None
         for flat in self._whole_forward:
             self.runtime.done(flat)
         if not torch.is_grad_enabled() or _no_backward_from(output):
@@ -309,6 +345,26 @@ def _no_backward_from(output) -> bool:
     return all(not leaf.requires_grad if isinstance(leaf, torch.Tensor)
                else leaf is None or isinstance(leaf, (bool, int, float, str))
                for leaf in tree_leaves(output))
+
+
+def _inner_entry(model: nn.Module, whole_forward: list[FlatParam]) -> nn.Module | None:
+    """[Note: entering the model below its root]
+    The root's own units (and any whole-forward unit) are gathered around the model's forward.
+    A wrapper may also run the model it wraps without its own forward: a peft model generates
+    through it (``base_model.model.generate``), whose forward then ran no root hook and read
+    the embeddings' placeholders. So the innermost module holding all of those parameters (the
+    wrapped model), when it is not the root, is an inner entry: called outside the model's
+    forward, the model's forward starts and ends around it (its hooks run as the model's);
+    called inside it (the wrapper's own forward), it does nothing."""
+    path_of = {id(module): path for path, module in model.named_modules()}
+    paths = [path_of[id(module)].split(".") for flat in whole_forward
+             for spec in flat.spec.params for module, _ in spec.holders]
+    common = []
+    for parts in zip(*paths) if paths else ():
+        if len(set(parts)) != 1 or parts[0] == "":
+            break
+        common.append(parts[0])
+    return model.get_submodule(".".join(common)) if common else None
 
 
 def _checkpoints_inside(module: nn.Module) -> bool:
