@@ -354,3 +354,40 @@ def test_sft_trainer_with_the_mixin_trains(tmp_path):
     losses = [log["loss"] for log in step_logs(trainer)]
     trainer.engine.close()
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.3, losses
+
+
+def test_the_example_fine_tunes_lora_adapters_offline(tmp_path, monkeypatch, capsys):
+    """examples/finetune_hf.py at a tiny size (its run through tiered-launch is the README's;
+    the launcher's part is tests/test_hf_launch.py's): it makes its base checkpoint, trains LoRA
+    adapters on standard-library text, and saves an adapter peft loads onto the base."""
+    from peft import PeftModel
+
+    import finetune_hf
+
+    out = tmp_path / "ft"
+    monkeypatch.setattr("sys.argv", ["finetune_hf.py", "--out", str(out), "--lora", "4",
+                                     "--steps", "6", "--layers", "2", "--dim", "64", "--seq",
+                                     "32", "--batch", "4"])
+    finetune_hf.main()
+    printed = capsys.readouterr().out
+    # 2 layers x (q, k, v, o) x (A: 4x64 + B: 64x4)
+    assert "4,096 of 115,136 parameters train" in printed, printed
+    model = PeftModel.from_pretrained(
+        transformers.LlamaForCausalLM.from_pretrained(out / "base"), out / "final")
+    assert model.peft_config["default"].r == 4
+
+
+def test_lora_modules_to_save_start_as_the_base_layer(tmp_path):
+    """peft's modules_to_save trains a copy of a whole layer, which starts as the original:
+    over load_model both read the base checkpoint's weight."""
+    peft = pytest.importorskip("peft")
+    base = llama()
+    base.save_pretrained(tmp_path / "base")
+    model = peft.get_peft_model(load_model(str(tmp_path / "base"), policy=CPU), peft.LoraConfig(
+        r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    trainer = TieredTrainer(model=model, args=arguments(tmp_path / "run"), policy=CPU)
+    state = trainer.engine.full_state_dict()
+    trainer.engine.close()
+    for name in ("original_module", "modules_to_save.default"):
+        assert torch.equal(state[f"base_model.model.lm_head.{name}.weight"],
+                           base.state_dict()["lm_head.weight"]), name

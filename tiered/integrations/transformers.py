@@ -284,9 +284,19 @@ def _peft_base(model: nn.Module) -> nn.Module | None:
 
 def peft_base_name(name: str) -> str:
     """The base model's name of a ``peft`` model's parameter: without the ``base_model.model.``
-    prefix and the ``base_layer`` a LoRA layer puts its wrapped layer under."""
-    name = name.removeprefix("base_model.model.")
-    return ".".join(part for part in name.split(".") if part != "base_layer")
+    prefix, the ``base_layer`` a LoRA layer puts its wrapped layer under, and the
+    ``original_module`` or ``modules_to_save.<adapter>`` of a layer trained whole
+    (``modules_to_save``: its trained copy starts as the original)."""
+    parts = name.removeprefix("base_model.model.").split(".")
+    kept, skip = [], 0
+    for part in parts:
+        if skip:
+            skip -= 1
+        elif part == "modules_to_save":
+            skip = 1  # and the adapter's name after it
+        elif part not in ("base_layer", "original_module"):
+            kept.append(part)
+    return ".".join(kept)
 
 
 @contextlib.contextmanager
