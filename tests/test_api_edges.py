@@ -688,3 +688,30 @@ def test_model_parameters_are_placeholders_and_a_torch_clip_is_refused():
         torch.optim.AdamW(model.parameters()).zero_grad()
     engine.close()
     assert list(model.parameters()) == []
+
+
+def test_close_can_give_the_trained_weights_back_to_the_model():
+    """close(restore_weights=True): the model is a plain PyTorch one again, with the trained
+    weights (tied ones still one parameter), and can be initialized anew. A model whose layers
+    tiling split is refused before anything is freed."""
+    model = make_gpt(2, qkv_bias=False)
+    engine, optimizer = tiered.initialize(model, CPU_YAML, compute_dtype="fp32", device="cpu")
+    engine(batch(0)).float().square().mean().backward()
+    optimizer.step()
+    trained = engine.full_state_dict()
+    with torch.no_grad():
+        expected = engine(batch(1))
+    engine.close(restore_weights=True)
+    assert all(torch.equal(model.state_dict()[name], value) for name, value in trained.items())
+    assert model.head.weight is model.emb.weight
+    with torch.no_grad():
+        torch.testing.assert_close(model(batch(1)), expected)
+    tiered.initialize(model, CPU_YAML, compute_dtype="fp32", device="cpu")[0].close()
+
+    tiled = make_gpt(1, qkv_bias=False)
+    engine, _ = tiered.initialize(tiled, CPU_YAML, compute_dtype="fp32", device="cpu",
+                                  tiling={"max_unit_bytes": 2048})
+    with pytest.raises(tiered.TieredError, match="tiling split"):
+        engine.close(restore_weights=True)
+    assert not engine.closed
+    engine.close()

@@ -159,3 +159,16 @@ def drop_parameters(flats: list[FlatParam]) -> None:
             for module, attr in param.holders:
                 module._parameters.pop(attr, None)
         flat.bind_placeholders()  # what a module holds while its unit is released
+
+
+def restore_parameters(flats: list[FlatParam], values: dict[str, torch.Tensor]) -> None:
+    """The inverse of drop_parameters: each parameter back in its modules as an ordinary
+    ``nn.Parameter`` holding ``values[name]`` in the dtype the model gave it (one parameter for
+    all the holders of a tied one), in place of its placeholder."""
+    for flat in flats:
+        for spec in flat.spec.params:
+            param = nn.Parameter(values[spec.names[0]].to(spec.dtype),
+                                 requires_grad=spec.trainable)
+            for module, attr in spec.holders:
+                module.__dict__.pop(attr, None)
+                module.register_parameter(attr, param)

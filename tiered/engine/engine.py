@@ -19,7 +19,7 @@ from torch import nn
 from ..checkpoint import checkpoint, export, pretrained
 from ..errors import PolicyError, TieredError
 from ..manager import TierManager
-from ..ops.tiled_linear import merge_tiles, tile_large_linears, untile
+from ..ops.tiled_linear import merge_tiles, tile_large_linears, tiled_layers, untile
 from ..optim import TieredAdamW
 from ..optim.adamw import one_pass_for
 from ..optim.groups import shard_ranges
@@ -34,7 +34,7 @@ from ..timeline import Timeline
 from . import reattach
 from .assemble import InService, assemble, host_request, hostable_in_service
 from .build import (building_bytes, built_together, drop_parameters, flat_units, memory_plan,
-                    partition, place_buffers)
+                    partition, place_buffers, restore_parameters)
 from .collectives import ProcessGroup
 from .hooks import UnitHooks
 from .init import Materializer, init_context_of
@@ -317,12 +317,24 @@ class TieredEngine:
             raise TieredError(f"{self._half_loaded}: this engine holds some loaded states and "
                               f"some older ones; load a checkpoint or weights again")
 
-    def close(self) -> None:
+    def close(self, restore_weights: bool = False) -> None:
         """Free every tier and remove this run's NVMe folder (also done at interpreter exit).
 
-        Dropping the engine is not enough: the model's hooks keep it alive."""
+        Dropping the engine is not enough: the model's hooks keep it alive. With
+        ``restore_weights`` the trained weights go back into the model's modules as ordinary
+        parameters first (the whole model on every rank, as CPU tensors in the dtypes the model
+        gave them: it must fit in memory), so it is a plain PyTorch model again (peft's
+        ``merge_and_unload``, ``save_pretrained``, another ``initialize``). Every rank must
+        call it so (each unit is gathered)."""
         if self._closed:
             return
+        values = None
+        if restore_weights:  # before anything is freed: a refusal or failure keeps the engine
+            if tiled_layers(self.module):
+                raise TieredError("close(restore_weights=True) cannot give back the layers "
+                                  "tiling split (policy tiling); save_pretrained exports them")
+            values = {name: value.clone() for flat, full in self.consolidated_units()
+                      for name, value in flat.by_name(full).items()}
         clean = False
         try:
             # An update still running may fail; one that failed after the last call that could
@@ -340,6 +352,9 @@ class TieredEngine:
                 _shut_down(self.runtime, clean)
             self._closed = True
             checkpoint.release_folders(self)  # the checkpoint folders it owns, for other jobs
+            if values is not None:
+                restore_parameters(self.runtime.flats, values)
+                _managed.discard(self.module)
 
 
 def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = True,
