@@ -1,19 +1,15 @@
 """TieredEngine and ``tiered.initialize``: a model partitioned across ranks and tiers."""
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
-import signal
 import sys
-import threading
 import warnings
 import weakref
 from collections import OrderedDict
 from functools import partial
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint import checkpoint, export, pretrained
@@ -31,7 +27,7 @@ from ..service.client import ServiceSlabSource, slab_source_from_env
 from ..service.remote_nvme import ServiceNvme
 from ..tiers import NvmeTier, SlabSource
 from ..timeline import Timeline
-from . import reattach
+from . import process_exit, reattach
 from .assemble import InService, assemble, host_request, hostable_in_service
 from .build import (building_bytes, built_together, drop_parameters, flat_units, memory_plan,
                     partition, place_buffers, restore_parameters)
@@ -45,8 +41,6 @@ LAUNCHED_ENV = "TIERED_LAUNCHED"
 
 _managed: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 """Models whose parameters an engine has taken over."""
-_engines: "weakref.WeakSet[TieredEngine]" = weakref.WeakSet()
-"""Live engines, shut down at exit before the process group they use goes (_leave_group)."""
 
 
 class TieredEngine:
@@ -68,8 +62,7 @@ class TieredEngine:
         self._hooks = UnitHooks(module, runtime, policy.compute_dtype.torch_dtype,
                                 on_backward_start=self._check_backward)
         self._finalizer = weakref.finalize(self, _shut_down, runtime)
-        _engines.add(self)
-        _shut_down_before_thread_pools_stop()
+        process_exit.shut_down_at_exit(self)
         # The model has no parameters left: its own zero_grad(), state_dict() and
         # load_state_dict() would clear, save and load no weights (torch.save of its state
         # dict would keep only the buffers). They act on the engine's instead, until close().
@@ -391,9 +384,9 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
     if os.environ.get(LAUNCHED_ENV):
         # Before anything is made on disk: a SIGTERM during set-up (torchrun's, when another
         # rank fails) must unwind through the cleanup below, not kill the process past it.
-        _exit_cleanly_on_sigterm()
+        process_exit.exit_cleanly_on_sigterm()
     device = _compute_device(policy)
-    _init_distributed(device)
+    process_exit.init_distributed(device)
     group = ProcessGroup.current(device)
     timeline = _timeline(policy, device, group)
 
@@ -563,68 +556,3 @@ def _timeline(policy: Policy, device: torch.device, group: ProcessGroup) -> Time
         raise refused or PolicyError("another rank cannot write its timeline (trace.path or "
                                      "TIERED_TRACE): see that rank's error")
     return timeline
-
-
-def _init_distributed(device: torch.device) -> None:
-    """Join the torchrun group when launched by it and nobody has joined yet (and leave it at
-    exit, which NCCL asks for, unless the program already has)."""
-    if dist.is_initialized() or "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    atexit.register(_leave_group)
-
-
-def _leave_group() -> None:
-    """At exit: every engine's worker first finishes its update, whose gradient norm may still
-    be an all-reduce over the group's ranks, then the group goes."""
-    _shut_down_engines()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _shut_down_engines() -> None:
-    for engine in list(_engines):
-        engine._finalizer()
-
-
-_shutdown_registered = False
-
-
-def _shut_down_before_thread_pools_stop() -> None:
-    """Shut live engines down when the main thread ends, before Python stops its thread pools.
-
-    [Note: exit order]
-    A script may end with an update still running on the CPU worker (the delayed update
-    returns at once). When the main thread ends, Python first runs the hooks registered with
-    threading's own exit list, among them concurrent.futures', which refuses new work from then
-    on, and only later the atexit handlers and finalizers. The update's NVMe reads and writes go
-    through such pools, so an engine finished by atexit failed its last update with "cannot
-    schedule new futures after shutdown", and said so on every run. Hooks on that list run
-    newest first, so one registered after the pools' own (which exist once an engine does)
-    runs before it. ``threading._register_atexit`` is private, but it is what
-    concurrent.futures itself uses; where it is missing, atexit remains (the old order)."""
-    global _shutdown_registered
-    if _shutdown_registered:
-        return
-    register = getattr(threading, "_register_atexit", atexit.register)
-    try:
-        register(_shut_down_engines)
-    except RuntimeError:  # the interpreter is already shutting down: atexit still runs
-        atexit.register(_shut_down_engines)
-    _shutdown_registered = True
-
-
-def _exit_cleanly_on_sigterm() -> None:
-    """torchrun stops the other ranks with SIGTERM when one fails; turning it into SystemExit
-    runs the exit handlers that remove this rank's NVMe folder."""
-    if threading.current_thread() is threading.main_thread() and \
-            signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, _exit_once)
-
-
-def _exit_once(signum: int, frame) -> None:
-    """A second SIGTERM (a scheduler repeating itself, or the parent-death signal sent again)
-    would raise again inside the exit handlers and cut the NVMe folder's removal short, so
-    after the first one SIGTERM is ignored; SIGKILL still ends the process."""
-    signal.signal(signum, signal.SIG_IGN)
-    sys.exit(128 + signum)
