@@ -682,6 +682,7 @@ def test_model_parameters_are_placeholders_and_a_torch_clip_is_refused():
     assert sum(p.numel() for p in model.parameters()) == engine.num_parameters() == count
     assert {p.device for p in model.parameters()} == {engine.device}
     assert [name for name, _ in model.named_parameters(recurse=False)] == own == ["pos"]
+    assert [name for name, _ in model.head.named_parameters()] == ["weight"]  # tied to emb
     with pytest.raises(tiered.TieredError, match="clip with the policy's optimizer.max_grad_norm"):
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     with pytest.raises(tiered.TieredError, match="gradients live in the engine's shards"):

@@ -243,6 +243,8 @@ def test_fp16_scales_through_the_engine_and_a_skipped_step_holds_the_schedule(tm
     (dict(torch_compile=True), "torch_compile=True"),
     (dict(auto_find_batch_size=True), "auto_find_batch_size=True"),
     (dict(fsdp=True), "fsdp=True"),
+    (dict(label_smoothing_factor=0.1), "label_smoothing_factor=0.1"),
+    (dict(bf16_full_eval=True), "bf16_full_eval=True"),
 ])
 def test_arguments_it_cannot_honour_are_refused_by_name(tmp_path, given, message):
     model = llama()
@@ -257,6 +259,10 @@ def test_trainer_arguments_it_cannot_honour_are_refused(tmp_path):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(tiered.TieredError, match="optimizers=..."):
         TieredTrainer(model=model, args=arguments(tmp_path), optimizers=(optimizer, None))
+    with pytest.raises(tiered.TieredError, match="peft_config=...: .*get_peft_model"):
+        TieredTrainer(model=model, args=arguments(tmp_path), peft_config=object())
+    with pytest.raises(tiered.TieredError, match="a model object, not str 'meta-llama/x'"):
+        TieredTrainer(model="meta-llama/x", args=arguments(tmp_path))
     with pytest.raises(tiered.TieredError, match="takes the model, not an engine"):
         engine, _ = tiered.initialize(copy.deepcopy(model), CPU)
         try:
@@ -377,17 +383,40 @@ def test_the_example_fine_tunes_lora_adapters_offline(tmp_path, monkeypatch, cap
     assert model.peft_config["default"].r == 4
 
 
-def test_lora_modules_to_save_start_as_the_base_layer(tmp_path):
+@pytest.mark.parametrize("tied", [False, True])
+def test_lora_modules_to_save_start_as_the_base_layer(tmp_path, tied):
     """peft's modules_to_save trains a copy of a whole layer, which starts as the original:
-    over load_model both read the base checkpoint's weight."""
+    over load_model both read the base checkpoint's weight, also where the head is tied to the
+    embedding (the checkpoint holds it under the embedding's name only). The trainer takes the
+    policy load_model was given (none is passed to it here)."""
     peft = pytest.importorskip("peft")
-    base = llama()
+    base = llama(tie_word_embeddings=tied)
     base.save_pretrained(tmp_path / "base")
     model = peft.get_peft_model(load_model(str(tmp_path / "base"), policy=CPU), peft.LoraConfig(
         r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
-    trainer = TieredTrainer(model=model, args=arguments(tmp_path / "run"), policy=CPU)
+    trainer = TieredTrainer(model=model, args=arguments(tmp_path / "run"))
+    assert trainer.engine.device.type == "cpu" and trainer.engine.policy.device.value == "cpu"
     state = trainer.engine.full_state_dict()
     trainer.engine.close()
     for name in ("original_module", "modules_to_save.default"):
         assert torch.equal(state[f"base_model.model.lm_head.{name}.weight"],
                            base.state_dict()["lm_head.weight"]), name
+
+
+def test_lora_inits_under_tiered_init_as_peft_builds_them_or_are_refused_by_name(tmp_path):
+    """init_lora_weights=False leaves the adapters as their layers' own init makes them (no
+    NaN left); DoRA's magnitude comes from the base weights, which are not loaded yet: refused
+    by name."""
+    peft = pytest.importorskip("peft")
+    llama().save_pretrained(tmp_path / "base")
+    plain = peft.get_peft_model(load_model(str(tmp_path / "base"), policy=CPU), peft.LoraConfig(
+        r=4, target_modules=["q_proj"], init_lora_weights=False))
+    trainer = TieredTrainer(model=plain, args=arguments(tmp_path / "run"))
+    lora_b = [value for name, value in trainer.engine.full_state_dict().items()
+              if ".lora_B." in name]
+    trainer.engine.close()
+    assert lora_b and all(value.abs().max() > 0 for value in lora_b)
+    dora = peft.get_peft_model(load_model(str(tmp_path / "base"), policy=CPU), peft.LoraConfig(
+        r=4, target_modules=["q_proj"], use_dora=True))
+    with pytest.raises(tiered.TieredError, match="adapter 'default': tiered.init builds LoRA"):
+        TieredTrainer(model=dora, args=arguments(tmp_path / "run"))

@@ -109,11 +109,25 @@ def _take(real: str, directory: str, purpose: str) -> OwnerLock:
 
 def release_folders(engine) -> None:
     """``engine`` is closed: give up the folders no engine of this process uses any more."""
-    for real, held in list(_claims.items()):
-        held.engines.discard(engine)
-        if not held.engines:
-            held.lock.release()
-            del _claims[real]
+    for real in list(_claims):
+        _release(engine, real)
+
+
+def release_folder(engine, directory: str) -> None:
+    """``engine`` is done with ``directory`` (a trainer that saves each checkpoint into a folder
+    of its own, which it may delete: Hugging Face's ``checkpoint-<step>``): give it up unless
+    another engine of this process uses it."""
+    _release(engine, os.path.realpath(directory))
+
+
+def _release(engine, real: str) -> None:
+    held = _claims.get(real)
+    if held is None:
+        return
+    held.engines.discard(engine)
+    if not held.engines:
+        held.lock.release()
+        del _claims[real]
 
 
 def _remove_dead_staging(real: str, directory: str) -> None:

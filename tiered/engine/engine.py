@@ -171,9 +171,14 @@ class TieredEngine:
         """``module.named_parameters()`` after initialize, for the module at ``path`` (its
         state-dict prefix, "" for the model): the placeholders under it (with ``recurse=False``,
         its own only), named as torch names them."""
-        for name, placeholder in self.named_parameters(remove_duplicate=remove_duplicate):
-            if name.startswith(path) and (recurse or "." not in name[len(path):]):
-                yield prefix + name[len(path):], placeholder
+        seen: set[int] = set()  # by identity within the module: a tied parameter's second
+        for name, placeholder in self.named_parameters(remove_duplicate=False):  # holder too
+            if not name.startswith(path) or not (recurse or "." not in name[len(path):]):
+                continue
+            if remove_duplicate and id(placeholder) in seen:
+                continue
+            seen.add(id(placeholder))
+            yield prefix + name[len(path):], placeholder
 
     def parameters(self):
         """The placeholders of :meth:`named_parameters`."""
@@ -316,7 +321,8 @@ class TieredEngine:
         Dropping the engine is not enough: the model's hooks keep it alive. With
         ``restore_weights`` the trained weights go back into the model's modules as ordinary
         parameters first (the whole model on every rank, as CPU tensors in the dtypes the model
-        gave them: it must fit in memory), so it is a plain PyTorch model again (peft's
+        gave them, a frozen unit's as its compute-dtype weights held them: it must fit in
+        memory), its buffers moved to the CPU too, so it is a plain PyTorch model again (peft's
         ``merge_and_unload``, ``save_pretrained``, another ``initialize``). Every rank must
         call it so (each unit is gathered)."""
         if self._closed:
@@ -347,6 +353,7 @@ class TieredEngine:
             checkpoint.release_folders(self)  # the checkpoint folders it owns, for other jobs
             if values is not None:
                 restore_parameters(self.runtime.flats, values)
+                self.module.to("cpu")  # its buffers too, where the parameters are
                 _managed.discard(self.module)
 
 

@@ -44,6 +44,7 @@ model's pre-hook and released by its post-hook.
 """
 from __future__ import annotations
 
+import sys
 from functools import partial
 from typing import Callable, NamedTuple
 
@@ -84,9 +85,10 @@ class UnitHooks:
         their trainable half's gradient (see [Note: frozen units])."""
         self._whole_forward = [flat for flat in runtime.flats if flat.spec.whole_forward]
         self._model = model
-        self._entered_by: nn.Module | None = None
-        """The model while its forward runs (set by its pre-hook, also when the forward was
-        entered below it: [Note: entering the model below its root])."""
+        self._forward_depth = 0
+        """Model forwards running (outside backward): one, or more where the model's forward
+        calls the model; also counted when entered below it ([Note: entering the model below
+        its root])."""
         self._inner_skipped: list[bool] = []
         self._handles = [model.register_forward_hook(self._end_forward, always_call=True)]
         self._end_forward_id = self._handles[0].id
@@ -122,7 +124,7 @@ class UnitHooks:
         left (torch runs ``always_call`` hooks for an Exception only: a KeyboardInterrupt)."""
         while self._saved_hooks:
             self._saved_hooks.pop().__exit__(None, None, None)
-        self._entered_by = None
+        self._forward_depth = 0
         self._inner_skipped.clear()
 
     def remove(self) -> None:
@@ -137,7 +139,7 @@ class UnitHooks:
             self._end_backward()  # a backward that raised never reached its end callback
         module._forward_hooks.move_to_end(self._end_forward_id)  # after the user's
         if not _in_backward_pass():
-            self._entered_by = module
+            self._forward_depth += 1
             for flat in self._whole_forward:
                 self.runtime.use(flat)
                 flat.bind_views()
@@ -149,7 +151,7 @@ class UnitHooks:
     def _enter_inner(self, module, args, kwargs):
         """Pre-hook of the inner entry: when it runs outside the model's forward, the model's
         forward starts here (its pre-hook, its own units' pre-hooks)."""
-        skip = self._entered_by is not None or _in_backward_pass()
+        skip = self._forward_depth > 0 or _in_backward_pass()
         self._inner_skipped.append(skip)
         if skip:
             return None
@@ -169,9 +171,9 @@ class UnitHooks:
     def _end_forward(self, module, args, output) -> None:
         """Model post-hook: release what the whole forward held; a forward without grad has no
         backward to wait for."""
-        if _in_backward_pass() or self._entered_by is not module:
+        if _in_backward_pass() or self._forward_depth == 0:
             return
-        self._entered_by = None
+        self._forward_depth -= 1
         for flat in self._whole_forward:
             self.runtime.done(flat)
         if not torch.is_grad_enabled() or _no_backward_from(output):
@@ -369,9 +371,13 @@ def _inner_entry(model: nn.Module, whole_forward: list[FlatParam]) -> nn.Module 
 
 def _checkpoints_inside(module: nn.Module) -> bool:
     """Whether the module checkpoints its own forward inside its call (see [Note:
-    checkpointing inside the hooks]): a Hugging Face layer with gradient checkpointing on."""
-    return (getattr(module, "gradient_checkpointing", False) is True and module.training
-            and torch.is_grad_enabled())
+    checkpointing inside the hooks]): a Hugging Face layer (GradientCheckpointingLayer, not a
+    model that merely has the flag) with gradient checkpointing on. transformers is not
+    imported for it: a module of its can exist only once it is."""
+    layers = sys.modules.get("transformers.modeling_layers")
+    layer = getattr(layers, "GradientCheckpointingLayer", None)
+    return (layer is not None and isinstance(module, layer) and module.gradient_checkpointing
+            and module.training and torch.is_grad_enabled())
 
 
 def _outer_saved_hooks() -> _SavedHooks | None:

@@ -23,6 +23,7 @@ in unit order, not construction order, so they differ from an eager model's unde
 """
 from __future__ import annotations
 
+import inspect
 import weakref
 from typing import Callable
 
@@ -152,7 +153,8 @@ class _AdapterInit:
             if not callable(getattr(layer, "reset_lora_parameters", None)):
                 continue
             self.layer_of[id(layer)] = layer
-            for kind in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"):
+            for kind in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B",
+                         "lora_magnitude_vector"):
                 container = getattr(layer, kind, None)
                 if isinstance(container, nn.ModuleDict):
                     self.layer_of.update({id(m): layer for m in container.values()})
@@ -168,14 +170,27 @@ class _AdapterInit:
         for adapter in list(layer.lora_A) + list(getattr(layer, "lora_embedding_A", {})):
             if (id(layer), adapter) in self.done:
                 continue
-            init = self.init_of.get(adapter, True)
-            if not (isinstance(init, bool) or init == "gaussian"):
-                raise TieredError(
-                    f"adapter {adapter!r}: init_lora_weights={init!r} computes the adapter from "
-                    f"the base weights, which tiered.init has not loaded yet; use True, False "
-                    f"or 'gaussian', or build the peft model outside tiered.init")
-            layer.reset_lora_parameters(adapter, init)
+            self._initialize(layer, adapter, self.init_of.get(adapter, True))
             self.done.add((id(layer), adapter))
+
+    @staticmethod
+    def _initialize(layer: nn.Module, adapter: str, init) -> None:
+        what = f"{type(layer).__name__} adapter {adapter!r}"
+        if len(inspect.signature(layer.reset_lora_parameters).parameters) != 2 or \
+                getattr(layer, "use_dora", {}).get(adapter, False):
+            raise TieredError(f"{what}: tiered.init builds LoRA adapters only (not DoRA's "
+                              f"magnitude, computed from the base weights, nor other peft "
+                              f"tuners); build this peft model outside tiered.init")
+        if init is False:  # peft leaves them as their layers' own init made them
+            for kind in ("lora_A", "lora_B"):
+                getattr(layer, kind)[adapter].reset_parameters()
+            return
+        if not (init is True or init == "gaussian"):
+            raise TieredError(f"{what}: init_lora_weights={init!r} computes the adapter from "
+                              f"the base weights, which tiered.init has not loaded yet; use "
+                              f"True, False or 'gaussian', or build the peft model outside "
+                              f"tiered.init")
+        layer.reset_lora_parameters(adapter, init)
 
 
 def _current(spec: ParamSpec) -> torch.Tensor:

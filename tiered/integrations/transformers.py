@@ -41,11 +41,14 @@ except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError("tiered.integrations.transformers needs Hugging Face transformers and "
                       "accelerate: pip install 'tiered[hf]'") from error
 
+from ..checkpoint.folder import release_folder
 from ..checkpoint.pretrained import listing
 from ..checkpoint.sources import RenamedSource, SafetensorsSource
 from ..engine import initialize
 from ..engine.engine import TieredEngine
+from ..engine.init import init_context_of
 from ..errors import TieredError
+from ..optim.groups import group_of
 from ..policy import Policy, resolve
 
 ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused")
@@ -85,20 +88,26 @@ def load_model(path: str, cls: Any = None, *, policy=None, **kwargs) -> nn.Modul
 
 def trainer_policy(args, model: nn.Module, policy, decay_names: list[str]) -> Policy:
     """``policy`` (as ``tiered.initialize`` takes it) with its optimizer and compute dtype set
-    from the TrainingArguments (see [Note: Trainer over the engine])."""
+    from the TrainingArguments (see [Note: Trainer over the engine]). The policy's own param
+    groups stay, first; Trainer's no-decay group takes the no-decay parameters they leave. The
+    compute dtype is the arguments' (bf16, fp16, else fp32), as in Trainer, whatever the
+    policy's."""
+    base = resolve(policy)
+    groups = base.optimizer.param_groups
     no_decay = [name for name, param in model.named_parameters(remove_duplicate=False)
-                if name not in decay_names and param.requires_grad]
+                if name not in decay_names and param.requires_grad
+                and group_of((name,), groups) == 0]
     optimizer = dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
                      eps=args.adam_epsilon, weight_decay=args.weight_decay,
-                     max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else float("inf"))
-    if args.gradient_accumulation_steps == 1:
-        # One backward a step, always: bf16 gradients stay bf16 (half the grads tier).
-        optimizer["accumulation_steps"] = 1
+                     max_grad_norm=args.max_grad_norm if args.max_grad_norm > 0 else float("inf"),
+                     # One backward a step, always: bf16 gradients stay bf16 (half the grads
+                     # tier). With more, Trainer's last step of an epoch may take fewer.
+                     accumulation_steps=1 if args.gradient_accumulation_steps == 1 else None)
     if no_decay and args.weight_decay != 0:
-        optimizer["param_groups"] = [{"match": [_literal(name) for name in no_decay],
-                                      "weight_decay": 0.0}]
+        optimizer["param_groups"] = base.to_dict()["optimizer"]["param_groups"] + [
+            {"match": [_literal(name) for name in no_decay], "weight_decay": 0.0}]
     compute = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-    return resolve(policy, {"optimizer": optimizer, "compute_dtype": compute})
+    return resolve(base, {"optimizer": optimizer, "compute_dtype": compute})
 
 
 def _literal(name: str) -> str:
@@ -127,6 +136,13 @@ def refusals(args, given: dict[str, Any]) -> list[str]:
     if args.auto_find_batch_size:
         refused.append("auto_find_batch_size=True: the engine's memory is planned once, at "
                        "construction; set per_device_train_batch_size")
+    if args.label_smoothing_factor:
+        refused.append(f"label_smoothing_factor={args.label_smoothing_factor}: not supported by "
+                       f"TieredTrainer yet; give compute_loss_func a smoothed loss")
+    for flag in ("fp16_full_eval", "bf16_full_eval"):
+        if getattr(args, flag, False):
+            refused.append(f"{flag}=True: evaluation computes in the engine's compute dtype "
+                           f"(bf16 or fp16 set it for training and evaluation alike)")
     if args.n_gpu > 1:
         refused.append(f"{args.n_gpu} GPUs in one process (DataParallel): start one process per "
                        f"GPU with tiered-launch")
@@ -135,6 +151,9 @@ def refusals(args, given: dict[str, Any]) -> list[str]:
         if value is not None and value != (None, None):
             refused.append(f"{name}=...: the optimizer and the model's partitioning are the "
                            f"engine's, made from the model and policy TieredTrainer is given")
+    if given.get("peft_config") is not None:
+        refused.append("peft_config=...: the engine takes the model as it is given; make the "
+                       "peft model first (get_peft_model(model, config)) and pass it as model")
     return refused
 
 
@@ -156,20 +175,29 @@ class TieredTrainerMixin:
         if isinstance(model, TieredEngine):
             raise TieredError("TieredTrainer takes the model, not an engine: it initializes "
                               "the engine itself, from the model and policy")
+        if not isinstance(model, nn.Module):
+            raise TieredError(f"TieredTrainer takes a model object, not {type(model).__name__} "
+                              f"{model!r}: build it first (load_model(path) for a folder)")
         if args is None:
             args = transformers.TrainingArguments(output_dir="tmp_trainer")
         refused = refusals(args, kwargs)
         if refused:
             raise TieredError("TieredTrainer cannot honour these arguments:\n  - "
                               + "\n  - ".join(refused))
+        kwargs.pop("optimizers", None)  # (None, None): the engine's take their place
+        if policy is None:  # the one the model was built under, as initialize takes it
+            context = init_context_of(_peft_base(model) or model)
+            policy = context.policy if context is not None else None
         decay = Trainer.get_decay_parameter_names(self, model)
         policy = trainer_policy(args, model, policy, decay)
         with _start_weights(model) as (weights, strict):
             self.engine, optimizer = initialize(model, policy, weights=weights, strict=strict)
         super().__init__(model=model, args=args, optimizers=(optimizer, None), **kwargs)
-        if self.engine.scaler is not None:
-            # accelerate runs the backward as scaler.scale(loss).backward(): the engine's scale.
-            self.accelerator.scaler = _EngineLossScale(self.engine)
+        # accelerate runs the backward as scaler.scale(loss).backward() when it has a scaler:
+        # the engine's loss scale under fp16, else none (not a GradScaler of its own, which
+        # accelerate makes from ACCELERATE_MIXED_PRECISION too, and which nothing unscales).
+        self.accelerator.scaler = (_EngineLossScale(self.engine)
+                                   if self.engine.scaler is not None else None)
 
     # -- the engine in place of what Trainer would wrap -----------------------------------------
 
@@ -210,8 +238,10 @@ class TieredTrainerMixin:
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """The engine's checkpoint (every tier's state, atomically, each rank its part) under
-        ``output_dir/tiered``, and the scheduler's state as Trainer saves it."""
+        ``output_dir/tiered``, and the scheduler's state as Trainer saves it. The folder is
+        given up at once: Trainer's rotation deletes it later (save_total_limit)."""
         self.engine.save_checkpoint(output_dir, CHECKPOINT_TAG)
+        release_folder(self.engine, output_dir)
         if self.args.should_save and self.lr_scheduler is not None:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
 
@@ -225,6 +255,13 @@ class TieredTrainerMixin:
                 f"TieredTrainer saved (its optimizer state would be lost); to start from its "
                 f"weights alone, build the model with load_model({resume_from_checkpoint!r})")
 
+    def _load_best_model(self) -> None:
+        """``load_best_model_at_end``: the best checkpoint's weights and states, from the
+        engine's own checkpoint (not its export, rounded to the model's dtype)."""
+        best = self.state.best_model_checkpoint
+        self.engine.load_checkpoint(best, CHECKPOINT_TAG)
+        release_folder(self.engine, best)
+
     def _save_scaler(self, output_dir: str) -> None:
         pass  # the fp16 loss scale is in the engine's checkpoint
 
@@ -237,6 +274,7 @@ class TieredTrainerMixin:
         if checkpoint is None:
             return
         self.engine.load_checkpoint(checkpoint, CHECKPOINT_TAG)
+        release_folder(self.engine, checkpoint)
         path = os.path.join(checkpoint, SCHEDULER_FILE)
         if os.path.isfile(path) and self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
@@ -303,9 +341,9 @@ def peft_base_name(name: str) -> str:
 def _start_weights(model: nn.Module):
     """The weights ``load_model`` built ``model`` (or a ``peft`` model's base) from, under the
     model's names, and whether to hold them to strict matching (``initialize``'s ``strict``).
-    A peft model's adapters are not in a base checkpoint: they start as peft initializes them,
-    not warned about; anything else of the model must be there (a tied parameter under any of
-    its names)."""
+    A peft model's LoRA adapters are not in a base checkpoint: they start as peft initializes
+    them, not warned about; every other parameter must be there, under one of the base names it
+    goes by (a tied one, or a trained copy of a tied layer, under any of its names)."""
     base = _peft_base(model)
     path = _weights_of.get(model) or (_weights_of.get(base) if base is not None else None)
     if path is None:
@@ -314,18 +352,21 @@ def _start_weights(model: nn.Module):
     if base is None:
         yield path, True
         return
+    names_of: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), []).append(name)
+    aliases: dict[str, set[str]] = {}  # base name -> the base names of its parameter
+    for names in names_of.values():
+        bases = {peft_base_name(name) for name in names}
+        for name in bases:
+            aliases.setdefault(name, set()).update(bases)
     keys = list(model.state_dict().keys())
-    source = RenamedSource(SafetensorsSource(path), {key: peft_base_name(key) for key in keys})
+    checkpoint = SafetensorsSource(path)
+    source = RenamedSource(checkpoint, {key: _name_in(checkpoint, key, aliases) for key in keys})
     try:
-        names_of: dict[int, list[str]] = {}
-        trainable: set[int] = set()
-        for name, param in model.named_parameters(remove_duplicate=False):
-            names_of.setdefault(id(param), []).append(name)
-            if param.requires_grad:
-                trainable.add(id(param))
         held = {name for names in names_of.values() for name in names}
-        missing = [names[0] for key, names in names_of.items()
-                   if key not in trainable and not source.tensors.keys() & set(names)]
+        missing = [names[0] for names in names_of.values()
+                   if not any(name in source.tensors or _is_adapter(name) for name in names)]
         missing += [key for key in keys if key not in held and key not in source.tensors]
         if missing:
             raise TieredError(f"{path} lacks {len(missing)} of the base model's weights: "
@@ -338,6 +379,20 @@ def _start_weights(model: nn.Module):
         source.close()
 
 
+def _name_in(checkpoint: SafetensorsSource, key: str, aliases: dict[str, set[str]]) -> str:
+    """The checkpoint's name for the peft model's ``key``: its base name, else another base
+    name of the same parameter that the checkpoint has."""
+    own = peft_base_name(key)
+    others = sorted(aliases.get(own, set()) - {own})
+    return next((name for name in [own, *others] if name in checkpoint.tensors), own)
+
+
+def _is_adapter(name: str) -> bool:
+    """A parameter a LoRA layer adds (``lora_A``, ``lora_B``, the embedding adapters, DoRA's
+    magnitude): no base checkpoint holds it."""
+    return any(part.startswith("lora_") for part in name.split("."))
+
+
 class _EngineLossScale:
     """What accelerate's backward scales the loss with under fp16 (its GradScaler's place):
     the engine's loss scale, which its optimizer unscales, skips and adjusts."""
@@ -347,6 +402,14 @@ class _EngineLossScale:
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return self.engine.scaled_loss(loss)
+
+    def get_scale(self) -> float:
+        return self.engine.scaler.scale
+
+    def unscale_(self, optimizer) -> None:
+        raise TieredError("the engine unscales fp16 gradients inside its update, and clips "
+                          "there too: set max_grad_norm in the TrainingArguments instead of "
+                          "clipping with accelerate")
 
 
 def _weights_dtype(engine: TieredEngine) -> torch.dtype:

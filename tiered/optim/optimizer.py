@@ -162,8 +162,8 @@ class TieredAdamW(torch.optim.Optimizer):
         self._grads_loss_scale: float | None = None
         """The loss scale the gradients held now were computed with (see note_loss_scale)."""
         self.skipped_steps = 0
-        self._last_skipped = False
         """Updates skipped because fp16 gradients overflowed."""
+        self._last_skipped = False
 
     @property
     def max_grad_norm(self) -> float | None:
@@ -195,7 +195,8 @@ class TieredAdamW(torch.optim.Optimizer):
     @property
     def step_was_skipped(self) -> bool:
         """Whether the last finished update was skipped because fp16 gradients overflowed (a
-        scheduler then does not step: accelerate's name for it)."""
+        scheduler then does not step: accelerate's name for it). Under the delayed update,
+        the update finished by this step is the previous step's."""
         return self._last_skipped
 
     @property
@@ -410,6 +411,7 @@ class TieredAdamW(torch.optim.Optimizer):
         if self.scaler is not None and state["loss_scale"] is not None:
             self.scaler.load_state(state["loss_scale"])
         pending = state["pending"]
+        self._last_skipped = False
         self._pending = None if pending is None else self._book.restored(
             pending["written"], pending["norm"], pending["overflowed"], pending["loss_scale"])
         self._host.restored()
