@@ -420,3 +420,22 @@ def test_lora_inits_under_tiered_init_as_peft_builds_them_or_are_refused_by_name
         r=4, target_modules=["q_proj"], use_dora=True))
     with pytest.raises(tiered.TieredError, match="adapter 'default': tiered.init builds LoRA"):
         TieredTrainer(model=dora, args=arguments(tmp_path / "run"))
+
+
+def test_load_best_model_at_end_takes_the_best_checkpoints_states(tmp_path, monkeypatch):
+    """The best checkpoint's weights come back from the engine's own checkpoint; they equal
+    its export. (The eval loss falls at every evaluation here, so "best" is made the highest:
+    step 2's, not the last.) A GradScaler accelerate would make from its environment is not
+    used: the engine has no loss scale in fp32."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    args = arguments(tmp_path, eval_strategy="steps", eval_steps=2, save_strategy="steps",
+                     save_steps=2, load_best_model_at_end=True, metric_for_best_model="eval_loss",
+                     greater_is_better=True)
+    trainer = tiered_run(llama(), args, dataset(), eval_dataset=dataset(rows=4))
+    assert trainer.accelerator.scaler is None
+    best = trainer.state.best_model_checkpoint
+    assert best == str(tmp_path / "checkpoint-2")
+    state = trainer.engine.full_state_dict()
+    trainer.engine.close()
+    exported = transformers.LlamaForCausalLM.from_pretrained(best).state_dict()
+    assert all(torch.equal(state[name], value) for name, value in exported.items())
