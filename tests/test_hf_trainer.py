@@ -48,6 +48,38 @@ def test_trains_as_plain_trainer_and_logs_the_same(tmp_path, max_grad_norm):
         assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
 
 
+@pytest.mark.parametrize("schedule", ["linear", "constant_with_warmup", "polynomial",
+                                      "cosine_with_restarts"])
+def test_every_schedule_drives_the_engines_learning_rate(tmp_path, schedule):
+    """The scheduler Trainer makes steps the engine's param groups: the same learning rates
+    logged, and the same weights (3 steps, 1 of warm-up)."""
+    data = dataset(rows=12)
+    args = dict(lr_scheduler_type=schedule, max_steps=3, warmup_steps=1)
+    expected, expected_logs = train_plain(llama(), arguments(tmp_path / "plain", **args), data)
+    trainer = tiered_run(llama(), arguments(tmp_path / "tiered", **args), data)
+    got = trainer.engine.full_state_dict()
+    logs = step_logs(trainer)
+    trainer.engine.close()
+    assert [log["learning_rate"] for log in logs] == [
+        log["learning_rate"] for log in expected_logs]
+    assert_close_states(got, expected)
+
+
+def test_load_model_passes_the_from_config_arguments_through(tmp_path):
+    """dtype and attn_implementation reach the model's construction; an export keeps the
+    dtype the model was given."""
+    llama().save_pretrained(tmp_path / "base")
+    model = load_model(str(tmp_path / "base"), policy=CPU, dtype=torch.bfloat16,
+                       attn_implementation="eager")
+    assert model.config._attn_implementation == "eager"
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    trainer = TieredTrainer(model=model, args=arguments(tmp_path / "run", bf16=True))
+    trainer.save_model(str(tmp_path / "export"))
+    trainer.engine.close()
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "export")
+    assert loaded.config.dtype == torch.bfloat16
+
+
 def test_gradient_checkpointing_trains_as_plain_trainer(tmp_path):
     """Hugging Face layers checkpoint their forward inside their call: the recomputation in
     backward runs no unit hook (see [Note: checkpointing inside the hooks])."""
