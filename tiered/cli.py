@@ -7,6 +7,7 @@
                         [--foreground]
     tiered daemon status [--json]                   the node's service: its pool, jobs, ranks
     tiered daemon stop
+    tiered node [--nvme PATH] [--remeasure] [--json]   this node's rates, measured once, cached
     tiered version
 """
 from __future__ import annotations
@@ -77,6 +78,22 @@ def _bench_io(args) -> int:
         return 2
     # JSON alone on standard output when asked, so that it pipes into jq; else the table.
     print(json.dumps(result) if args.json else bench_io.table(result))
+    return 0
+
+
+def _node(args) -> int:
+    import dataclasses
+    import json
+
+    from .node import node_rates
+
+    try:
+        nvme = os.path.abspath(os.path.expanduser(args.nvme)) if args.nvme else None
+        rates = node_rates(nvme, remeasure=args.remeasure)
+    except (TieredError, OSError) as e:
+        print(f"tiered: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(dataclasses.asdict(rates)) if args.json else rates.table())
     return 0
 
 
@@ -196,6 +213,17 @@ def main(argv: list[str] | None = None) -> int:
                        help="print the results as JSON (alone on standard output) instead of "
                        "the table")
     bench.set_defaults(run=_bench_io)
+    node = commands.add_parser(
+        "node", help="this node's rates (AdamW, host-device copies, NVMe), measured once",
+        description="The rates that decide a training step on this node: the CPU's and the "
+        "GPU's AdamW, pinned copies each way and both at once, the NVMe I/O engine's. Measured "
+        "once (tens of seconds) and kept in the user's cache folder for this machine and "
+        "these library versions.")
+    node.add_argument("--nvme", default=None, metavar="PATH",
+                      help="a folder on the drive, to measure it too")
+    node.add_argument("--remeasure", action="store_true", help="measure again, not the cache")
+    node.add_argument("--json", action="store_true", help="print them as JSON")
+    node.set_defaults(run=_node)
     _add_daemon(commands)
     version = commands.add_parser("version", help="print the version")
     version.set_defaults(run=lambda args: print(__version__) or 0)

@@ -47,7 +47,7 @@ def run(path: str, size: int, sweep_size: int, settings: IoSettings, repeats: in
         source = PinnedSlabSource()
         buffer = source(min(align_up(size, BLOCK_ALIGN), TRANSFER_BYTES))
         buffer.copy_(torch.randint(0, 256, (buffer.numel(),), dtype=torch.uint8))
-        engine = _measure(folder, "engine (policy settings)", settings, size, buffer)
+        engine = measure(folder, "engine (policy settings)", settings, size, buffer)
         single = _measure_single_stream(folder, size, buffer)
         # The policy's own point is measured again among the sweep, under the same conditions.
         # A disk's speed drifts and jitters by tens of percent from one run to the next, and
@@ -56,7 +56,7 @@ def run(path: str, size: int, sweep_size: int, settings: IoSettings, repeats: in
         points = [(f"qd {depth}, {block >> 20} MiB", IoSettings(block, depth))
                   for block in SWEEP_BLOCKS for depth in SWEEP_DEPTHS]
         points.append(("policy settings, in the sweep", settings))
-        rounds = [[_measure(folder, label, point_settings, sweep_size, buffer)
+        rounds = [[measure(folder, label, point_settings, sweep_size, buffer)
                    for label, point_settings in points] for _ in range(repeats)]
         *sweep, policy_point = [_median(samples) for samples in zip(*rounds)]
         source.release(buffer)
@@ -83,8 +83,10 @@ def _median(samples: tuple[Point, ...]) -> Point:
                  statistics.median(p.read_gbps for p in samples))
 
 
-def _measure(folder: str, label: str, settings: IoSettings, size: int,
-             buffer: torch.Tensor) -> Point:
+def measure(folder: str, label: str, settings: IoSettings, size: int,
+            buffer: torch.Tensor) -> Point:
+    """The engine at ``settings`` writing then reading a new O_DIRECT file of ``size`` bytes
+    in ``folder``, ``buffer`` (pinned) at a time."""
     extent = Extent(os.path.join(folder, f"{secrets.token_hex(4)}.bin"),
                     align_up(size, BLOCK_ALIGN), direct=True)
     engine = IoEngine(settings)

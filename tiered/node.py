@@ -1,0 +1,224 @@
+"""The rates that decide a training step on this node, measured once and cached (issue 20).
+
+A step of an offloaded model is bounded by one of a few rates: the CPU's AdamW pass over the
+states in DRAM, the GPU's AdamW over those it holds, the pinned copies between host and device
+(each way, and both at once, which share the link), and the NVMe drive's reads and writes. The
+planner predicts a step from them, so they are measured here on this node, in seconds, and kept
+in the user's cache folder (``$TIERED_CACHE``, else ``$XDG_CACHE_HOME/tiered``, else
+``~/.cache/tiered``) under a key naming the machine and the library versions, so that another
+GPU, core count or torch measures anew; ``remeasure`` redoes it. A rate the node cannot have (no
+GPU, no NVMe path given) is None.
+
+    tiered node [--nvme PATH] [--remeasure] [--json]
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import secrets
+import shutil
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from . import __version__
+from .limits import usable_cores
+from .report import format_table
+
+CPU_PARAMS = 1 << 23
+"""Parameters of the CPU AdamW measurement (8 Mi: 128 MiB of fp32 states, past any cache)."""
+GPU_PARAMS = 1 << 26
+COPY_BYTES = 256 << 20
+NVME_BYTES = 256 << 20
+REPEATS = 5
+
+
+@dataclass(frozen=True)
+class NodeRates:
+    """What this node moves and computes per second (see the module note)."""
+
+    machine: str
+    """The machine and library versions the rates were measured with (the cache key's text)."""
+    measured_at: float
+    """When (seconds since the epoch)."""
+    cpu_threads: int
+    cpu_adamw_params_per_s: float
+    """torch's fused AdamW on fp32 states in DRAM, with ``cpu_threads`` threads."""
+    gpu_adamw_params_per_s: float | None = None
+    h2d_gbps: float | None = None
+    """Pinned host to device, GB/s (1e9 bytes); ``d2h_gbps`` back; ``both_gbps`` the two
+    directions at once, added up."""
+    d2h_gbps: float | None = None
+    both_gbps: float | None = None
+    nvme_path: str | None = None
+    nvme_write_gbps: float | None = None
+    """O_DIRECT through tiered's I/O engine at the default queue depth and block size."""
+    nvme_read_gbps: float | None = None
+
+    def table(self) -> str:
+        def rate(value, unit):
+            return "-" if value is None else f"{value:.3g} {unit}"
+
+        rows = [("rate", "value"),
+                ("CPU AdamW", rate(self.cpu_adamw_params_per_s / 1e9, "G params/s")
+                 + f" ({self.cpu_threads} threads)"),
+                ("GPU AdamW", rate(self.gpu_adamw_params_per_s and
+                                   self.gpu_adamw_params_per_s / 1e9, "G params/s")),
+                ("host to device (pinned)", rate(self.h2d_gbps, "GB/s")),
+                ("device to host (pinned)", rate(self.d2h_gbps, "GB/s")),
+                ("both ways at once", rate(self.both_gbps, "GB/s")),
+                (f"NVMe write ({self.nvme_path or 'no path'})", rate(self.nvme_write_gbps, "GB/s")),
+                ("NVMe read", rate(self.nvme_read_gbps, "GB/s"))]
+        return f"{self.machine}\n{format_table(rows)}"
+
+
+def node_rates(nvme_path: str | None = None, remeasure: bool = False, *,
+               cpu_params: int = CPU_PARAMS, gpu_params: int = GPU_PARAMS,
+               copy_bytes: int = COPY_BYTES, nvme_bytes: int = NVME_BYTES,
+               threads: int | None = None) -> NodeRates:
+    """This node's rates: from the cache when they were measured here with the same libraries
+    (and NVMe path), else measured now (tens of seconds at the default sizes) and cached."""
+    threads = threads or usable_cores()
+    machine = _machine(threads, nvme_path)
+    path = os.path.join(cache_folder(), f"node-{hashlib.sha256(machine.encode()).hexdigest()[:16]}"
+                                        f".json")
+    if not remeasure:
+        cached = _read(path, machine)
+        if cached is not None:
+            return cached
+    rates = NodeRates(machine, time.time(), threads,
+                      _cpu_adamw(cpu_params, threads),
+                      nvme_path=nvme_path)
+    if torch.cuda.is_available():
+        h2d, d2h, both = _copies(copy_bytes)
+        rates = dataclasses.replace(rates, gpu_adamw_params_per_s=_gpu_adamw(gpu_params),
+                                    h2d_gbps=h2d, d2h_gbps=d2h, both_gbps=both)
+    if nvme_path is not None:
+        write, read = _nvme(nvme_path, nvme_bytes)
+        rates = dataclasses.replace(rates, nvme_write_gbps=write, nvme_read_gbps=read)
+    _write(path, rates)
+    return rates
+
+
+def cache_folder() -> str:
+    folder = os.environ.get("TIERED_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tiered")
+    os.makedirs(folder, exist_ok=True)
+    return folder
+
+
+def _machine(threads: int, nvme_path: str | None) -> str:
+    """What the rates depend on, as text: the cache's key."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu = next((line.split(":", 1)[1].strip() for line in info
+                        if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    nvme = os.path.realpath(nvme_path) if nvme_path else "no NVMe path"
+    return (f"{platform.node()}: {cpu}, {threads} threads, {gpu}, {nvme}; torch "
+            f"{torch.__version__}, tiered {__version__}")
+
+
+def _read(path: str, machine: str) -> NodeRates | None:
+    try:
+        with open(path) as file:
+            values = json.load(file)
+        rates = NodeRates(**values)
+    except (OSError, ValueError, TypeError):  # none, unreadable, or of another version's form
+        return None
+    return rates if rates.machine == machine else None
+
+
+def _write(path: str, rates: NodeRates) -> None:
+    """Written aside and renamed: a reader sees the old file or the new one, whole."""
+    staged = f"{path}.{secrets.token_hex(4)}"
+    with open(staged, "w") as file:
+        json.dump(dataclasses.asdict(rates), file, indent=1)
+    os.replace(staged, path)
+
+
+def _median_seconds(run, repeats: int = REPEATS, synchronize=lambda: None) -> float:
+    run()  # warm-up: first touch, kernel selection
+    synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _adamw_seconds(params: int, device: str, synchronize=lambda: None) -> float:
+    weights = torch.zeros(params, device=device, requires_grad=True)
+    weights.grad = torch.full_like(weights, 1e-3)
+    optimizer = torch.optim.AdamW([weights], lr=1e-4, fused=True)
+    return _median_seconds(optimizer.step, synchronize=synchronize)
+
+
+def _cpu_adamw(params: int, threads: int) -> float:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return params / _adamw_seconds(params, "cpu")
+    finally:
+        torch.set_num_threads(before)
+
+
+def _gpu_adamw(params: int) -> float:
+    return params / _adamw_seconds(params, "cuda", torch.cuda.synchronize)
+
+
+def _copies(nbytes: int) -> tuple[float, float, float]:
+    """Pinned host <-> device GB/s: each way alone, then both at once on two streams."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host_back = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    device_out = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    sync = torch.cuda.synchronize
+    h2d = nbytes / _median_seconds(lambda: device.copy_(host, non_blocking=True), synchronize=sync)
+    d2h = nbytes / _median_seconds(lambda: host_back.copy_(device_out, non_blocking=True),
+                                   synchronize=sync)
+    up, down = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def both():
+        with torch.cuda.stream(up):
+            device.copy_(host, non_blocking=True)
+        with torch.cuda.stream(down):
+            host_back.copy_(device_out, non_blocking=True)
+
+    both_seconds = _median_seconds(both, synchronize=sync)
+    return h2d / 1e9, d2h / 1e9, 2 * nbytes / both_seconds / 1e9
+
+
+def _nvme(path: str, nbytes: int) -> tuple[float, float]:
+    """The I/O engine's write and read GB/s at its default settings, as ``tiered bench-io``
+    measures them, in a folder of its own under ``path``, removed afterwards."""
+    from .policy import NvmePolicy
+    from .sizes import align_up
+    from .tiers import bench_io
+    from .tiers.aio import IoSettings
+    from .tiers.dram import BLOCK_ALIGN, PinnedSlabSource
+    from .tiers.nvme import check_nvme_path
+
+    check_nvme_path(path)
+    folder = os.path.join(path, f"tiered-node-{secrets.token_hex(3)}")
+    os.mkdir(folder, 0o700)
+    source = PinnedSlabSource()
+    buffer = source(min(align_up(nbytes, BLOCK_ALIGN), bench_io.TRANSFER_BYTES))
+    try:
+        defaults = NvmePolicy()
+        settings = IoSettings(defaults.block_size, defaults.queue_depth)
+        point = bench_io.measure(folder, "node", settings, nbytes, buffer)
+    finally:
+        source.release(buffer)
+        shutil.rmtree(folder, ignore_errors=True)
+    return point.write_gbps, point.read_gbps
