@@ -48,7 +48,11 @@ class NodeRates:
     """When (seconds since the epoch)."""
     cpu_threads: int
     cpu_adamw_params_per_s: float
-    """torch's fused AdamW on fp32 states in DRAM, with ``cpu_threads`` threads."""
+    """torch's fused AdamW on fp32 states in DRAM, with ``cpu_threads`` threads: the update of
+    an fp32 run."""
+    cpu_one_pass_params_per_s: float
+    """tiered's one-pass AdamW (bf16 gradient in, bf16 weights out, fp32 states), the same
+    threads: the update of a bf16 run (optim/adamw.py)."""
     gpu_adamw_params_per_s: float | None = None
     h2d_gbps: float | None = None
     """Pinned host to device, GB/s (1e9 bytes); ``d2h_gbps`` back; ``both_gbps`` the two
@@ -65,8 +69,11 @@ class NodeRates:
             return "-" if value is None else f"{value:.3g} {unit}"
 
         rows = [("rate", "value"),
-                ("CPU AdamW", rate(self.cpu_adamw_params_per_s / 1e9, "G params/s")
+                ("CPU AdamW, fp32 (torch's fused)", rate(self.cpu_adamw_params_per_s / 1e9,
+                                                         "G params/s")
                  + f" ({self.cpu_threads} threads)"),
+                ("CPU AdamW, bf16 (one pass)", rate(self.cpu_one_pass_params_per_s / 1e9,
+                                                    "G params/s")),
                 ("GPU AdamW", rate(self.gpu_adamw_params_per_s and
                                    self.gpu_adamw_params_per_s / 1e9, "G params/s")),
                 ("host to device (pinned)", rate(self.h2d_gbps, "GB/s")),
@@ -91,8 +98,7 @@ def node_rates(nvme_path: str | None = None, remeasure: bool = False, *,
         cached = _read(path, machine)
         if cached is not None:
             return cached
-    rates = NodeRates(machine, time.time(), threads,
-                      _cpu_adamw(cpu_params, threads),
+    rates = NodeRates(machine, time.time(), threads, *_cpu_adamw(cpu_params, threads),
                       nvme_path=nvme_path)
     if torch.cuda.is_available():
         h2d, d2h, both = _copies(copy_bytes)
@@ -164,11 +170,26 @@ def _adamw_seconds(params: int, device: str, synchronize=lambda: None) -> float:
     return _median_seconds(optimizer.step, synchronize=synchronize)
 
 
-def _cpu_adamw(params: int, threads: int) -> float:
+def _cpu_adamw(params: int, threads: int) -> tuple[float, float]:
+    """Parameters a second of torch's fused AdamW (fp32) and of the one-pass kernel (bf16
+    gradient and weights), with ``threads`` threads."""
+    from .optim.adamw import AdamWHyper, OnePassAdamW
+
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return params / _adamw_seconds(params, "cpu")
+        fused = params / _adamw_seconds(params, "cpu")
+        kernel = OnePassAdamW()
+        kernel.warm_up(torch.bfloat16, torch.bfloat16)  # compiled here, not timed
+        states = [torch.zeros(params) for _ in range(3)]
+        grad = torch.full((params,), 1e-3, dtype=torch.bfloat16)
+        weights = torch.empty(params, dtype=torch.bfloat16)
+        hyper = AdamWHyper(1e-4, 0.9, 0.999, 1e-8, 0.0)
+        step = torch.ones(())
+        one_pass = params / _median_seconds(
+            lambda: kernel.step(states[0], grad, states[1], states[2], weights, step, hyper,
+                                1.0))
+        return fused, one_pass
     finally:
         torch.set_num_threads(before)
 
