@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import BudgetError
-from .policy import Policy, Tier
+from .policy import GradsPolicy, Policy, Tier
 from .sizes import align_up, format_size
 from .tiers.dram import BLOCK_ALIGN
 from .tiers.nvme import nvme_bytes
@@ -35,9 +35,8 @@ OPTIMIZER_STATES = (StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
 STAGING_SETS = 3
 """Sub-group buffer sets of the NVMe optimizer stream: read ahead, stepped, written back."""
 
-GRAD_LANDING_SLOTS = 4
-"""Units' gradients that may hold device bytes on their way off the device at once, and the
-pinned buffers in which later gradients of a step land until the CPU worker adds them in."""
+GRAD_LANDING_SLOTS = GradsPolicy().landing_slots
+"""``grads.landing_slots`` by default."""
 
 
 def state_kinds(policy: Policy) -> list[StateKind]:
@@ -121,9 +120,9 @@ def staging_buffers(policy: Policy, device: torch.device, placement: "Placement"
     - "master0".."master2", "exp_avg0".., "exp_avg_sq0"..: three sets of sub-group buffers
       through which optimizer states stream from NVMe (CPU worker; see [Note: state stream]);
       "master0" alone where only a frozen unit's masters are there (read for exports);
-    - "grad0".."grad3": reduced gradient shards landing from the GPU (filled by backward, emptied
-      by the CPU worker; see GRAD_LANDING_SLOTS); on a CPU device too when the host is the node's
-      service's (``lands_every_gradient``), which sees only shared buffers.
+    - "grad0", "grad1", ...: reduced gradient shards landing from the GPU (filled by backward,
+      emptied by the CPU worker; ``grads.landing_slots`` of them); on a CPU device too when the
+      host is the node's service's (``lands_every_gradient``), which sees only shared buffers.
     """
     compute = policy.compute_dtype.torch_dtype
     out = {}
@@ -147,7 +146,7 @@ def staging_buffers(policy: Policy, device: torch.device, placement: "Placement"
                 out[f"{kind.value}{slot}"] = Buffer(f"staging {kind.value}{slot}", Tier.DRAM,
                                                     piece, torch.float32)
     if policy.grads.tier is Tier.DRAM and (device.type != "cpu" or lands_every_gradient):
-        for slot in range(GRAD_LANDING_SLOTS):
+        for slot in range(policy.grads.landing_slots):
             # Sized for trained units: a frozen one never has a gradient to land.
             out[f"grad{slot}"] = Buffer(f"staging grad{slot}", Tier.DRAM,
                                         placement.largest(StateKind.GRAD, Tier.DRAM),
@@ -213,7 +212,7 @@ def hbm_working_set(policy: Policy, full_numels: list[int], unit_paths: list[str
     chain of nested units (the root, and each unit's enclosing units). In backward the next
     chain is gathered before the current one has been reduced and released, so two chains are
     held at once (the root counted once): with flat blocks, the root and the two largest blocks.
-    Up to GRAD_LANDING_SLOTS units' flat gradients are on their way off the device at once,
+    Up to ``grads.landing_slots`` units' flat gradients are on their way off the device at once,
     each (with several ranks) with its fp32 copy and reduced fp32 shard (see [Note: gradients
     in flight] in engine/gradients.py). On top of that, up to
     ``prefetch.hbm_bytes`` of units gathered ahead of need. Building a unit at start-up needs
@@ -237,7 +236,7 @@ def hbm_working_set(policy: Policy, full_numels: list[int], unit_paths: list[str
     grad = largest * compute
     if world_size > 1:
         grad += largest * 4 * (compute != 4) + largest // world_size * 4
-    grad *= GRAD_LANDING_SLOTS
+    grad *= policy.grads.landing_slots
     startup = building if building is not None else max(
         ((sum(sizes) + max(sizes)) * 4 for sizes in by_module(full_numels, groups)), default=0)
     return max(gathered + grad + prefetch_limit(policy, full_numels, groups), startup)

@@ -61,10 +61,17 @@ class GradsPolicy:
     tier: Tier = Tier.DRAM
     """Where each rank's gradient shard accumulates: hbm | dram (where the optimizer reads it).
     fp32, or the compute dtype with ``optimizer.accumulation_steps: 1`` (plan.state_dtype)."""
+    landing_slots: int = field(default=4, metadata=parsed_by(as_whole_number))
+    """Units' gradients that may hold device bytes on their way off the device at once, and the
+    pinned buffers in which later gradients of a step land until the CPU worker adds them in:
+    more overlap backward with the copies, fewer hold less memory. A budget that cannot hold
+    them lowers them, down to 1 (see [Note: the working set bends])."""
 
     def __post_init__(self):
         if self.tier is Tier.NVME:
             raise ValueError("tier must be hbm or dram, got 'nvme'")
+        if self.landing_slots < 1:
+            raise ValueError(f"landing_slots must be >= 1, got {self.landing_slots}")
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,7 @@ def assemble(flats: list[FlatParam], manager: TierManager, group: ProcessGroup,
     if remote is not None:
         worker = remote.worker
     buffers = GradientBuffers(len(flats), manager.staging_names("grad"), manager.hbm.usage,
-                              worker)
+                              worker, policy.grads.landing_slots)
     pending = PendingWeights(worker, timeline)
     book = UpdateBook(worker)
     events = TrainerEvents(buffers, pending, book)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import enum
 import threading
 
-from ..plan import GRAD_LANDING_SLOTS
 from ..tiers import TierUsage
 
 
@@ -37,14 +36,16 @@ class GradientBuffers:
     running backward and by the host's events (HostEvents.gradient_taken, .buffers_read), under
     one condition that a failed worker also wakes."""
 
-    def __init__(self, units: int, landing: list[str], usage: TierUsage, worker):
+    def __init__(self, units: int, landing: list[str], usage: TierUsage, worker, slots: int):
         self.usage = usage
+        self._slots = slots
+        """``grads.landing_slots``."""
         """The HBM tier's bytes, which gradients in flight hold."""
         self._worker = worker
         self._changed = threading.Condition()
         self._states = [BufferState.FREE] * units
         self._in_flight = 0
-        """Gradients holding device bytes; backward waits at GRAD_LANDING_SLOTS."""
+        """Gradients holding device bytes; backward waits at ``grads.landing_slots``."""
         self._landing = list(landing)
         """Free pinned landing buffers (for gradients after a step's first)."""
         self._tickets: dict[int, InFlight] = {}
@@ -58,7 +59,7 @@ class GradientBuffers:
         buffer when one is needed."""
         with self._changed:
             self._changed.wait_for(lambda: self._worker.failed or (
-                self._in_flight < GRAD_LANDING_SLOTS
+                self._in_flight < self._slots
                 and (not first or self._states[unit] is BufferState.FREE)
                 and (not needs_landing or self._landing)))
             self._worker.raise_if_failed()
@@ -94,7 +95,7 @@ class GradientBuffers:
 
     def waiting_for_copies(self) -> bool:
         with self._changed:
-            return self._in_flight >= GRAD_LANDING_SLOTS
+            return self._in_flight >= self._slots
 
     def release(self, in_flight: InFlight) -> None:
         """Its device bytes are free (its copy off the device has run)."""

@@ -3,12 +3,14 @@ copy made (materialized and initialized under ``tiered.init``), broadcast from r
 stored shard by shard in the tiers; and the memory plan those units need."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
 from ..checkpoint import pretrained
 from ..checkpoint.pretrained import PretrainedWeights
-from ..errors import TieredError
+from ..errors import BudgetError, TieredError
 from ..manager import TierManager
 from ..plan import MemoryPlan, build_plan, by_module, unit_state_kinds
 from ..policy import Policy
@@ -70,6 +72,39 @@ def memory_plan(policy: Policy, device: torch.device, flats: list[FlatParam],
                       dram_available=dram_available, unit_kinds=kinds,
                       groups=module_groups([f.spec for f in flats]), building=building,
                       lands_every_gradient=lands_every_gradient)
+
+
+def bend_to_fit(policy: Policy, plan_for, manager: TierManager) -> tuple[Policy, MemoryPlan]:
+    """The policy to run and its plan: ``policy``'s own when it fits the budgets, else the
+    lean one (see [Note: the working set bends]) when that fits, said in a warning; when
+    neither does, the lean plan, which ``manager.check`` then refuses with its numbers: the
+    least the model needs. ``plan_for(policy)`` makes a policy's plan.
+
+    [Note: the working set bends]
+    Some of what a plan holds is only for speed: gradients on their way off the device
+    (``grads.landing_slots``, 4, each a unit's gradient on the device and a pinned landing
+    buffer), units gathered ahead of need (``prefetch``: twice the largest module on the
+    device) and NVMe weights read ahead into pinned buffers. Under a budget too tight for them
+    the engine keeps one landing slot and no prefetch or read-ahead, the least with which it
+    trains, slower, rather than refusing a model that fits without them."""
+    plan = plan_for(policy)
+    try:
+        manager.check(plan)
+        return policy, plan
+    except BudgetError as full:
+        lean = policy.replace(grads={"landing_slots": 1}, prefetch={"enabled": False})
+        if lean == policy:
+            raise
+        lean_plan = plan_for(lean)
+        try:
+            manager.check(lean_plan)
+        except BudgetError:
+            return lean, lean_plan  # refused by the caller's check, with the least it needs
+        warnings.warn(f"tiered: the budgets hold this model only without what is for speed: "
+                      f"1 gradient landing slot instead of {policy.grads.landing_slots}, no "
+                      f"prefetch or read-ahead (it trains, slower); the full plan was refused: "
+                      f"{full}", stacklevel=4)
+        return lean, lean_plan
 
 
 def built_together(flats: list[FlatParam]) -> list[list[FlatParam]]:

@@ -29,8 +29,8 @@ from ..tiers import NvmeTier, SlabSource
 from ..timeline import Timeline
 from . import process_exit, reattach
 from .assemble import InService, assemble, host_request, hostable_in_service
-from .build import (building_bytes, built_together, drop_parameters, flat_units, memory_plan,
-                    partition, place_buffers, restore_parameters)
+from .build import (bend_to_fit, building_bytes, built_together, drop_parameters, flat_units,
+                    memory_plan, partition, place_buffers, restore_parameters)
 from .collectives import ProcessGroup
 from .hooks import UnitHooks
 from .init import Materializer, init_context_of
@@ -423,12 +423,15 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
         materializer = Materializer(model, [flat.spec for flat in flats], device,
                                     context.param_init_fn if context is not None else None)
         building = max(building_bytes(built, materializer) for built in built_together(flats))
-        dram_room = manager.available()[Tier.DRAM]
-        if device.type == "cpu":  # the HBM tier is the same RAM: DRAM may fill what it leaves
-            hbm_needed = memory_plan(policy, device, flats, None, building).needed(Tier.HBM)
-            dram_room = manager.dram_room_beside(hbm_needed)
-        plan = memory_plan(policy, device, flats, dram_room, building,
-                           lands_every_gradient=hosted)
+        def plan_for(policy: Policy):
+            dram_room = manager.available()[Tier.DRAM]
+            if device.type == "cpu":  # the HBM tier is the same RAM: DRAM may fill the rest
+                hbm_needed = memory_plan(policy, device, flats, None, building).needed(Tier.HBM)
+                dram_room = manager.dram_room_beside(hbm_needed)
+            return memory_plan(policy, device, flats, dram_room, building,
+                               lands_every_gradient=hosted)
+
+        policy, plan = bend_to_fit(policy, plan_for, manager)
         threads = optimizer_threads(policy.cpu.optimizer_threads,
                                     drives_gpu=device.type == "cuda", ranks_on_node=local_ranks)
         manager.check(plan)  # before paying for a compile the budget forbids

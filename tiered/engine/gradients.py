@@ -32,7 +32,7 @@ an error, if the host fails: a command it skipped would otherwise never free wha
 waits for.
 
 [Note: gradients in flight]
-Up to GRAD_LANDING_SLOTS gradients may hold device bytes (the unit's full gradient, and with
+Up to ``grads.landing_slots`` gradients may hold device bytes (the unit's full gradient, and with
 several ranks its fp32 reduction) on their way to the grads tier: the working set plan.py budgets.
 Those bytes are free once the copy off the device has run (the allocator knows it through
 ``record_stream``), so the thread running backward releases them when the copy's event has
