@@ -200,7 +200,7 @@ def test_a_budget_of_the_hand_arithmetic_trains_and_one_byte_less_bends_then_bre
     engine, optimizer = tiered.initialize(ladder(), CPU_YAML, device="cpu",
                                           hbm={"budget": HAND_HBM}, **NO_PREFETCH)
     train(engine, optimizer, 2)
-    report = engine.memory_report()["hbm"]
+    report, full = engine.memory_report()["hbm"], engine.full_state_dict()
     engine.close()
     assert 0 < report["peak"] <= HAND_HBM
     with pytest.warns(UserWarning, match="1 gradient landing slot instead of 4"):
@@ -208,9 +208,10 @@ def test_a_budget_of_the_hand_arithmetic_trains_and_one_byte_less_bends_then_bre
                                               hbm={"budget": HAND_HBM - 1}, **NO_PREFETCH)
     assert engine.policy.grads.landing_slots == 1
     train(engine, optimizer, 2)
-    report = engine.memory_report()["hbm"]
+    report, lean = engine.memory_report()["hbm"], engine.full_state_dict()
     engine.close()
     assert 0 < report["peak"] <= LEAN_HBM
+    assert all(torch.equal(lean[name], value) for name, value in full.items())  # only slower
     with pytest.raises(tiered.BudgetError) as error:
         tiered.initialize(ladder(), CPU_YAML, device="cpu", hbm={"budget": LEAN_HBM - 1},
                           **NO_PREFETCH)
