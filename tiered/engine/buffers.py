@@ -38,9 +38,9 @@ class GradientBuffers:
 
     def __init__(self, units: int, landing: list[str], usage: TierUsage, worker, slots: int):
         self.usage = usage
+        """The HBM tier's bytes, which gradients in flight hold."""
         self._slots = slots
         """``grads.landing_slots``."""
-        """The HBM tier's bytes, which gradients in flight hold."""
         self._worker = worker
         self._changed = threading.Condition()
         self._states = [BufferState.FREE] * units

@@ -77,8 +77,8 @@ def memory_plan(policy: Policy, device: torch.device, flats: list[FlatParam],
 def bend_to_fit(policy: Policy, plan_for, manager: TierManager) -> tuple[Policy, MemoryPlan]:
     """The policy to run and its plan: ``policy``'s own when it fits the budgets, else the
     lean one (see [Note: the working set bends]) when that fits, said in a warning; when
-    neither does, the lean plan, which ``manager.check`` then refuses with its numbers: the
-    least the model needs. ``plan_for(policy)`` makes a policy's plan.
+    neither does, a BudgetError with the lean plan's numbers: the least the model needs.
+    ``plan_for(policy)`` makes a policy's plan.
 
     [Note: the working set bends]
     Some of what a plan holds is only for speed: gradients on their way off the device
@@ -96,10 +96,7 @@ def bend_to_fit(policy: Policy, plan_for, manager: TierManager) -> tuple[Policy,
         if lean == policy:
             raise
         lean_plan = plan_for(lean)
-        try:
-            manager.check(lean_plan)
-        except BudgetError:
-            return lean, lean_plan  # refused by the caller's check, with the least it needs
+        manager.check(lean_plan)
         warnings.warn(f"tiered: the budgets hold this model only without what is for speed: "
                       f"1 gradient landing slot instead of {policy.grads.landing_slots}, no "
                       f"prefetch or read-ahead (it trains, slower); the full plan was refused: "

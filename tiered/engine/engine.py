@@ -431,10 +431,10 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
             return memory_plan(policy, device, flats, dram_room, building,
                                lands_every_gradient=hosted)
 
+        # Checked before paying for a compile the budget forbids.
         policy, plan = bend_to_fit(policy, plan_for, manager)
         threads = optimizer_threads(policy.cpu.optimizer_threads,
                                     drives_gpu=device.type == "cuda", ranks_on_node=local_ranks)
-        manager.check(plan)  # before paying for a compile the budget forbids
         if kept is not None:  # the same model and policy as the kept state's, before any use
             reattach.check_kept(kept, host_request(policy, plan, flats, ranges, {}, 0,
                                                    False).fingerprint(), source.job)

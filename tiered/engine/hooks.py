@@ -44,6 +44,7 @@ model's pre-hook and released by its post-hook.
 """
 from __future__ import annotations
 
+import os
 import sys
 from functools import partial
 from typing import Callable, NamedTuple
@@ -361,12 +362,8 @@ def _inner_entry(model: nn.Module, whole_forward: list[FlatParam]) -> nn.Module 
     path_of = {id(module): path for path, module in model.named_modules()}
     paths = [path_of[id(module)].split(".") for flat in whole_forward
              for spec in flat.spec.params for module, _ in spec.holders]
-    common = []
-    for parts in zip(*paths) if paths else ():
-        if len(set(parts)) != 1 or parts[0] == "":
-            break
-        common.append(parts[0])
-    return model.get_submodule(".".join(common)) if common else None
+    common = ".".join(os.path.commonprefix(paths)) if paths else ""  # "" is the root
+    return model.get_submodule(common) if common else None
 
 
 def _checkpoints_inside(module: nn.Module) -> bool:

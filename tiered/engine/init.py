@@ -126,13 +126,21 @@ def own_init_of(model: nn.Module) -> Callable[[nn.Module], None]:
     module, after they are built, on the meta tensors under tiered.init), else each module's
     own ``reset_parameters`` (reset_module); in a ``peft`` model, each adapter as its LoRA layer
     initializes it (see _AdapterInit), the base model as above."""
-    peft_config = getattr(model, "peft_config", None)
-    if isinstance(peft_config, dict) and callable(getattr(model, "get_base_model", None)):
-        return _AdapterInit(model, peft_config, own_init_of(model.get_base_model()))
+    base = peft_base_of(model)
+    if base is not None:
+        return _AdapterInit(model, model.peft_config, own_init_of(base))
     own = getattr(model, "_init_weights", None)
     if callable(own) and hasattr(model, "config") and hasattr(model, "post_init"):
         return own
     return reset_module
+
+
+def peft_base_of(model: nn.Module) -> nn.Module | None:
+    """The base model a ``peft`` model wraps; None for any other model."""
+    if isinstance(getattr(model, "peft_config", None), dict) and \
+            callable(getattr(model, "get_base_model", None)):
+        return model.get_base_model()
+    return None
 
 
 class _AdapterInit:

@@ -46,7 +46,7 @@ from ..checkpoint.pretrained import listing
 from ..checkpoint.sources import RenamedSource, SafetensorsSource
 from ..engine import initialize
 from ..engine.engine import TieredEngine
-from ..engine.init import init_context_of
+from ..engine.init import init_context_of, peft_base_of
 from ..errors import TieredError
 from ..optim.groups import group_of
 from ..policy import Policy, resolve
@@ -186,7 +186,7 @@ class TieredTrainerMixin:
                               + "\n  - ".join(refused))
         kwargs.pop("optimizers", None)  # (None, None): the engine's take their place
         if policy is None:  # the one the model was built under, as initialize takes it
-            context = init_context_of(_peft_base(model) or model)
+            context = init_context_of(peft_base_of(model) or model)
             policy = context.policy if context is not None else None
         decay = Trainer.get_decay_parameter_names(self, model)
         policy = trainer_policy(args, model, policy, decay)
@@ -288,7 +288,7 @@ class TieredTrainerMixin:
         and ``adapter_config.json``, for ``PeftModel.from_pretrained``). Every rank must call it
         (each gathers its shards); rank 0 writes."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if _peft_base(self.model) is not None:
+        if peft_base_of(self.model) is not None:
             adapters = _trainable_state(self.engine)
             self.model.save_pretrained(output_dir, state_dict=adapters,
                                        is_main_process=self.args.should_save)
@@ -311,13 +311,6 @@ def _trainable_state(engine: TieredEngine) -> dict[str, torch.Tensor]:
         state.update({name: value for name, value in flat.by_name(full).items()
                       if name in trained})
     return state
-
-
-def _peft_base(model: nn.Module) -> nn.Module | None:
-    """The base model of a ``peft`` model, None for any other."""
-    if isinstance(getattr(model, "peft_config", None), dict) and hasattr(model, "get_base_model"):
-        return model.get_base_model()
-    return None
 
 
 def peft_base_name(name: str) -> str:
@@ -344,7 +337,7 @@ def _start_weights(model: nn.Module):
     A peft model's LoRA adapters are not in a base checkpoint: they start as peft initializes
     them, not warned about; every other parameter must be there, under one of the base names it
     goes by (a tied one, or a trained copy of a tied layer, under any of its names)."""
-    base = _peft_base(model)
+    base = peft_base_of(model)
     path = _weights_of.get(model) or (_weights_of.get(base) if base is not None else None)
     if path is None:
         yield None, True
