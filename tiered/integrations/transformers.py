@@ -258,9 +258,12 @@ class TieredTrainerMixin:
     def _load_best_model(self) -> None:
         """``load_best_model_at_end``: the best checkpoint's weights and states, from the
         engine's own checkpoint (not its export, rounded to the model's dtype)."""
-        best = self.state.best_model_checkpoint
-        self.engine.load_checkpoint(best, CHECKPOINT_TAG)
-        release_folder(self.engine, best)
+        self._load_engine_checkpoint(self.state.best_model_checkpoint)
+
+    def _load_engine_checkpoint(self, folder: str) -> None:
+        """The engine's checkpoint in one of Trainer's folders, which it then gives up."""
+        self.engine.load_checkpoint(folder, CHECKPOINT_TAG)
+        release_folder(self.engine, folder)
 
     def _save_scaler(self, output_dir: str) -> None:
         pass  # the fp16 loss scale is in the engine's checkpoint
@@ -273,8 +276,7 @@ class TieredTrainerMixin:
         engine's checkpoint in the folder, and the scheduler's position."""
         if checkpoint is None:
             return
-        self.engine.load_checkpoint(checkpoint, CHECKPOINT_TAG)
-        release_folder(self.engine, checkpoint)
+        self._load_engine_checkpoint(checkpoint)
         path = os.path.join(checkpoint, SCHEDULER_FILE)
         if os.path.isfile(path) and self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
