@@ -530,6 +530,29 @@ def test_a_keyboard_interrupt_in_forward_leaves_no_saved_tensor_hooks_behind():
         engine.close()
 
 
+def test_a_stop_signal_inside_a_release_leaves_a_clean_shutdown():
+    """Ctrl-C under tiered-launch raises KeyboardInterrupt wherever the rank is, also inside
+    a unit's release, after its storage was shrunk and before it was marked released; the
+    engine's shutdown at exit then failed on that unit ("KeyError: 0" from the storage index,
+    a traceback in place of the one-line stop, one CI run in many)."""
+    torch.manual_seed(0)
+    engine, optimizer = tiered.initialize(Stack(), CPU_YAML, compute_dtype="fp32", device="cpu")
+    flat = engine.runtime.flats[1]
+    bind = flat.bind_placeholders
+
+    def interrupted_once():
+        flat.bind_placeholders = bind
+        raise KeyboardInterrupt
+
+    flat.bind_placeholders = interrupted_once
+    with pytest.raises(KeyboardInterrupt):
+        engine(vectors(1)[0])
+    assert flat.residency is Residency.GATHERED and flat.full.untyped_storage().nbytes() == 0
+    engine.close()
+    assert [f.residency for f in engine.runtime.flats] == \
+        [Residency.RELEASED] * len(engine.runtime.flats)
+
+
 def test_forward_hooks_registered_after_initialize_see_the_weights():
     """A forward hook on a unit's module is part of its call; tiered's own post-hook releases
     the unit, and one registered before initialize runs before it, but one registered after

@@ -29,7 +29,8 @@ class Gatherer:
         self.streams = context.streams
         self.readahead = readahead
         self._by_storage: dict[int, FlatParam] = {}
-        """Storage address of each gathered unit's ``full``, to recognise views of it."""
+        """Storage address of each gathered unit's ``full``, to recognise views of it. An entry
+        may outlive its unit's gather (see [Note: releases cut short]); ``owner_of`` checks."""
         self._ready: dict[int, torch.cuda.Event] = {}
         """Units whose gather was issued on the gather stream and not yet waited for."""
         self.on_gather = None
@@ -85,7 +86,7 @@ class Gatherer:
         if event is not None:
             self._ready[index] = event
         if full.numel():  # every empty storage has address 0: a view of one is no unit's
-            self._by_storage[full.untyped_storage().data_ptr()] = flat
+            self._by_storage[_address(flat)] = flat
 
     def finish(self, flat: FlatParam) -> None:
         """Make ``flat`` usable by the compute stream, gathering it now if needed."""
@@ -94,10 +95,19 @@ class Gatherer:
         wait_for(event, flat.full)  # the compute stream waits, and owns the buffer from here on
 
     def release(self, flat: FlatParam) -> None:
+        """Free ``flat``'s gathered weights.
+
+        [Note: releases cut short]
+        A stop signal raises its KeyboardInterrupt or SystemExit between any two lines, also
+        inside a release, and the engine is then shut down at exit, which releases every unit
+        left gathered. A unit whose storage was already shrunk is still GATHERED then, and its
+        address reads 0: the shutdown failed on the missing entry (a traceback on Ctrl-C, one
+        CI run in many). So a release forgets the entry only if it is there, and ``owner_of``
+        trusts an entry only while its unit still holds that storage: a stale one is harmless.
+        """
         if flat.residency is Residency.GATHERED:
             self._ready.pop(flat.spec.index, None)
-            if flat.full.numel():
-                del self._by_storage[flat.full.untyped_storage().data_ptr()]
+            self._by_storage.pop(_address(flat), None)
             flat.free()
             self.usage.release(flat.gathered_bytes)
 
@@ -109,4 +119,13 @@ class Gatherer:
         """The gathered unit whose weights ``tensor`` is a view of, if any."""
         if tensor.layout is not torch.strided:
             return None
-        return self._by_storage.get(tensor.untyped_storage().data_ptr())
+        address = tensor.untyped_storage().data_ptr()
+        flat = self._by_storage.get(address)
+        if flat is None or flat.residency is not Residency.GATHERED or _address(flat) != address:
+            return None
+        return flat
+
+
+def _address(flat: FlatParam) -> int:
+    """Where ``flat``'s gathered weights live; 0 when its storage is empty."""
+    return flat.full.untyped_storage().data_ptr()
