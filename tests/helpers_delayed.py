@@ -51,12 +51,15 @@ def reference(max_grad_norm: float | None, world: int = 1):
     return thetas[-1], losses
 
 
-def train_engine(policy: str, rank: int, world: int, nvme: str, max_grad_norm: float | None):
+def train_engine(policy: str, rank: int, world: int, nvme: str, max_grad_norm: float | None,
+                 optimizer: dict | None = None, **overrides):
+    """``optimizer``: more of its keys; ``overrides``: more policy sections (budgets, say)."""
     engine, optimizer = tiered.initialize(
         make_model(), os.path.join(REPO, "configs", f"{policy}.yaml"), compute_dtype="fp32",
         device="cpu", nvme={"path": nvme},
         optimizer=dict(OPTIM, max_grad_norm=max_grad_norm,
-                       delayed_update={"enabled": True, "warmup_steps": WARMUP}))
+                       delayed_update={"enabled": True, "warmup_steps": WARMUP},
+                       **(optimizer or {})), **overrides)
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     losses = []
     for idx in batches():

@@ -335,7 +335,7 @@ def test_grads_tier_must_match_the_optimizer_tier(optimizer_tier, grads_tier, ex
 
 def test_grads_tier_cannot_be_nvme():
     message = policy_error({"grads": {"tier": "nvme"}})
-    assert "grads" in message and "tier must be hbm or dram" in message and "'nvme'" in message
+    assert "grads" in message and "tier must be hbm, dram or auto" in message and "'nvme'" in message
 
 
 def test_top_level_must_be_a_mapping(tmp_path):

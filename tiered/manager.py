@@ -388,8 +388,20 @@ class TierManager:
             return shard.resident
         return typed(self._staging["param_out"], shard.numel, shard.dtype)
 
-    def grad_device(self) -> torch.device:
-        return self.hbm.device if self.policy.grads.tier is Tier.HBM else torch.device("cpu")
+    def grad_device(self, unit: int) -> torch.device:
+        """Where unit ``unit``'s gradient is held: the device for a grads-tier buffer in HBM,
+        else the CPU (a frozen unit has none: the CPU)."""
+        return self._device_of(unit, StateKind.GRAD)
+
+    def optimizer_device(self, unit: int) -> torch.device:
+        """Where unit ``unit`` is stepped: where its optimizer states are, the device for HBM,
+        else the CPU (NVMe states stream through DRAM)."""
+        return self._device_of(unit, StateKind.MASTER)
+
+    def _device_of(self, unit: int, kind: StateKind) -> torch.device:
+        shard = self.shards.get((unit, kind))
+        return self.hbm.device if shard is not None and shard.tier is Tier.HBM else \
+            torch.device("cpu")
 
     def swap_params(self, unit: int) -> None:
         """The delayed update's next weights of ``unit`` become its current ones (and the old

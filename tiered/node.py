@@ -92,8 +92,7 @@ def node_rates(nvme_path: str | None = None, remeasure: bool = False, *,
     (and NVMe path), else measured now (tens of seconds at the default sizes) and cached."""
     threads = threads or usable_cores()
     machine = _machine(threads, nvme_path)
-    path = os.path.join(cache_folder(), f"node-{hashlib.sha256(machine.encode()).hexdigest()[:16]}"
-                                        f".json")
+    path = _cache_file(machine)
     if not remeasure:
         cached = _read(path, machine)
         if cached is not None:
@@ -109,6 +108,18 @@ def node_rates(nvme_path: str | None = None, remeasure: bool = False, *,
         rates = dataclasses.replace(rates, nvme_write_gbps=write, nvme_read_gbps=read)
     _write(path, rates)
     return rates
+
+
+def cached_node_rates(nvme_path: str | None = None) -> NodeRates | None:
+    """The rates ``node_rates`` measured here for ``nvme_path``, if it has; never measures (an
+    engine's plan report reads them: measuring takes tens of seconds)."""
+    machine = _machine(usable_cores(), nvme_path)
+    return _read(_cache_file(machine), machine)
+
+
+def _cache_file(machine: str) -> str:
+    return os.path.join(cache_folder(),
+                        f"node-{hashlib.sha256(machine.encode()).hexdigest()[:16]}.json")
 
 
 def cache_folder() -> str:

@@ -72,11 +72,21 @@ def optimizer_device(policy: Policy, device: torch.device) -> torch.device:
 
 
 def state_tier(policy: Policy, kind: StateKind) -> Tier:
+    """The policy's tier for ``kind``; under ``tier: auto``, a unit's until the planner places
+    it on the device: DRAM (spilled to NVMe where DRAM lacks room and a path is set)."""
     if kind in (StateKind.PARAM, StateKind.PARAM_NEXT):
-        return policy.params.tier
-    if kind is StateKind.GRAD:
-        return policy.grads.tier
-    return policy.optimizer.tier
+        tier = policy.params.tier
+    elif kind is StateKind.GRAD:
+        tier = policy.grads.tier
+    else:
+        tier = policy.optimizer.tier
+    return Tier.DRAM if tier is Tier.AUTO else tier
+
+
+def spills_to_nvme(policy: Policy) -> bool:
+    """Whether states placed in DRAM move to NVMe where DRAM lacks room (``dram.spill: nvme``,
+    or ``tier: auto`` with an NVMe path)."""
+    return policy.dram.spill is Tier.NVME or (policy.placed_by_planner and policy.uses_nvme)
 
 
 def state_dtype(policy: Policy, kind: StateKind) -> torch.dtype:
@@ -127,13 +137,12 @@ def staging_buffers(policy: Policy, device: torch.device, placement: "Placement"
     compute = policy.compute_dtype.torch_dtype
     out = {}
     nvme_params = placement.largest(StateKind.PARAM, Tier.NVME)
-    hbm_params = placement.largest(StateKind.PARAM, Tier.HBM)
     nvme_states = placement.largest(StateKind.MASTER, Tier.NVME)
     if nvme_params:
         for slot in range(read_ahead_slots(policy, nvme_params)):
             out[f"param_in{slot}"] = Buffer(f"staging param_in{slot}", Tier.DRAM, nvme_params,
                                             compute)
-    param_out = max(nvme_params, hbm_params if policy.optimizer.tier is not Tier.HBM else 0)
+    param_out = max(nvme_params, placement.largest_stepped_apart(StateKind.PARAM, Tier.HBM))
     if param_out:
         out["param_out"] = Buffer("staging param_out", Tier.DRAM, param_out, compute)
     if nvme_states:
@@ -145,11 +154,11 @@ def staging_buffers(policy: Policy, device: torch.device, placement: "Placement"
             for slot in range(STAGING_SETS if streamed else 1):
                 out[f"{kind.value}{slot}"] = Buffer(f"staging {kind.value}{slot}", Tier.DRAM,
                                                     piece, torch.float32)
-    if policy.grads.tier is Tier.DRAM and (device.type != "cpu" or lands_every_gradient):
+    # Sized for trained units: a frozen one never has a gradient to land.
+    landing = placement.largest(StateKind.GRAD, Tier.DRAM)
+    if landing and (device.type != "cpu" or lands_every_gradient):
         for slot in range(policy.grads.landing_slots):
-            # Sized for trained units: a frozen one never has a gradient to land.
-            out[f"grad{slot}"] = Buffer(f"staging grad{slot}", Tier.DRAM,
-                                        placement.largest(StateKind.GRAD, Tier.DRAM),
+            out[f"grad{slot}"] = Buffer(f"staging grad{slot}", Tier.DRAM, landing,
                                         reduce_dtype(policy, world_size))
     return out
 
@@ -255,6 +264,12 @@ class MemoryPlan:
             return nvme_bytes([b.nbytes for b in buffers])
         return sum(b.nbytes for b in buffers) + (self.working_set if tier is Tier.HBM else 0)
 
+    def steps_on_host(self) -> bool:
+        """Whether the CPU steps any unit: a trained unit's moments (a frozen one has none) are
+        outside HBM."""
+        return any(buf.tier is not Tier.HBM for (_, kind), buf in self.shards.items()
+                   if kind is StateKind.EXP_AVG)
+
     def check(self, available: dict[Tier, int]) -> None:
         """Raise BudgetError naming every tier whose needs exceed what is available."""
         short = {t: (self.needed(t), available[t]) for t in available
@@ -272,17 +287,27 @@ class Placement:
 
     tiers: dict[tuple[int, StateKind], Tier]
     shard_numels: list[int]
+    stepped_on_device: frozenset[int]
+    """Units whose optimizer states are in HBM, stepped on the device; a frozen unit (never
+    stepped) counts as its policy places optimizers."""
 
     def largest(self, kind: StateKind, tier: Tier) -> int:
         """The largest shard whose ``kind`` state is in ``tier`` (0 if none is)."""
         return max((n for u, n in enumerate(self.shard_numels)
                     if self.tiers.get((u, kind)) is tier), default=0)
 
+    def largest_stepped_apart(self, kind: StateKind, tier: Tier) -> int:
+        """The largest shard whose ``kind`` state is in ``tier`` and whose update runs on the
+        CPU: new weights for the device written on the host (0 if none is)."""
+        return max((n for u, n in enumerate(self.shard_numels)
+                    if self.tiers.get((u, kind)) is tier and u not in self.stepped_on_device),
+                   default=0)
+
     def moved(self, unit: int, kinds: tuple[StateKind, ...], tier: Tier) -> "Placement":
         tiers = dict(self.tiers)
         for kind in kinds:
             tiers[(unit, kind)] = tier
-        return Placement(tiers, self.shard_numels)
+        return Placement(tiers, self.shard_numels, self.stepped_on_device)
 
 
 def _plan(policy: Policy, device: torch.device, placement: Placement, full_numels: list[int],
@@ -304,22 +329,26 @@ def build_plan(policy: Policy, device: torch.device, shard_numels: list[int],
                dram_available: int | None = None,
                unit_kinds: list[list[StateKind]] | None = None,
                groups: list[int] | None = None, building: int | None = None,
-               lands_every_gradient: bool = False) -> MemoryPlan:
+               lands_every_gradient: bool = False,
+               on_device: frozenset[int] = frozenset()) -> MemoryPlan:
     """The plan of ``policy``; ``unit_kinds``: the states of each unit (unit_state_kinds), by
     default all of the policy's; ``groups`` and ``building``: see hbm_working_set;
-    ``lands_every_gradient``: see staging_buffers. With
-    ``dram.spill: nvme``, states placed in DRAM move to NVMe until what stays fits
-    ``dram_available``: the optimizer states of the largest units first (read and written once
-    per step), then their weights (read twice per step), never the gradients. Staging buffers
-    for what moved are counted as it moves."""
+    ``lands_every_gradient``: see staging_buffers; ``on_device``: under ``tier: auto``, the
+    units the planner keeps wholly in HBM, stepped there (planner.py). With
+    ``dram.spill: nvme`` (or ``tier: auto`` and a path), states placed in DRAM move to NVMe
+    until what stays fits ``dram_available``: the optimizer states of the largest units first
+    (read and written once per step), then their weights (read twice per step), never the
+    gradients. Staging buffers for what moved are counted as it moves."""
     if unit_kinds is None:
         unit_kinds = [state_kinds(policy)] * len(shard_numels)
-    tiers = {(unit, kind): state_tier(policy, kind)
+    tiers = {(unit, kind): Tier.HBM if unit in on_device else state_tier(policy, kind)
              for unit, kinds in enumerate(unit_kinds) for kind in kinds}
-    placement = Placement(tiers, shard_numels)
+    stepped_on_device = (frozenset(range(len(shard_numels)))
+                         if state_tier(policy, StateKind.MASTER) is Tier.HBM else on_device)
+    placement = Placement(tiers, shard_numels, stepped_on_device)
     plan = _plan(policy, device, placement, full_numels, unit_paths, world_size, groups,
                  building, lands_every_gradient)
-    if policy.dram.spill is not Tier.NVME or dram_available is None:
+    if not spills_to_nvme(policy) or dram_available is None:
         return plan
     weights = (StateKind.PARAM, StateKind.PARAM_NEXT)  # a unit's own, as below
     by_size = sorted(range(len(shard_numels)), key=lambda u: -shard_numels[u])

@@ -32,6 +32,9 @@ class Tier(str, enum.Enum):
     HBM = "hbm"
     DRAM = "dram"
     NVME = "nvme"
+    AUTO = "auto"
+    """A policy's choice only, never where a state is: the planner places each unit's states
+    (planner.py)."""
 
 
 class ComputeDtype(str, enum.Enum):
@@ -53,14 +56,15 @@ class Device(str, enum.Enum):
 @dataclass(frozen=True)
 class ParamsPolicy:
     tier: Tier = Tier.DRAM
-    """Where the compute-dtype weights of each shard live between uses: hbm | dram | nvme."""
+    """Where the compute-dtype weights of each shard live between uses: hbm | dram | nvme |
+    auto (the planner decides per unit; then for grads and optimizer too)."""
 
 
 @dataclass(frozen=True)
 class GradsPolicy:
     tier: Tier = Tier.DRAM
-    """Where each rank's gradient shard accumulates: hbm | dram (where the optimizer reads it).
-    fp32, or the compute dtype with ``optimizer.accumulation_steps: 1`` (plan.state_dtype)."""
+    """Where each rank's gradient shard accumulates: hbm | dram (where the optimizer reads it) |
+    auto. fp32, or the compute dtype with ``optimizer.accumulation_steps: 1`` (plan.state_dtype)."""
     landing_slots: int = field(default=4, metadata=parsed_by(as_whole_number))
     """Units' gradients that may hold device bytes on their way off the device at once, and the
     pinned buffers in which later gradients of a step land until the CPU worker adds them in:
@@ -69,7 +73,7 @@ class GradsPolicy:
 
     def __post_init__(self):
         if self.tier is Tier.NVME:
-            raise ValueError("tier must be hbm or dram, got 'nvme'")
+            raise ValueError("tier must be hbm, dram or auto, got 'nvme'")
         if self.landing_slots < 1:
             raise ValueError(f"landing_slots must be >= 1, got {self.landing_slots}")
 
@@ -140,7 +144,8 @@ class OptimizerPolicy:
     """AdamW with the semantics of ``torch.optim.AdamW``."""
 
     tier: Tier = Tier.DRAM
-    """Where the fp32 master weights and Adam moments live; the step runs there (GPU for hbm)."""
+    """Where the fp32 master weights and Adam moments live; the step runs there (GPU for hbm);
+    auto: the planner decides per unit."""
     lr: float = field(default=1e-4, metadata=parsed_by(as_number))
     betas: tuple[float, float] = field(default=(0.9, 0.999), metadata=parsed_by(as_betas))
     eps: float = field(default=1e-8, metadata=parsed_by(as_number))
@@ -211,6 +216,9 @@ class NvmePolicy:
 class HbmPolicy:
     budget: int | None = field(default=None, metadata=parsed_by(as_size_or_none))
     """Bytes of device memory tiered may hold; null = what the device has."""
+    reserve: int | None = field(default=None, metadata=parsed_by(as_size_or_none))
+    """With ``tier: auto``: bytes of the budget the planner leaves free for what no plan counts
+    (activations, the allocator's cache); null = a quarter of the budget."""
 
 
 @dataclass(frozen=True)
@@ -345,7 +353,15 @@ class Policy:
         misplaced = _plain_value_in(self)
         if misplaced is not None:
             raise PolicyError(_plain_value_message(*misplaced))
-        expected_grads = Tier.HBM if self.optimizer.tier is Tier.HBM else Tier.DRAM
+        tiers = {"params": self.params.tier, "grads": self.grads.tier,
+                 "optimizer": self.optimizer.tier}
+        if Tier.AUTO in tiers.values() and set(tiers.values()) != {Tier.AUTO}:
+            given = ", ".join(f"{name}.tier: {tier.value}" for name, tier in tiers.items())
+            raise ValueError(f"tier: auto places a unit's weights, gradient and optimizer states "
+                             f"together: set it for params, grads and optimizer alike (got "
+                             f"{given})")
+        expected_grads = {Tier.HBM: Tier.HBM, Tier.AUTO: Tier.AUTO}.get(self.optimizer.tier,
+                                                                         Tier.DRAM)
         if self.grads.tier is not expected_grads:
             raise ValueError(
                 f"grads.tier must be {expected_grads.value!r} when optimizer.tier is "
@@ -366,7 +382,14 @@ class Policy:
 
     @property
     def uses_nvme(self) -> bool:
-        return Tier.NVME in (self.params.tier, self.optimizer.tier, self.dram.spill)
+        """Whether the run has an NVMe tier (under ``tier: auto``, whenever a path is set)."""
+        return Tier.NVME in (self.params.tier, self.optimizer.tier, self.dram.spill) or (
+            self.placed_by_planner and bool(self.nvme.path))
+
+    @property
+    def placed_by_planner(self) -> bool:
+        """``tier: auto``: the planner places each unit's states (planner.py)."""
+        return self.optimizer.tier is Tier.AUTO
 
     # -- construction -------------------------------------------------------------------------
 

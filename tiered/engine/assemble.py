@@ -15,7 +15,7 @@ from ..optim.host import HostSetup, LocalHost, RankHost
 from ..optim.loss_scale import LossScaler
 from ..optim.optimizer import UpdateBook
 from ..optim.workers import CpuWorker
-from ..plan import StateKind, optimizer_device, state_dtype
+from ..plan import StateKind, state_dtype
 from ..policy import ComputeDtype, Policy, Tier
 from ..service.client import ServiceSlabSource
 from ..service.hostwire import HostRequest
@@ -76,7 +76,7 @@ def assemble(flats: list[FlatParam], manager: TierManager, group: ProcessGroup,
             manager=manager, names=[flat.name for flat in flats],
             trainable=[flat.has_trainable for flat in flats],
             buffer_dtype=state_dtype(policy, StateKind.GRAD), ranges=ranges,
-            device=optimizer_device(policy, device), one_pass=one_pass,
+            one_pass=one_pass,
             sub_group_size=policy.optimizer.sub_group_size, norm_group=group.on_host(),
             max_grad_norm=policy.optimizer.max_grad_norm, fp16=scaler is not None,
             timeline=timeline), events))
@@ -99,6 +99,7 @@ def hostable_in_service(policy: Policy, local_world: int, world: int) -> bool:
     rank of the job on this node (the service sums the gradient norm over the ranks it
     hosts)."""
     tiers = (policy.params.tier, policy.grads.tier, policy.optimizer.tier)
-    return all(tier is not Tier.HBM for tier in tiers) and local_world == world
+    # Under tier: auto the planner may keep units on the device.
+    return all(tier not in (Tier.HBM, Tier.AUTO) for tier in tiers) and local_world == world
 
 

@@ -59,10 +59,12 @@ def _refuse_non_floating(specs: list[UnitSpec]) -> None:
 
 def memory_plan(policy: Policy, device: torch.device, flats: list[FlatParam],
                 dram_available: int | None = None, building: int | None = None,
-                lands_every_gradient: bool = False) -> MemoryPlan:
+                lands_every_gradient: bool = False,
+                on_device: frozenset[int] = frozenset()) -> MemoryPlan:
     """What ``policy`` places in each tier for these units, before anything is allocated
     (with ``dram.spill: nvme``, given the DRAM available); ``building``: see
-    plan.hbm_working_set; ``lands_every_gradient``: plan.staging_buffers."""
+    plan.hbm_working_set; ``lands_every_gradient``: plan.staging_buffers; ``on_device``: the
+    units ``tier: auto`` keeps in HBM (planner.py)."""
     # Units gathered through the whole forward are gathered as long as the root is.
     paths = ["" if f.spec.whole_forward else f.spec.path for f in flats]
     kinds = [unit_state_kinds(policy, f.has_trainable, [p.dtype for p in f.spec.params])
@@ -71,7 +73,15 @@ def memory_plan(policy: Policy, device: torch.device, flats: list[FlatParam],
                       [f.padded_numel for f in flats], paths, flats[0].world_size,
                       dram_available=dram_available, unit_kinds=kinds,
                       groups=module_groups([f.spec for f in flats]), building=building,
-                      lands_every_gradient=lands_every_gradient)
+                      lands_every_gradient=lands_every_gradient, on_device=on_device)
+
+
+def forward_order(flats: list[FlatParam]) -> list[int]:
+    """The trained units in the order the forward first needs them: those gathered through
+    the whole forward (the root's) first, then as the module tree lists them."""
+    trained = [flat for flat in flats if flat.has_trainable]
+    first = [flat.spec.index for flat in trained if flat.spec.path == "" or flat.spec.whole_forward]
+    return first + [flat.spec.index for flat in trained if flat.spec.index not in first]
 
 
 def bend_to_fit(policy: Policy, plan_for, manager: TierManager) -> tuple[Policy, MemoryPlan]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import warnings
@@ -15,13 +16,16 @@ from torch import nn
 from ..checkpoint import checkpoint, export, pretrained
 from ..errors import PolicyError, TieredError
 from ..manager import TierManager
+from ..node import cached_node_rates
 from ..ops.tiled_linear import merge_tiles, tile_large_linears, tiled_layers, untile
 from ..optim import TieredAdamW
 from ..optim.adamw import one_pass_for
 from ..optim.groups import shard_ranges
 from ..optim.loss_scale import LossScaler
 from ..optim.workers import CpuWorker, optimizer_threads
-from ..plan import grad_dtypes, optimizer_device, state_kinds
+from ..plan import grad_dtypes, state_kinds
+from ..plan_report import PlanReport, plan_report
+from ..planner import place_units
 from ..policy import Device, Policy, Tier, resolve
 from ..service.client import ServiceSlabSource, slab_source_from_env
 from ..service.remote_nvme import ServiceNvme
@@ -30,7 +34,7 @@ from ..timeline import Timeline
 from . import process_exit, reattach
 from .assemble import InService, assemble, host_request, hostable_in_service
 from .build import (bend_to_fit, building_bytes, built_together, drop_parameters, flat_units,
-                    memory_plan, partition, place_buffers, restore_parameters)
+                    forward_order, memory_plan, partition, place_buffers, restore_parameters)
 from .collectives import ProcessGroup
 from .hooks import UnitHooks
 from .init import Materializer, init_context_of
@@ -38,6 +42,8 @@ from .runtime import UnitRuntime
 
 LAUNCHED_ENV = "TIERED_LAUNCHED"
 """Set by ``tiered-launch`` in each rank's environment."""
+
+_log = logging.getLogger("tiered")
 
 _managed: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 """Models whose parameters an engine has taken over."""
@@ -193,6 +199,15 @@ class TieredEngine:
         """Bytes each tier holds now, the most it has held, and its budget (on a CPU device the
         hbm and dram budgets split the same RAM: TierManager.budgets_for)."""
         return self.manager.memory_report()
+
+    def plan_report(self) -> PlanReport:
+        """This rank's plan: bytes per tier against the budgets, how many units hold each
+        state in each tier, and the step it predicts on this node from the rates ``tiered
+        node`` measured here (cached; none measured: no prediction). ``.table()`` is what
+        ``initialize`` logs (logger "tiered", INFO, rank 0)."""
+        plan = self.manager.plan
+        return plan_report(plan, self.manager.budgets_for(plan), self.policy,
+                           self.runtime.group.world_size, cached_node_rates(self.policy.nvme.path))
 
     def placement(self) -> dict[str, dict[str, str]]:
         """For every unit (by name: its module path, "<root>" for the root, with " (frozen)"
@@ -423,13 +438,19 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
         materializer = Materializer(model, [flat.spec for flat in flats], device,
                                     context.param_init_fn if context is not None else None)
         building = max(building_bytes(built, materializer) for built in built_together(flats))
-        def plan_for(policy: Policy):
+        def plan_with(policy: Policy, on_device: frozenset[int] = frozenset()):
             dram_room = manager.available()[Tier.DRAM]
             if device.type == "cpu":  # the HBM tier is the same RAM: DRAM may fill the rest
-                hbm_needed = memory_plan(policy, device, flats, None, building).needed(Tier.HBM)
+                hbm_needed = memory_plan(policy, device, flats, None, building,
+                                         on_device=on_device).needed(Tier.HBM)
                 dram_room = manager.dram_room_beside(hbm_needed)
             return memory_plan(policy, device, flats, dram_room, building,
-                               lands_every_gradient=hosted)
+                               lands_every_gradient=hosted, on_device=on_device)
+
+        def plan_for(policy: Policy):
+            if not policy.placed_by_planner:
+                return plan_with(policy)
+            return place_units(policy, manager, forward_order(flats), partial(plan_with, policy))
 
         # Checked before paying for a compile the budget forbids.
         policy, plan = bend_to_fit(policy, plan_for, manager)
@@ -445,7 +466,8 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
             with timeline.span("compile one-pass AdamW", "setup"):
                 one_pass = one_pass_for(policy.compute_dtype.torch_dtype,
                                         grad_dtypes(policy, group.world_size),
-                                        optimizer_device(policy, device), worker)
+                                        torch.device("cpu") if plan.steps_on_host()
+                                        else device, worker)
         with timeline.span("allocate tiers (pin DRAM, create NVMe extents)", "setup"):
             manager.allocate(plan, kept=kept is not None)
         if kept is not None:  # the units' states are the kept segments' already
@@ -465,6 +487,9 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
         engine = TieredEngine(model, policy, runtime, optimizer, scaler, state_dict_keys)
         if kept is not None:
             reattach.restore(engine, kept)
+        if group.rank == 0 and _log.isEnabledFor(logging.INFO):
+            _log.info("tiered: the plan of rank 0 (of %d)\n%s", group.world_size,
+                      engine.plan_report().table())
     except BaseException:
         if worker is not None:
             worker.close()

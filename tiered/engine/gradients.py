@@ -82,7 +82,10 @@ class GradientPath:
         self._copies: deque[InFlight] = deque()
         """The thread running backward's: gradients the copy off the device frees, oldest
         first."""
-        self._grads_on_host = manager.grad_device().type == "cpu"
+        self._grads_on_host = [manager.grad_device(flat.spec.index).type == "cpu"
+                               for flat in flats]
+        """Per unit: whether its grads-tier buffer is host memory (not under ``tier: auto``'s
+        units kept on the device, nor with every gradient in HBM)."""
 
     @property
     def usage(self):
@@ -93,7 +96,7 @@ class GradientPath:
         grads tier; the caller then releases the gathered weights. See [Note: offload stream]."""
         index = flat.spec.index
         first = not self.has_grad[index]
-        needs_landing = not first and self._grads_on_host and (
+        needs_landing = not first and self._grads_on_host[index] and (
             flat.full.device.type != "cpu" or self.host.lands_every_gradient)
         self._retire_copies(wait=True)
         landing = self.buffers.reserve(index, first, needs_landing)

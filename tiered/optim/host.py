@@ -41,8 +41,6 @@ class HostSetup:
     """What the grads tier holds a sum in: fp32, or the compute dtype when compact."""
     ranges: list[tuple[GroupRange, ...]]
     """Per unit, its shard's runs of one param group (groups.shard_ranges)."""
-    device: torch.device
-    """Where the optimizer steps."""
     one_pass: OnePassAdamW | None
     sub_group_size: int
     norm_group: object
@@ -64,7 +62,7 @@ class RankHost:
         self.arrival_order: list[int] = []
         """Units in the order their first gradient since ``zero_grad`` arrived: the order an
         update steps them in (see [Note: buffer hand-off])."""
-        self.stepper = UnitStepper(setup.manager, self, setup.names, setup.ranges, setup.device,
+        self.stepper = UnitStepper(setup.manager, self, setup.names, setup.ranges,
                                    setup.one_pass, setup.sub_group_size, setup.timeline)
         self._squares: dict[int, torch.Tensor] = {}
         """Squared norms of complete gradients, taken as they arrived."""
@@ -212,11 +210,7 @@ class RankHost:
         while self._ready and not (until_more_arrive and self._last_queued):
             unit = min(self._ready, key=lambda i: rank.get(i, len(rank)))  # ties: arrival
             self._ready.remove(unit)
-            self.stepper.step([unit], last.hypers, 1.0, False)
-            if self.setup.device.type == "cuda":
-                # The step's kernels were queued on this thread's stream; a gather reads the
-                # weights on another, so they are written only once these have run.
-                torch.cuda.current_stream(self.setup.device).synchronize()
+            self.stepper.step([unit], last.hypers, 1.0, False)  # run, also on a GPU
             self.events.weights_written([unit])
 
     def _update(self, update: Update) -> None:
@@ -267,15 +261,21 @@ class RankHost:
         return update.loss_scale, norm
 
     def _global_norm(self, units: list[int]) -> float:
-        # Summed where the gradients are (one copy to the host in the end, not one per unit),
-        # then over ranks on the host group.
-        square_sum = torch.zeros((), dtype=torch.float64, device=self.manager.grad_device())
+        # Summed where the gradients are (one copy to the host per device in the end, not one
+        # per unit: under tier: auto some are on the device, some on the host), then over ranks
+        # on the host group.
+        sums: dict[torch.device, torch.Tensor] = {}
         for unit in units:
             square = self._squares.pop(unit, None)
             if square is None:
                 square = squared_norm(self.read(unit))
-            square_sum += square
-        square_sum = square_sum.to(self.setup.norm_group.device)
+            device = self.manager.grad_device(unit)
+            if device not in sums:
+                sums[device] = torch.zeros((), dtype=torch.float64, device=device)
+            sums[device] += square
+        square_sum = torch.zeros((), dtype=torch.float64, device=self.setup.norm_group.device)
+        for part in sums.values():
+            square_sum += part.to(square_sum.device)
         self.setup.norm_group.all_reduce_sum(square_sum)
         return math.sqrt(square_sum.item())
 

@@ -22,19 +22,21 @@ from .stream import Piece, StateStream
 
 class UnitStepper:
     def __init__(self, manager: TierManager, gradients, names: list[str],
-                 ranges: list[tuple[GroupRange, ...]], device: torch.device,
-                 one_pass: OnePassAdamW | None, sub_group_size: int, timeline: Timeline):
+                 ranges: list[tuple[GroupRange, ...]], one_pass: OnePassAdamW | None,
+                 sub_group_size: int, timeline: Timeline):
         self.manager = manager
         self.gradients = gradients
         """What holds the gradients it reads: the host (``read``, and ``consumed`` once read)."""
         self.names = names
         self.ranges = ranges
         """Per unit: its shard's runs of one param group (groups.shard_ranges)."""
-        self.device = device
+        self.devices = [manager.optimizer_device(unit) for unit in range(len(names))]
+        """Per unit: where it is stepped (the CPU, or under ``tier: auto`` perhaps the GPU)."""
         self.one_pass = one_pass
         """Mixed precision on the CPU (see adamw.OnePassAdamW); else torch's fused kernel."""
         self.timeline = timeline
-        self.steps = [torch.zeros((), dtype=torch.float32, device=device) for _ in names]
+        self.steps = [torch.zeros((), dtype=torch.float32, device=device)
+                      for device in self.devices]
         """Per unit: the number of its last step (what AdamW's bias correction reads)."""
         # A frozen unit's masters may be on NVMe too, but only trained units are streamed.
         has_nvme_states = any(manager.nvme_file(i, StateKind.EXP_AVG) is not None
@@ -46,21 +48,31 @@ class UnitStepper:
         """Step ``units`` in this order, each run of param group g with ``hypers[g]``;
         ``on_unit(unit)`` after each one's weights are written."""
         kind = StateKind.PARAM_NEXT if into_next else StateKind.PARAM
-        divisor_tensor = (None if divisor == 1.0 or self.one_pass is not None else
-                          torch.tensor(divisor, dtype=torch.float32, device=self.device))
+        divisors: dict[torch.device, torch.Tensor | None] = {}
+
+        def divisor_on(device: torch.device) -> torch.Tensor | None:
+            """The fused kernel's divisor, made once per device and step."""
+            if device not in divisors:
+                divisors[device] = (None if divisor == 1.0 else
+                                    torch.tensor(divisor, dtype=torch.float32, device=device))
+            return divisors[device]
 
         def step_piece(piece: Piece, master, exp_avg, exp_avg_sq) -> None:
             if piece.start == 0:
                 self.steps[piece.unit] += 1
             with self.timeline.span(f"adamw {self.names[piece.unit]}", "cpu",
                                     {"params": piece.numel}):
-                self._kernel(piece, master, exp_avg, exp_avg_sq, hypers, divisor,
-                             divisor_tensor, kind)
+                self._kernel(piece, master, exp_avg, exp_avg_sq, hypers, divisor, divisor_on,
+                             kind)
 
         def unit_done(unit: int) -> None:
             self.gradients.consumed(unit)
             with self.timeline.span(f"write back {self.names[unit]}", "cpu"):
                 self.manager.store(unit, kind, self._weights(unit, kind))
+            if self.devices[unit].type == "cuda":
+                # Its kernels were queued on this thread's stream; a gather reads the weights
+                # on another, so they count as written only once these have run.
+                torch.cuda.current_stream(self.devices[unit]).synchronize()
             on_unit(unit)
 
         streamed: list[int] = []
@@ -81,13 +93,14 @@ class UnitStepper:
                 unit_done(unit)
 
     def _kernel(self, piece: Piece, master, exp_avg, exp_avg_sq,
-                hypers: tuple[AdamWHyper, ...], divisor: float, divisor_tensor,
+                hypers: tuple[AdamWHyper, ...], divisor: float, divisor_on,
                 kind: StateKind) -> None:
         grads = self.gradients.read(piece.unit)
         weights = self._weights(piece.unit, kind)
+        one_pass = self._one_pass_for(piece.unit)
         # Frozen runs are never stepped, and weights written in place keep them; a staging
         # buffer holds another unit's values there, so they are filled from the masters.
-        fill_frozen = not self.manager.param_in_place(piece.unit, kind, self._cpu_only)
+        fill_frozen = not self.manager.param_in_place(piece.unit, kind, one_pass is not None)
         step = self.steps[piece.unit]
         end = piece.start + piece.numel
         for part in self.ranges[piece.unit]:
@@ -101,19 +114,20 @@ class UnitStepper:
                     new.copy_(master[here])
                 continue
             hyper = hypers[part.group]
-            if self.one_pass is not None:
-                self.one_pass.step(master[here], grad, exp_avg[here], exp_avg_sq[here], new,
-                                   step, hyper, divisor)
+            if one_pass is not None:
+                one_pass.step(master[here], grad, exp_avg[here], exp_avg_sq[here], new, step,
+                              hyper, divisor)
             else:
                 adamw_step(master[here], grad.float(), exp_avg[here], exp_avg_sq[here], step,
-                           hyper, divisor_tensor)
+                           hyper, divisor_on(master.device))
                 new.copy_(master[here])
 
-    def _weights(self, unit: int, kind: StateKind) -> torch.Tensor:
-        """Where this unit's new weights are written (then stored to their tier)."""
-        return self.manager.param_target(unit, kind, self._cpu_only)
+    def _one_pass_for(self, unit: int) -> OnePassAdamW | None:
+        """The one-pass kernel for a unit stepped on the CPU under mixed precision, else None
+        (torch's fused kernel)."""
+        return self.one_pass if self.devices[unit].type == "cpu" else None
 
-    @property
-    def _cpu_only(self) -> bool:
-        """The one-pass kernel writes the new weights on the CPU only."""
-        return self.one_pass is not None
+    def _weights(self, unit: int, kind: StateKind) -> torch.Tensor:
+        """Where this unit's new weights are written (then stored to their tier); the one-pass
+        kernel writes them on the CPU only."""
+        return self.manager.param_target(unit, kind, self._one_pass_for(unit) is not None)

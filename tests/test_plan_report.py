@@ -1,0 +1,102 @@
+"""The plan, shown: ``engine.plan_report()`` and the table ``initialize`` logs. Its bytes are the
+plan's (what the tiers then hold), its unit counts the placement's, and its predicted step the
+per-step traffic of the plan over the node's rates, checked here against the same sums written
+out from the units' shard sizes."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import pytest
+
+import tiered
+from helpers import REPO
+from helpers_models import OPTIM, make_model
+from tiered.node import NodeRates
+from tiered.plan import StateKind
+from tiered.plan_report import step_terms
+from tiered.policy import Tier
+
+RATES = NodeRates(machine="a synthetic node", measured_at=0.0, cpu_threads=2,
+                  cpu_adamw_params_per_s=1e6, cpu_one_pass_params_per_s=2e6,
+                  gpu_adamw_params_per_s=5e7, h2d_gbps=0.01, d2h_gbps=0.02, both_gbps=0.025,
+                  nvme_write_gbps=0.001, nvme_read_gbps=0.004)
+"""Rates chosen so that each term is a different round number per element."""
+
+
+def engine_of(config: str, tmp_path, **overrides):
+    """Small NVMe sub-groups: the staging stays small beside these tiny shards."""
+    return tiered.initialize(make_model(), os.path.join(REPO, "configs", f"{config}.yaml"),
+                             device="cpu", compute_dtype="fp32",
+                             optimizer=dict(OPTIM, sub_group_size=1024),
+                             nvme={"path": str(tmp_path)}, **overrides)
+
+
+@pytest.mark.parametrize("config", ["cpu", "nvme", "auto"])
+def test_the_predicted_terms_are_the_plans_traffic_over_the_rates(config, tmp_path):
+    engine, _ = engine_of(config, tmp_path, hbm={"budget": "600KiB", "reserve": 0})
+    n = {f.spec.index: f.shard_numel for f in engine.runtime.flats}
+    tier = {unit: {kind: engine.manager.tier_of(unit, kind) for kind in (
+        StateKind.PARAM, StateKind.GRAD, StateKind.MASTER)}
+            for unit in n}
+    host = sum(n[u] for u in n if tier[u][StateKind.MASTER] is not Tier.HBM)
+    device = sum(n[u] for u in n if tier[u][StateKind.MASTER] is Tier.HBM)
+    up = sum(2 * 4 * n[u] for u in n if tier[u][StateKind.PARAM] is not Tier.HBM)
+    down = sum(4 * n[u] for u in n if tier[u][StateKind.GRAD] is not Tier.HBM)
+    nvme_weights = sum(n[u] for u in n if tier[u][StateKind.PARAM] is Tier.NVME)
+    nvme_states = sum(n[u] for u in n if tier[u][StateKind.MASTER] is Tier.NVME)
+    terms = step_terms(engine.manager.plan, engine.policy, 1, RATES)
+    assert terms.cpu_update == pytest.approx(host / 1e6)
+    assert terms.gpu_update == pytest.approx(device / 5e7)
+    assert terms.pcie == pytest.approx(max(up / 1e7, down / 2e7, (up + down) / 2.5e7))
+    assert terms.nvme == pytest.approx((8 * nvme_weights + 12 * nvme_states) / 4e6
+                                       + (4 * nvme_weights + 12 * nvme_states) / 1e6)
+    if config == "auto":
+        assert host and device, "a mixed placement was wanted"
+    if config == "nvme":
+        assert terms.bound[0] == "NVMe"
+    engine.close()
+
+
+def test_the_report_shows_the_plan_the_tiers_hold_and_the_placement(tmp_path):
+    engine, _ = engine_of("auto", tmp_path, hbm={"budget": "600KiB", "reserve": 0})
+    report = engine.plan_report()
+    held = engine.memory_report()
+    for tier in (Tier.DRAM, Tier.NVME):  # a fresh engine holds what its plan lists
+        assert report.needed[tier] == held[tier.value]["current"]
+    placement = engine.placement()
+    for kind in (StateKind.PARAM, StateKind.GRAD, StateKind.MASTER):
+        counted = {}
+        for states in placement.values():
+            counted[states[kind.value]] = counted.get(states[kind.value], 0) + 1
+        assert {t.value: c for t, c in report.units[kind].items()} == counted
+    engine.close()
+
+
+def test_initialize_logs_the_table_and_says_how_to_get_a_prediction(tmp_path, caplog,
+                                                                     monkeypatch):
+    monkeypatch.setenv("TIERED_CACHE", str(tmp_path / "cache"))  # nothing measured there
+    with caplog.at_level(logging.INFO, logger="tiered"):
+        engine, _ = engine_of("cpu", tmp_path)
+    engine.close()
+    logged = "\n".join(r.getMessage() for r in caplog.records if r.name == "tiered")
+    assert "the plan of rank 0" in logged and "units: master" in logged
+    assert "run `tiered node`" in logged
+
+
+@pytest.mark.parametrize("compute_dtype, rate", [("fp32", 1e6), ("bf16", 2e6)])
+def test_a_node_without_a_gpu_is_bound_by_its_cpu_update_at_the_kernels_rate(compute_dtype,
+                                                                             rate):
+    """fp32 is stepped by torch's fused kernel, bf16 by the one-pass kernel: each its rate."""
+    cpu_only = dataclasses.replace(RATES, gpu_adamw_params_per_s=None, h2d_gbps=None,
+                                   d2h_gbps=None, both_gbps=None)
+    engine, _ = tiered.initialize(make_model(), os.path.join(REPO, "configs", "cpu.yaml"),
+                                  device="cpu", compute_dtype=compute_dtype, optimizer=OPTIM)
+    report = dataclasses.replace(engine.plan_report(), terms=step_terms(
+        engine.manager.plan, engine.policy, 1, cpu_only), rates_of=cpu_only.machine)
+    trained = sum(f.shard_numel for f in engine.runtime.flats)
+    engine.close()
+    assert report.terms.gpu_update is None and report.terms.pcie is None
+    assert report.terms.bound == ("CPU update", pytest.approx(trained / rate))
+    assert "bound by CPU update" in report.table() and "a synthetic node" in report.table()

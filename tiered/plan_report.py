@@ -1,0 +1,133 @@
+"""A plan, shown: bytes per tier against budgets, where each unit's states sit, and what a step
+should cost on this node (issue 20, part 4).
+
+The prediction reads the node's measured rates (node.py; ``tiered node`` measures and caches
+them) and the bytes the plan moves each step:
+- the CPU's AdamW over the units stepped on the host, the GPU's over those stepped on it;
+- PCIe: each unit whose weights are off the device is gathered twice (forward and backward),
+  its shard copied up each time, and each gradient kept on the host copied down once;
+- NVMe: weights on the drive are read for both gathers and written once (the new weights),
+  optimizer states on it read and written once; the drive does one at a time.
+Everything here overlaps in the engine, so the step takes at least the largest of them, the
+bound; the GPU's forward and backward come on top where they are longer, and are known only
+once a step has run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .node import NodeRates
+from .plan import MemoryPlan, StateKind, reduce_dtype, state_dtype
+from .policy import ComputeDtype, Policy, Tier
+from .report import format_table
+from .sizes import format_size
+
+SHOWN_STATES = (StateKind.PARAM, StateKind.GRAD, StateKind.MASTER)
+"""One row per kind of state: the moments sit with the master weights, the delayed update's
+next weights with the weights."""
+
+
+@dataclass(frozen=True)
+class StepTerms:
+    """Seconds a step spends on each resource (see the module note); None where the node has
+    no such rate measured."""
+
+    cpu_update: float
+    gpu_update: float | None
+    pcie: float | None
+    nvme: float | None
+
+    def named(self) -> dict[str, float | None]:
+        return {"CPU update": self.cpu_update, "GPU update": self.gpu_update,
+                "PCIe": self.pcie, "NVMe": self.nvme}
+
+    @property
+    def bound(self) -> tuple[str, float]:
+        """The term that bounds the step, and its seconds."""
+        known = {name: value for name, value in self.named().items() if value is not None}
+        name = max(known, key=known.get)
+        return name, known[name]
+
+
+@dataclass(frozen=True)
+class PlanReport:
+    needed: dict[Tier, int]
+    budgets: dict[Tier, int | None]
+    units: dict[StateKind, dict[Tier, int]]
+    """Per kind of state (SHOWN_STATES), how many units hold it in each tier."""
+    terms: StepTerms | None
+    """None without the node's rates."""
+    rates_of: str | None
+    """The machine the rates were measured on."""
+
+    def table(self) -> str:
+        tiers = [tier for tier in (Tier.HBM, Tier.DRAM, Tier.NVME) if tier in self.budgets]
+        rows = [["tier", "planned", "budget", *(f"units: {kind.value}" for kind in SHOWN_STATES)]]
+        for tier in tiers:
+            budget = self.budgets[tier]
+            rows.append([tier.value, format_size(self.needed[tier]),
+                         "-" if budget is None else format_size(budget),
+                         *(str(self.units[kind].get(tier, 0)) for kind in SHOWN_STATES)])
+        lines = [format_table(rows)]
+        if self.terms is None:
+            lines.append("predicted step: run `tiered node` to measure this node's rates")
+        else:
+            parts = ", ".join(f"{name} {value:.3g} s" for name, value in self.terms.named().items()
+                              if value is not None)
+            name, seconds = self.terms.bound
+            lines.append(f"predicted step: at least {seconds:.3g} s, bound by {name} ({parts}; "
+                         f"the GPU's forward and backward are measured by the first step); "
+                         f"rates of {self.rates_of}")
+        return "\n".join(lines)
+
+
+def plan_report(plan: MemoryPlan, budgets: dict[Tier, int | None], policy: Policy,
+                world_size: int, rates: NodeRates | None) -> PlanReport:
+    units: dict[StateKind, dict[Tier, int]] = {kind: {} for kind in SHOWN_STATES}
+    for (_, kind), buffer in plan.shards.items():
+        if kind in units:
+            units[kind][buffer.tier] = units[kind].get(buffer.tier, 0) + 1
+    tiers = [Tier.HBM, Tier.DRAM] + ([Tier.NVME] if Tier.NVME in budgets else [])
+    return PlanReport({tier: plan.needed(tier) for tier in tiers},
+                      {tier: budgets.get(tier) for tier in tiers}, units,
+                      None if rates is None else step_terms(plan, policy, world_size, rates),
+                      None if rates is None else rates.machine)
+
+
+def step_terms(plan: MemoryPlan, policy: Policy, world_size: int,
+               rates: NodeRates) -> StepTerms:
+    """What one step of ``plan`` costs on a node of ``rates`` (see the module note)."""
+    weight_bytes = state_dtype(policy, StateKind.PARAM).itemsize
+    grad_bytes = reduce_dtype(policy, world_size).itemsize
+    host_params = device_params = 0
+    up = down = drive_read = drive_write = 0
+    for (unit, kind), buffer in plan.shards.items():
+        n = buffer.numel
+        if kind is StateKind.EXP_AVG:  # a trained unit: stepped where its moments are
+            if buffer.tier is Tier.HBM:
+                device_params += n
+            else:
+                host_params += n
+        elif kind is StateKind.PARAM and buffer.tier is not Tier.HBM:
+            up += 2 * n * weight_bytes
+            if buffer.tier is Tier.NVME:
+                drive_read += 2 * n * weight_bytes
+                drive_write += n * weight_bytes
+        elif kind is StateKind.GRAD and buffer.tier is not Tier.HBM:
+            down += n * grad_bytes
+        elif kind is StateKind.MASTER and buffer.tier is Tier.NVME:
+            drive_read += 3 * n * 4  # with its two moments
+            drive_write += 3 * n * 4
+    cpu_rate = (rates.cpu_adamw_params_per_s if policy.compute_dtype is ComputeDtype.FP32
+                else rates.cpu_one_pass_params_per_s)
+    gpu = (device_params / rates.gpu_adamw_params_per_s
+           if rates.gpu_adamw_params_per_s else None)
+    pcie = None
+    if rates.both_gbps:
+        pcie = max(up / (rates.h2d_gbps * 1e9), down / (rates.d2h_gbps * 1e9),
+                   (up + down) / (rates.both_gbps * 1e9))
+    nvme = None
+    if rates.nvme_read_gbps and rates.nvme_write_gbps:
+        nvme = drive_read / (rates.nvme_read_gbps * 1e9) + \
+            drive_write / (rates.nvme_write_gbps * 1e9)
+    return StepTerms(host_params / cpu_rate, gpu, pcie, nvme)
