@@ -8,6 +8,9 @@
     tiered daemon status [--json]                   the node's service: its pool, jobs, ranks
     tiered daemon stop
     tiered node [--nvme PATH] [--remeasure] [--json]   this node's rates, measured once, cached
+    tiered plan MODEL [--policy FILE] [--nvme PATH] [--ranks N] [--node FILE] [--json]
+                                                    bytes per tier and the predicted step of a
+                                                    model (HF config or module:factory)
     tiered version
 """
 from __future__ import annotations
@@ -94,6 +97,27 @@ def _node(args) -> int:
         print(f"tiered: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(dataclasses.asdict(rates)) if args.json else rates.table())
+    return 0
+
+
+def _plan(args) -> int:
+    import json
+
+    from .node import cached_node_rates
+    from .plan_model import model_on_meta, plan_model, read_node
+    from .policy import resolve
+
+    try:
+        if args.ranks < 1:
+            raise UsageError(f"--ranks must be >= 1, got {args.ranks}")
+        nvme = os.path.abspath(os.path.expanduser(args.nvme)) if args.nvme else None
+        policy = resolve(args.policy, {"nvme": {"path": nvme}} if nvme else {})
+        rates = read_node(args.node) if args.node else cached_node_rates(policy.nvme.path)
+        report = plan_model(model_on_meta(args.model), policy, args.ranks, rates)
+    except TieredError as e:
+        print(f"tiered: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.to_dict()) if args.json else report.table())
     return 0
 
 
@@ -224,6 +248,23 @@ def main(argv: list[str] | None = None) -> int:
     node.add_argument("--remeasure", action="store_true", help="measure again, not the cache")
     node.add_argument("--json", action="store_true", help="print them as JSON")
     node.set_defaults(run=_node)
+    plan = commands.add_parser(
+        "plan", help="bytes per tier and the predicted step of a model, nothing allocated",
+        description="Plan MODEL (a Hugging Face config.json or its folder, or module:factory "
+        "called on the meta device) under a policy, as initialize would on rank 0: bytes per "
+        "tier against the budgets (the policy's, else the node's memory), where each unit's "
+        "states sit, and the step the node's rates predict. No GPU needed.")
+    plan.add_argument("model", metavar="MODEL")
+    plan.add_argument("--policy", default=None, metavar="FILE", help="the policy (default: "
+                      "the built-in defaults, configs/cpu.yaml's)")
+    plan.add_argument("--nvme", default=None, metavar="PATH",
+                      help="sets nvme.path (a drive of the planned node; not touched)")
+    plan.add_argument("--ranks", type=int, default=1, help="ranks on the node (default 1)")
+    plan.add_argument("--node", default=None, metavar="FILE", help="another node's rates and "
+                      "memory, as `tiered node --json` printed them there (default: this "
+                      "node's, if measured)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.set_defaults(run=_plan)
     _add_daemon(commands)
     version = commands.add_parser("version", help="print the version")
     version.set_defaults(run=lambda args: print(__version__) or 0)

@@ -155,6 +155,14 @@ class TierManager:
             budgets[Tier.HBM] = max(0, self.cpu_ram - budgets[Tier.DRAM])
         return budgets
 
+    def hbm_room(self, plan: MemoryPlan) -> int | None:
+        """The HBM bytes ``plan`` may fill, or None when it does not fit the budgets."""
+        try:
+            self.check(plan)
+        except BudgetError:
+            return None
+        return self.budgets_for(plan)[Tier.HBM] - self.hbm.usage.current
+
     def check(self, plan: MemoryPlan) -> None:
         """Raise BudgetError if the plan does not fit its budgets (on a CPU device, the RAM
         that the HBM and DRAM tiers share; see :meth:`budgets_for`)."""

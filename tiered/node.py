@@ -27,8 +27,9 @@ from dataclasses import dataclass
 import torch
 
 from . import __version__
-from .limits import usable_cores
+from .limits import available_memory, usable_cores
 from .report import format_table
+from .sizes import format_size
 
 CPU_PARAMS = 1 << 23
 """Parameters of the CPU AdamW measurement (8 Mi: 128 MiB of fp32 states, past any cache)."""
@@ -63,6 +64,10 @@ class NodeRates:
     nvme_write_gbps: float | None = None
     """O_DIRECT through tiered's I/O engine at the default queue depth and block size."""
     nvme_read_gbps: float | None = None
+    hbm_bytes: int | None = None
+    """The device's memory (``tiered plan`` budgets HBM by it for another node)."""
+    dram_bytes: int | None = None
+    """The memory a process could take when measured (limits.available_memory)."""
 
     def table(self) -> str:
         def rate(value, unit):
@@ -80,7 +85,10 @@ class NodeRates:
                 ("device to host (pinned)", rate(self.d2h_gbps, "GB/s")),
                 ("both ways at once", rate(self.both_gbps, "GB/s")),
                 (f"NVMe write ({self.nvme_path or 'no path'})", rate(self.nvme_write_gbps, "GB/s")),
-                ("NVMe read", rate(self.nvme_read_gbps, "GB/s"))]
+                ("NVMe read", rate(self.nvme_read_gbps, "GB/s")),
+                ("device memory", "-" if self.hbm_bytes is None else format_size(self.hbm_bytes)),
+                ("host memory available", "-" if self.dram_bytes is None
+                 else format_size(self.dram_bytes))]
         return f"{self.machine}\n{format_table(rows)}"
 
 
@@ -98,11 +106,12 @@ def node_rates(nvme_path: str | None = None, remeasure: bool = False, *,
         if cached is not None:
             return cached
     rates = NodeRates(machine, time.time(), threads, *_cpu_adamw(cpu_params, threads),
-                      nvme_path=nvme_path)
+                      nvme_path=nvme_path, dram_bytes=available_memory())
     if torch.cuda.is_available():
         h2d, d2h, both = _copies(copy_bytes)
         rates = dataclasses.replace(rates, gpu_adamw_params_per_s=_gpu_adamw(gpu_params),
-                                    h2d_gbps=h2d, d2h_gbps=d2h, both_gbps=both)
+                                    h2d_gbps=h2d, d2h_gbps=d2h, both_gbps=both,
+                                    hbm_bytes=torch.cuda.get_device_properties(0).total_memory)
     if nvme_path is not None:
         write, read = _nvme(nvme_path, nvme_bytes)
         rates = dataclasses.replace(rates, nvme_write_gbps=write, nvme_read_gbps=read)

@@ -65,7 +65,8 @@ class PlanReport:
         rows = [["tier", "planned", "budget", *(f"units: {kind.value}" for kind in SHOWN_STATES)]]
         for tier in tiers:
             budget = self.budgets[tier]
-            rows.append([tier.value, format_size(self.needed[tier]),
+            over = budget is not None and self.needed[tier] > budget
+            rows.append([tier.value, format_size(self.needed[tier]) + (" (over)" if over else ""),
                          "-" if budget is None else format_size(budget),
                          *(str(self.units[kind].get(tier, 0)) for kind in SHOWN_STATES)])
         lines = [format_table(rows)]
@@ -79,6 +80,17 @@ class PlanReport:
                          f"the GPU's forward and backward are measured by the first step); "
                          f"rates of {self.rates_of}")
         return "\n".join(lines)
+
+
+    def to_dict(self) -> dict:
+        """As JSON holds it: tiers and states by name, the terms in seconds."""
+        return {"needed": {t.value: n for t, n in self.needed.items()},
+                "budgets": {t.value: b for t, b in self.budgets.items()},
+                "units": {k.value: {t.value: c for t, c in by_tier.items()}
+                          for k, by_tier in self.units.items()},
+                "terms": None if self.terms is None else self.terms.named(),
+                "bound": None if self.terms is None else self.terms.bound[0],
+                "rates_of": self.rates_of}
 
 
 def plan_report(plan: MemoryPlan, budgets: dict[Tier, int | None], policy: Policy,

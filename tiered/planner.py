@@ -24,8 +24,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .errors import BudgetError
-from .manager import TierManager
 from .plan import MemoryPlan
 from .policy import Policy, Tier
 
@@ -33,28 +31,24 @@ RESERVE_SHARE = 4
 """With a null ``hbm.reserve``, a quarter of the HBM budget is left free."""
 
 
-def hbm_reserve(policy: Policy, manager: TierManager) -> int:
+def hbm_reserve(policy: Policy, hbm_budget: int) -> int:
     """The HBM bytes ``tier: auto`` leaves free beside its plan (see [Note: placing units])."""
     if policy.hbm.reserve is not None:
         return policy.hbm.reserve
-    return manager.hbm.usage.budget // RESERVE_SHARE
+    return hbm_budget // RESERVE_SHARE
 
 
-def place_units(policy: Policy, manager: TierManager, order: list[int],
-                plan_with: Callable[[frozenset[int]], MemoryPlan]) -> MemoryPlan:
+def place_units(order: list[int], plan_with: Callable[[frozenset[int]], MemoryPlan],
+                hbm_room: Callable[[MemoryPlan], int | None], reserve: int) -> MemoryPlan:
     """The plan keeping the most of the trained units ``order`` lists on the device, taken in
-    that order, within the budgets and the reserve; ``plan_with(units)`` is the plan with
-    ``units`` kept there. When not even none fits, that plan: the caller refuses it with its
-    numbers."""
-    reserve = hbm_reserve(policy, manager)
+    that order, with ``reserve`` bytes of HBM left free; ``plan_with(units)`` is the plan with
+    ``units`` kept there, ``hbm_room(plan)`` the HBM bytes a plan may fill, None when it does
+    not fit another budget. When not even none fits, that plan: the caller refuses it with
+    its numbers."""
 
     def fits(plan: MemoryPlan) -> bool:
-        try:
-            manager.check(plan)
-        except BudgetError:
-            return False
-        room = manager.budgets_for(plan)[Tier.HBM] - manager.hbm.usage.current
-        return plan.needed(Tier.HBM) + reserve <= room
+        room = hbm_room(plan)
+        return room is not None and plan.needed(Tier.HBM) + reserve <= room
 
     best = plan_with(frozenset())
     low, high = 0, len(order)  # the first `low` fit; more than `high` do not

@@ -25,7 +25,7 @@ from ..optim.loss_scale import LossScaler
 from ..optim.workers import CpuWorker, optimizer_threads
 from ..plan import grad_dtypes, state_kinds
 from ..plan_report import PlanReport, plan_report
-from ..planner import place_units
+from ..planner import hbm_reserve, place_units
 from ..policy import Device, Policy, Tier, resolve
 from ..service.client import ServiceSlabSource, slab_source_from_env
 from ..service.remote_nvme import ServiceNvme
@@ -450,7 +450,8 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
         def plan_for(policy: Policy):
             if not policy.placed_by_planner:
                 return plan_with(policy)
-            return place_units(policy, manager, forward_order(flats), partial(plan_with, policy))
+            return place_units(forward_order(flats), partial(plan_with, policy),
+                               manager.hbm_room, hbm_reserve(policy, manager.hbm.usage.budget))
 
         # Checked before paying for a compile the budget forbids.
         policy, plan = bend_to_fit(policy, plan_for, manager)

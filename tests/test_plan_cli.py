@@ -1,0 +1,114 @@
+"""``tiered plan MODEL``: a model planned with nothing allocated, from ``module:factory`` or a
+Hugging Face config folder, gives the bytes ``initialize`` then allocates for the same model and
+policy, and the placement it then makes; bad input is one line naming what is wrong."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import yaml
+
+import tiered
+from helpers_models import OPTIM, make_model
+from helpers_placement import mixed_budgets
+from tiered.cli import main
+from tiered.node import NodeRates
+from tiered.plan import StateKind
+from tiered.policy import Policy
+
+NODE = NodeRates(machine="the planned node", measured_at=0.0, cpu_threads=14,
+                 cpu_adamw_params_per_s=4e9, cpu_one_pass_params_per_s=4e9,
+                 gpu_adamw_params_per_s=1e11, h2d_gbps=50.0, d2h_gbps=50.0, both_gbps=80.0,
+                 nvme_write_gbps=2.0, nvme_read_gbps=2.0, hbm_bytes=80 << 30,
+                 dram_bytes=125 << 30)
+
+
+def plan_json(capsys, *args: str) -> dict:
+    assert main(["plan", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def policy_file(tmp_path, config: str, **overrides) -> str:
+    """``config`` on the CPU in fp32 with ``overrides``, as a file the command reads."""
+    data = Policy.from_yaml(os.path.join("configs", f"{config}.yaml"), dict(
+        device="cpu", compute_dtype="fp32", nvme={"path": str(tmp_path)},
+        optimizer=dict(OPTIM, betas=list(OPTIM["betas"]), sub_group_size=1024),
+        **overrides)).to_dict()
+    path = tmp_path / f"{config}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def assert_plan_is_what_initialize_allocates(planned: dict, engine) -> None:
+    held = engine.memory_report()
+    for tier in ("dram", "nvme"):
+        assert planned["needed"].get(tier, 0) == held[tier]["current"], tier
+    for kind in (StateKind.PARAM, StateKind.GRAD, StateKind.MASTER):
+        counted: dict[str, int] = {}
+        for states in engine.placement().values():
+            counted[states[kind.value]] = counted.get(states[kind.value], 0) + 1
+        assert planned["units"][kind.value] == counted, kind
+
+
+@pytest.mark.parametrize("config", ["nvme", "auto"])
+def test_a_factory_is_planned_as_initialize_allocates(config, tmp_path, capsys):
+    overrides = mixed_budgets(1) if config == "auto" else {}
+    path = policy_file(tmp_path, config, **overrides)
+    planned = plan_json(capsys, "helpers_models:make_model", "--policy", path)
+    engine, _ = tiered.initialize(make_model(), path)
+    assert_plan_is_what_initialize_allocates(planned, engine)
+    engine.close()
+    if config == "auto":  # the mixed placement of test_auto_placement
+        assert planned["units"]["master"] == {"hbm": 1, "nvme": 1, "dram": 1}
+
+
+def test_a_hugging_face_config_folder_is_planned_as_initialize_allocates(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=32)
+    config.save_pretrained(tmp_path / "model")
+    path = policy_file(tmp_path, "cpu")
+    planned = plan_json(capsys, str(tmp_path / "model"), "--policy", path)
+    engine, _ = tiered.initialize(transformers.AutoModelForCausalLM.from_config(config), path)
+    assert_plan_is_what_initialize_allocates(planned, engine)
+    engine.close()
+
+
+def test_another_nodes_rates_size_the_budgets_and_predict_the_step(tmp_path, capsys):
+    node = tmp_path / "node.json"
+    node.write_text(json.dumps(NODE.__dict__))
+    auto = os.path.join("configs", "auto.yaml")
+    planned = plan_json(capsys, "helpers_models:make_model", "--policy", auto, "--node",
+                        str(node), "--ranks", "2")
+    assert planned["budgets"] == {"hbm": 80 << 30, "dram": (125 << 30) * 7 // 8 // 2}
+    assert planned["units"]["master"] == {"hbm": 3}  # a toy: all of it fits the device
+    assert planned["bound"] == "GPU update" and planned["rates_of"] == "the planned node"
+    assert main(["plan", "helpers_models:make_model", "--policy", auto, "--node",
+                 str(node)]) == 0
+    table = capsys.readouterr().out
+    assert "units: master" in table and "bound by GPU update" in table
+
+
+@pytest.mark.parametrize("args, message", [
+    (["no_such_module:f"], "No module named 'no_such_module'"),
+    (["helpers_models:nothing_here"], "has no attribute 'nothing_here'"),
+    (["helpers_models:batch"], "batch() failed: TypeError"),
+    (["/no/such/folder"], "not module:factory"),
+    (["helpers_models:make_model", "--policy", os.path.join("configs", "auto.yaml")],
+     "set hbm.budget in the policy, or give --node"),
+    (["helpers_models:make_model", "--ranks", "0"], "--ranks must be >= 1"),
+    (["helpers_models:make_model", "--node", "/no/such/node.json"], "--node /no/such"),
+])
+def test_bad_input_is_one_line_naming_it(args, message, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("TIERED_CACHE", str(tmp_path))  # no node measured here
+    assert main(["plan", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and message in captured.err, captured.err
+    assert len(captured.err.strip().splitlines()) == 1 and "Traceback" not in captured.err
+
+
+def test_a_config_folder_without_a_config_is_refused(tmp_path, capsys):
+    assert main(["plan", str(tmp_path)]) == 2
+    assert "no config.json there" in capsys.readouterr().err
