@@ -183,6 +183,8 @@ def run_mode(args) -> None:
             result["memory_report"] = model.memory_report()
             # What dram.huge_pages (+thp) got from the kernel, not just what it asked for.
             result["huge_pages_GiB"] = (huge_page_bytes() or 0) / 2**30
+            # The plan and the step it predicted from `tiered node`'s rates, if measured here.
+            result["plan"] = model.plan_report().to_dict()
         # One line per batch size as soon as it is measured: a larger batch that runs out of
         # memory loses only its own row.
         print(json.dumps(result), flush=True)
