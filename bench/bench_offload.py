@@ -237,7 +237,11 @@ def table(results: list[dict], baselines: list[str]) -> str:
     from tiered.report import format_table  # here: the parent process imports no torch before
 
     io = any("nvme_GB_per_step" in r for r in results)
-    head = ["mode", "step s", "tokens/s", "TFLOPS", "peak HBM GiB"] + [
+    # The step the plan predicted from the node's rates and the last step's measured compute
+    # (engine.plan_report(); `tiered node` must have measured this node).
+    predicted = any((r.get("plan") or {}).get("predicted_s") for r in results)
+    head = ["mode", "step s", "tokens/s", "TFLOPS", "peak HBM GiB"] + (
+        ["predicted s", "measured / predicted"] if predicted else []) + [
         f"x vs {b}" for b in baselines] + (["NVMe GB/step read, written"] if io else [])
     rows = [head]
     by_mode = {r["mode"]: r for r in results if "step_s" in r}
@@ -248,8 +252,11 @@ def table(results: list[dict], baselines: list[str]) -> str:
             continue
         ratios = [f"{by_mode[b]['step_s'] / r['step_s']:.2f}" if b in by_mode else "-"
                   for b in baselines]
+        guess = (r.get("plan") or {}).get("predicted_s")
         rows.append([r["mode"], f"{r['step_s']:.3f}", f"{r['tokens_per_s']:,.0f}",
-                     f"{r['tflops']:.1f}", f"{r['peak_hbm_GiB']:.1f}"] + ratios + (
+                     f"{r['tflops']:.1f}", f"{r['peak_hbm_GiB']:.1f}"] + (
+                    [f"{guess:.3f}", f"{r['step_s'] / guess:.2f}"] if guess else
+                    ["-", "-"] if predicted else []) + ratios + (
                     ["{read:.1f}, {write:.1f}".format(**r["nvme_GB_per_step"])
                      if "nvme_GB_per_step" in r else "-"] if io else []))
     return format_table(rows)

@@ -7,15 +7,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 
 import pytest
+import torch
 
 import tiered
 from helpers import REPO
-from helpers_models import OPTIM, make_model
+from gpt import next_token_loss
+from helpers_models import OPTIM, make_model, token_batches
 from tiered.node import NodeRates
 from tiered.plan import StateKind
-from tiered.plan_report import step_terms
+from tiered.plan_report import StepTerms, step_terms
 from tiered.policy import Tier
 
 RATES = NodeRates(machine="a synthetic node", measured_at=0.0, cpu_threads=2,
@@ -100,3 +103,35 @@ def test_a_node_without_a_gpu_is_bound_by_its_cpu_update_at_the_kernels_rate(com
     assert report.terms.gpu_update is None and report.terms.pcie is None
     assert report.terms.bound == ("CPU update", pytest.approx(trained / rate))
     assert "bound by CPU update" in report.table() and "a synthetic node" in report.table()
+
+
+def test_a_step_is_measured_from_its_first_forward_with_grad_to_its_optimizer_step():
+    """An evaluation forward (no grad) and a pause before the training forward are in the
+    step's time, not in its forward and backward."""
+    engine, optimizer = tiered.initialize(make_model(), os.path.join(REPO, "configs", "cpu.yaml"),
+                                          device="cpu", compute_dtype="fp32", optimizer=OPTIM)
+    assert engine.plan_report().measured is None  # no step yet
+    idx = token_batches(1)[0]
+    for _ in range(2):
+        with torch.no_grad():
+            engine(idx)
+        time.sleep(0.3)
+        next_token_loss(engine(idx), idx).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    report = engine.plan_report()
+    engine.close()
+    measured = report.measured
+    assert measured.step == 2 and measured.device_peak is None
+    assert 0 < measured.compute_s < 0.3 < measured.step_s
+    assert "measured at step 2" in report.table()
+
+
+def test_the_step_predicted_with_the_measured_compute_follows_the_overlap_of_each_case():
+    terms = StepTerms(cpu_update=0.6, gpu_update=0.05, pcie=0.3, nvme=0.2)
+    assert terms.predicted_step(0.27, on_cpu=False, delayed=True) == pytest.approx(0.6)
+    assert terms.predicted_step(0.9, on_cpu=False, delayed=True) == pytest.approx(0.95)
+    assert terms.predicted_step(0.27, on_cpu=False, delayed=False) == pytest.approx(0.92)
+    assert terms.predicted_step(0.27, on_cpu=True, delayed=True) == pytest.approx(0.92)
+    drive_bound = StepTerms(cpu_update=0.1, gpu_update=None, pcie=None, nvme=5.0)
+    assert drive_bound.predicted_step(1.0, on_cpu=True, delayed=False) == 5.0

@@ -132,7 +132,8 @@ def plan_model(model: nn.Module, policy: Policy, ranks: int,
                            hbm_reserve(policy, budgets.hbm))
     else:
         plan = plan_with(frozenset())
-    return plan_report(plan, budgets.as_dict(policy.uses_nvme), policy, ranks, rates)
+    return plan_report(plan, budgets.as_dict(policy.uses_nvme), policy, ranks, rates,
+                       device.type == "cpu")
 
 
 def read_node(path: str) -> NodeRates:

@@ -10,10 +10,18 @@ them) and the bytes the plan moves each step:
   optimizer states on it read and written once; the drive does one at a time.
 Everything here overlaps in the engine, so the step takes at least the largest of them, the
 bound; the GPU's forward and backward come on top where they are longer, and are known only
-once a step has run.
+once a step has run. With a step measured (engine/probe.py), the step predicted with its
+forward and backward (``compute``):
+- on a GPU with the delayed update, everything overlaps: max(compute + GPU update, CPU update,
+  PCIe, NVMe);
+- on a GPU without it, the update follows the backward: compute + GPU update + max(CPU update,
+  NVMe) (an upper estimate: the next forward overlaps its tail unit by unit);
+- on the CPU (playing the GPU), compute and every update share the cores: max(compute + the
+  update, NVMe); there is no PCIe.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from .node import NodeRates
@@ -28,6 +36,18 @@ next weights with the weights."""
 
 
 @dataclass(frozen=True)
+class StepMeasurement:
+    step: int
+    """Which ``optimizer.step()`` call (from 1) ended the measured step."""
+    compute_s: float
+    """From the step's first forward to the end of its last backward, on the compute stream."""
+    step_s: float | None
+    """From the previous ``optimizer.step()`` to this one (None for the first)."""
+    device_peak: int | None
+    """The most device memory the process had allocated by then (a GPU's, else None)."""
+
+
+@dataclass(frozen=True)
 class StepTerms:
     """Seconds a step spends on each resource (see the module note); None where the node has
     no such rate measured."""
@@ -36,6 +56,15 @@ class StepTerms:
     gpu_update: float | None
     pcie: float | None
     nvme: float | None
+
+    def predicted_step(self, compute_s: float, on_cpu: bool, delayed: bool) -> float:
+        """The step with its forward and backward taking ``compute_s`` (see the module note)."""
+        gpu, nvme = self.gpu_update or 0.0, self.nvme or 0.0
+        if on_cpu:
+            return max(compute_s + self.cpu_update + gpu, nvme)
+        if delayed:
+            return max(compute_s + gpu, self.cpu_update, self.pcie or 0.0, nvme)
+        return compute_s + gpu + max(self.cpu_update, nvme)
 
     def named(self) -> dict[str, float | None]:
         return {"CPU update": self.cpu_update, "GPU update": self.gpu_update,
@@ -59,6 +88,12 @@ class PlanReport:
     """None without the node's rates."""
     rates_of: str | None
     """The machine the rates were measured on."""
+    measured: StepMeasurement | None = None
+    """The last step measured, if any ran."""
+    predicted_s: float | None = None
+    """The step predicted with the measured step's compute (None without both)."""
+    hbm_peak: int | None = None
+    """The most the HBM tier has held (what the device's peak holds besides activations)."""
 
     def table(self) -> str:
         tiers = [tier for tier in (Tier.HBM, Tier.DRAM, Tier.NVME) if tier in self.budgets]
@@ -79,6 +114,18 @@ class PlanReport:
             lines.append(f"predicted step: at least {seconds:.3g} s, bound by {name} ({parts}; "
                          f"the GPU's forward and backward are measured by the first step); "
                          f"rates of {self.rates_of}")
+        measured = self.measured
+        if measured is not None:
+            line = (f"measured at step {measured.step}: forward and backward "
+                    f"{measured.compute_s:.3g} s")
+            if measured.step_s is not None:
+                line += f", the step {measured.step_s:.3g} s"
+            if self.predicted_s is not None:
+                line += f"; predicted with them: {self.predicted_s:.3g} s"
+            if measured.device_peak is not None and self.hbm_peak is not None:
+                line += (f"; device memory peak {format_size(measured.device_peak)}, the HBM "
+                         f"tier's {format_size(self.hbm_peak)} of it")
+            lines.append(line)
         return "\n".join(lines)
 
 
@@ -90,25 +137,35 @@ class PlanReport:
                           for k, by_tier in self.units.items()},
                 "terms": None if self.terms is None else self.terms.named(),
                 "bound": None if self.terms is None else self.terms.bound[0],
-                "rates_of": self.rates_of}
+                "rates_of": self.rates_of,
+                "measured": None if self.measured is None else dataclasses.asdict(self.measured),
+                "predicted_s": self.predicted_s, "hbm_peak": self.hbm_peak}
 
 
 def plan_report(plan: MemoryPlan, budgets: dict[Tier, int | None], policy: Policy,
-                world_size: int, rates: NodeRates | None) -> PlanReport:
+                world_size: int, rates: NodeRates | None, on_cpu: bool,
+                measured: StepMeasurement | None = None,
+                hbm_peak: int | None = None) -> PlanReport:
+    """``on_cpu``: the CPU is the device (it steps every unit, and no PCIe is crossed)."""
     units: dict[StateKind, dict[Tier, int]] = {kind: {} for kind in SHOWN_STATES}
     for (_, kind), buffer in plan.shards.items():
         if kind in units:
             units[kind][buffer.tier] = units[kind].get(buffer.tier, 0) + 1
     tiers = [Tier.HBM, Tier.DRAM] + ([Tier.NVME] if Tier.NVME in budgets else [])
+    terms = None if rates is None else step_terms(plan, policy, world_size, rates, on_cpu)
+    predicted = None
+    if terms is not None and measured is not None:
+        predicted = terms.predicted_step(measured.compute_s, on_cpu,
+                                         policy.optimizer.delayed_update.enabled)
     return PlanReport({tier: plan.needed(tier) for tier in tiers},
-                      {tier: budgets.get(tier) for tier in tiers}, units,
-                      None if rates is None else step_terms(plan, policy, world_size, rates),
-                      None if rates is None else rates.machine)
+                      {tier: budgets.get(tier) for tier in tiers}, units, terms,
+                      None if rates is None else rates.machine, measured, predicted, hbm_peak)
 
 
-def step_terms(plan: MemoryPlan, policy: Policy, world_size: int,
-               rates: NodeRates) -> StepTerms:
-    """What one step of ``plan`` costs on a node of ``rates`` (see the module note)."""
+def step_terms(plan: MemoryPlan, policy: Policy, world_size: int, rates: NodeRates,
+               on_cpu: bool = False) -> StepTerms:
+    """What one step of ``plan`` costs on a node of ``rates`` (see the module note); ``on_cpu``:
+    the CPU is the device, so it steps the HBM tier's units too, and nothing crosses PCIe."""
     weight_bytes = state_dtype(policy, StateKind.PARAM).itemsize
     grad_bytes = reduce_dtype(policy, world_size).itemsize
     host_params = device_params = 0
@@ -116,7 +173,7 @@ def step_terms(plan: MemoryPlan, policy: Policy, world_size: int,
     for (unit, kind), buffer in plan.shards.items():
         n = buffer.numel
         if kind is StateKind.EXP_AVG:  # a trained unit: stepped where its moments are
-            if buffer.tier is Tier.HBM:
+            if buffer.tier is Tier.HBM and not on_cpu:
                 device_params += n
             else:
                 host_params += n
@@ -135,7 +192,7 @@ def step_terms(plan: MemoryPlan, policy: Policy, world_size: int,
     gpu = (device_params / rates.gpu_adamw_params_per_s
            if rates.gpu_adamw_params_per_s else None)
     pcie = None
-    if rates.both_gbps:
+    if rates.both_gbps and not on_cpu:
         pcie = max(up / (rates.h2d_gbps * 1e9), down / (rates.d2h_gbps * 1e9),
                    (up + down) / (rates.both_gbps * 1e9))
     nvme = None

@@ -203,11 +203,14 @@ class TieredEngine:
     def plan_report(self) -> PlanReport:
         """This rank's plan: bytes per tier against the budgets, how many units hold each
         state in each tier, and the step it predicts on this node from the rates ``tiered
-        node`` measured here (cached; none measured: no prediction). ``.table()`` is what
-        ``initialize`` logs (logger "tiered", INFO, rank 0)."""
+        node`` measured here (cached; none measured: no prediction), and once a step has run,
+        what it measured and the step predicted with its forward and backward. ``.table()`` is
+        what ``initialize`` logs (logger "tiered", INFO, rank 0)."""
         plan = self.manager.plan
         return plan_report(plan, self.manager.budgets_for(plan), self.policy,
-                           self.runtime.group.world_size, cached_node_rates(self.policy.nvme.path))
+                           self.runtime.group.world_size, cached_node_rates(self.policy.nvme.path),
+                           self.device.type == "cpu", self.runtime.probe.last(),
+                           self.manager.hbm.usage.peak)
 
     def placement(self) -> dict[str, dict[str, str]]:
         """For every unit (by name: its module path, "<root>" for the root, with " (frozen)"

@@ -140,6 +140,8 @@ class UnitHooks:
             self._end_backward()  # a backward that raised never reached its end callback
         module._forward_hooks.move_to_end(self._end_forward_id)  # after the user's
         if not _in_backward_pass():
+            if self._forward_depth == 0 and torch.is_grad_enabled():
+                self.runtime.probe.forward_started()
             self._forward_depth += 1
             for flat in self._whole_forward:
                 self.runtime.use(flat)
@@ -319,6 +321,7 @@ class UnitHooks:
         self._counted = True
 
     def _end_backward(self) -> None:
+        self.runtime.probe.backward_ended()
         self.runtime.end_iteration()
         self._used_in_backward.clear()
         self._in_backward = False

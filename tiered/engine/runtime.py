@@ -21,6 +21,7 @@ from .context import EngineContext
 from .flat import FlatParam
 from .gather import Gatherer
 from .gradients import GradientPath
+from .probe import StepProbe
 from .readahead import ReadAhead
 from .units import module_groups
 
@@ -62,6 +63,8 @@ class UnitRuntime:
         """Units whose gradient came in the backward that steps them on arrival: the worker
         steps each (the view of the thread running backward, complete once backward returns)."""
         self.grads = GradientPath(context)
+        self.probe = StepProbe(context.group.device)
+        """What each step measured (engine.plan_report() shows the last)."""
         self.pending_weights = context.pending
         self.readahead = (ReadAhead(manager, manager.staging_names("param_in"),
                                     self.pending_weights, timeline)
@@ -163,9 +166,12 @@ class UnitRuntime:
                 forward_rank=_first_needs(self.prefetcher.recorded or self.prefetcher.trace),
                 hypers=self.current_hypers() if self.arrival_allowed else None)
 
-    def step_taken(self) -> None:
-        """``optimizer.step()`` (or a checkpoint's optimizer state restored): the next backward
-        counts towards the next step, and the weights are about to change."""
+    def step_taken(self, measured: bool = False) -> None:
+        """``optimizer.step()`` (``measured``: the step just run ends there, see probe.py) or a
+        checkpoint's optimizer state restored: the next backward counts towards the next step,
+        and the weights are about to change."""
+        if measured:
+            self.probe.step_taken()
         self.backwards_since_step = 0
         self.last_backward = None
         self.stepped_on_arrival.clear()

@@ -260,7 +260,7 @@ class TieredAdamW(torch.optim.Optimizer):
             self._pending = None
         else:
             self.synchronize()  # the previous update, and this step's gradients, are all in
-        self._runtime.step_taken()
+        self._runtime.step_taken(measured=True)
         self._grads_loss_scale = None  # this step takes the gradients
         rest = [i for i in units if i not in arrived]
         sent = None
