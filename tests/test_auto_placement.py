@@ -159,3 +159,14 @@ def test_a_checkpoint_moves_between_placements_bit_for_bit(tmp_path):
         engine.close()
         for name in expected:
             assert torch.equal(state[name], expected[name]), name
+
+
+def test_a_dram_budget_only_a_fuller_device_leaves_room_for_is_met_by_one():
+    """Keeping fewer units on the device needs more DRAM: with no NVMe to spill to, a DRAM
+    budget that holds no unit is met only by keeping every unit on the device (the search once
+    gave up at the first plan DRAM refused, and initialize refused the model)."""
+    engine, _ = tiered.initialize(make_model(), AUTO, device="cpu", compute_dtype="fp32",
+                                  optimizer=OPTIM, hbm={"budget": "8MiB", "reserve": 0},
+                                  dram={"budget": 4096})
+    assert placed(engine, StateKind.MASTER) == ["hbm"] * 3
+    engine.close()

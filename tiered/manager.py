@@ -155,12 +155,8 @@ class TierManager:
             budgets[Tier.HBM] = max(0, self.cpu_ram - budgets[Tier.DRAM])
         return budgets
 
-    def hbm_room(self, plan: MemoryPlan) -> int | None:
-        """The HBM bytes ``plan`` may fill, or None when it does not fit the budgets."""
-        try:
-            self.check(plan)
-        except BudgetError:
-            return None
+    def hbm_room(self, plan: MemoryPlan) -> int:
+        """The HBM bytes ``plan`` may fill (on a CPU device, what its DRAM needs leave)."""
         return self.budgets_for(plan)[Tier.HBM] - self.hbm.usage.current
 
     def check(self, plan: MemoryPlan) -> None:

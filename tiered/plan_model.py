@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .engine.build import flat_units, forward_order, memory_plan
-from .errors import BudgetError, TieredError, UsageError
+from .errors import TieredError, UsageError
 from .node import NodeRates
 from .plan import MemoryPlan
 from .plan_report import PlanReport, plan_report
@@ -98,17 +98,6 @@ class NodeBudgets:
         tiers = {Tier.HBM: self.hbm, Tier.DRAM: self.dram}
         return {**tiers, Tier.NVME: self.nvme} if with_nvme else tiers
 
-    def hbm_room(self, plan: MemoryPlan) -> int | None:
-        """As TierManager.hbm_room (the HBM budget known): None when the plan does not fit a
-        known budget."""
-        known = {tier: budget for tier, budget in self.as_dict(True).items()
-                 if budget is not None}
-        try:
-            plan.check(known)
-        except BudgetError:
-            return None
-        return self.hbm
-
 
 def plan_model(model: nn.Module, policy: Policy, ranks: int,
                rates: NodeRates | None) -> PlanReport:
@@ -128,7 +117,7 @@ def plan_model(model: nn.Module, policy: Policy, ranks: int,
             raise UsageError("tier: auto places units by the device's memory: set hbm.budget in "
                              "the policy, or give --node a file of `tiered node --json` from a "
                              "node with a GPU")
-        plan = place_units(forward_order(flats), plan_with, budgets.hbm_room,
+        plan = place_units(forward_order(flats), plan_with, lambda _: budgets.hbm,
                            hbm_reserve(policy, budgets.hbm))
     else:
         plan = plan_with(frozenset())

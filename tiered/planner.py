@@ -17,8 +17,10 @@ Units are taken in the order the forward needs them: the root unit (embeddings, 
 through the whole forward) first, then the others as the module tree lists them. With updates
 stepped as gradients arrive, the first units of the forward arrive last in backward and are
 needed first by the next forward, so theirs is the CPU update the next step would wait for.
-Frozen units are never stepped and stay on the host. Whether the first k units fit is searched by bisection over k: a unit moved
-adds to the HBM tier and takes from DRAM, so the fit is monotone in k.
+Frozen units are never stepped and stay on the host. A unit moved adds to the HBM tier and takes from DRAM (and NVMe), so the HBM
+need only grows with the number k of units kept there: the largest k whose plan fits HBM with
+the reserve is found by bisection. The other tiers only gain as k grows, so if that plan does
+not fit them, no plan does, and initialize refuses it with its numbers.
 """
 from __future__ import annotations
 
@@ -39,16 +41,14 @@ def hbm_reserve(policy: Policy, hbm_budget: int) -> int:
 
 
 def place_units(order: list[int], plan_with: Callable[[frozenset[int]], MemoryPlan],
-                hbm_room: Callable[[MemoryPlan], int | None], reserve: int) -> MemoryPlan:
+                hbm_room: Callable[[MemoryPlan], int], reserve: int) -> MemoryPlan:
     """The plan keeping the most of the trained units ``order`` lists on the device, taken in
     that order, with ``reserve`` bytes of HBM left free; ``plan_with(units)`` is the plan with
-    ``units`` kept there, ``hbm_room(plan)`` the HBM bytes a plan may fill, None when it does
-    not fit another budget. When not even none fits, that plan: the caller refuses it with
-    its numbers."""
+    ``units`` kept there, ``hbm_room(plan)`` the HBM bytes a plan may fill. When not even none
+    fits, that plan: the caller refuses it with its numbers."""
 
     def fits(plan: MemoryPlan) -> bool:
-        room = hbm_room(plan)
-        return room is not None and plan.needed(Tier.HBM) + reserve <= room
+        return plan.needed(Tier.HBM) + reserve <= hbm_room(plan)
 
     best = plan_with(frozenset())
     low, high = 0, len(order)  # the first `low` fit; more than `high` do not

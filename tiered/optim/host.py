@@ -306,6 +306,10 @@ class LocalHost:
         self.rank_host = rank_host
         self._sent = 0
         self._lock = threading.Lock()  # backward's threads and the training thread both send
+        device = rank_host.manager.hbm.device
+        if device.type == "cuda":
+            worker.submit(partial(_own_stream, device))
+            worker.drain()
 
     def send(self, command: Command) -> None:
         self.rank_host.queued(command, +1)  # before the host can take it in
@@ -332,3 +336,14 @@ class LocalHost:
     def params_swapped(self, units: list[int]) -> None:
         """The training side made these units' delayed-update weights current: the host shares
         its tier manager, so it sees the swap already."""
+
+
+def _own_stream(device: torch.device) -> None:
+    """Give the worker thread (whose current device and stream are its own) a stream of its
+    own on the rank's device: its device work (taking gradients in, their norms, the AdamW of
+    units stepped on the GPU) then runs beside the training thread's forward and backward. On
+    the default stream, the training thread's, it queued behind them, and each unit's
+    synchronize waited for them too. Whoever reads what it wrote waits for its events
+    (``wait_for``, the optimizer's ``synchronize``)."""
+    torch.cuda.set_device(device)
+    torch.cuda.set_stream(torch.cuda.Stream(device))

@@ -66,13 +66,18 @@ class UnitStepper:
                              kind)
 
         def unit_done(unit: int) -> None:
-            self.gradients.consumed(unit)
+            on_device = self.devices[unit].type == "cuda"
+            if not on_device:  # read: the next gradient may be copied in while we write back
+                self.gradients.consumed(unit)
             with self.timeline.span(f"write back {self.names[unit]}", "cpu"):
                 self.manager.store(unit, kind, self._weights(unit, kind))
-            if self.devices[unit].type == "cuda":
-                # Its kernels were queued on this thread's stream; a gather reads the weights
-                # on another, so they count as written only once these have run.
+            if on_device:
+                # Its kernels were queued on this thread's own stream (host.py): its weights
+                # count as written, and its gradient buffer as read, once they have run (a
+                # gather reads the weights on another stream, the next gradient is copied in
+                # on another).
                 torch.cuda.current_stream(self.devices[unit]).synchronize()
+                self.gradients.consumed(unit)
             on_unit(unit)
 
         streamed: list[int] = []
