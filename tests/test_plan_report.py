@@ -16,6 +16,7 @@ import tiered
 from helpers import REPO
 from gpt import next_token_loss
 from helpers_models import OPTIM, make_model, token_batches
+from tiered.engine.probe import SPANS_PER_UNIT
 from tiered.node import NodeRates
 from tiered.plan import StateKind
 from tiered.plan_report import StepTerms, step_terms
@@ -124,7 +125,30 @@ def test_a_step_is_measured_from_its_first_forward_with_grad_to_its_optimizer_st
     measured = report.measured
     assert measured.step == 2 and measured.device_peak is None
     assert 0 < measured.compute_s < 0.3 < measured.step_s
-    assert "measured at step 2" in report.table()
+    assert "measured at step 2" in report.table() and "slowest unit: blocks." in report.table()
+    seconds = dict(zip(report.unit_names, measured.unit_seconds))
+    assert set(seconds) == {"<root>", "blocks.0", "blocks.1"}
+    assert all(forward > 0 and backward > 0 for forward, backward in seconds.values())
+    # The root's forward holds the blocks' (it is gathered through the whole forward).
+    assert seconds["<root>"][0] >= seconds["blocks.0"][0] + seconds["blocks.1"][0]
+    assert sum(f + b for f, b in seconds.values()) < 2 * measured.compute_s
+
+
+def test_backwards_without_a_step_are_not_measured_and_keep_no_marks():
+    """Gradients taken again and again with no optimizer.step() (for another use than
+    training) would have kept every unit's marks until a step came."""
+    engine, optimizer = tiered.initialize(make_model(), os.path.join(REPO, "configs", "cpu.yaml"),
+                                          device="cpu", compute_dtype="fp32", optimizer=OPTIM)
+    idx = token_batches(1)[0]
+    for _ in range(SPANS_PER_UNIT):  # two spans per unit each
+        next_token_loss(engine(idx), idx).backward()
+    assert len(engine.runtime.probe._spans) <= SPANS_PER_UNIT * len(engine.runtime.flats)
+    optimizer.step()
+    assert engine.plan_report().measured is None
+    next_token_loss(engine(idx), idx).backward()
+    optimizer.step()
+    assert engine.plan_report().measured.step == 2  # the next step is measured again
+    engine.close()
 
 
 def test_the_step_predicted_with_the_measured_compute_follows_the_overlap_of_each_case():

@@ -45,6 +45,10 @@ class StepMeasurement:
     """From the previous ``optimizer.step()`` to this one (None for the first)."""
     device_peak: int | None
     """The most device memory the process had allocated by then (a GPU's, else None)."""
+    unit_seconds: tuple[tuple[float, float], ...] = ()
+    """Per unit: its forward's and its backward's seconds in the step (summed over the step's
+    forwards and backwards; a unit's span holds the units nested in it, the root's the whole
+    forward)."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,8 @@ class PlanReport:
     """The machine the rates were measured on."""
     measured: StepMeasurement | None = None
     """The last step measured, if any ran."""
+    unit_names: tuple[str, ...] = ()
+    """Each unit's name, for the measured units' seconds."""
     predicted_s: float | None = None
     """The step predicted with the measured step's compute (None without both)."""
     hbm_peak: int | None = None
@@ -126,8 +132,23 @@ class PlanReport:
                 line += (f"; device memory peak {format_size(measured.device_peak)}, the HBM "
                          f"tier's {format_size(self.hbm_peak)} of it")
             lines.append(line)
+            slowest = self._slowest_unit()
+            if slowest is not None:
+                name, (forward, backward) = slowest
+                lines.append(f"slowest unit: {name}, forward {forward:.3g} s, backward "
+                             f"{backward:.3g} s")
         return "\n".join(lines)
 
+
+    def _slowest_unit(self) -> tuple[str, tuple[float, float]] | None:
+        """The unit whose forward and backward took longest, leaving out the root's span (the
+        whole forward); None before a step is measured."""
+        if self.measured is None or not self.measured.unit_seconds:
+            return None
+        named = [(name, seconds) for name, seconds in zip(self.unit_names,
+                                                          self.measured.unit_seconds)
+                 if name != "<root>"]
+        return max(named, key=lambda item: sum(item[1]), default=None)
 
     def to_dict(self) -> dict:
         """As JSON holds it: tiers and states by name, the terms in seconds."""
@@ -138,14 +159,16 @@ class PlanReport:
                 "terms": None if self.terms is None else self.terms.named(),
                 "bound": None if self.terms is None else self.terms.bound[0],
                 "rates_of": self.rates_of,
-                "measured": None if self.measured is None else dataclasses.asdict(self.measured),
+                "measured": None if self.measured is None else dict(
+                    dataclasses.asdict(self.measured),
+                    unit_seconds=dict(zip(self.unit_names, self.measured.unit_seconds))),
                 "predicted_s": self.predicted_s, "hbm_peak": self.hbm_peak}
 
 
 def plan_report(plan: MemoryPlan, budgets: dict[Tier, int | None], policy: Policy,
                 world_size: int, rates: NodeRates | None, on_cpu: bool,
-                measured: StepMeasurement | None = None,
-                hbm_peak: int | None = None) -> PlanReport:
+                measured: StepMeasurement | None = None, hbm_peak: int | None = None,
+                unit_names: tuple[str, ...] = ()) -> PlanReport:
     """``on_cpu``: the CPU is the device (it steps every unit, and no PCIe is crossed)."""
     units: dict[StateKind, dict[Tier, int]] = {kind: {} for kind in SHOWN_STATES}
     for (_, kind), buffer in plan.shards.items():
@@ -159,7 +182,8 @@ def plan_report(plan: MemoryPlan, budgets: dict[Tier, int | None], policy: Polic
                                          policy.optimizer.delayed_update.enabled)
     return PlanReport({tier: plan.needed(tier) for tier in tiers},
                       {tier: budgets.get(tier) for tier in tiers}, units, terms,
-                      None if rates is None else rates.machine, measured, predicted, hbm_peak)
+                      None if rates is None else rates.machine, measured, unit_names,
+                      predicted, hbm_peak)
 
 
 def step_terms(plan: MemoryPlan, policy: Policy, world_size: int, rates: NodeRates,

@@ -99,8 +99,9 @@ class Timeline:
 
     def between(self, name: str, category: str, track: str, start, end) -> None:
         """A span from one :meth:`mark` to another, on ``track`` (a stream's name for device
-        work; on the CPU, host time)."""
-        if start is None or end is None:
+        work; on the CPU, host time); nothing when disabled (the marks may be another's:
+        engine/probe.py measures every step)."""
+        if not self.enabled or start is None or end is None:
             return
         if isinstance(start, int):
             self._add(name, category, track, start - self._t0, end - start)

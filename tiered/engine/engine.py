@@ -210,7 +210,8 @@ class TieredEngine:
         return plan_report(plan, self.manager.budgets_for(plan), self.policy,
                            self.runtime.group.world_size, cached_node_rates(self.policy.nvme.path),
                            self.device.type == "cpu", self.runtime.probe.last(),
-                           self.manager.hbm.usage.peak)
+                           self.manager.hbm.usage.peak,
+                           tuple(flat.name for flat in self.runtime.flats))
 
     def placement(self) -> dict[str, dict[str, str]]:
         """For every unit (by name: its module path, "<root>" for the root, with " (frozen)"

@@ -203,7 +203,7 @@ class UnitHooks:
         elif not flat.spec.whole_forward:
             self.runtime.use(flat)
             flat.bind_views()
-        self._started[flat.spec.index] = self.runtime.timeline.mark()
+        self._started[flat.spec.index] = self.runtime.probe.mark()
         if not flat.has_trainable and torch.is_grad_enabled():
             inputs = [tensor for tensor in tree_leaves((args, kwargs))
                       if isinstance(tensor, torch.Tensor) and tensor.requires_grad]
@@ -260,7 +260,7 @@ class UnitHooks:
                     f"backward before optimizer.step()")
             self._enter_backward()
             self._use_in_backward(flat)
-            self._started.setdefault(flat.spec.index, self.runtime.timeline.mark())
+            self._started.setdefault(flat.spec.index, self.runtime.probe.mark())
             if torch.is_grad_enabled():
                 # A backward with create_graph=True: the graph it builds keeps this tensor, and
                 # reads it after the unit is released; a copy of its own (autograd links it to
@@ -299,9 +299,12 @@ class UnitHooks:
         self.runtime.backward_done(flat)
 
     def _span(self, flat: FlatParam, what: str) -> None:
-        started = self._started.pop(flat.spec.index, None)
+        """The unit's ``what`` ("forward" or "backward") is over: measured (probe.py) and, when
+        tracing, on the timeline."""
+        started, ended = self._started.pop(flat.spec.index, None), self.runtime.probe.mark()
+        self.runtime.probe.unit_span(flat.spec.index, what == "backward", started, ended)
         self.runtime.timeline.between(f"{what} {flat.name}", "compute", "compute stream",
-                                      started, self.runtime.timeline.mark())
+                                      started, ended)
 
     def _enter_backward(self) -> None:
         if self._in_backward or not _in_backward_pass():

@@ -15,18 +15,30 @@ import torch
 from ..plan_report import StepMeasurement
 
 
+SPANS_PER_UNIT = 64
+"""A step with more spans than this per unit (backwards without an optimizer.step(): gradients
+taken for another use) is not measured; its marks are dropped rather than kept growing."""
+
+
 class StepProbe:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, units: int):
         self.device = device
+        self.units = units
+        self._skipped = False
+        """The step in progress outgrew SPANS_PER_UNIT: it is not measured."""
         self._forward = self._backward = None
         """Marks of the step in progress: its first forward, its last backward's end."""
-        self._pending: tuple[int, object, object, float | None] | None = None
+        self._spans: list[tuple[int, int, object, object]] = []
+        """The step in progress's unit spans: (unit, 0 forward or 1 backward, start, end)."""
+        self._pending: tuple | None = None
         """A step ended whose device marks may not have completed yet."""
         self._last_step_ns: int | None = None
         self._steps = 0
         self._last: StepMeasurement | None = None
 
-    def _mark(self):
+    def mark(self):
+        """A point in time on the current stream: a timing event on a GPU, else the host
+        clock (``perf_counter_ns``, the timeline's clock too)."""
         if self.device.type != "cuda":
             return time.perf_counter_ns()
         event = torch.cuda.Event(enable_timing=True)
@@ -34,12 +46,22 @@ class StepProbe:
         return event
 
     def forward_started(self) -> None:
-        if self._forward is None:
-            self._forward = self._mark()
+        if self._forward is None and not self._skipped:
+            self._forward = self.mark()
 
     def backward_ended(self) -> None:
         if self._forward is not None:
-            self._backward = self._mark()
+            self._backward = self.mark()
+
+    def unit_span(self, unit: int, backward: bool, start, end) -> None:
+        """Unit ``unit``'s forward (or backward) ran from mark ``start`` to ``end`` (a unit's
+        span holds the units nested in it)."""
+        if start is None or self._forward is None:
+            return
+        if len(self._spans) >= SPANS_PER_UNIT * self.units:
+            self._skipped, self._forward, self._backward, self._spans = True, None, None, []
+            return
+        self._spans.append((unit, int(backward), start, end))
 
     def step_taken(self) -> None:
         """``optimizer.step()``: the step in progress ends (measured if it ran a backward)."""
@@ -48,8 +70,10 @@ class StepProbe:
         self._resolve(wait=False)
         if self._backward is not None:
             step_s = None if self._last_step_ns is None else (now - self._last_step_ns) / 1e9
-            self._pending = (self._steps, self._forward, self._backward, step_s)
+            self._pending = (self._steps, self._forward, self._backward, step_s, self._spans)
         self._forward = self._backward = None
+        self._spans = []
+        self._skipped = False
         self._last_step_ns = now
 
     def last(self) -> StepMeasurement | None:
@@ -60,15 +84,25 @@ class StepProbe:
     def _resolve(self, wait: bool) -> None:
         if self._pending is None:
             return
-        step, start, end, step_s = self._pending
-        if isinstance(end, int):
-            compute_s = (end - start) / 1e9
-        else:
-            if not wait and not end.query():
+        step, start, end, step_s, spans = self._pending
+        ends = [end, *(span[3] for span in spans)]
+        if not isinstance(end, int):
+            if not wait and not all(event.query() for event in ends):
                 return
-            end.synchronize()
-            compute_s = start.elapsed_time(end) / 1e3
+            for event in ends:
+                event.synchronize()
+        seconds = [[0.0, 0.0] for _ in range(self.units)]
+        for unit, backward, begin, finish in spans:
+            seconds[unit][backward] += _elapsed(begin, finish)
         peak = (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
                 else None)
-        self._last = StepMeasurement(step, compute_s, step_s, peak)
+        self._last = StepMeasurement(step, _elapsed(start, end), step_s, peak,
+                                     tuple((f, b) for f, b in seconds))
         self._pending = None
+
+
+def _elapsed(start, end) -> float:
+    """Seconds from mark ``start`` to mark ``end`` (both completed)."""
+    if isinstance(start, int):
+        return (end - start) / 1e9
+    return start.elapsed_time(end) / 1e3

@@ -63,7 +63,7 @@ class UnitRuntime:
         """Units whose gradient came in the backward that steps them on arrival: the worker
         steps each (the view of the thread running backward, complete once backward returns)."""
         self.grads = GradientPath(context)
-        self.probe = StepProbe(context.group.device)
+        self.probe = StepProbe(context.group.device, len(flats))
         """What each step measured (engine.plan_report() shows the last)."""
         self.pending_weights = context.pending
         self.readahead = (ReadAhead(manager, manager.staging_names("param_in"),
