@@ -53,6 +53,40 @@ def test_a_rank_that_goes_stops_every_step_not_committed_on_every_rank():
     assert commits.step == 2 and commits.records == {0: {"new": 0}, 1: {"new": 1}}
 
 
+def test_ranks_closing_together_stop_waiting_for_a_step_one_of_them_never_recorded():
+    """Ctrl-C stops every rank of a job at once: rank 0 had sent step 2's record, rank 1 only
+    its update. Each closing host waited for its queued update's commit, and the round broke
+    only once a host ended: both waited for ever (the launcher SIGKILLed them after 30 s)."""
+    commits = StepCommits(world=2)
+    round_ = commits.new_round()
+    for rank in (0, 1):
+        commits.arrived(round_, rank, 1, {})
+    commits.arrived(round_, 0, 2, {})
+    refused = []
+
+    def wait() -> None:
+        with pytest.raises(NotCommitted):
+            commits.wait(round_, 2)
+        refused.append(True)
+
+    waiters = [threading.Thread(target=wait) for _ in range(2)]
+    for waiter in waiters:
+        waiter.start()
+    commits.ending(0)  # its record of step 2 is in: its end alone decides nothing
+    waiters[0].join(0.2)
+    assert waiters[0].is_alive()
+    commits.ending(1)  # it will never send one
+    for waiter in waiters:
+        waiter.join(5)
+    assert refused == [True, True]
+    commits.wait(round_, 1)  # a committed step still runs
+    commits.broken()
+    relaunch = commits.new_round()  # nobody is ending in a new round
+    for rank in (0, 1):
+        commits.arrived(relaunch, rank, 2, {})
+    assert commits.step == 2
+
+
 def _run_and_die(registry: Registry, job: str, steps: int, pid: int = 100,
                  finals=(FINAL, FINAL)) -> None:
     """Two ranks attach, reserve, host, commit ``steps`` steps, and their trainers die; their

@@ -17,7 +17,11 @@ mechanism is a commit barrier, not an undo log (nothing is copied per step):
   by then is ever run, on any rank, and records that come later are dropped. A trainer that
   dies ends its host at once; one that closes (``engine.close()``, or its exit right after a
   ``step()``) ends it once what it sent has run, its last update included when every rank's
-  record of it comes in (a rank that ends first is no crash).
+  record of it comes in (a rank that ends first is no crash). A closing rank sends no record
+  after its end: a step it has no record of can no longer commit, and whoever waits for that
+  step stops waiting then. Without that, two ranks stopped together (Ctrl-C) deadlocked when
+  one had sent step ``s``'s record and the other its update but not its record: each end waited
+  for its queued update's commit, and the round broke only after an end.
 So the shards in the segments are, once the round's hosts are all done, exactly those after the
 last committed step on every rank. Units a step on arrival would step during backward are
 stepped at the step instead where the service runs the host (runtime.arrival_allowed): the
@@ -50,6 +54,8 @@ class StepCommits:
         """Rank -> its record of the committed step."""
         self._open = True
         self._round = 0
+        self._ending: set[int] = set()
+        """Ranks whose trainer closed: they send no more records this round."""
 
     @property
     def round(self) -> int:
@@ -74,11 +80,22 @@ class StepCommits:
                     del self._records[earlier]
                 self._changed.notify_all()
 
+    def ending(self, rank: int) -> None:
+        """Rank ``rank``'s trainer closed: it sends no record after those already here."""
+        with self._changed:
+            self._ending.add(rank)
+            self._changed.notify_all()
+
+    def _cannot_commit(self, step: int) -> bool:
+        """A rank that sends no more records has none of ``step``."""
+        return any(rank not in self._records.get(step, {}) for rank in self._ending)
+
     def wait(self, round_: int, step: int) -> None:
-        """Return once ``step`` is committed; raise when it never will be (the round broke)."""
+        """Return once ``step`` is committed; raise when it never will be (the round broke, or
+        a rank that closed has no record of it)."""
         with self._changed:
             self._changed.wait_for(lambda: self.step >= step or not self._open
-                                   or round_ != self._round)
+                                   or round_ != self._round or self._cannot_commit(step))
             if self.step < step or round_ != self._round:
                 raise NotCommitted(f"step {step} is not run: a rank of the job went before every "
                                   f"rank had taken it (the job resumes from step {self.step})")
@@ -97,4 +114,5 @@ class StepCommits:
                 self._round += 1
                 self._open = True
                 self._records.clear()
+                self._ending.clear()
             return self._round

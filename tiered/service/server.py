@@ -411,7 +411,9 @@ class TierService:
                     hosted.step_record(int(message["step"]), dict(message["record"]))
                 elif op == "end":  # the trainer closes: its host ends before it detaches
                     # What it sent runs first, its last step's update too once every rank's
-                    # record of it is in (a rank ending right after step() is no crash).
+                    # record of it is in (a rank ending right after step() is no crash); it
+                    # sends no record from here on (see [Note: reattach]).
+                    hosted.commits.ending(hosted.rank)
                     hosted.run_queued()
                     self._end_host(client)
                     client.send({"op": "ended", "request": int(message["request"])})
