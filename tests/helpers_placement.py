@@ -40,3 +40,11 @@ def placed(engine, kind: StateKind) -> list[str]:
     """Each unit's tier for ``kind``, in the forward's order (root first)."""
     return [engine.manager.tier_of(unit, kind).value
             for unit in forward_order(engine.runtime.flats)]
+
+
+def units_per_tier(engine, kind: StateKind) -> dict[str, int]:
+    """How many units hold ``kind`` in each tier, by the tier's name (engine.placement())."""
+    counted: dict[str, int] = {}
+    for states in engine.placement().values():
+        counted[states[kind.value]] = counted.get(states[kind.value], 0) + 1
+    return counted

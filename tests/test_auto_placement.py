@@ -119,7 +119,7 @@ def test_more_device_memory_keeps_more_units_there_and_the_reserve_stays_free():
                 optimizer.step()
                 optimizer.zero_grad()
             report = engine.memory_report()["hbm"]
-            reserved = tiered.Policy.from_dict({"hbm": {"reserve": reserve}}).hbm.reserve
+            reserved = engine.policy.hbm.reserve
             if "hbm" in kept:  # no unit is placed into the reserve (the working set may be)
                 assert report["peak"] + reserved <= report["budget"]
             on_device.append(kept.count("hbm"))

@@ -75,6 +75,14 @@ def test_ranks_closing_together_stop_waiting_for_a_step_one_of_them_never_record
     commits.ending(0)  # its record of step 2 is in: its end alone decides nothing
     waiters[0].join(0.2)
     assert waiters[0].is_alive()
+    # (Had rank 1 sent its record instead, the step would commit, rank 0's end or not.)
+    late = StepCommits(world=2)
+    late_round = late.new_round()
+    late.arrived(late_round, 0, 1, {})
+    late.ending(0)
+    late.arrived(late_round, 1, 1, {})
+    late.wait(late_round, 1)
+    assert late.step == 1
     commits.ending(1)  # it will never send one
     for waiter in waiters:
         waiter.join(5)

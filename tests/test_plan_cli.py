@@ -11,7 +11,8 @@ import yaml
 
 import tiered
 from helpers_models import OPTIM, make_model
-from helpers_placement import mixed_budgets
+from helpers import REPO
+from helpers_placement import SUB_GROUP, mixed_budgets, units_per_tier
 from tiered.cli import main
 from tiered.node import NodeRates
 from tiered.plan import StateKind
@@ -31,9 +32,9 @@ def plan_json(capsys, *args: str) -> dict:
 
 def policy_file(tmp_path, config: str, **overrides) -> str:
     """``config`` on the CPU in fp32 with ``overrides``, as a file the command reads."""
-    data = Policy.from_yaml(os.path.join("configs", f"{config}.yaml"), dict(
+    data = Policy.from_yaml(os.path.join(REPO, "configs", f"{config}.yaml"), dict(
         device="cpu", compute_dtype="fp32", nvme={"path": str(tmp_path)},
-        optimizer=dict(OPTIM, betas=list(OPTIM["betas"]), sub_group_size=1024),
+        optimizer=dict(OPTIM, betas=list(OPTIM["betas"]), sub_group_size=SUB_GROUP),
         **overrides)).to_dict()
     path = tmp_path / f"{config}.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -45,14 +46,12 @@ def assert_plan_is_what_initialize_allocates(planned: dict, engine) -> None:
     for tier in ("dram", "nvme"):
         assert planned["needed"].get(tier, 0) == held[tier]["current"], tier
     for kind in (StateKind.PARAM, StateKind.GRAD, StateKind.MASTER):
-        counted: dict[str, int] = {}
-        for states in engine.placement().values():
-            counted[states[kind.value]] = counted.get(states[kind.value], 0) + 1
-        assert planned["units"][kind.value] == counted, kind
+        assert planned["units"][kind.value] == units_per_tier(engine, kind), kind
 
 
 @pytest.mark.parametrize("config", ["nvme", "auto"])
-def test_a_factory_is_planned_as_initialize_allocates(config, tmp_path, capsys):
+def test_a_factory_is_planned_as_initialize_allocates(config, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TIERED_CACHE", str(tmp_path / "cache"))  # no rates: the plan alone
     overrides = mixed_budgets(1) if config == "auto" else {}
     path = policy_file(tmp_path, config, **overrides)
     planned = plan_json(capsys, "helpers_models:make_model", "--policy", path)
@@ -63,7 +62,9 @@ def test_a_factory_is_planned_as_initialize_allocates(config, tmp_path, capsys):
         assert planned["units"]["master"] == {"hbm": 1, "nvme": 1, "dram": 1}
 
 
-def test_a_hugging_face_config_folder_is_planned_as_initialize_allocates(tmp_path, capsys):
+def test_a_hugging_face_config_folder_is_planned_as_initialize_allocates(tmp_path, capsys,
+                                                                           monkeypatch):
+    monkeypatch.setenv("TIERED_CACHE", str(tmp_path / "cache"))
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=2, num_attention_heads=4,
@@ -79,7 +80,7 @@ def test_a_hugging_face_config_folder_is_planned_as_initialize_allocates(tmp_pat
 def test_another_nodes_rates_size_the_budgets_and_predict_the_step(tmp_path, capsys):
     node = tmp_path / "node.json"
     node.write_text(json.dumps(NODE.__dict__))
-    auto = os.path.join("configs", "auto.yaml")
+    auto = os.path.join(REPO, "configs", "auto.yaml")
     planned = plan_json(capsys, "helpers_models:make_model", "--policy", auto, "--node",
                         str(node), "--ranks", "2")
     assert planned["budgets"] == {"hbm": 80 << 30, "dram": (125 << 30) * 7 // 8 // 2}
@@ -96,7 +97,7 @@ def test_another_nodes_rates_size_the_budgets_and_predict_the_step(tmp_path, cap
     (["helpers_models:nothing_here"], "has no attribute 'nothing_here'"),
     (["helpers_models:batch"], "batch() failed: TypeError"),
     (["/no/such/folder"], "not module:factory"),
-    (["helpers_models:make_model", "--policy", os.path.join("configs", "auto.yaml")],
+    (["helpers_models:make_model", "--policy", os.path.join(REPO, "configs", "auto.yaml")],
      "set hbm.budget in the policy, or give --node"),
     (["helpers_models:make_model", "--ranks", "0"], "--ranks must be >= 1"),
     (["helpers_models:make_model", "--node", "/no/such/node.json"], "--node /no/such"),

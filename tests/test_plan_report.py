@@ -15,7 +15,8 @@ import torch
 import tiered
 from helpers import REPO
 from gpt import next_token_loss
-from helpers_models import OPTIM, make_model, token_batches
+from helpers_models import OPTIM, lora_model, make_model, token_batches
+from helpers_placement import SUB_GROUP, units_per_tier
 from tiered.engine.probe import SPANS_PER_UNIT
 from tiered.node import NodeRates
 from tiered.plan import StateKind
@@ -33,13 +34,14 @@ def engine_of(config: str, tmp_path, **overrides):
     """Small NVMe sub-groups: the staging stays small beside these tiny shards."""
     return tiered.initialize(make_model(), os.path.join(REPO, "configs", f"{config}.yaml"),
                              device="cpu", compute_dtype="fp32",
-                             optimizer=dict(OPTIM, sub_group_size=1024),
+                             optimizer=dict(OPTIM, sub_group_size=SUB_GROUP),
                              nvme={"path": str(tmp_path)}, **overrides)
 
 
 @pytest.mark.parametrize("config", ["cpu", "nvme", "auto"])
 def test_the_predicted_terms_are_the_plans_traffic_over_the_rates(config, tmp_path):
-    engine, _ = engine_of(config, tmp_path, hbm={"budget": "600KiB", "reserve": 0})
+    engine, _ = engine_of(config, tmp_path, hbm=dict(budget="600KiB", **(
+        {"reserve": 0} if config == "auto" else {})))
     n = {f.spec.index: f.shard_numel for f in engine.runtime.flats}
     tier = {unit: {kind: engine.manager.tier_of(unit, kind) for kind in (
         StateKind.PARAM, StateKind.GRAD, StateKind.MASTER)}
@@ -69,12 +71,9 @@ def test_the_report_shows_the_plan_the_tiers_hold_and_the_placement(tmp_path):
     held = engine.memory_report()
     for tier in (Tier.DRAM, Tier.NVME):  # a fresh engine holds what its plan lists
         assert report.needed[tier] == held[tier.value]["current"]
-    placement = engine.placement()
     for kind in (StateKind.PARAM, StateKind.GRAD, StateKind.MASTER):
-        counted = {}
-        for states in placement.values():
-            counted[states[kind.value]] = counted.get(states[kind.value], 0) + 1
-        assert {t.value: c for t, c in report.units[kind].items()} == counted
+        assert {t.value: c for t, c in report.units[kind].items()} == \
+            units_per_tier(engine, kind)
     engine.close()
 
 
@@ -118,6 +117,9 @@ def test_a_step_is_measured_from_its_first_forward_with_grad_to_its_optimizer_st
             engine(idx)
         time.sleep(0.3)
         next_token_loss(engine(idx), idx).backward()
+        with torch.no_grad():  # evaluation between backward and step: not the step's compute
+            for _ in range(20):
+                engine(idx)
         optimizer.step()
         optimizer.zero_grad()
     report = engine.plan_report()
@@ -132,6 +134,7 @@ def test_a_step_is_measured_from_its_first_forward_with_grad_to_its_optimizer_st
     # The root's forward holds the blocks' (it is gathered through the whole forward).
     assert seconds["<root>"][0] >= seconds["blocks.0"][0] + seconds["blocks.1"][0]
     assert sum(f + b for f, b in seconds.values()) < 2 * measured.compute_s
+    assert all(forward < measured.compute_s for forward, _ in seconds.values())
 
 
 def test_backwards_without_a_step_are_not_measured_and_keep_no_marks():
@@ -159,3 +162,27 @@ def test_the_step_predicted_with_the_measured_compute_follows_the_overlap_of_eac
     assert terms.predicted_step(0.27, on_cpu=True, delayed=True) == pytest.approx(0.92)
     drive_bound = StepTerms(cpu_update=0.1, gpu_update=None, pcie=None, nvme=5.0)
     assert drive_bound.predicted_step(1.0, on_cpu=True, delayed=False) == 5.0
+
+
+def test_frozen_units_move_no_optimizer_bytes_and_each_backward_counts(tmp_path):
+    """A LoRA model under nvme.yaml in bf16: the frozen halves keep fp32 masters on the drive,
+    never read in a step, and their weights are never written; with two backwards a step the
+    gathers and the gradients' copies count twice. Bytes per element: bf16 weights 2 (read for
+    both gathers), trained states 12 read and 12 written, new bf16 weights 2 written, bf16
+    gradients 2 (one rank)."""
+    engine, _ = tiered.initialize(lora_model(), os.path.join(REPO, "configs", "nvme.yaml"),
+                                  device="cpu", optimizer=dict(OPTIM, sub_group_size=SUB_GROUP),
+                                  nvme={"path": str(tmp_path)})
+    flats = engine.runtime.flats
+    trained = sum(f.shard_numel for f in flats if f.has_trainable)
+    every = sum(f.shard_numel for f in flats)
+    assert trained < every and engine.manager.has(
+        next(f for f in flats if not f.has_trainable).spec.index, StateKind.MASTER)
+    for backwards in (1, 2):
+        terms = step_terms(engine.manager.plan, engine.policy, 1, RATES, False, backwards)
+        assert terms.nvme == pytest.approx((4 * every * backwards + 12 * trained) / 4e6
+                                           + (2 * trained + 12 * trained) / 1e6)
+        up, down = 4 * every * backwards, 2 * trained * backwards
+        assert terms.pcie == pytest.approx(max(up / 1e7, down / 2e7, (up + down) / 2.5e7))
+        assert terms.cpu_update == pytest.approx(trained / 2e6)
+    engine.close()

@@ -583,3 +583,10 @@ def test_an_infinite_max_grad_norm_measures_without_clipping(tmp_path):
     path = tmp_path / "policy.yaml"
     path.write_text("optimizer: {max_grad_norm: .inf}\n")
     assert tiered.Policy.from_yaml(path).optimizer.max_grad_norm == float("inf")
+
+
+def test_a_reserve_without_tier_auto_is_refused_by_name():
+    """hbm.reserve is read by the planner of tier: auto alone: elsewhere it would be a
+    setting that silently does nothing."""
+    message = policy_error({"hbm": {"reserve": "1GiB"}})
+    assert "hbm.reserve" in message and "tier: auto" in message

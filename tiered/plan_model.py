@@ -4,13 +4,16 @@ on a node, with no GPU and nothing allocated (issue 20, part 4).
 MODEL is a Hugging Face ``config.json`` or a folder holding one (the model is built from the
 config on the meta device by transformers), or ``module:factory``, a function of no arguments
 returning the model, called on the meta device (the current folder is importable, as for
-``python -m``). The model is cut into units and planned exactly as ``initialize`` plans it, for
-rank 0 of ``--ranks`` on one node.
+``python -m``). The model is cut into units and planned as ``initialize`` plans it, for rank 0
+of ``--ranks`` on one node, except for what only a run knows or does: the peak of building
+units is the plan's estimate, not a measurement, and a plan too tight for its budgets is shown
+over them, where initialize would first give up prefetch and landing slots.
 
 The budgets are the policy's where it sets them, else the node's: ``--node FILE`` (what
 ``tiered node --json`` printed there; the reference GPU box's is bench/node_h100.json) or this
 node's rates cached by ``tiered node``. Its device memory is the HBM budget, 7/8 of its host
-memory shared by the ranks the DRAM budget, as ``initialize`` takes them; the drive's space is
+memory shared by the ranks the DRAM budget, as ``initialize`` takes them (on a CPU device the
+two tiers split that RAM, as there); the drive's space is
 not known, so NVMe bytes are shown without a budget. The prediction reads the same rates
 (plan_report.py). Activations are not planned here: what the forward keeps depends on the batch
 and sequence, which only a step measures.
@@ -79,50 +82,85 @@ def _hf_model(path: str) -> nn.Module:
 
 @dataclasses.dataclass(frozen=True)
 class NodeBudgets:
-    """What each tier may hold on the planned node (None: not known, not checked)."""
+    """What each tier may hold on the planned node (None: not known, not checked). On a CPU
+    device the HBM and DRAM tiers share ``shared`` bytes of RAM, which a plan's budgets split
+    as initialize splits them (TierManager.budgets_for)."""
 
     hbm: int | None
     dram: int | None
     nvme: int | None
+    shared: int | None = None
 
     @classmethod
-    def of(cls, policy: Policy, rates: NodeRates | None, ranks: int) -> "NodeBudgets":
+    def of(cls, policy: Policy, rates: NodeRates | None, ranks: int,
+           on_cpu: bool) -> "NodeBudgets":
         node_dram = rates.dram_bytes if rates is not None else None
+        share = None if node_dram is None else node_dram * 7 // 8 // ranks
+        if on_cpu:
+            return cls(policy.hbm.budget, policy.dram.budget, policy.nvme.budget, share)
         return cls(policy.hbm.budget if policy.hbm.budget is not None
                    else (rates.hbm_bytes if rates is not None else None),
-                   policy.dram.budget if policy.dram.budget is not None
-                   else (None if node_dram is None else node_dram * 7 // 8 // ranks),
+                   policy.dram.budget if policy.dram.budget is not None else share,
                    policy.nvme.budget)
 
-    def as_dict(self, with_nvme: bool) -> dict[Tier, int | None]:
-        tiers = {Tier.HBM: self.hbm, Tier.DRAM: self.dram}
-        return {**tiers, Tier.NVME: self.nvme} if with_nvme else tiers
+    @property
+    def hbm_capacity(self) -> int | None:
+        """What ``hbm.reserve``'s default is a share of: the HBM budget, or the shared RAM."""
+        return self.hbm if self.hbm is not None else self.shared
+
+    def dram_room(self, hbm_needed: int) -> int | None:
+        """The DRAM a plan may fill (what ``dram.spill`` keeps there), beside ``hbm_needed``."""
+        if self.shared is None:
+            return self.dram
+        room = self.dram if self.dram is not None else self.shared
+        return max(0, min(room, self.shared - (self.hbm if self.hbm is not None
+                                               else hbm_needed)))
+
+    def for_plan(self, plan: MemoryPlan) -> dict[Tier, int | None]:
+        """The HBM and DRAM budgets of ``plan``: on a CPU device a null one is what the other
+        leaves of the shared RAM, with both null DRAM's is what the plan pins there."""
+        hbm, dram = self.hbm, self.dram
+        if self.shared is not None:
+            if dram is None:
+                dram = plan.needed(Tier.DRAM) if hbm is None else max(0, self.shared - hbm)
+            if hbm is None:
+                hbm = max(0, self.shared - dram)
+        return {Tier.HBM: hbm, Tier.DRAM: dram}
 
 
 def plan_model(model: nn.Module, policy: Policy, ranks: int,
                rates: NodeRates | None) -> PlanReport:
     """The report of ``policy``'s plan for ``model`` on rank 0 of ``ranks`` on a node of
-    ``rates``' (the budgets: NodeBudgets.of)."""
-    device = torch.device("cpu" if policy.device is Device.CPU else "cuda")
+    ``rates``' (the budgets: NodeBudgets.of). ``device: auto`` is the node's GPU, or its CPU
+    when its rates show none."""
+    on_cpu = policy.device is Device.CPU or (
+        policy.device is Device.AUTO and rates is not None and rates.hbm_bytes is None)
+    device = torch.device("cpu" if on_cpu else "cuda")
     flats = flat_units(model, policy, 0, ranks, torch.device("cpu"))  # nothing allocated
     if not flats:
         raise TieredError("the model has no parameters to train")
-    budgets = NodeBudgets.of(policy, rates, ranks)
+    budgets = NodeBudgets.of(policy, rates, ranks, on_cpu)
 
     def plan_with(on_device: frozenset[int]) -> MemoryPlan:
-        return memory_plan(policy, device, flats, budgets.dram, on_device=on_device)
+        hbm_needed = memory_plan(policy, device, flats, None,
+                                 on_device=on_device).needed(Tier.HBM)
+        return memory_plan(policy, device, flats, budgets.dram_room(hbm_needed),
+                           on_device=on_device)
 
     if policy.placed_by_planner:
-        if budgets.hbm is None:
+        if budgets.hbm_capacity is None:
             raise UsageError("tier: auto places units by the device's memory: set hbm.budget in "
                              "the policy, or give --node a file of `tiered node --json` from a "
                              "node with a GPU")
-        plan = place_units(forward_order(flats), plan_with, lambda _: budgets.hbm,
-                           hbm_reserve(policy, budgets.hbm))
+        plan = place_units(forward_order(flats), plan_with,
+                           lambda plan: budgets.for_plan(plan)[Tier.HBM],
+                           hbm_reserve(policy, budgets.hbm_capacity))
     else:
         plan = plan_with(frozenset())
-    return plan_report(plan, budgets.as_dict(policy.uses_nvme), policy, ranks, rates,
-                       device.type == "cpu")
+    shown = budgets.for_plan(plan)
+    if policy.uses_nvme:
+        shown[Tier.NVME] = budgets.nvme
+    return plan_report(plan, shown, policy, ranks, rates, on_cpu)
 
 
 def read_node(path: str) -> NodeRates:

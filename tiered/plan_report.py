@@ -4,10 +4,11 @@ should cost on this node (issue 20, part 4).
 The prediction reads the node's measured rates (node.py; ``tiered node`` measures and caches
 them) and the bytes the plan moves each step:
 - the CPU's AdamW over the units stepped on the host, the GPU's over those stepped on it;
-- PCIe: each unit whose weights are off the device is gathered twice (forward and backward),
-  its shard copied up each time, and each gradient kept on the host copied down once;
-- NVMe: weights on the drive are read for both gathers and written once (the new weights),
-  optimizer states on it read and written once; the drive does one at a time.
+- PCIe: each unit whose weights are off the device is gathered twice per forward-backward
+  (forward and backward), its shard copied up each time, and each gradient kept on the host
+  copied down once per backward; weights kept on the device but stepped on the host go up once;
+- NVMe: weights on the drive are read for both gathers and (a trained unit's) written once,
+  a trained unit's optimizer states read and written once; the drive does one at a time.
 Everything here overlaps in the engine, so the step takes at least the largest of them, the
 bound; the GPU's forward and backward come on top where they are longer, and are known only
 once a step has run. With a step measured (engine/probe.py), the step predicted with its
@@ -45,6 +46,8 @@ class StepMeasurement:
     """From the previous ``optimizer.step()`` to this one (None for the first)."""
     device_peak: int | None
     """The most device memory the process had allocated by then (a GPU's, else None)."""
+    backwards: int = 1
+    """The step's forward-backward passes."""
     unit_seconds: tuple[tuple[float, float], ...] = ()
     """Per unit: its forward's and its backward's seconds in the step (summed over the step's
     forwards and backwards; a unit's span holds the units nested in it, the root's the whole
@@ -118,7 +121,7 @@ class PlanReport:
                               if value is not None)
             name, seconds = self.terms.bound
             lines.append(f"predicted step: at least {seconds:.3g} s, bound by {name} ({parts}; "
-                         f"the GPU's forward and backward are measured by the first step); "
+                         f"the forward and backward are measured by the first step); "
                          f"rates of {self.rates_of}")
         measured = self.measured
         if measured is not None:
@@ -175,7 +178,10 @@ def plan_report(plan: MemoryPlan, budgets: dict[Tier, int | None], policy: Polic
         if kind in units:
             units[kind][buffer.tier] = units[kind].get(buffer.tier, 0) + 1
     tiers = [Tier.HBM, Tier.DRAM] + ([Tier.NVME] if Tier.NVME in budgets else [])
-    terms = None if rates is None else step_terms(plan, policy, world_size, rates, on_cpu)
+    backwards = (measured.backwards if measured is not None
+                 else policy.optimizer.accumulation_steps or 1)
+    terms = (None if rates is None
+             else step_terms(plan, policy, world_size, rates, on_cpu, backwards))
     predicted = None
     if terms is not None and measured is not None:
         predicted = terms.predicted_step(measured.compute_s, on_cpu,
@@ -187,28 +193,37 @@ def plan_report(plan: MemoryPlan, budgets: dict[Tier, int | None], policy: Polic
 
 
 def step_terms(plan: MemoryPlan, policy: Policy, world_size: int, rates: NodeRates,
-               on_cpu: bool = False) -> StepTerms:
+               on_cpu: bool = False, backwards: int = 1) -> StepTerms:
     """What one step of ``plan`` costs on a node of ``rates`` (see the module note); ``on_cpu``:
-    the CPU is the device, so it steps the HBM tier's units too, and nothing crosses PCIe."""
+    the CPU is the device, so it steps the HBM tier's units too, and nothing crosses PCIe;
+    ``backwards``: forward-backward passes per step (each gathers the weights and sends the
+    gradients down again)."""
     weight_bytes = state_dtype(policy, StateKind.PARAM).itemsize
     grad_bytes = reduce_dtype(policy, world_size).itemsize
+    trained = {unit for unit, kind in plan.shards if kind is StateKind.EXP_AVG}
+    """A frozen unit is never stepped: its masters stay put, its weights are never written."""
     host_params = device_params = 0
     up = down = drive_read = drive_write = 0
     for (unit, kind), buffer in plan.shards.items():
-        n = buffer.numel
+        n, tier = buffer.numel, buffer.tier
+        stepped_on_host = unit in trained and (
+            on_cpu or plan.shards[(unit, StateKind.EXP_AVG)].tier is not Tier.HBM)
         if kind is StateKind.EXP_AVG:  # a trained unit: stepped where its moments are
-            if buffer.tier is Tier.HBM and not on_cpu:
-                device_params += n
-            else:
+            if stepped_on_host:
                 host_params += n
-        elif kind is StateKind.PARAM and buffer.tier is not Tier.HBM:
-            up += 2 * n * weight_bytes
-            if buffer.tier is Tier.NVME:
-                drive_read += 2 * n * weight_bytes
-                drive_write += n * weight_bytes
-        elif kind is StateKind.GRAD and buffer.tier is not Tier.HBM:
-            down += n * grad_bytes
-        elif kind is StateKind.MASTER and buffer.tier is Tier.NVME:
+            else:
+                device_params += n
+        elif kind is StateKind.PARAM:
+            if tier is not Tier.HBM:
+                up += 2 * n * weight_bytes * backwards
+            elif stepped_on_host and not on_cpu:  # new weights go up once a step
+                up += n * weight_bytes
+            if tier is Tier.NVME:
+                drive_read += 2 * n * weight_bytes * backwards
+                drive_write += n * weight_bytes if unit in trained else 0
+        elif kind is StateKind.GRAD and tier is not Tier.HBM:
+            down += n * grad_bytes * backwards
+        elif kind is StateKind.MASTER and tier is Tier.NVME and unit in trained:
             drive_read += 3 * n * 4  # with its two moments
             drive_write += 3 * n * 4
     cpu_rate = (rates.cpu_adamw_params_per_s if policy.compute_dtype is ComputeDtype.FP32

@@ -360,6 +360,10 @@ class Policy:
             raise ValueError(f"tier: auto places a unit's weights, gradient and optimizer states "
                              f"together: set it for params, grads and optimizer alike (got "
                              f"{given})")
+        if self.hbm.reserve is not None and Tier.AUTO not in tiers.values():
+            raise ValueError(f"hbm.reserve ({self.hbm.reserve} bytes) is what tier: auto leaves "
+                             f"free on the device; no tier is auto here: drop it, or set "
+                             f"params, grads and optimizer to auto")
         expected_grads = {Tier.HBM: Tier.HBM, Tier.AUTO: Tier.AUTO}.get(self.optimizer.tier,
                                                                          Tier.DRAM)
         if self.grads.tier is not expected_grads:

@@ -16,8 +16,9 @@ from ..plan_report import StepMeasurement
 
 
 SPANS_PER_UNIT = 64
-"""A step with more spans than this per unit (backwards without an optimizer.step(): gradients
-taken for another use) is not measured; its marks are dropped rather than kept growing."""
+"""A step with more spans than this per unit (32 forward-backward passes or more: backwards
+without an optimizer.step(), or that many micro-batches) is not measured; its marks are dropped
+rather than kept growing."""
 
 
 class StepProbe:
@@ -28,6 +29,7 @@ class StepProbe:
         """The step in progress outgrew SPANS_PER_UNIT: it is not measured."""
         self._forward = self._backward = None
         """Marks of the step in progress: its first forward, its last backward's end."""
+        self._backwards = 0
         self._spans: list[tuple[int, int, object, object]] = []
         """The step in progress's unit spans: (unit, 0 forward or 1 backward, start, end)."""
         self._pending: tuple | None = None
@@ -52,12 +54,14 @@ class StepProbe:
     def backward_ended(self) -> None:
         if self._forward is not None:
             self._backward = self.mark()
+            self._backwards += 1
 
     def unit_span(self, unit: int, backward: bool, start, end) -> None:
         """Unit ``unit``'s forward (or backward) ran from mark ``start`` to ``end`` (a unit's
         span holds the units nested in it)."""
-        if start is None or self._forward is None:
-            return
+        if start is None or self._forward is None or (not backward
+                                                       and not torch.is_grad_enabled()):
+            return  # an evaluation forward is no part of the training step
         if len(self._spans) >= SPANS_PER_UNIT * self.units:
             self._skipped, self._forward, self._backward, self._spans = True, None, None, []
             return
@@ -70,8 +74,10 @@ class StepProbe:
         self._resolve(wait=False)
         if self._backward is not None:
             step_s = None if self._last_step_ns is None else (now - self._last_step_ns) / 1e9
-            self._pending = (self._steps, self._forward, self._backward, step_s, self._spans)
+            self._pending = (self._steps, self._forward, self._backward, step_s, self._spans,
+                             self._backwards)
         self._forward = self._backward = None
+        self._backwards = 0
         self._spans = []
         self._skipped = False
         self._last_step_ns = now
@@ -84,7 +90,7 @@ class StepProbe:
     def _resolve(self, wait: bool) -> None:
         if self._pending is None:
             return
-        step, start, end, step_s, spans = self._pending
+        step, start, end, step_s, spans, backwards = self._pending
         ends = [end, *(span[3] for span in spans)]
         if not isinstance(end, int):
             if not wait and not all(event.query() for event in ends):
@@ -96,7 +102,7 @@ class StepProbe:
             seconds[unit][backward] += _elapsed(begin, finish)
         peak = (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
                 else None)
-        self._last = StepMeasurement(step, _elapsed(start, end), step_s, peak,
+        self._last = StepMeasurement(step, _elapsed(start, end), step_s, peak, backwards,
                                      tuple((f, b) for f, b in seconds))
         self._pending = None
 
