@@ -111,7 +111,8 @@ def node_rates(nvme_path: str | None = None, remeasure: bool = False, *,
         h2d, d2h, both = _copies(copy_bytes)
         rates = dataclasses.replace(rates, gpu_adamw_params_per_s=_gpu_adamw(gpu_params),
                                     h2d_gbps=h2d, d2h_gbps=d2h, both_gbps=both,
-                                    hbm_bytes=torch.cuda.get_device_properties(0).total_memory)
+                                    hbm_bytes=torch.cuda.get_device_properties(
+                                        torch.cuda.current_device()).total_memory)
     if nvme_path is not None:
         write, read = _nvme(nvme_path, nvme_bytes)
         rates = dataclasses.replace(rates, nvme_write_gbps=write, nvme_read_gbps=read)

@@ -65,12 +65,6 @@ def unit_state_kinds(policy: Policy, trainable: bool,
     return [kind for kind in kinds if kind in keep]
 
 
-def optimizer_device(policy: Policy, device: torch.device) -> torch.device:
-    """Where the optimizer steps: the compute ``device`` when its states are in HBM, else the
-    CPU."""
-    return device if policy.optimizer.tier is Tier.HBM else torch.device("cpu")
-
-
 def state_tier(policy: Policy, kind: StateKind) -> Tier:
     """The policy's tier for ``kind``; under ``tier: auto``, a unit's until the planner places
     it on the device: DRAM (spilled to NVMe where DRAM lacks room and a path is set)."""

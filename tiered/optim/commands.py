@@ -14,12 +14,13 @@ which maps the same memory; only a gradient no such buffer holds travels as a te
 a host in this process.
 
 [Note: update modes]
-- BLOCKING: ``step()`` returns once the update is done. For an optimizer stepping on the GPU,
-  and under fp16, whose next backward needs the loss scale this update decides.
+- BLOCKING: ``step()`` returns once the update is done. For an optimizer stepping every unit
+  on the GPU, and under fp16, whose next backward needs the loss scale this update decides.
 - OVERLAPPED: ``step()`` returns at once; the update steps units in the order the next
   forward needs them, and that forward reads each only once it is written
   (PendingWeights), so it computes exactly what it would after a blocking step. For every
-  other update on the CPU.
+  other update: the CPU steps some or all of the units (``tier: auto`` may step the others
+  on the GPU, each unit's weights announced once its kernels have run).
 - DELAYED: ``step()`` returns at once; the update writes each unit's next weights
   (StateKind.PARAM_NEXT) while the next forward and backward run on the current ones, and
   the next ``step()`` (or ``synchronize()``) makes them current: ZeRO-Offload's one-step

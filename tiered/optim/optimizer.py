@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import TieredError
-from ..plan import optimizer_device
 from ..policy import Policy
 from ..released import ReleasedWeight
 from .adamw import AdamWHyper
@@ -149,15 +148,15 @@ class TieredAdamW(torch.optim.Optimizer):
         self._max_grad_norm = opt.max_grad_norm
         self.scaler = scaler
         self._delayed = opt.delayed_update
-        self.device = optimizer_device(policy, runtime.group.device)
         self._steps_called = 0
         self._pending: _Update | None = None
         self._grads = runtime.grads
         runtime.current_hypers = self._hypers
-        self._ordinary_mode = (UpdateMode.OVERLAPPED
-                               if self.device.type == "cpu" and scaler is None
+        on_host = (runtime.group.device.type == "cpu" or self._manager.plan.steps_on_host())
+        self._ordinary_mode = (UpdateMode.OVERLAPPED if on_host and scaler is None
                                else UpdateMode.BLOCKING)
-        """The mode of updates that are not delayed (see [Note: update modes])."""
+        """The mode of updates that are not delayed (see [Note: update modes]): overlapped
+        where the CPU steps units (under ``tier: auto`` perhaps some of them)."""
         self._last_grad_norm: float | None = None
         self._grads_loss_scale: float | None = None
         """The loss scale the gradients held now were computed with (see note_loss_scale)."""
