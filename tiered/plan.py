@@ -281,9 +281,6 @@ class Placement:
 
     tiers: dict[tuple[int, StateKind], Tier]
     shard_numels: list[int]
-    stepped_on_device: frozenset[int]
-    """Units whose optimizer states are in HBM, stepped on the device; a frozen unit (never
-    stepped) counts as its policy places optimizers."""
 
     def largest(self, kind: StateKind, tier: Tier) -> int:
         """The largest shard whose ``kind`` state is in ``tier`` (0 if none is)."""
@@ -291,17 +288,19 @@ class Placement:
                     if self.tiers.get((u, kind)) is tier), default=0)
 
     def largest_stepped_apart(self, kind: StateKind, tier: Tier) -> int:
-        """The largest shard whose ``kind`` state is in ``tier`` and whose update runs on the
-        CPU: new weights for the device written on the host (0 if none is)."""
+        """The largest shard whose ``kind`` state is in ``tier`` and whose masters are off the
+        device, so stepped (or loaded) on the CPU: new weights for the device written on the
+        host (0 if none is). A unit without masters (frozen, exact) is never stepped."""
         return max((n for u, n in enumerate(self.shard_numels)
-                    if self.tiers.get((u, kind)) is tier and u not in self.stepped_on_device),
+                    if self.tiers.get((u, kind)) is tier
+                    and self.tiers.get((u, StateKind.MASTER)) not in (None, Tier.HBM)),
                    default=0)
 
     def moved(self, unit: int, kinds: tuple[StateKind, ...], tier: Tier) -> "Placement":
         tiers = dict(self.tiers)
         for kind in kinds:
             tiers[(unit, kind)] = tier
-        return Placement(tiers, self.shard_numels, self.stepped_on_device)
+        return Placement(tiers, self.shard_numels)
 
 
 def _plan(policy: Policy, device: torch.device, placement: Placement, full_numels: list[int],
@@ -337,9 +336,7 @@ def build_plan(policy: Policy, device: torch.device, shard_numels: list[int],
         unit_kinds = [state_kinds(policy)] * len(shard_numels)
     tiers = {(unit, kind): Tier.HBM if unit in on_device else state_tier(policy, kind)
              for unit, kinds in enumerate(unit_kinds) for kind in kinds}
-    stepped_on_device = (frozenset(range(len(shard_numels)))
-                         if state_tier(policy, StateKind.MASTER) is Tier.HBM else on_device)
-    placement = Placement(tiers, shard_numels, stepped_on_device)
+    placement = Placement(tiers, shard_numels)
     plan = _plan(policy, device, placement, full_numels, unit_paths, world_size, groups,
                  building, lands_every_gradient)
     if not spills_to_nvme(policy) or dram_available is None:

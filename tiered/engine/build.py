@@ -80,8 +80,9 @@ def forward_order(flats: list[FlatParam]) -> list[int]:
     """The trained units in the order the forward first needs them: those gathered through
     the whole forward (the root's) first, then as the module tree lists them."""
     trained = [flat for flat in flats if flat.has_trainable]
-    first = [flat.spec.index for flat in trained if flat.spec.path == "" or flat.spec.whole_forward]
-    return first + [flat.spec.index for flat in trained if flat.spec.index not in first]
+    whole = [flat.spec.path == "" or flat.spec.whole_forward for flat in trained]
+    return ([flat.spec.index for flat, first in zip(trained, whole) if first]
+            + [flat.spec.index for flat, first in zip(trained, whole) if not first])
 
 
 def bend_to_fit(policy: Policy, plan_for, manager: TierManager) -> tuple[Policy, MemoryPlan]:
