@@ -87,15 +87,11 @@ class Timeline:
             self._add(name, category, track, start_ns - self._t0, duration_ns, args)
 
     def mark(self):
-        """A point in time: a timing event on the current stream when tracing a GPU, else the
-        host clock. Two marks make a span (:meth:`between`)."""
+        """A point in time (:func:`mark_now`) when tracing, else None. Two marks make a span
+        (:meth:`between`)."""
         if not self.enabled:
             return None
-        if self._reference is None:
-            return time.perf_counter_ns()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        return mark_now(self._reference is not None)
 
     def between(self, name: str, category: str, track: str, start, end) -> None:
         """A span from one :meth:`mark` to another, on ``track`` (a stream's name for device
@@ -175,6 +171,16 @@ class Timeline:
             event["args"] = args
         with self._lock:
             self._events.append(event)
+
+
+def mark_now(on_gpu: bool):
+    """A point in time on the current stream: a timing event on a GPU, else the host clock
+    (``perf_counter_ns``)."""
+    if not on_gpu:
+        return time.perf_counter_ns()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ import time
 import torch
 
 from ..plan_report import StepMeasurement
+from ..timeline import mark_now
 
 
 SPANS_PER_UNIT = 64
@@ -39,13 +40,9 @@ class StepProbe:
         self._last: StepMeasurement | None = None
 
     def mark(self):
-        """A point in time on the current stream: a timing event on a GPU, else the host
-        clock (``perf_counter_ns``, the timeline's clock too)."""
-        if self.device.type != "cuda":
-            return time.perf_counter_ns()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        """A point in time on the current stream (timeline.mark_now: the timeline's marks
+        too)."""
+        return mark_now(self.device.type == "cuda")
 
     def forward_started(self) -> None:
         if self._forward is None and not self._skipped:
