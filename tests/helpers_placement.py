@@ -36,6 +36,18 @@ def mixed_budgets(world: int, compute_dtype: str = "fp32") -> dict:
             "dram": {"budget": one.needed(Tier.DRAM) - states // 2}}
 
 
+def replan_budgets() -> dict:
+    """mixed_budgets' DRAM, and an HBM budget under which the default reserve (a quarter of it)
+    leaves the device only the root, while the first two units of the forward fit beside a
+    sixteenth of it and a small step's activations: the re-plan after step 1 moves the second
+    (whose optimizer states are on NVMe) to the device, and no more."""
+    policy = auto_policy(optimizer={"sub_group_size": SUB_GROUP})
+    flats = flat_units(make_model(), policy, 0, 1, CPU)
+    two = memory_plan(policy, CPU, flats, on_device=frozenset(forward_order(flats)[:2]))
+    return {"hbm": {"budget": two.needed(Tier.HBM) * 4 // 3 - 8, "reserve": None},
+            "dram": mixed_budgets(1)["dram"]}
+
+
 def placed(engine, kind: StateKind) -> list[str]:
     """Each unit's tier for ``kind``, in the forward's order (root first)."""
     return [engine.manager.tier_of(unit, kind).value

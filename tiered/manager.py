@@ -256,6 +256,31 @@ class TierManager:
         # Transient HBM (gathered units, gradients in flight) is acquired as it happens; the plan
         # has already shown that its worst case fits beside everything resident.
 
+    def move_to_device(self, plan: MemoryPlan) -> None:
+        """Take ``plan``: the one allocated, some units' states moved to HBM (the re-plan of
+        ``tier: auto``, engine/replan.py), with the worker idle and nothing gathered. Each state
+        that moves is copied into a new HBM buffer, then leaves its tier: its NVMe extent is
+        removed, its DRAM block stays pinned (slabs are never cut: the DRAM tier holds what it
+        held). All or nothing: when a copy fails, every state stays where it was."""
+        moving = [key for key, buf in plan.shards.items() if buf.tier is not self.shards[key].tier]
+        assert all(plan.shards[key].tier is Tier.HBM for key in moving), "only to the device"
+        copies: dict[tuple[int, StateKind], torch.Tensor] = {}
+        try:
+            for key in moving:
+                shard = self.shards[key]
+                copies[key] = self.hbm.empty(shard.numel, shard.dtype, plan.shards[key].label)
+                self.copy_out(*key, copies[key])
+        except BaseException:
+            for copy in copies.values():
+                self.hbm.free(copy)
+            raise
+        for key, copy in copies.items():
+            shard = self.shards[key]
+            if shard.file is not None:
+                self.nvme.remove(shard.file)
+            shard.tier, shard.resident, shard.file = Tier.HBM, copy, None
+        self.plan = plan
+
     def load(self, unit: int, kind: StateKind) -> torch.Tensor:
         """A resident (HBM or DRAM) shard state itself, to compute with in place. NVMe states
         are read by the read-ahead ring (weights), the optimizer's stream (optimizer states) or

@@ -6,6 +6,8 @@ with needed versus available bytes for every tier at once.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import enum
 from dataclasses import dataclass
 
@@ -257,6 +259,14 @@ class MemoryPlan:
         if tier is Tier.NVME:  # extents, with spares for atomic writes
             return nvme_bytes([b.nbytes for b in buffers])
         return sum(b.nbytes for b in buffers) + (self.working_set if tier is Tier.HBM else 0)
+
+    def kept_on_device(self, units: list[int]) -> "MemoryPlan":
+        """This plan with every state of ``units`` in HBM (the re-plan of ``tier: auto``,
+        engine/replan.py): its staging and working set stay as they are."""
+        chosen = set(units)
+        return dataclasses.replace(self, shards={
+            key: dataclasses.replace(buf, tier=Tier.HBM) if key[0] in chosen else buf
+            for key, buf in self.shards.items()})
 
     def steps_on_host(self) -> bool:
         """Whether the CPU steps any unit: a trained unit's moments (a frozen one has none) are

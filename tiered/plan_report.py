@@ -52,6 +52,9 @@ class StepMeasurement:
     """Per unit: its forward's and its backward's seconds in the step (summed over the step's
     forwards and backwards; a unit's span holds the units nested in it, the root's the whole
     forward)."""
+    activations: int = 0
+    """The most bytes one of the step's forwards had autograd keep for backward, the units'
+    weights left out (activations.py)."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,8 @@ class PlanReport:
     """The step predicted with the measured step's compute (None without both)."""
     hbm_peak: int | None = None
     """The most the HBM tier has held (what the device's peak holds besides activations)."""
+    replanned: str | None = None
+    """What ``tier: auto``'s re-plan after the first step did (engine/replan.py), once it ran."""
 
     def table(self) -> str:
         tiers = [tier for tier in (Tier.HBM, Tier.DRAM, Tier.NVME) if tier in self.budgets]
@@ -134,12 +139,15 @@ class PlanReport:
             if measured.device_peak is not None and self.hbm_peak is not None:
                 line += (f"; device memory peak {format_size(measured.device_peak)}, the HBM "
                          f"tier's {format_size(self.hbm_peak)} of it")
+            line += f"; activations kept for backward {format_size(measured.activations)}"
             lines.append(line)
             slowest = self._slowest_unit()
             if slowest is not None:
                 name, (forward, backward) = slowest
                 lines.append(f"slowest unit: {name}, forward {forward:.3g} s, backward "
                              f"{backward:.3g} s")
+        if self.replanned is not None:
+            lines.append(self.replanned)
         return "\n".join(lines)
 
 
@@ -165,13 +173,14 @@ class PlanReport:
                 "measured": None if self.measured is None else dict(
                     dataclasses.asdict(self.measured),
                     unit_seconds=dict(zip(self.unit_names, self.measured.unit_seconds))),
-                "predicted_s": self.predicted_s, "hbm_peak": self.hbm_peak}
+                "predicted_s": self.predicted_s, "hbm_peak": self.hbm_peak,
+                "replanned": self.replanned}
 
 
 def plan_report(plan: MemoryPlan, budgets: dict[Tier, int | None], policy: Policy,
                 world_size: int, rates: NodeRates | None, on_cpu: bool,
                 measured: StepMeasurement | None = None, hbm_peak: int | None = None,
-                unit_names: tuple[str, ...] = ()) -> PlanReport:
+                unit_names: tuple[str, ...] = (), replanned: str | None = None) -> PlanReport:
     """``on_cpu``: the CPU is the device (it steps every unit, and no PCIe is crossed)."""
     units: dict[StateKind, dict[Tier, int]] = {kind: {} for kind in SHOWN_STATES}
     for (_, kind), buffer in plan.shards.items():
@@ -189,7 +198,7 @@ def plan_report(plan: MemoryPlan, budgets: dict[Tier, int | None], policy: Polic
     return PlanReport({tier: plan.needed(tier) for tier in tiers},
                       {tier: budgets.get(tier) for tier in tiers}, units, terms,
                       None if rates is None else rates.machine, measured, unit_names,
-                      predicted, hbm_peak)
+                      predicted, hbm_peak, replanned)
 
 
 def step_terms(plan: MemoryPlan, policy: Policy, world_size: int, rates: NodeRates,

@@ -17,10 +17,12 @@ Units are taken in the order the forward needs them: the root unit (embeddings, 
 through the whole forward) first, then the others as the module tree lists them. With updates
 stepped as gradients arrive, the first units of the forward arrive last in backward and are
 needed first by the next forward, so theirs is the CPU update the next step would wait for.
-Frozen units are never stepped and stay on the host. A unit moved adds to the HBM tier and takes from DRAM (and NVMe), so the HBM
-need only grows with the number k of units kept there: the largest k whose plan fits HBM with
-the reserve is found by bisection. The other tiers only gain as k grows, so if that plan does
-not fit them, no plan does, and initialize refuses it with its numbers.
+Frozen units are never stepped and stay on the host. A unit moved adds to the HBM tier and
+takes from DRAM (and NVMe), so the HBM need only grows with the number k of units kept there:
+the largest k whose plan fits HBM with the reserve is found by bisection. The other tiers only
+gain as k grows, so if that plan does not fit them, no plan does, and initialize refuses it
+with its numbers. After the first step, what it measured replaces the reserve's guess
+([Note: re-plan] in engine/replan.py).
 """
 from __future__ import annotations
 
@@ -46,17 +48,56 @@ def place_units(order: list[int], plan_with: Callable[[frozenset[int]], MemoryPl
     that order, with ``reserve`` bytes of HBM left free; ``plan_with(units)`` is the plan with
     ``units`` kept there, ``hbm_room(plan)`` the HBM bytes a plan may fill. When not even none
     fits, that plan: the caller refuses it with its numbers."""
+    plans: dict[int, MemoryPlan] = {}
 
-    def fits(plan: MemoryPlan) -> bool:
+    def plan_of(count: int) -> MemoryPlan:
+        if count not in plans:
+            plans[count] = plan_with(frozenset(order[:count]))
+        return plans[count]
+
+    def fits(count: int) -> bool:
+        plan = plan_of(count)
         return plan.needed(Tier.HBM) + reserve <= hbm_room(plan)
 
-    best = plan_with(frozenset())
-    low, high = 0, len(order)  # the first `low` fit; more than `high` do not
+    return plan_of(largest_true(0, len(order), fits))
+
+
+def largest_true(low: int, high: int, holds: Callable[[int], bool]) -> int:
+    """The largest count in [low, high] for which ``holds``, which holds up to some count and
+    not past it; ``low`` when none past it does (``holds(low)`` is not asked)."""
     while low < high:
         middle = (low + high + 1) // 2
-        plan = plan_with(frozenset(order[:middle]))
-        if fits(plan):
-            low, best = middle, plan
+        if holds(middle):
+            low = middle
         else:
             high = middle - 1
-    return best
+    return low
+
+
+MEASURED_MARGIN_SHARE = 16
+"""The re-plan leaves free what the first step measured beyond the plan, and 1/16 of the HBM
+budget more: the allocator's fragments, and what a backward allocates beside the activations
+(see [Note: re-plan])."""
+
+BALANCE_SLACK = 0.02
+"""The re-plan keeps no more units on the device than bring the predicted step within 2% of the
+shortest the memory allows: past the balance, a unit moved takes HBM a batch could use and
+gains nothing (see [Note: re-plan])."""
+
+
+def units_to_keep(kept: int, most: int, hbm_needed: Callable[[int], int], hbm_room: int,
+                  reserve: int, predicted_step: Callable[[int], float] | None) -> int:
+    """How many units of the forward's order the device keeps after the re-plan: ``kept``
+    now, at most ``most``; with the first ``count``, the plan needs ``hbm_needed(count)`` of
+    ``hbm_room``, ``reserve`` left free, and a step is predicted to take
+    ``predicted_step(count)`` seconds (None: nothing predicted, memory decides alone). Units
+    are only added: one the first step showed is not needed on the device stays there (its
+    HBM was planned, and moving it would take DRAM the plan may no longer have)."""
+    fit = largest_true(kept, most, lambda count: hbm_needed(count) + reserve <= hbm_room)
+    if predicted_step is None or fit == kept:
+        return fit
+    shortest = predicted_step(fit) * (1 + BALANCE_SLACK)
+    # The predicted step only shortens as units move, so the first count within the slack is
+    # the balance: the count past which it stays within.
+    return fit - largest_true(0, fit - kept,
+                              lambda fewer: predicted_step(fit - fewer) <= shortest)

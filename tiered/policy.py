@@ -218,7 +218,8 @@ class HbmPolicy:
     """Bytes of device memory tiered may hold; null = what the device has."""
     reserve: int | None = field(default=None, metadata=parsed_by(as_size_or_none))
     """With ``tier: auto``: bytes of the budget the planner leaves free for what no plan counts
-    (activations, the allocator's cache); null = a quarter of the budget."""
+    (activations, the allocator's cache); null = a quarter of the budget until the first step
+    has measured them, then re-planned with what it measured (see [Note: re-plan])."""
 
 
 @dataclass(frozen=True)

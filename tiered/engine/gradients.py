@@ -82,10 +82,6 @@ class GradientPath:
         self._copies: deque[InFlight] = deque()
         """The thread running backward's: gradients the copy off the device frees, oldest
         first."""
-        self._grads_on_host = [manager.grad_device(flat.spec.index).type == "cpu"
-                               for flat in flats]
-        """Per unit: whether its grads-tier buffer is host memory (not under ``tier: auto``'s
-        units kept on the device, nor with every gradient in HBM)."""
 
     @property
     def usage(self):
@@ -96,7 +92,9 @@ class GradientPath:
         grads tier; the caller then releases the gathered weights. See [Note: offload stream]."""
         index = flat.spec.index
         first = not self.has_grad[index]
-        needs_landing = not first and self._grads_on_host[index] and (
+        # Not in HBM: under tier: auto's units kept on the device, or with every gradient there.
+        on_host = self.manager.grad_device(index).type == "cpu"
+        needs_landing = not first and on_host and (
             flat.full.device.type != "cpu" or self.host.lands_every_gradient)
         self._retire_copies(wait=True)
         landing = self.buffers.reserve(index, first, needs_landing)

@@ -247,7 +247,10 @@ class UnitHooks:
         flat = self.runtime.owner_of(tensor)
         if flat is not None:
             return _UnitView(flat, tensor, self.runtime.weights_epoch)
-        return tensor if outer is None else outer[0](tensor)
+        if outer is not None:  # theirs to keep, or to recompute
+            return outer[0](tensor)
+        self.runtime.probe.saved.add(tensor)
+        return tensor
 
     def _unpack(self, outer: _SavedHooks | None, packed):
         if isinstance(packed, _UnitView):

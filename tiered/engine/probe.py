@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from ..activations import SavedBytes
 from ..plan_report import StepMeasurement
 from ..timeline import mark_now
 
@@ -38,6 +39,8 @@ class StepProbe:
         self._last_step_ns: int | None = None
         self._steps = 0
         self._last: StepMeasurement | None = None
+        self.saved = SavedBytes()
+        """What the step's forwards keep for backward (the hooks count it: activations.py)."""
 
     def mark(self):
         """A point in time on the current stream (timeline.mark_now: the timeline's marks
@@ -45,6 +48,8 @@ class StepProbe:
         return mark_now(self.device.type == "cuda")
 
     def forward_started(self) -> None:
+        """A forward with grad starts (each of the step's: their activations count apart)."""
+        self.saved.start()
         if self._forward is None and not self._skipped:
             self._forward = self.mark()
 
@@ -72,7 +77,7 @@ class StepProbe:
         if self._backward is not None:
             step_s = None if self._last_step_ns is None else (now - self._last_step_ns) / 1e9
             self._pending = (self._steps, self._forward, self._backward, step_s, self._spans,
-                             self._backwards)
+                             self._backwards, self.saved.take_peak())
         self._forward = self._backward = None
         self._backwards = 0
         self._spans = []
@@ -87,7 +92,7 @@ class StepProbe:
     def _resolve(self, wait: bool) -> None:
         if self._pending is None:
             return
-        step, start, end, step_s, spans, backwards = self._pending
+        step, start, end, step_s, spans, backwards, saved = self._pending
         ends = [end, *(span[3] for span in spans)]
         if not isinstance(end, int):
             if not wait and not all(event.query() for event in ends):
@@ -100,7 +105,7 @@ class StepProbe:
         peak = (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
                 else None)
         self._last = StepMeasurement(step, _elapsed(start, end), step_s, peak, backwards,
-                                     tuple((f, b) for f, b in seconds))
+                                     tuple((f, b) for f, b in seconds), saved)
         self._pending = None
 
 

@@ -23,6 +23,7 @@ from .gather import Gatherer
 from .gradients import GradientPath
 from .probe import StepProbe
 from .readahead import ReadAhead
+from .replan import Replan
 from .units import module_groups
 
 
@@ -65,6 +66,9 @@ class UnitRuntime:
         self.grads = GradientPath(context)
         self.probe = StepProbe(context.group.device, len(flats))
         """What each step measured (engine.plan_report() shows the last)."""
+        self.replan = (Replan(context) if policy.placed_by_planner and policy.hbm.reserve is None
+                       else None)
+        """``tier: auto``'s re-plan after the first step (see [Note: re-plan])."""
         self.pending_weights = context.pending
         self.readahead = (ReadAhead(manager, manager.staging_names("param_in"),
                                     self.pending_weights, timeline)
@@ -176,6 +180,14 @@ class UnitRuntime:
         self.last_backward = None
         self.stepped_on_arrival.clear()
         self.drop_gathered()
+        if measured and self.replan_due:
+            self.replan.after_step(self.probe.last())
+
+    @property
+    def replan_due(self) -> bool:
+        """Whether the next ``optimizer.step()`` re-plans (see [Note: re-plan]): it finishes
+        the update before it, whatever the mode, so that no unit is being stepped."""
+        return self.replan is not None and self.replan.due
 
     def drop_gathered(self) -> None:
         """Release every gathered unit and drop the NVMe shards read ahead: they hold the

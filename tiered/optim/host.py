@@ -269,7 +269,7 @@ class RankHost:
             square = self._squares.pop(unit, None)
             if square is None:
                 square = squared_norm(self.read(unit))
-            device = self.manager.grad_device(unit)
+            device = square.device  # where it was taken, if a re-plan moved it since
             if device not in sums:
                 sums[device] = torch.zeros((), dtype=torch.float64, device=device)
             sums[device] += square

@@ -252,7 +252,7 @@ class TieredAdamW(torch.optim.Optimizer):
             # of the last backward's start (last.hypers), before any zero_grad() or later
             # gradient in the worker's queue.
             self._host.send(StepArrived(last, self._steps_called))
-        if arrived and mode is UpdateMode.OVERLAPPED:
+        if arrived and mode is UpdateMode.OVERLAPPED and not self._runtime.replan_due:
             # The worker is still stepping these (their readers wait in PendingWeights), and
             # ran the previous update before them; where units step on arrival (no clipping,
             # fp16 or delayed update) an update leaves nothing to settle, so nothing waits here.

@@ -30,14 +30,13 @@ class UnitStepper:
         self.names = names
         self.ranges = ranges
         """Per unit: its shard's runs of one param group (groups.shard_ranges)."""
-        self.devices = [manager.optimizer_device(unit) for unit in range(len(names))]
-        """Per unit: where it is stepped (the CPU, or under ``tier: auto`` perhaps the GPU)."""
         self.one_pass = one_pass
         """Mixed precision on the CPU (see adamw.OnePassAdamW); else torch's fused kernel."""
         self.timeline = timeline
-        self.steps = [torch.zeros((), dtype=torch.float32, device=device)
-                      for device in self.devices]
-        """Per unit: the number of its last step (what AdamW's bias correction reads)."""
+        self.steps = [torch.zeros((), dtype=torch.float32, device=self.device(unit))
+                      for unit in range(len(names))]
+        """Per unit: the number of its last step (what AdamW's bias correction reads), where
+        the unit is stepped (it follows the unit there when a re-plan moves it)."""
         # A frozen unit's masters may be on NVMe too, but only trained units are streamed.
         has_nvme_states = any(manager.nvme_file(i, StateKind.EXP_AVG) is not None
                               for i in range(len(names)))
@@ -59,6 +58,8 @@ class UnitStepper:
 
         def step_piece(piece: Piece, master, exp_avg, exp_avg_sq) -> None:
             if piece.start == 0:
+                if self.steps[piece.unit].device != master.device:  # moved by a re-plan
+                    self.steps[piece.unit] = self.steps[piece.unit].to(master.device)
                 self.steps[piece.unit] += 1
             with self.timeline.span(f"adamw {self.names[piece.unit]}", "cpu",
                                     {"params": piece.numel}):
@@ -66,7 +67,7 @@ class UnitStepper:
                              kind)
 
         def unit_done(unit: int) -> None:
-            on_device = self.devices[unit].type == "cuda"
+            on_device = self.device(unit).type == "cuda"
             if not on_device:  # read: the next gradient may be copied in while we write back
                 self.gradients.consumed(unit)
             with self.timeline.span(f"write back {self.names[unit]}", "cpu"):
@@ -76,7 +77,7 @@ class UnitStepper:
                 # count as written, and its gradient buffer as read, once they have run (a
                 # gather reads the weights on another stream, the next gradient is copied in
                 # on another).
-                torch.cuda.current_stream(self.devices[unit]).synchronize()
+                torch.cuda.current_stream(self.device(unit)).synchronize()
                 self.gradients.consumed(unit)
             on_unit(unit)
 
@@ -130,7 +131,11 @@ class UnitStepper:
     def _one_pass_for(self, unit: int) -> OnePassAdamW | None:
         """The one-pass kernel for a unit stepped on the CPU under mixed precision, else None
         (torch's fused kernel)."""
-        return self.one_pass if self.devices[unit].type == "cpu" else None
+        return self.one_pass if self.device(unit).type == "cpu" else None
+
+    def device(self, unit: int) -> torch.device:
+        """Where ``unit`` is stepped: the CPU, or under ``tier: auto`` perhaps the GPU."""
+        return self.manager.optimizer_device(unit)
 
     def _weights(self, unit: int, kind: StateKind) -> torch.Tensor:
         """Where this unit's new weights are written (then stored to their tier); the one-pass

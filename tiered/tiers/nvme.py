@@ -497,6 +497,11 @@ class NvmeTier:
         self._extents.remove(extent)
         self.usage.release(extent.nbytes)
 
+    def remove(self, shard: NvmeShard) -> None:
+        """A shard state that left the drive (moved to the device by a re-plan): its extent's
+        file is removed and no longer counted; the spares of its size serve the others."""
+        self._drop_extent(shard.extent)
+
     def take_spare(self, size: int) -> Extent:
         with self._spare_returned:
             self._spare_returned.wait_for(lambda: self._spares[size])

@@ -1,0 +1,110 @@
+"""``tier: auto``'s re-plan after the first step ([Note: re-plan] in tiered/engine/replan.py):
+the units the measured step shows fit move to the device, once, and the model trains as plain
+PyTorch does throughout; what the step measured is what a plain model's forward keeps."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiered
+from gpt import next_token_loss
+from helpers_models import OPTIM, make_model, token_batches
+from helpers_placement import AUTO, SUB_GROUP, placed, replan_budgets
+from tiered.activations import forward_activations
+from tiered.plan import StateKind
+from tiered.planner import units_to_keep
+
+STEPS = 4
+
+
+def small_batches() -> list[torch.Tensor]:
+    """One row a step: activations small beside the states, so the re-plan has room to move."""
+    return [idx[:1] for idx in token_batches(STEPS)]
+
+
+def train(model, optimizer) -> list[float]:
+    losses = []
+    for idx in small_batches():
+        loss = next_token_loss(model(idx), idx)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def auto_engine(nvme, delayed: bool, reserve):
+    nvme.mkdir()
+    budgets = replan_budgets()
+    budgets["hbm"]["reserve"] = reserve
+    return tiered.initialize(
+        make_model(), AUTO, device="cpu", compute_dtype="fp32", nvme={"path": str(nvme)},
+        optimizer=dict(OPTIM, sub_group_size=SUB_GROUP,
+                       delayed_update={"enabled": delayed, "warmup_steps": 1}), **budgets)
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_the_first_step_moves_what_fits_to_the_device_once_and_training_stays_exact(
+        tmp_path, delayed):
+    """Moved at step 1, the unit trains on as one placed on the device from the start does,
+    bit for bit (its states copied, its step count with them), under either update."""
+    engine, optimizer = auto_engine(tmp_path / "moved", delayed, reserve=None)
+    root, second, third = placed(engine, StateKind.MASTER)  # third: dram, nvme if delayed
+    assert (root, second) == ("hbm", "nvme")
+    nvme_before = engine.memory_report()["nvme"]["current"]
+    seen = []
+    losses = []
+    for idx in small_batches():
+        loss = next_token_loss(engine(idx), idx)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        seen.append((placed(engine, StateKind.MASTER), engine.plan_report().replanned))
+    assert seen[0][1].startswith("re-planned after step 1: 1 more units kept on the device")
+    assert seen == [(["hbm", "hbm", third], seen[0][1])] * STEPS  # at step 1, never again
+    assert {engine.manager.tier_of(0, kind).value for kind in StateKind
+            if engine.manager.has(0, kind)} == {"hbm"}
+    assert engine.memory_report()["nvme"]["current"] < nvme_before  # its files are gone
+    assert seen[0][1] in engine.plan_report().table()
+    state = engine.full_state_dict()
+    engine.close()
+
+    placed_there, its_optimizer = auto_engine(tmp_path / "placed", delayed, reserve=0)
+    assert placed(placed_there, StateKind.MASTER)[:2] == ["hbm", "hbm"]
+    assert placed_there.runtime.replan is None  # an explicit reserve is kept as it is
+    assert train(placed_there, its_optimizer) == losses
+    expected = placed_there.full_state_dict()
+    placed_there.close()
+    for name, value in expected.items():
+        assert torch.equal(state[name], value), name
+    if not delayed:
+        model = make_model()
+        assert train(model, torch.optim.AdamW(model.parameters(), fused=True, **OPTIM)) == losses
+
+
+def test_a_step_measures_the_activations_a_plain_forward_keeps():
+    """What the engine's hooks count as kept for backward is, to the byte, what autograd keeps
+    for the same forward of the plain model, its parameters left out."""
+    engine, optimizer = tiered.initialize(make_model(), "configs/cpu.yaml", device="cpu",
+                                          compute_dtype="fp32")
+    idx = token_batches(1)[0]
+    for rows in (8, 2):  # the step's peak is its largest forward's
+        next_token_loss(engine(idx[:rows]), idx[:rows]).backward()
+    optimizer.step()
+    measured = engine.plan_report().measured.activations
+    engine.close()
+    assert measured == forward_activations(make_model(), lambda model: model(idx)) > 0
+
+
+def test_the_re_plan_adds_units_to_the_balance_and_within_memory():
+    """On synthetic measurements: memory alone keeps all that fit beside the reserve; with a
+    predicted step, no more than bring it within 2% of the shortest; never fewer than now."""
+    need = lambda count: 100 + 10 * count  # noqa: E731  bytes with `count` units moved
+    assert units_to_keep(0, 8, need, 200, 40, None) == 6
+    assert units_to_keep(0, 8, need, 200, 200, None) == 0
+    # The CPU's share shrinks 0.1 s a unit until the forward and backward (0.5 s) bound it.
+    step = lambda count: max(0.5, 1.0 - 0.1 * count)  # noqa: E731
+    assert units_to_keep(0, 8, need, 200, 40, step) == 5
+    assert units_to_keep(0, 8, need, 200, 90, step) == 1  # memory binds before the balance
+    assert units_to_keep(3, 8, need, 200, 90, step) == 3  # kept ones stay

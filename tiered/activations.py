@@ -1,0 +1,64 @@
+"""What a forward keeps for its backward: the bytes of the tensors autograd saves, measured the
+same way on a training step (engine/hooks.py counts what its saved-tensor hooks keep) and on a
+model built on the meta device (``tiered plan --batch --seq``), where nothing is allocated.
+
+Each storage counts once, however many views of it are saved; a unit's weights and the
+model's parameters are not activations and are left out by the callers. What a backward
+allocates on its way (gradients of activations, a kernel's workspace) and what the caching
+allocator holds besides are not saved tensors: a GPU's measured peak shows them, and the
+re-plan (engine/replan.py) keeps a margin for them.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+class SavedBytes:
+    """Counts the bytes autograd keeps, one forward at a time; ``peak``: the most any forward
+    since :meth:`take_peak` kept."""
+
+    def __init__(self):
+        self._storages: set[int] = set()
+        self.total = 0
+        self.peak = 0
+
+    def start(self) -> None:
+        """A forward starts: the previous one's tensors are the backward's, not this one's."""
+        self._storages.clear()
+        self.total = 0
+
+    def add(self, tensor: torch.Tensor) -> None:
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a tensor subclass with no storage
+            self.total += tensor.numel() * tensor.element_size()
+        else:
+            if storage._cdata in self._storages:
+                return
+            self._storages.add(storage._cdata)
+            self.total += storage.nbytes()
+        self.peak = max(self.peak, self.total)
+
+    def take_peak(self) -> int:
+        peak, self.peak = self.peak, 0
+        return peak
+
+
+def forward_activations(model: nn.Module, run: Callable[[nn.Module], object]) -> int:
+    """The bytes ``run(model)`` (a forward with grad) has autograd keep, its parameters left
+    out; on the meta device nothing is computed or allocated."""
+    meter = SavedBytes()
+    parameters = {p.untyped_storage()._cdata for p in model.parameters()}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.untyped_storage()._cdata not in parameters:
+            meter.add(tensor)
+        return tensor
+
+    meter.start()
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run(model)
+    return meter.peak
