@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+import torch
 import yaml
 
 import tiered
@@ -71,9 +72,16 @@ def test_a_hugging_face_config_folder_is_planned_as_initialize_allocates(tmp_pat
                                       num_key_value_heads=2, max_position_embeddings=32)
     config.save_pretrained(tmp_path / "model")
     path = policy_file(tmp_path, "cpu")
-    planned = plan_json(capsys, str(tmp_path / "model"), "--policy", path)
-    engine, _ = tiered.initialize(transformers.AutoModelForCausalLM.from_config(config), path)
+    planned = plan_json(capsys, str(tmp_path / "model"), "--policy", path, "--batch", "4",
+                        "--seq", "16")
+    engine, optimizer = tiered.initialize(
+        transformers.AutoModelForCausalLM.from_config(config), path)
     assert_plan_is_what_initialize_allocates(planned, engine)
+    # The activations counted on the meta device are what a step of that batch keeps.
+    ids = torch.randint(0, 128, (4, 16))
+    engine(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    assert planned["batch"]["activations"] == engine.plan_report().measured.activations > 0
     engine.close()
 
 
@@ -100,6 +108,10 @@ def test_another_nodes_rates_size_the_budgets_and_predict_the_step(tmp_path, cap
     (["helpers_models:make_model", "--policy", os.path.join(REPO, "configs", "auto.yaml")],
      "set hbm.budget in the policy, or give --node"),
     (["helpers_models:make_model", "--ranks", "0"], "--ranks must be >= 1"),
+    (["helpers_models:make_model", "--batch", "0", "--seq", "8"], "--batch must be >= 1"),
+    (["helpers_models:make_model", "--batch", "8"], "--batch and --seq go together"),
+    (["torch.nn:Transformer", "--batch", "2", "--seq", "8"],  # forward(src, tgt)
+     "its forward on a (2, 8) batch of token ids on the meta device failed"),
     (["helpers_models:make_model", "--node", "/no/such/node.json"], "--node /no/such"),
 ])
 def test_bad_input_is_one_line_naming_it(args, message, capsys, tmp_path, monkeypatch):

@@ -3,15 +3,20 @@ the units the measured step shows fit move to the device, once, and the model tr
 PyTorch does throughout; what the step measured is what a plain model's forward keeps."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+import yaml
 
 import tiered
 from gpt import next_token_loss
 from helpers_models import OPTIM, make_model, token_batches
-from helpers_placement import AUTO, SUB_GROUP, placed, replan_budgets
+from helpers_placement import AUTO, SUB_GROUP, placed, replan_budgets, units_per_tier
 from tiered.activations import forward_activations
+from tiered.cli import main
 from tiered.plan import StateKind
+from tiered.policy import Policy
 from tiered.planner import units_to_keep
 
 STEPS = 4
@@ -19,7 +24,7 @@ STEPS = 4
 
 def small_batches() -> list[torch.Tensor]:
     """One row a step: activations small beside the states, so the re-plan has room to move."""
-    return [idx[:1] for idx in token_batches(STEPS)]
+    return [idx[:1].clone() for idx in token_batches(STEPS)]
 
 
 def train(model, optimizer) -> list[float]:
@@ -108,3 +113,27 @@ def test_the_re_plan_adds_units_to_the_balance_and_within_memory():
     assert units_to_keep(0, 8, need, 200, 40, step) == 5
     assert units_to_keep(0, 8, need, 200, 90, step) == 1  # memory binds before the balance
     assert units_to_keep(3, 8, need, 200, 90, step) == 3  # kept ones stay
+
+
+def test_tiered_plan_with_the_batch_places_units_as_the_re_plan_does(tmp_path, capsys):
+    """``tiered plan --batch --seq`` leaves free what that batch keeps and a sixteenth, as the
+    re-plan after a step of that batch does: the same units on the device."""
+    budgets = replan_budgets()
+    (tmp_path / "nvme").mkdir()
+    policy = Policy.from_yaml(AUTO, dict(device="cpu", compute_dtype="fp32",
+                                         nvme={"path": str(tmp_path / "nvme")},
+                                         optimizer=dict(OPTIM, betas=list(OPTIM["betas"]),
+                                                        sub_group_size=SUB_GROUP), **budgets))
+    path = tmp_path / "auto.yaml"
+    path.write_text(yaml.safe_dump(policy.to_dict()))
+    idx = small_batches()[0]
+    assert main(["plan", "helpers_models:make_model", "--policy", str(path), "--batch",
+                 str(idx.shape[0]), "--seq", str(idx.shape[1]), "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    engine, optimizer = tiered.initialize(make_model(), str(path))
+    next_token_loss(engine(idx), idx).backward()
+    optimizer.step()
+    assert planned["batch"]["activations"] == engine.plan_report().measured.activations, \
+        planned["batch"]
+    assert planned["units"]["master"]["hbm"] == units_per_tier(engine, StateKind.MASTER)["hbm"] == 2
+    engine.close()

@@ -8,7 +8,8 @@
     tiered daemon status [--json]                   the node's service: its pool, jobs, ranks
     tiered daemon stop
     tiered node [--nvme PATH] [--remeasure] [--json]   this node's rates, measured once, cached
-    tiered plan MODEL [--policy FILE] [--nvme PATH] [--ranks N] [--node FILE] [--json]
+    tiered plan MODEL [--policy FILE] [--nvme PATH] [--ranks N] [--node FILE] [--batch B --seq S]
+                      [--json]
                                                     bytes per tier and the predicted step of a
                                                     model (HF config or module:factory)
     tiered version
@@ -104,16 +105,23 @@ def _plan(args) -> int:
     import json
 
     from .node import cached_node_rates
-    from .plan_model import model_on_meta, plan_model, read_node
+    from .plan_model import batch_activations, model_on_meta, plan_model, read_node
     from .policy import resolve
 
     try:
-        if args.ranks < 1:
-            raise UsageError(f"--ranks must be >= 1, got {args.ranks}")
+        for flag, value in (("--ranks", args.ranks), ("--batch", args.batch), ("--seq", args.seq)):
+            if value is not None and value < 1:
+                raise UsageError(f"{flag} must be >= 1, got {value}")
+        if (args.batch is None) != (args.seq is None):
+            raise UsageError("--batch and --seq go together: the sequences and their tokens")
         nvme = os.path.abspath(os.path.expanduser(args.nvme)) if args.nvme else None
         policy = resolve(args.policy, {"nvme": {"path": nvme}} if nvme else {})
         rates = read_node(args.node) if args.node else cached_node_rates(policy.nvme.path)
-        report = plan_model(model_on_meta(args.model), policy, args.ranks, rates)
+        batch = None
+        if args.batch is not None:
+            batch = (args.batch, args.seq,
+                     *batch_activations(args.model, policy, args.batch, args.seq))
+        report = plan_model(model_on_meta(args.model), policy, args.ranks, rates, batch)
     except TieredError as e:
         print(f"tiered: error: {e}", file=sys.stderr)
         return 2
@@ -260,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--nvme", default=None, metavar="PATH",
                       help="sets nvme.path (a drive of the planned node; not touched)")
     plan.add_argument("--ranks", type=int, default=1, help="ranks on the node (default 1)")
+    plan.add_argument("--batch", type=int, default=None, metavar="B",
+                      help="sequences a step (with --seq): their activations, counted on the "
+                           "meta device, and the largest batch that fits")
+    plan.add_argument("--seq", type=int, default=None, metavar="S", help="tokens a sequence")
     plan.add_argument("--node", default=None, metavar="FILE", help="another node's rates and "
                       "memory, as `tiered node --json` printed them there (default: this "
                       "node's, if measured)")

@@ -15,8 +15,15 @@ node's rates cached by ``tiered node``. Its device memory is the HBM budget, 7/8
 memory shared by the ranks the DRAM budget, as ``initialize`` takes them (on a CPU device the
 two tiers split that RAM, as there); the drive's space is
 not known, so NVMe bytes are shown without a budget. The prediction reads the same rates
-(plan_report.py). Activations are not planned here: what the forward keeps depends on the batch
-and sequence, which only a step measures.
+(plan_report.py).
+
+With ``--batch B --seq S`` the model's forward runs on the meta device on B sequences of S
+token ids (a Hugging Face model with them as labels too, so its loss counts) and what autograd
+keeps for backward is counted (activations.py): on a CPU it is, to the byte, what a real
+forward keeps. Under ``tier: auto`` with ``hbm.reserve: null`` that, and 1/16 of the budget, is
+left free, as the re-plan after the first step would leave it; and the largest batch whose
+activations fit beside the plan is shown. What a backward allocates on its way is not counted
+(the sixteenth is for it).
 """
 from __future__ import annotations
 
@@ -29,12 +36,13 @@ import sys
 import torch
 from torch import nn
 
+from .activations import forward_activations
 from .engine.build import flat_units, forward_order, memory_plan
 from .errors import TieredError, UsageError
 from .node import NodeRates
 from .plan import MemoryPlan
-from .plan_report import PlanReport, plan_report
-from .planner import hbm_reserve, place_units
+from .plan_report import BatchFit, PlanReport, plan_report
+from .planner import MEASURED_MARGIN_SHARE, hbm_reserve, place_units
 from .policy import Device, Policy, Tier
 
 
@@ -128,11 +136,31 @@ class NodeBudgets:
         return {Tier.HBM: hbm, Tier.DRAM: dram}
 
 
-def plan_model(model: nn.Module, policy: Policy, ranks: int,
-               rates: NodeRates | None) -> PlanReport:
+def batch_activations(spec: str, policy: Policy, batch: int, seq: int) -> tuple[int, int]:
+    """The bytes the forward of model ``spec`` on ``batch`` sequences of ``seq`` tokens keeps
+    for backward, and what one more sequence adds (see the module note)."""
+    kept = [_meta_forward_bytes(spec, policy, rows, seq) for rows in (batch, 2 * batch)]
+    return kept[0], (kept[1] - kept[0]) // batch
+
+
+def _meta_forward_bytes(spec: str, policy: Policy, rows: int, seq: int) -> int:
+    model = model_on_meta(spec).to(policy.compute_dtype.torch_dtype)
+    ids = torch.zeros((rows, seq), dtype=torch.long, device="meta")
+    hugging_face = os.path.exists(spec)
+    try:
+        return forward_activations(model, lambda model: model(input_ids=ids, labels=ids)
+                                   if hugging_face else model(ids))
+    except Exception as error:  # the user's model: say what was asked of it
+        raise UsageError(f"MODEL {spec!r}: its forward on a ({rows}, {seq}) batch of token ids "
+                         f"on the meta device failed: {type(error).__name__}: {error}") from None
+
+
+def plan_model(model: nn.Module, policy: Policy, ranks: int, rates: NodeRates | None,
+               batch: tuple[int, int, int, int] | None = None) -> PlanReport:
     """The report of ``policy``'s plan for ``model`` on rank 0 of ``ranks`` on a node of
     ``rates``' (the budgets: NodeBudgets.of). ``device: auto`` is the node's GPU, or its CPU
-    when its rates show none."""
+    when its rates show none. ``batch``: (sequences, tokens each, the bytes their forward keeps
+    for backward, the bytes a sequence adds; batch_activations)."""
     on_cpu = policy.device is Device.CPU or (
         policy.device is Device.AUTO and rates is not None and rates.hbm_bytes is None)
     device = torch.device("cpu" if on_cpu else "cuda")
@@ -152,15 +180,26 @@ def plan_model(model: nn.Module, policy: Policy, ranks: int,
             raise UsageError("tier: auto places units by the device's memory: set hbm.budget in "
                              "the policy, or give --node a file of `tiered node --json` from a "
                              "node with a GPU")
+        reserve = hbm_reserve(policy, budgets.hbm_capacity)
+        if batch is not None and policy.hbm.reserve is None:  # as the re-plan leaves it
+            reserve = batch[2] + budgets.hbm_capacity // MEASURED_MARGIN_SHARE
         plan = place_units(forward_order(flats), plan_with,
-                           lambda plan: budgets.for_plan(plan)[Tier.HBM],
-                           hbm_reserve(policy, budgets.hbm_capacity))
+                           lambda plan: budgets.for_plan(plan)[Tier.HBM], reserve)
     else:
         plan = plan_with(frozenset())
     shown = budgets.for_plan(plan)
     if policy.uses_nvme:
         shown[Tier.NVME] = budgets.nvme
-    return plan_report(plan, shown, policy, ranks, rates, on_cpu)
+    report = plan_report(plan, shown, policy, ranks, rates, on_cpu)
+    if batch is None:
+        return report
+    rows, seq, kept, per_sequence = batch
+    largest = None
+    if shown[Tier.HBM] is not None and per_sequence > 0:
+        room = (shown[Tier.HBM] - plan.needed(Tier.HBM) - shown[Tier.HBM] // MEASURED_MARGIN_SHARE
+                - (kept - rows * per_sequence))
+        largest = max(0, room // per_sequence)
+    return dataclasses.replace(report, batch=BatchFit(rows, seq, kept, per_sequence, largest))
 
 
 def read_node(path: str) -> NodeRates:

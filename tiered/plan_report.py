@@ -89,6 +89,30 @@ class StepTerms:
 
 
 @dataclass(frozen=True)
+class BatchFit:
+    """What a batch keeps for backward (``tiered plan --batch --seq``, counted on the meta
+    device: activations.py), and the largest batch that fits beside the plan."""
+
+    batch: int
+    seq: int
+    activations: int
+    """Bytes the forward of ``batch`` sequences of ``seq`` tokens keeps for backward."""
+    per_sequence: int
+    """Bytes one more sequence adds."""
+    largest: int | None
+    """The most sequences of ``seq`` tokens whose activations fit the HBM budget beside the
+    plan and 1/16 of the budget (the re-plan's margin); None without an HBM budget."""
+
+    def line(self) -> str:
+        fits = ("" if self.largest is None else
+                f"; the largest batch that fits beside the plan: {self.largest}"
+                + (" (this one does not fit)" if self.largest < self.batch else ""))
+        return (f"activations at batch {self.batch} x {self.seq} tokens: "
+                f"{format_size(self.activations)} kept for backward "
+                f"({format_size(self.per_sequence)} a sequence){fits}")
+
+
+@dataclass(frozen=True)
 class PlanReport:
     needed: dict[Tier, int]
     budgets: dict[Tier, int | None]
@@ -108,6 +132,8 @@ class PlanReport:
     """The most the HBM tier has held (what the device's peak holds besides activations)."""
     replanned: str | None = None
     """What ``tier: auto``'s re-plan after the first step did (engine/replan.py), once it ran."""
+    batch: BatchFit | None = None
+    """``tiered plan --batch --seq``'s activations and largest batch."""
 
     def table(self) -> str:
         tiers = [tier for tier in (Tier.HBM, Tier.DRAM, Tier.NVME) if tier in self.budgets]
@@ -128,6 +154,8 @@ class PlanReport:
             lines.append(f"predicted step: at least {seconds:.3g} s, bound by {name} ({parts}; "
                          f"the forward and backward are measured by the first step); "
                          f"rates of {self.rates_of}")
+        if self.batch is not None:
+            lines.append(self.batch.line())
         measured = self.measured
         if measured is not None:
             line = (f"measured at step {measured.step}: forward and backward "
@@ -174,7 +202,8 @@ class PlanReport:
                     dataclasses.asdict(self.measured),
                     unit_seconds=dict(zip(self.unit_names, self.measured.unit_seconds))),
                 "predicted_s": self.predicted_s, "hbm_peak": self.hbm_peak,
-                "replanned": self.replanned}
+                "replanned": self.replanned,
+                "batch": None if self.batch is None else dataclasses.asdict(self.batch)}
 
 
 def plan_report(plan: MemoryPlan, budgets: dict[Tier, int | None], policy: Policy,
