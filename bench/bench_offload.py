@@ -310,6 +310,10 @@ def main() -> None:
         lora = f", LoRA rank {args.lora}" if args.lora else ""
         print(f"\nbatch {batch}, seq {args.seq}, {args.layers} x {args.dim}{lora}")
         print(table([r for r in results if r["batch"] == batch], baselines))
+        for r in results:  # tier: auto's re-plan after the first step, where one ran
+            replanned = (r.get("plan") or {}).get("replanned")
+            if r["batch"] == batch and replanned:
+                print(f"{r['mode']}: {replanned}")
     print(json.dumps(results))
     if args.out:
         with open(args.out, "w") as f:

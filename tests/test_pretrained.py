@@ -285,7 +285,7 @@ def test_the_example_fine_tunes_from_exported_weights(tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
         return [float(x) for x in re.findall(r"loss (\d+\.\d+)", done.stdout)]
 
-    trained = run("--steps", "60", "--save-pretrained", folder)
+    trained = run("--steps", "25", "--save-pretrained", folder)
     assert os.path.exists(os.path.join(folder, sources.SINGLE_FILE))
     tuned = run("--steps", "20", "--init-from", folder, "--lora", "4")
     assert trained[0] > 6.0  # ln(512) = 6.24 from a random start
