@@ -58,5 +58,6 @@ def units_per_tier(engine, kind: StateKind) -> dict[str, int]:
     """How many units hold ``kind`` in each tier, by the tier's name (engine.placement())."""
     counted: dict[str, int] = {}
     for states in engine.placement().values():
-        counted[states[kind.value]] = counted.get(states[kind.value], 0) + 1
+        if kind.value in states:  # a frozen unit has weights alone
+            counted[states[kind.value]] = counted.get(states[kind.value], 0) + 1
     return counted

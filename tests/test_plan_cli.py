@@ -85,6 +85,37 @@ def test_a_hugging_face_config_folder_is_planned_as_initialize_allocates(tmp_pat
     engine.close()
 
 
+def test_a_lora_fine_tune_with_checkpointing_is_planned_as_it_allocates_and_keeps(
+        tmp_path, capsys, monkeypatch):
+    """--lora and --checkpointing: the plan of the peft model initialize then holds, and the
+    activations its checkpointed step keeps (each decoder layer's input, the loss's logits)."""
+    monkeypatch.setenv("TIERED_CACHE", str(tmp_path / "cache"))
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=32)
+    config.save_pretrained(tmp_path / "model")
+    path = policy_file(tmp_path, "cpu")
+    planned = plan_json(capsys, str(tmp_path / "model"), "--policy", path, "--lora", "4",
+                        "--checkpointing", "--batch", "4", "--seq", "16")
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8,
+                                                       target_modules="all-linear",
+                                                       task_type="CAUSAL_LM"))
+    engine, optimizer = tiered.initialize(model, path)
+    assert_plan_is_what_initialize_allocates(planned, engine)
+    ids = torch.randint(0, 128, (4, 16))
+    engine(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    assert planned["batch"]["activations"] == engine.plan_report().measured.activations > 0
+    engine.close()
+    without = plan_json(capsys, str(tmp_path / "model"), "--policy", path, "--lora", "4",
+                        "--batch", "4", "--seq", "16")
+    assert without["batch"]["activations"] > 2 * planned["batch"]["activations"]
+
+
 def test_another_nodes_rates_size_the_budgets_and_predict_the_step(tmp_path, capsys):
     node = tmp_path / "node.json"
     node.write_text(json.dumps(NODE.__dict__))
@@ -110,8 +141,11 @@ def test_another_nodes_rates_size_the_budgets_and_predict_the_step(tmp_path, cap
     (["helpers_models:make_model", "--ranks", "0"], "--ranks must be >= 1"),
     (["helpers_models:make_model", "--batch", "0", "--seq", "8"], "--batch must be >= 1"),
     (["helpers_models:make_model", "--batch", "8"], "--batch and --seq go together"),
+    (["helpers_models:make_model", "--batch", "2", "--seq", "8", "--checkpointing"],
+     "--checkpointing: MODEL 'helpers_models:make_model' is not a Hugging Face model"),
+    (["helpers_models:make_model", "--checkpointing"], "give --batch and --seq too"),
     (["torch.nn:Transformer", "--batch", "2", "--seq", "8"],  # forward(src, tgt)
-     "its forward on a (2, 8) batch of token ids on the meta device failed"),
+     "its forward on a (2, 8) batch of token ids on fake tensors failed"),
     (["helpers_models:make_model", "--node", "/no/such/node.json"], "--node /no/such"),
 ])
 def test_bad_input_is_one_line_naming_it(args, message, capsys, tmp_path, monkeypatch):

@@ -2,10 +2,13 @@
 same way on a training step (engine/hooks.py counts what its saved-tensor hooks keep) and on a
 model built on the meta device (``tiered plan --batch --seq``), where nothing is allocated.
 
-On the meta device torch would run attention by its math path, which keeps the S x S weights of
-every head; the devices tiered trains on run a fused kernel (flash or memory-efficient on a GPU,
-the CPU's flash kernel), which keeps its inputs, its output and each row's logsumexp. So the
-meta forward counts what the fused kernel keeps (:class:`_FusedAttention`).
+A model built on the meta device runs as fake CPU tensors (torch's FakeTensorMode): each op
+gives tensors of the shapes, dtypes, layouts and storages the CPU's kernels would, with no data.
+On the meta device itself torch would run attention by its math path, which keeps the S x S
+weights of every head, where the CPU (and a GPU) runs a fused kernel keeping its inputs, output
+and each row's logsumexp; and Hugging Face models skip their data-dependent checks (packed
+sequences, masks) on fake tensors, which on meta ones fail. On the CPU the count is, to the
+byte, a real step's.
 
 Each storage counts once, however many views of it are saved; a unit's weights and the
 model's parameters are not activations and are left out by the callers. What a backward
@@ -17,9 +20,11 @@ from __future__ import annotations
 
 from typing import Callable
 
+from contextlib import nullcontext
+
 import torch
-import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 
 class SavedBytes:
@@ -55,51 +60,21 @@ class SavedBytes:
 
 def forward_activations(model: nn.Module, run: Callable[[nn.Module], object]) -> int:
     """The bytes ``run(model)`` (a forward with grad) has autograd keep, its parameters left
-    out; on the meta device nothing is computed or allocated, and attention is counted as a
-    fused kernel keeps it (see the module note)."""
-    meter = SavedBytes()
-    parameters = {p.untyped_storage()._cdata for p in model.parameters()}
+    out. A model on the meta device is first made of fake CPU tensors (see the module note):
+    nothing is computed or allocated, and ``run`` makes its inputs as it would for the CPU."""
     on_meta = any(p.device.type == "meta" for p in model.parameters())
+    with FakeTensorMode(allow_non_fake_inputs=True) if on_meta else nullcontext():
+        if on_meta:
+            model = model.to_empty(device="cpu")
+        meter = SavedBytes()
+        parameters = {p.untyped_storage()._cdata for p in model.parameters()}
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.untyped_storage()._cdata not in parameters:
-            meter.add(tensor)
-        return tensor
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.untyped_storage()._cdata not in parameters:
+                meter.add(tensor)
+            return tensor
 
-    meter.start()
-    attention = F.scaled_dot_product_attention
-    if on_meta:
-        F.scaled_dot_product_attention = _fused_attention
-    try:
+        meter.start()
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             run(model)
-    finally:
-        F.scaled_dot_product_attention = attention
     return meter.peak
-
-
-class _FusedAttention(torch.autograd.Function):
-    """Attention on the meta device as a fused kernel runs it, for counting only: the output's
-    shape, and for backward the query, key, value, output and each row's logsumexp (fp32).
-    The output of a (batch, heads, sequence, dim) query is laid out as the kernels lay it out,
-    heads inside the sequence, so that merging the heads back is a view, not a copy kept
-    again by the projection after it."""
-
-    @staticmethod
-    def forward(ctx, query, key, value):
-        if query.dim() == 4:
-            batch, heads, length, _ = query.shape
-            out = query.new_empty((batch, length, heads, value.shape[-1])).transpose(1, 2)
-        else:
-            out = query.new_empty((*query.shape[:-1], value.shape[-1]))
-        logsumexp = query.new_empty(query.shape[:-1], dtype=torch.float32)
-        ctx.save_for_backward(query, key, value, out, logsumexp)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("a meta-device forward is measured, never differentiated")
-
-
-def _fused_attention(query, key, value, *args, **kwargs) -> torch.Tensor:
-    return _FusedAttention.apply(query, key, value)

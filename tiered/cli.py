@@ -9,7 +9,7 @@
     tiered daemon stop
     tiered node [--nvme PATH] [--remeasure] [--json]   this node's rates, measured once, cached
     tiered plan MODEL [--policy FILE] [--nvme PATH] [--ranks N] [--node FILE] [--batch B --seq S]
-                      [--json]
+                      [--lora RANK] [--checkpointing] [--json]
                                                     bytes per tier and the predicted step of a
                                                     model (HF config or module:factory)
     tiered version
@@ -109,7 +109,8 @@ def _plan(args) -> int:
     from .policy import resolve
 
     try:
-        for flag, value in (("--ranks", args.ranks), ("--batch", args.batch), ("--seq", args.seq)):
+        for flag, value in (("--ranks", args.ranks), ("--batch", args.batch), ("--seq", args.seq),
+                            ("--lora", args.lora)):
             if value is not None and value < 1:
                 raise UsageError(f"{flag} must be >= 1, got {value}")
         if (args.batch is None) != (args.seq is None):
@@ -119,9 +120,13 @@ def _plan(args) -> int:
         rates = read_node(args.node) if args.node else cached_node_rates(policy.nvme.path)
         batch = None
         if args.batch is not None:
-            batch = (args.batch, args.seq,
-                     *batch_activations(args.model, policy, args.batch, args.seq))
-        report = plan_model(model_on_meta(args.model), policy, args.ranks, rates, batch)
+            batch = (args.batch, args.seq, *batch_activations(
+                args.model, policy, args.batch, args.seq, args.lora, args.checkpointing))
+        elif args.checkpointing:
+            raise UsageError("--checkpointing changes the activations only: give --batch and "
+                             "--seq too")
+        report = plan_model(model_on_meta(args.model, args.lora), policy, args.ranks, rates,
+                            batch)
     except TieredError as e:
         print(f"tiered: error: {e}", file=sys.stderr)
         return 2
@@ -272,6 +277,10 @@ def main(argv: list[str] | None = None) -> int:
                       help="sequences a step (with --seq): their activations, counted on the "
                            "meta device, and the largest batch that fits")
     plan.add_argument("--seq", type=int, default=None, metavar="S", help="tokens a sequence")
+    plan.add_argument("--lora", type=int, default=None, metavar="RANK",
+                      help="LoRA adapters of RANK on every linear layer (peft), the rest frozen")
+    plan.add_argument("--checkpointing", action="store_true", help="a Hugging Face model's "
+                      "activation checkpointing on, for --batch's activations")
     plan.add_argument("--node", default=None, metavar="FILE", help="another node's rates and "
                       "memory, as `tiered node --json` printed them there (default: this "
                       "node's, if measured)")

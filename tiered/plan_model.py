@@ -46,8 +46,40 @@ from .planner import MEASURED_MARGIN_SHARE, hbm_reserve, place_units
 from .policy import Device, Policy, Tier
 
 
-def model_on_meta(spec: str) -> nn.Module:
-    """The model ``spec`` names (see the module note), its parameters on the meta device."""
+def model_on_meta(spec: str, lora: int | None = None, checkpointing: bool = False) -> nn.Module:
+    """The model ``spec`` names (see the module note), its parameters on the meta device;
+    with ``lora``, adapters of that rank on every linear layer, the rest frozen; with
+    ``checkpointing``, a Hugging Face model's activation checkpointing on (each decoder layer
+    keeps its input only, and recomputes the rest in backward)."""
+    model = _named_model(spec)
+    if checkpointing:
+        if not hasattr(model, "gradient_checkpointing_enable"):
+            raise UsageError(f"--checkpointing: MODEL {spec!r} is not a Hugging Face model; "
+                             f"a factory's model checkpoints as its own code says")
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model if lora is None else _with_lora(model, lora, os.path.exists(spec))
+
+
+def _with_lora(model: nn.Module, rank: int, hugging_face: bool) -> nn.Module:
+    """PEFT's LoRA of ``rank`` on every linear layer (``target_modules="all-linear"``: a
+    Hugging Face model's output layer left out), as a LoRA fine-tune is usually set up."""
+    try:
+        import peft
+    except ImportError:
+        raise UsageError("--lora builds the adapters with peft (the 'hf' extra: pip install "
+                         "'tiered[hf]')") from None
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear",
+                             task_type="CAUSAL_LM" if hugging_face else None)
+    try:
+        with torch.device("meta"):
+            return peft.get_peft_model(model, config)
+    except (ValueError, TypeError) as error:
+        raise UsageError(f"--lora {rank}: peft could not add adapters to the model: "
+                         f"{error}") from None
+
+
+def _named_model(spec: str) -> nn.Module:
     if os.path.exists(spec):
         return _hf_model(spec)
     module_name, _, factory_name = spec.partition(":")
@@ -136,23 +168,30 @@ class NodeBudgets:
         return {Tier.HBM: hbm, Tier.DRAM: dram}
 
 
-def batch_activations(spec: str, policy: Policy, batch: int, seq: int) -> tuple[int, int]:
-    """The bytes the forward of model ``spec`` on ``batch`` sequences of ``seq`` tokens keeps
-    for backward, and what one more sequence adds (see the module note)."""
-    kept = [_meta_forward_bytes(spec, policy, rows, seq) for rows in (batch, 2 * batch)]
+def batch_activations(spec: str, policy: Policy, batch: int, seq: int, lora: int | None = None,
+                      checkpointing: bool = False) -> tuple[int, int]:
+    """The bytes the forward of model ``spec`` (``lora``, ``checkpointing``: see
+    model_on_meta) on ``batch`` sequences of ``seq`` tokens keeps for backward, and what one
+    more sequence adds (see the module note)."""
+    kept = [_meta_forward_bytes(spec, policy, rows, seq, lora, checkpointing)
+            for rows in (batch, 2 * batch)]
     return kept[0], (kept[1] - kept[0]) // batch
 
 
-def _meta_forward_bytes(spec: str, policy: Policy, rows: int, seq: int) -> int:
-    model = model_on_meta(spec).to(policy.compute_dtype.torch_dtype)
-    ids = torch.zeros((rows, seq), dtype=torch.long, device="meta")
+def _meta_forward_bytes(spec: str, policy: Policy, rows: int, seq: int, lora: int | None,
+                        checkpointing: bool) -> int:
+    model = model_on_meta(spec, lora, checkpointing).to(policy.compute_dtype.torch_dtype)
     hugging_face = os.path.exists(spec)
+
+    def forward(model: nn.Module):
+        ids = torch.zeros((rows, seq), dtype=torch.long)  # fake, as the model is
+        return model(input_ids=ids, labels=ids) if hugging_face else model(ids)
+
     try:
-        return forward_activations(model, lambda model: model(input_ids=ids, labels=ids)
-                                   if hugging_face else model(ids))
+        return forward_activations(model, forward)
     except Exception as error:  # the user's model: say what was asked of it
         raise UsageError(f"MODEL {spec!r}: its forward on a ({rows}, {seq}) batch of token ids "
-                         f"on the meta device failed: {type(error).__name__}: {error}") from None
+                         f"on fake tensors failed: {type(error).__name__}: {error}") from None
 
 
 def plan_model(model: nn.Module, policy: Policy, ranks: int, rates: NodeRates | None,
