@@ -63,47 +63,20 @@ def test_a_factory_is_planned_as_initialize_allocates(config, tmp_path, capsys, 
         assert planned["units"]["master"] == {"hbm": 1, "nvme": 1, "dram": 1}
 
 
-def test_a_hugging_face_config_folder_is_planned_as_initialize_allocates(tmp_path, capsys,
-                                                                           monkeypatch):
+def llama_folder(tmp_path, monkeypatch):
+    """A 2-layer Llama config saved to a folder, the transformers module, and no node rates."""
     monkeypatch.setenv("TIERED_CACHE", str(tmp_path / "cache"))
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
                                       num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, max_position_embeddings=32)
     config.save_pretrained(tmp_path / "model")
-    path = policy_file(tmp_path, "cpu")
-    planned = plan_json(capsys, str(tmp_path / "model"), "--policy", path, "--batch", "4",
-                        "--seq", "16")
-    engine, optimizer = tiered.initialize(
-        transformers.AutoModelForCausalLM.from_config(config), path)
-    assert_plan_is_what_initialize_allocates(planned, engine)
-    # The activations counted on the meta device are what a step of that batch keeps.
-    ids = torch.randint(0, 128, (4, 16))
-    engine(input_ids=ids, labels=ids).loss.backward()
-    optimizer.step()
-    assert planned["batch"]["activations"] == engine.plan_report().measured.activations > 0
-    engine.close()
+    return str(tmp_path / "model"), config, transformers
 
 
-def test_a_lora_fine_tune_with_checkpointing_is_planned_as_it_allocates_and_keeps(
-        tmp_path, capsys, monkeypatch):
-    """--lora and --checkpointing: the plan of the peft model initialize then holds, and the
-    activations its checkpointed step keeps (each decoder layer's input, the loss's logits)."""
-    monkeypatch.setenv("TIERED_CACHE", str(tmp_path / "cache"))
-    transformers = pytest.importorskip("transformers")
-    peft = pytest.importorskip("peft")
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=32)
-    config.save_pretrained(tmp_path / "model")
-    path = policy_file(tmp_path, "cpu")
-    planned = plan_json(capsys, str(tmp_path / "model"), "--policy", path, "--lora", "4",
-                        "--checkpointing", "--batch", "4", "--seq", "16")
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8,
-                                                       target_modules="all-linear",
-                                                       task_type="CAUSAL_LM"))
+def assert_planned_as_it_runs(planned: dict, model, path: str) -> None:
+    """``initialize`` allocates what was planned, and a step of ``planned``'s batch (4 x 16)
+    keeps the activations counted on fake tensors."""
     engine, optimizer = tiered.initialize(model, path)
     assert_plan_is_what_initialize_allocates(planned, engine)
     ids = torch.randint(0, 128, (4, 16))
@@ -111,8 +84,32 @@ def test_a_lora_fine_tune_with_checkpointing_is_planned_as_it_allocates_and_keep
     optimizer.step()
     assert planned["batch"]["activations"] == engine.plan_report().measured.activations > 0
     engine.close()
-    without = plan_json(capsys, str(tmp_path / "model"), "--policy", path, "--lora", "4",
+
+
+def test_a_hugging_face_config_folder_is_planned_as_initialize_allocates(tmp_path, capsys,
+                                                                           monkeypatch):
+    folder, config, transformers = llama_folder(tmp_path, monkeypatch)
+    path = policy_file(tmp_path, "cpu")
+    planned = plan_json(capsys, folder, "--policy", path, "--batch", "4", "--seq", "16")
+    assert_planned_as_it_runs(planned, transformers.AutoModelForCausalLM.from_config(config),
+                              path)
+
+
+def test_a_lora_fine_tune_with_checkpointing_is_planned_as_it_allocates_and_keeps(
+        tmp_path, capsys, monkeypatch):
+    """--lora and --checkpointing: the plan of the peft model initialize then holds, and the
+    activations its checkpointed step keeps (each decoder layer's input, the loss's logits)."""
+    folder, config, transformers = llama_folder(tmp_path, monkeypatch)
+    peft = pytest.importorskip("peft")
+    path = policy_file(tmp_path, "cpu")
+    planned = plan_json(capsys, folder, "--policy", path, "--lora", "4", "--checkpointing",
                         "--batch", "4", "--seq", "16")
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert_planned_as_it_runs(planned, peft.get_peft_model(model, peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")), path)
+    without = plan_json(capsys, folder, "--policy", path, "--lora", "4", "--batch", "4",
+                        "--seq", "16")
     assert without["batch"]["activations"] > 2 * planned["batch"]["activations"]
 
 

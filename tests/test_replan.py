@@ -27,7 +27,7 @@ def small_batches() -> list[torch.Tensor]:
     return [idx[:1].clone() for idx in token_batches(STEPS)]
 
 
-def train(model, optimizer) -> list[float]:
+def train(model, optimizer, after_step=lambda: None) -> list[float]:
     losses = []
     for idx in small_batches():
         loss = next_token_loss(model(idx), idx)
@@ -35,6 +35,7 @@ def train(model, optimizer) -> list[float]:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+        after_step()
     return losses
 
 
@@ -58,14 +59,8 @@ def test_the_first_step_moves_what_fits_to_the_device_once_and_training_stays_ex
     assert (root, second) == ("hbm", "nvme")
     nvme_before = engine.memory_report()["nvme"]["current"]
     seen = []
-    losses = []
-    for idx in small_batches():
-        loss = next_token_loss(engine(idx), idx)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-        seen.append((placed(engine, StateKind.MASTER), engine.plan_report().replanned))
+    losses = train(engine, optimizer, lambda: seen.append(
+        (placed(engine, StateKind.MASTER), engine.plan_report().replanned)))
     assert seen[0][1].startswith("re-planned after step 1: 1 more units kept on the device")
     assert seen == [(["hbm", "hbm", third], seen[0][1])] * STEPS  # at step 1, never again
     assert {engine.manager.tier_of(0, kind).value for kind in StateKind
