@@ -83,6 +83,24 @@ def test_the_first_step_moves_what_fits_to_the_device_once_and_training_stays_ex
         assert train(model, torch.optim.AdamW(model.parameters(), fused=True, **OPTIM)) == losses
 
 
+def test_a_first_step_too_long_to_time_is_re_planned_after_by_memory(tmp_path):
+    """33 micro-batches outgrow what the probe times (SPANS_PER_UNIT): the step is not
+    measured, but what its forwards kept is, and the re-plan runs on it, once."""
+    engine, optimizer = auto_engine(tmp_path / "nvme", False, reserve=None)
+    idx = small_batches()[0]
+    for step in range(2):
+        for _ in range(33):
+            next_token_loss(engine(idx), idx).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert engine.plan_report().measured is None
+        assert not engine.runtime.replan_due
+        assert engine.plan_report().replanned.startswith(
+            "re-planned after the first step: 1 more units kept on the device")
+    assert placed(engine, StateKind.MASTER)[:2] == ["hbm", "hbm"]
+    engine.close()
+
+
 def test_a_step_measures_the_activations_a_plain_forward_keeps():
     """What the engine's hooks count as kept for backward is, to the byte, what autograd keeps
     for the same forward of the plain model, its parameters left out."""
@@ -95,6 +113,55 @@ def test_a_step_measures_the_activations_a_plain_forward_keeps():
     measured = engine.plan_report().measured.activations
     engine.close()
     assert measured == forward_activations(make_model(), lambda model: model(idx)) > 0
+
+
+class _Rootless(torch.nn.Module):
+    """Blocks alone hold parameters (no root unit); the model's own code between them keeps
+    tensors for backward too."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x)) * x  # tanh keeps its output, the product both factors
+        return x
+
+
+def test_what_the_model_keeps_outside_its_units_is_measured_too():
+    torch.manual_seed(0)
+    engine, optimizer = tiered.initialize(_Rootless(), "configs/cpu.yaml", device="cpu",
+                                          compute_dtype="fp32")
+    x = torch.randn(64, 32, requires_grad=True)
+    engine(x).sum().backward()
+    optimizer.step()
+    measured = engine.plan_report().measured.activations
+    engine.close()
+    assert measured == forward_activations(_Rootless(), lambda model: model(x)) > 0
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, dropout: float):
+        super().__init__()
+        self.qkv, self.dropout = torch.nn.Linear(16, 48), dropout
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, None, self.dropout)
+
+
+def test_attention_dropout_is_counted_as_each_device_keeps_it():
+    """On fake tensors as on the CPU, whose fused kernels take no dropout (its math path keeps
+    the weights); for a GPU as its flash kernel keeps it: as if there were none."""
+    def counted(dropout: float, on_meta: bool, for_gpu: bool = False) -> int:
+        torch.manual_seed(0)
+        with torch.device("meta" if on_meta else "cpu"):
+            model = _Attention(dropout)
+        return forward_activations(model, lambda model: model(torch.ones(2, 64, 16)), for_gpu)
+
+    assert counted(0.1, on_meta=True) == counted(0.1, on_meta=False) > counted(0.0, False)
+    assert counted(0.1, on_meta=True, for_gpu=True) == counted(0.0, on_meta=False)
 
 
 def test_the_re_plan_adds_units_to_the_balance_and_within_memory():
@@ -128,7 +195,13 @@ def test_tiered_plan_with_the_batch_places_units_as_the_re_plan_does(tmp_path, c
     engine, optimizer = tiered.initialize(make_model(), str(path))
     next_token_loss(engine(idx), idx).backward()
     optimizer.step()
-    assert planned["batch"]["activations"] == engine.plan_report().measured.activations, \
-        planned["batch"]
-    assert planned["units"]["master"]["hbm"] == units_per_tier(engine, StateKind.MASTER)["hbm"] == 2
+    report = engine.plan_report()
+    assert planned["batch"]["activations"] == report.measured.activations
+    for kind in (StateKind.PARAM, StateKind.GRAD, StateKind.MASTER):
+        assert planned["units"][kind.value] == units_per_tier(engine, kind), kind
+    assert units_per_tier(engine, StateKind.MASTER)["hbm"] == 2
+    held = engine.memory_report()
+    for tier in ("dram", "nvme"):  # the DRAM the moved states left stays pinned, counted
+        assert planned["needed"][tier] == report.to_dict()["needed"][tier] == \
+            held[tier]["current"], tier
     engine.close()

@@ -8,7 +8,8 @@ On the meta device itself torch would run attention by its math path, which keep
 weights of every head, where the CPU (and a GPU) runs a fused kernel keeping its inputs, output
 and each row's logsumexp; and Hugging Face models skip their data-dependent checks (packed
 sequences, masks) on fake tensors, which on meta ones fail. On the CPU the count is, to the
-byte, a real step's.
+byte, a real step's. Counted for a GPU, attention with dropout is counted as its flash kernel
+keeps it (``for_gpu``), where the CPU's fused kernels take no dropout.
 
 Each storage counts once, however many views of it are saved; a unit's weights and the
 model's parameters are not activations and are left out by the callers. What a backward
@@ -20,9 +21,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -58,12 +60,17 @@ class SavedBytes:
         return peak
 
 
-def forward_activations(model: nn.Module, run: Callable[[nn.Module], object]) -> int:
+def forward_activations(model: nn.Module, run: Callable[[nn.Module], object],
+                        for_gpu: bool = False) -> int:
     """The bytes ``run(model)`` (a forward with grad) has autograd keep, its parameters left
     out. A model on the meta device is first made of fake CPU tensors (see the module note):
-    nothing is computed or allocated, and ``run`` makes its inputs as it would for the CPU."""
+    nothing is computed or allocated, and ``run`` makes its inputs as it would for the CPU.
+
+    ``for_gpu``: count attention with dropout as a GPU's flash kernel keeps it, a random seed
+    where the CPU, whose fused kernels take no dropout, keeps the S x S weights and mask."""
     on_meta = any(p.device.type == "meta" for p in model.parameters())
-    with FakeTensorMode(allow_non_fake_inputs=True) if on_meta else nullcontext():
+    with (FakeTensorMode(allow_non_fake_inputs=True) if on_meta else nullcontext(),
+          _attention_without_dropout() if for_gpu else nullcontext()):
         if on_meta:
             model = model.to_empty(device="cpu")
         meter = SavedBytes()
@@ -78,3 +85,23 @@ def forward_activations(model: nn.Module, run: Callable[[nn.Module], object]) ->
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             run(model)
     return meter.peak
+
+
+@contextmanager
+def _attention_without_dropout():
+    """``F.scaled_dot_product_attention`` with its dropout left out, for the count only: the
+    CPU's fused kernels refuse dropout and its math path keeps the weights, a GPU's flash
+    kernel keeps the seed it drew the dropout from (bytes, not counted)."""
+    attention = F.scaled_dot_product_attention
+
+    def fused(*args, **kwargs):
+        if len(args) > 4:
+            args = (*args[:4], 0.0, *args[5:])
+        kwargs.pop("dropout_p", None)
+        return attention(*args, **kwargs)
+
+    F.scaled_dot_product_attention = fused
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = attention

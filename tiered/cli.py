@@ -105,7 +105,8 @@ def _plan(args) -> int:
     import json
 
     from .node import cached_node_rates
-    from .plan_model import batch_activations, model_on_meta, plan_model, read_node
+    from .plan_model import (batch_activations, model_on_meta, plan_model, planned_on_gpu,
+                             read_node)
     from .policy import resolve
 
     try:
@@ -121,7 +122,8 @@ def _plan(args) -> int:
         batch = None
         if args.batch is not None:
             batch = (args.batch, args.seq, *batch_activations(
-                args.model, policy, args.batch, args.seq, args.lora, args.checkpointing))
+                args.model, policy, args.batch, args.seq, args.lora, args.checkpointing,
+                planned_on_gpu(policy, rates)))
         elif args.checkpointing:
             raise UsageError("--checkpointing changes the activations only: give --batch and "
                              "--seq too")
@@ -274,8 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="sets nvme.path (a drive of the planned node; not touched)")
     plan.add_argument("--ranks", type=int, default=1, help="ranks on the node (default 1)")
     plan.add_argument("--batch", type=int, default=None, metavar="B",
-                      help="sequences a step (with --seq): their activations, counted on the "
-                           "meta device, and the largest batch that fits")
+                      help="sequences a step (with --seq): their activations, counted on fake "
+                           "tensors, and the largest batch that fits")
     plan.add_argument("--seq", type=int, default=None, metavar="S", help="tokens a sequence")
     plan.add_argument("--lora", type=int, default=None, metavar="RANK",
                       help="LoRA adapters of RANK on every linear layer (peft), the rest frozen")

@@ -253,20 +253,28 @@ class MemoryPlan:
     staging: dict[str, Buffer]
     working_set: int
     """Transient HBM bytes (gathered units, gradients in flight), counted against the HBM budget."""
+    left_pinned: int = 0
+    """DRAM bytes of blocks whose states a re-plan moved to HBM: pinned still (slabs are never
+    cut), so counted in the DRAM tier's needs."""
 
     def needed(self, tier: Tier) -> int:
         buffers = [b for b in (*self.shards.values(), *self.staging.values()) if b.tier is tier]
         if tier is Tier.NVME:  # extents, with spares for atomic writes
             return nvme_bytes([b.nbytes for b in buffers])
-        return sum(b.nbytes for b in buffers) + (self.working_set if tier is Tier.HBM else 0)
+        extra = {Tier.HBM: self.working_set, Tier.DRAM: self.left_pinned}.get(tier, 0)
+        return sum(b.nbytes for b in buffers) + extra
 
     def kept_on_device(self, units: list[int]) -> "MemoryPlan":
         """This plan with every state of ``units`` in HBM (the re-plan of ``tier: auto``,
-        engine/replan.py): its staging and working set stay as they are."""
+        engine/replan.py): its staging and working set stay as they are, and the DRAM blocks
+        the states leave stay pinned."""
         chosen = set(units)
-        return dataclasses.replace(self, shards={
-            key: dataclasses.replace(buf, tier=Tier.HBM) if key[0] in chosen else buf
-            for key, buf in self.shards.items()})
+        moved = [buf for key, buf in self.shards.items() if key[0] in chosen]
+        return dataclasses.replace(
+            self, shards={key: dataclasses.replace(buf, tier=Tier.HBM) if key[0] in chosen
+                          else buf for key, buf in self.shards.items()},
+            left_pinned=self.left_pinned + sum(buf.nbytes for buf in moved
+                                               if buf.tier is Tier.DRAM))
 
     def steps_on_host(self) -> bool:
         """Whether the CPU steps any unit: a trained unit's moments (a frozen one has none) are

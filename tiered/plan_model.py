@@ -17,11 +17,12 @@ two tiers split that RAM, as there); the drive's space is
 not known, so NVMe bytes are shown without a budget. The prediction reads the same rates
 (plan_report.py).
 
-With ``--batch B --seq S`` the model's forward runs on the meta device on B sequences of S
-token ids (a Hugging Face model with them as labels too, so its loss counts) and what autograd
-keeps for backward is counted (activations.py): on a CPU it is, to the byte, what a real
-forward keeps. Under ``tier: auto`` with ``hbm.reserve: null`` that, and 1/16 of the budget, is
-left free, as the re-plan after the first step would leave it; and the largest batch whose
+With ``--batch B --seq S`` the model's forward runs on fake tensors on B sequences of S token
+ids (a Hugging Face model with them as labels too, so its loss counts) and what autograd keeps
+for backward is counted (activations.py): on a CPU it is, to the byte, what a real forward
+keeps. Under ``tier: auto`` with ``hbm.reserve: null`` the plan shown is the one the re-plan
+after a first step of that batch settles on (the first plan, and the units that then fit
+beside the count and 1/16 of the budget moved to the device); and the largest batch whose
 activations fit beside the plan is shown. What a backward allocates on its way is not counted
 (the sixteenth is for it).
 """
@@ -42,7 +43,7 @@ from .errors import TieredError, UsageError
 from .node import NodeRates
 from .plan import MemoryPlan
 from .plan_report import BatchFit, PlanReport, plan_report
-from .planner import MEASURED_MARGIN_SHARE, hbm_reserve, place_units
+from .planner import MEASURED_MARGIN_SHARE, hbm_reserve, place_units, replanned_units
 from .policy import Device, Policy, Tier
 
 
@@ -168,18 +169,25 @@ class NodeBudgets:
         return {Tier.HBM: hbm, Tier.DRAM: dram}
 
 
+def planned_on_gpu(policy: Policy, rates: NodeRates | None) -> bool:
+    """Whether the plan is for a GPU: ``device: auto`` is the node's GPU, or its CPU when its
+    rates show none."""
+    return not (policy.device is Device.CPU or (
+        policy.device is Device.AUTO and rates is not None and rates.hbm_bytes is None))
+
+
 def batch_activations(spec: str, policy: Policy, batch: int, seq: int, lora: int | None = None,
-                      checkpointing: bool = False) -> tuple[int, int]:
+                      checkpointing: bool = False, for_gpu: bool = True) -> tuple[int, int]:
     """The bytes the forward of model ``spec`` (``lora``, ``checkpointing``: see
     model_on_meta) on ``batch`` sequences of ``seq`` tokens keeps for backward, and what one
-    more sequence adds (see the module note)."""
-    kept = [_meta_forward_bytes(spec, policy, rows, seq, lora, checkpointing)
+    more sequence adds (see the module note; ``for_gpu``: activations.forward_activations)."""
+    kept = [_meta_forward_bytes(spec, policy, rows, seq, lora, checkpointing, for_gpu)
             for rows in (batch, 2 * batch)]
     return kept[0], (kept[1] - kept[0]) // batch
 
 
 def _meta_forward_bytes(spec: str, policy: Policy, rows: int, seq: int, lora: int | None,
-                        checkpointing: bool) -> int:
+                        checkpointing: bool, for_gpu: bool) -> int:
     model = model_on_meta(spec, lora, checkpointing).to(policy.compute_dtype.torch_dtype)
     hugging_face = os.path.exists(spec)
 
@@ -188,7 +196,7 @@ def _meta_forward_bytes(spec: str, policy: Policy, rows: int, seq: int, lora: in
         return model(input_ids=ids, labels=ids) if hugging_face else model(ids)
 
     try:
-        return forward_activations(model, forward)
+        return forward_activations(model, forward, for_gpu)
     except Exception as error:  # the user's model: say what was asked of it
         raise UsageError(f"MODEL {spec!r}: its forward on a ({rows}, {seq}) batch of token ids "
                          f"on fake tensors failed: {type(error).__name__}: {error}") from None
@@ -200,8 +208,7 @@ def plan_model(model: nn.Module, policy: Policy, ranks: int, rates: NodeRates | 
     ``rates``' (the budgets: NodeBudgets.of). ``device: auto`` is the node's GPU, or its CPU
     when its rates show none. ``batch``: (sequences, tokens each, the bytes their forward keeps
     for backward, the bytes a sequence adds; batch_activations)."""
-    on_cpu = policy.device is Device.CPU or (
-        policy.device is Device.AUTO and rates is not None and rates.hbm_bytes is None)
+    on_cpu = not planned_on_gpu(policy, rates)
     device = torch.device("cpu" if on_cpu else "cuda")
     flats = flat_units(model, policy, 0, ranks, torch.device("cpu"))  # nothing allocated
     if not flats:
@@ -219,11 +226,12 @@ def plan_model(model: nn.Module, policy: Policy, ranks: int, rates: NodeRates | 
             raise UsageError("tier: auto places units by the device's memory: set hbm.budget in "
                              "the policy, or give --node a file of `tiered node --json` from a "
                              "node with a GPU")
-        reserve = hbm_reserve(policy, budgets.hbm_capacity)
-        if batch is not None and policy.hbm.reserve is None:  # as the re-plan leaves it
-            reserve = batch[2] + budgets.hbm_capacity // MEASURED_MARGIN_SHARE
-        plan = place_units(forward_order(flats), plan_with,
-                           lambda plan: budgets.for_plan(plan)[Tier.HBM], reserve)
+        order = forward_order(flats)
+        plan = place_units(order, plan_with, lambda plan: budgets.for_plan(plan)[Tier.HBM],
+                           hbm_reserve(policy, budgets.hbm_capacity))
+        if batch is not None and policy.hbm.reserve is None:  # as the re-plan moves them
+            plan = plan.kept_on_device(replanned_units(
+                plan, order, budgets.for_plan(plan)[Tier.HBM], batch[2]))
     else:
         plan = plan_with(frozenset())
     shown = budgets.for_plan(plan)

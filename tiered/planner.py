@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .plan import MemoryPlan
+from .plan import MemoryPlan, StateKind
 from .policy import Policy, Tier
 
 RESERVE_SHARE = 4
@@ -83,6 +83,24 @@ BALANCE_SLACK = 0.02
 """The re-plan keeps no more units on the device than bring the predicted step within 2% of the
 shortest the memory allows: past the balance, a unit moved takes HBM a batch could use and
 gains nothing (see [Note: re-plan])."""
+
+
+def replanned_units(plan: MemoryPlan, order: list[int], hbm_budget: int, unplanned: int,
+                    predicted_step: Callable[[MemoryPlan], float] | None = None) -> list[int]:
+    """The units the re-plan after the first step moves to the device (see [Note: re-plan] in
+    engine/replan.py), in the order ``order`` (the forward's trained units) lists them: those
+    of ``plan`` off the device that fit its ``hbm_budget`` beside ``unplanned`` bytes measured
+    beyond it and 1/16 of the budget, and, with ``predicted_step(plan)``, no more than bring
+    it within BALANCE_SLACK of the shortest. ``plan.kept_on_device(units)`` is the plan after."""
+    candidates = [unit for unit in order
+                  if plan.shards[(unit, StateKind.EXP_AVG)].tier is not Tier.HBM]
+    count = units_to_keep(
+        0, len(candidates),
+        lambda count: plan.kept_on_device(candidates[:count]).needed(Tier.HBM), hbm_budget,
+        unplanned + hbm_budget // MEASURED_MARGIN_SHARE,
+        None if predicted_step is None
+        else lambda count: predicted_step(plan.kept_on_device(candidates[:count])))
+    return candidates[:count]
 
 
 def units_to_keep(kept: int, most: int, hbm_needed: Callable[[int], int], hbm_room: int,

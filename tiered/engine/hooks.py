@@ -75,6 +75,10 @@ class UnitHooks:
         self._started: dict[int, object] = {}
         """Timeline marks of the units computing now (forward, or backward since first use)."""
         self._saved_hooks: list[torch.autograd.graph.saved_tensors_hooks] = []
+        self._counter = (self._count_saved, _as_saved)
+        """The model forward's outermost saved-tensor hooks: they count what it keeps."""
+        self._counting = False
+        """Whether the forward running pushed them (one with grad, outside backward)."""
         self._input_hooks: list = []
         """Handles of the frozen units' input hooks since the last backward ended: removed
         then, or a leaf input the caller keeps across iterations would collect one a step."""
@@ -126,6 +130,7 @@ class UnitHooks:
         while self._saved_hooks:
             self._saved_hooks.pop().__exit__(None, None, None)
         self._forward_depth = 0
+        self._counting = False
         self._inner_skipped.clear()
 
     def remove(self) -> None:
@@ -142,6 +147,13 @@ class UnitHooks:
         if not _in_backward_pass():
             if self._forward_depth == 0 and torch.is_grad_enabled():
                 self.runtime.probe.forward_started()
+                # Outermost: what any part of the forward keeps for backward passes through it
+                # (a unit's own hooks hand it what is not the unit's weights, see [Note: outer
+                # saved-tensor hooks]), and what checkpointing recomputes does not.
+                counting = torch.autograd.graph.saved_tensors_hooks(*self._counter)
+                counting.__enter__()
+                self._saved_hooks.append(counting)
+                self._counting = True
             self._forward_depth += 1
             for flat in self._whole_forward:
                 self.runtime.use(flat)
@@ -177,6 +189,9 @@ class UnitHooks:
         if _in_backward_pass() or self._forward_depth == 0:
             return
         self._forward_depth -= 1
+        if self._forward_depth == 0 and self._counting:  # pushed last of all still open
+            self._saved_hooks.pop().__exit__(None, None, None)
+            self._counting = False
         for flat in self._whole_forward:
             self.runtime.done(flat)
         if not torch.is_grad_enabled() or _no_backward_from(output):
@@ -188,6 +203,8 @@ class UnitHooks:
         # cover (see [Note: outer saved-tensor hooks]).
         module._forward_hooks.move_to_end(self._post_forward_ids[flat.spec.index])
         outer = _outer_saved_hooks()
+        if _top_saved_hooks is None and self._counting:  # see _top_saved_hooks
+            outer = self._counter
         hooks = torch.autograd.graph.saved_tensors_hooks(partial(self._pack, outer),
                                                          partial(self._unpack, outer))
         hooks.__enter__()
@@ -247,8 +264,9 @@ class UnitHooks:
         flat = self.runtime.owner_of(tensor)
         if flat is not None:
             return _UnitView(flat, tensor, self.runtime.weights_epoch)
-        if outer is not None:  # theirs to keep, or to recompute
-            return outer[0](tensor)
+        return tensor if outer is None else outer[0](tensor)
+
+    def _count_saved(self, tensor: torch.Tensor) -> torch.Tensor:
         self.runtime.probe.saved.add(tensor)
         return tensor
 
@@ -408,7 +426,12 @@ def _outer_saved_hooks() -> _SavedHooks | None:
 _top_saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 """torch's only way to read the saved-tensor hooks in force: private, in torch since about 2.8
 (2.13 has it). Without it the outer hooks go unseen, and non-reentrant checkpointing around a
-unit keeps that unit's activations: still correct, but no memory saved."""
+unit keeps that unit's activations: still correct, but no memory saved; a unit then hands what
+it keeps to the forward's counter directly."""
+
+
+def _as_saved(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _cast_floating(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

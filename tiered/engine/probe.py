@@ -41,6 +41,11 @@ class StepProbe:
         self._last: StepMeasurement | None = None
         self.saved = SavedBytes()
         """What the step's forwards keep for backward (the hooks count it: activations.py)."""
+        self._backed = False
+        """Whether a backward ended in the step in progress (measured or not)."""
+        self.last_activations: int | None = None
+        """What the forwards of the last step that ran a backward kept at most, also where the
+        step was not measured (SPANS_PER_UNIT); None before one."""
 
     def mark(self):
         """A point in time on the current stream (timeline.mark_now: the timeline's marks
@@ -54,6 +59,7 @@ class StepProbe:
             self._forward = self.mark()
 
     def backward_ended(self) -> None:
+        self._backed = True
         if self._forward is not None:
             self._backward = self.mark()
             self._backwards += 1
@@ -74,14 +80,18 @@ class StepProbe:
         now = time.perf_counter_ns()
         self._steps += 1
         self._resolve(wait=False)
+        activations = self.saved.take_peak()
+        if self._backed:
+            self.last_activations = activations
         if self._backward is not None:
             step_s = None if self._last_step_ns is None else (now - self._last_step_ns) / 1e9
             self._pending = (self._steps, self._forward, self._backward, step_s, self._spans,
-                             self._backwards, self.saved.take_peak())
+                             self._backwards, activations)
         self._forward = self._backward = None
         self._backwards = 0
         self._spans = []
         self._skipped = False
+        self._backed = False
         self._last_step_ns = now
 
     def last(self) -> StepMeasurement | None:

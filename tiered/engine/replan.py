@@ -25,11 +25,14 @@ under mixed precision) computes AdamW as every other does.
 from __future__ import annotations
 
 import logging
+import warnings
+
+import torch
 
 from ..node import cached_node_rates
 from ..plan import StateKind
 from ..plan_report import StepMeasurement, step_terms
-from ..planner import MEASURED_MARGIN_SHARE, units_to_keep
+from ..planner import MEASURED_MARGIN_SHARE, replanned_units
 from ..policy import Tier
 from ..sizes import format_size
 from .build import forward_order
@@ -47,50 +50,63 @@ class Replan:
         self.order = forward_order(context.flats)
         self.names = [flat.name for flat in context.flats]
         self.due = True
-        """Until the first measured step has been re-planned after."""
+        """Until the first step that ran a backward has been re-planned after."""
         self.outcome: str | None = None
         """What the re-plan did, in a line (None before it ran)."""
 
-    def after_step(self, measured: StepMeasurement | None) -> None:
-        """``optimizer.step()`` found the previous update finished and has not sent its own:
-        re-plan after the step ``measured`` (None: it ran no backward, so wait for one)."""
-        if measured is None:
-            return
+    def after_step(self, activations: int, measured: StepMeasurement | None) -> None:
+        """``optimizer.step()`` ended the first step that ran a backward, found the update
+        before it finished and has not sent its own: re-plan with ``activations`` (what its
+        forwards kept for backward at most) and, where it was measured, ``measured``."""
         self.due = False
         manager = self.manager
         plan = manager.plan
-        candidates = [unit for unit in self.order
-                      if manager.tier_of(unit, StateKind.MASTER) is not Tier.HBM]
-        budget = manager.hbm.usage.budget
-        unplanned = measured.activations
-        if measured.device_peak is not None:
-            unplanned = max(unplanned, measured.device_peak - manager.hbm.usage.peak)
-        reserve = unplanned + budget // MEASURED_MARGIN_SHARE
-        rates = cached_node_rates(self.policy.nvme.path)
-        delayed = self.policy.optimizer.delayed_update.enabled
-
-        def predicted(count: int) -> float:
-            terms = step_terms(plan.kept_on_device(candidates[:count]), self.policy,
-                               self.group.world_size, rates, False, measured.backwards)
-            return terms.predicted_step(measured.compute_s, False, delayed)
-
-        # On the CPU it steps every unit wherever it is: only memory decides there.
-        balanced = self.group.device.type == "cuda" and rates is not None
-        count = units_to_keep(
-            0, len(candidates),
-            lambda count: plan.kept_on_device(candidates[:count]).needed(Tier.HBM),
-            budget, reserve, predicted if balanced else None)
-        count = self.group.smallest(count)
-        moved = candidates[:count]
+        unplanned = activations
+        if self.group.device.type == "cuda":  # also what autograd does not keep, the cache's
+            peak = torch.cuda.max_memory_allocated(self.group.device)
+            unplanned = max(unplanned, peak - manager.hbm.usage.peak)
+        try:
+            moved = replanned_units(plan, self.order, manager.hbm.usage.budget, unplanned,
+                                    self._predicted_step(measured))
+        except Exception as error:  # the ranks agree below: none may leave before it
+            warnings.warn(f"tiered: the re-plan after the first step failed ({error}); the "
+                          f"placement stays as it is")
+            moved = []
+        moved = moved[:self.group.smallest(len(moved))]  # the fewest any rank can move
+        what = "no unit moved"
         if moved:
-            with self.timeline.span(f"re-plan: {len(moved)} units to the device", "setup"):
-                manager.move_to_device(plan.kept_on_device(moved))
-        kept = len(self.order) - len(candidates) + len(moved)
-        what = (f"{len(moved)} more units kept on the device "
-                f"({', '.join(self.names[unit] for unit in moved)})" if moved
-                else "no unit moved")
-        self.outcome = (f"re-planned after step {measured.step}: {what}, {kept} of "
-                        f"{len(self.order)} trained units there; measured beyond the plan "
-                        f"{format_size(unplanned)}, {format_size(reserve)} left free")
+            try:
+                with self.timeline.span(f"re-plan: {len(moved)} units to the device", "setup"):
+                    manager.move_to_device(plan.kept_on_device(moved))
+            except Exception as error:  # all or nothing: this rank's placement stays
+                warnings.warn(f"tiered: moving {len(moved)} units to the device failed "
+                              f"({error}); the placement stays as it is")
+                moved = []
+            else:
+                what = (f"{len(moved)} more units kept on the device "
+                        f"({', '.join(self.names[unit] for unit in moved)}); the DRAM they "
+                        f"left, {format_size(manager.plan.left_pinned)}, stays pinned")
+        kept = sum(manager.tier_of(unit, StateKind.EXP_AVG) is Tier.HBM for unit in self.order)
+        step = f"step {measured.step}" if measured is not None else "the first step"
+        free = unplanned + manager.hbm.usage.budget // MEASURED_MARGIN_SHARE
+        self.outcome = (f"re-planned after {step}: {what}; {kept} of {len(self.order)} trained "
+                        f"units there; measured beyond the plan {format_size(unplanned)}, "
+                        f"{format_size(free)} left free")
         if self.group.rank == 0:
             _log.info("tiered: %s", self.outcome)
+
+    def _predicted_step(self, measured: StepMeasurement | None):
+        """The step a plan is predicted to take (the balance), from this node's rates and the
+        measured forward and backward; None where memory decides alone: on the CPU (it steps
+        every unit wherever it is), without rates, or with the step not measured."""
+        rates = cached_node_rates(self.policy.nvme.path)
+        if self.group.device.type != "cuda" or rates is None or measured is None:
+            return None
+        delayed = self.policy.optimizer.delayed_update.enabled
+
+        def predicted(plan) -> float:
+            terms = step_terms(plan, self.policy, self.group.world_size, rates, False,
+                               measured.backwards)
+            return terms.predicted_step(measured.compute_s, False, delayed)
+
+        return predicted

@@ -180,8 +180,8 @@ class UnitRuntime:
         self.last_backward = None
         self.stepped_on_arrival.clear()
         self.drop_gathered()
-        if measured and self.replan_due:
-            self.replan.after_step(self.probe.last())
+        if measured and self.replan_due and self.probe.last_activations is not None:
+            self.replan.after_step(self.probe.last_activations, self.probe.last())
 
     @property
     def replan_due(self) -> bool:

@@ -438,6 +438,8 @@ class NvmeTier:
             raise
         self._extents: list[Extent] = []
         self._spares: dict[int, list[Extent]] = {}
+        self._shards_of_size: dict[int, int] = {}
+        """How many shard states hold an extent of each size (its spares serve them)."""
         self._spare_returned = threading.Condition()
 
     def _supports_direct_io(self) -> bool:
@@ -474,6 +476,7 @@ class NvmeTier:
             raise
         if len(made) > 1:
             self._spares[size] = made[:-1]
+        self._shards_of_size[size] = self._shards_of_size.get(size, 0) + 1
         return NvmeShard(self, made[-1])
 
     def _new_extent(self, size: int, what: str) -> Extent:
@@ -498,9 +501,15 @@ class NvmeTier:
         self.usage.release(extent.nbytes)
 
     def remove(self, shard: NvmeShard) -> None:
-        """A shard state that left the drive (moved to the device by a re-plan): its extent's
-        file is removed and no longer counted; the spares of its size serve the others."""
+        """A shard state that left the drive (moved to the device by a re-plan), with no write
+        of it in flight: its extent's file is removed and no longer counted, and so are the
+        spares of its size once no shard state of that size is left (as nvme_bytes counts)."""
+        size = shard.extent.nbytes
         self._drop_extent(shard.extent)
+        self._shards_of_size[size] -= 1
+        if not self._shards_of_size[size]:
+            for extent in self._spares.pop(size, []):
+                self._drop_extent(extent)
 
     def take_spare(self, size: int) -> Extent:
         with self._spare_returned:
