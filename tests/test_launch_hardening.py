@@ -43,6 +43,15 @@ class Stopped:
     nvme: Path
 
 
+def _stops_by_default() -> None:
+    """In the launcher's child, before it runs: a terminal's stop signals as a shell in the
+    foreground leaves them. A suite run under ``nohup`` (SIGHUP ignored) or as a background
+    job of a script (SIGINT ignored) would pass the ignoring on, and the launcher keeps an
+    ignored SIGHUP ignored, as nohup asks: the run would train on."""
+    for name in ("SIGHUP", "SIGINT"):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+
+
 def alive(processes: list[psutil.Process]) -> list[psutil.Process]:
     running = []
     for process in processes:
@@ -76,7 +85,8 @@ def stopped(tmp_path_factory) -> dict[str, Stopped]:
                 [sys.executable, "-m", "tiered.launch", "--nproc-per-node", "2", "--nvme",
                  str(root / "nvme"), "--policy", str(CONFIGS / "nvme.yaml"), EXAMPLE, *SMALL,
                  "--steps", "1000000"],
-                cwd=REPO, env=clean_env(), stdout=out, stderr=err, start_new_session=True)
+                cwd=REPO, env=clean_env(), stdout=out, stderr=err, start_new_session=True,
+                preexec_fn=_stops_by_default)
         runs[name] = (root, process)
     ranks: dict[str, list[psutil.Process]] = {}
     try:
