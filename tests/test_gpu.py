@@ -110,3 +110,49 @@ def test_memory_report_counts_device_shards():
     assert report["current"] == shard_numel * (2 + 4 + 12)
     assert report["current"] < report["peak"] <= report["budget"]
     engine.close()
+
+
+def test_auto_re_planned_on_the_device_matches_pytorch(tmp_path):
+    """tier: auto on the GPU with a budget whose quarter reserve leaves the device the root
+    unit only: the first step measures a small batch's activations, the re-plan moves the
+    blocks to the device (stepped there by the fused kernel, their step counts with them), and
+    fp32 training goes on as PyTorch's."""
+    from tiered.engine.build import flat_units, forward_order, memory_plan
+    from tiered.policy import Policy, Tier
+
+    torch.manual_seed(0)
+    make = lambda: GPT(VOCAB, 512, 3, 8, max_seq=SEQ, tied=True, qkv_bias=False)  # noqa: E731
+    auto = os.path.join(REPO, "configs", "auto.yaml")
+    policy = Policy.from_yaml(auto, dict(device="cuda", compute_dtype="fp32"))
+    flats = flat_units(make(), policy, 0, 1, torch.device("cpu"))  # sizes only
+    order = forward_order(flats)
+    needed = [memory_plan(policy, torch.device("cuda"), flats, None,
+                          on_device=frozenset(order[:count])).needed(Tier.HBM)
+              for count in (1, 2)]
+    budget = needed[1] * 4 // 3 - 8  # a quarter free keeps one unit; the re-plan has room
+    assert needed[0] + budget // 4 <= budget
+    idx = [batch[:1] for batch in batches()]  # one sequence: activations small
+    with sdpa_kernel(SDPBackend.MATH):
+        torch.cuda.reset_peak_memory_stats()  # the tests before this one allocated too
+        torch.manual_seed(0)
+        engine, optimizer = tiered.initialize(make(), auto, device="cuda",
+                                              compute_dtype="fp32", optimizer=dict(OPTIM),
+                                              hbm={"budget": budget})
+        for batch in idx:
+            next_token_loss(engine(batch), batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        replanned = engine.plan_report().replanned
+        state = engine.full_state_dict()
+        engine.close()
+        torch.manual_seed(0)
+        model = make().cuda()
+        reference = torch.optim.AdamW(model.parameters(), fused=True, **OPTIM)
+        for batch in idx:
+            next_token_loss(model(batch), batch).backward()
+            reference.step()
+            reference.zero_grad()
+    assert "more units kept on the device" in replanned, replanned
+    for name, ref in model.state_dict().items():
+        torch.testing.assert_close(state[name], ref.cpu(), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{name}: {m}")
