@@ -53,7 +53,6 @@ def train_and_die(args) -> None:
 
 def resume(args) -> None:
     import tiered
-    import torch
 
     with tiered.init(os.path.join(REPO, "configs", "cpu.yaml")):
         model = build_model(args)
