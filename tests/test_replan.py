@@ -141,6 +141,31 @@ def test_what_the_model_keeps_outside_its_units_is_measured_too():
     assert measured == forward_activations(_Rootless(), lambda model: model(x)) > 0
 
 
+def test_the_count_hands_what_the_model_keeps_to_the_hooks_it_was_called_under():
+    """A caller's saved-tensor hooks around the model (save_on_cpu, say) still get every
+    tensor the forward keeps that is no unit's weights, with the count between them."""
+    torch.manual_seed(0)
+    engine, optimizer = tiered.initialize(_Rootless(), "configs/cpu.yaml", device="cpu",
+                                          compute_dtype="fp32")
+    x = torch.randn(64, 32, requires_grad=True)
+    seen = []
+
+    def pack(tensor):
+        seen.append(tensor.shape)
+        return tensor.clone()  # what a caller's hooks may hand back: another tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda packed: packed):
+        engine(x).sum().backward()
+    measured_grad = x.grad.clone()
+    optimizer.step()
+    assert len(seen) > 0 and engine.plan_report().measured.activations > 0
+    engine.close()
+    x.grad = None
+    torch.manual_seed(0)
+    _Rootless()(x).sum().backward()
+    assert torch.equal(measured_grad, x.grad)
+
+
 class _Attention(torch.nn.Module):
     def __init__(self, dropout: float):
         super().__init__()

@@ -75,8 +75,9 @@ class UnitHooks:
         self._started: dict[int, object] = {}
         """Timeline marks of the units computing now (forward, or backward since first use)."""
         self._saved_hooks: list[torch.autograd.graph.saved_tensors_hooks] = []
-        self._counter = (self._count_saved, _as_saved)
-        """The model forward's outermost saved-tensor hooks: they count what it keeps."""
+        self._counter: _SavedHooks | None = None
+        """The model forward's outermost saved-tensor hooks: they count what it keeps, and
+        pass it on to the hooks the forward was called under."""
         self._counting = False
         """Whether the forward running pushed them (one with grad, outside backward)."""
         self._input_hooks: list = []
@@ -150,6 +151,9 @@ class UnitHooks:
                 # Outermost: what any part of the forward keeps for backward passes through it
                 # (a unit's own hooks hand it what is not the unit's weights, see [Note: outer
                 # saved-tensor hooks]), and what checkpointing recomputes does not.
+                outer = _outer_saved_hooks()  # the caller's (save_on_cpu around the model)
+                self._counter = (partial(self._count_saved, outer),
+                                 partial(_unpack_outer, outer))
                 counting = torch.autograd.graph.saved_tensors_hooks(*self._counter)
                 counting.__enter__()
                 self._saved_hooks.append(counting)
@@ -266,9 +270,9 @@ class UnitHooks:
             return _UnitView(flat, tensor, self.runtime.weights_epoch)
         return tensor if outer is None else outer[0](tensor)
 
-    def _count_saved(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _count_saved(self, outer: _SavedHooks | None, tensor: torch.Tensor):
         self.runtime.probe.saved.add(tensor)
-        return tensor
+        return tensor if outer is None else outer[0](tensor)
 
     def _unpack(self, outer: _SavedHooks | None, packed):
         if isinstance(packed, _UnitView):
@@ -430,8 +434,8 @@ unit keeps that unit's activations: still correct, but no memory saved; a unit t
 it keeps to the forward's counter directly."""
 
 
-def _as_saved(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
+def _unpack_outer(outer: _SavedHooks | None, packed):
+    return packed if outer is None else outer[1](packed)
 
 
 def _cast_floating(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
