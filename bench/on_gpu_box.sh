@@ -64,7 +64,9 @@ cpu)  # issue 3: the CPU update alone, beside DMA, on huge pages; run twice: is 
         | tee "$out/cpu.log"  # the memory system the update runs on
     for run in 1 2; do
         python bench/bench_cpu_update.py 2>&1 | grep -v -e Warning -e _conversion
-    done | tee -a "$out/cpu.log" ;;
+    done | tee -a "$out/cpu.log"
+    # issue 21: the native one-pass kernel against inductor's and the fused one, unit-sized
+    python bench/bench_adamw_kernels.py --params 87e6 --repeats 11 2>&1 | tee -a "$out/cpu.log" ;;
 clip)  # issue 3: clipping at batch 8; the norm is taken as gradients arrive (bench/RESULTS.md)
     python bench/bench_offload.py --batches 8 --steps 7 --warmup 3 --out "$out/clip.json" \
         --modes tiered:cpu+arrive,tiered:cpu+dpu --set '{"optimizer": {"max_grad_norm": 1.0}}' \

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from tiered.optim import adamw
+from tiered.optim import adamw, native
 from tiered.optim.adamw import AdamWHyper, OnePassAdamW, adamw_step
 from tiered.optim.norm import squared_norm
 
@@ -71,7 +71,7 @@ def test_one_pass_falls_back_to_fused_when_compiling_fails(monkeypatch):
     torch.manual_seed(0)
     master = torch.randn(1000)
     grads = [torch.randn(1000).bfloat16() for _ in range(2)]
-    kernel = OnePassAdamW()
+    kernel = OnePassAdamW(native=False)  # as where no C compiler is either
     ours, exp_avg, exp_avg_sq, step = master.clone(), torch.zeros(1000), torch.zeros(1000), \
         torch.zeros(())
     weights = torch.empty(1000, dtype=torch.bfloat16)
@@ -82,6 +82,68 @@ def test_one_pass_falls_back_to_fused_when_compiling_fails(monkeypatch):
     assert kernel._failed and step.item() == 2
     torch.testing.assert_close(ours, torch_adamw(master, grads, 2.0), rtol=1e-6, atol=1e-6)
     assert torch.equal(weights, ours.bfloat16())
+
+
+def step_state(kernel: OnePassAdamW, state: dict, grads: list[torch.Tensor], hyper: AdamWHyper,
+               divisor: float) -> dict:
+    state = {name: value.clone() for name, value in state.items()}
+    step = torch.zeros(())
+    for grad in grads:
+        step += 1
+        kernel.step(state["master"], grad, state["exp_avg"], state["exp_avg_sq"],
+                    state["weights"], step, hyper, divisor)
+    return state
+
+
+@pytest.mark.parametrize("grad_dtype,weights_dtype", [(torch.bfloat16, torch.bfloat16),
+                                                     (torch.float32, torch.bfloat16),
+                                                     (torch.float16, torch.float16),
+                                                     (torch.float32, torch.float16)])
+def test_the_native_kernel_gives_the_compiled_kernels_bits(grad_dtype, weights_dtype):
+    """Built from C (native.py), bit for bit what inductor's compilation of the same step gives:
+    at sizes off its block and its vector width, on views whose weights are not aligned for
+    its streaming stores, with a divisor or none, betas on either side of lerp's switch, and
+    gradients holding zeros, denormals, infinities and NaN."""
+    assert adamw.native_step(grad_dtype, weights_dtype) is not None  # a compiler is here
+    torch.manual_seed(0)
+    for numel, offset in ((1, 0), (4095, 0), (3 * 4096 + 17, 1)):
+        grads = [torch.randn(numel + offset)[offset:].to(grad_dtype) for _ in range(3)]
+        grads[1][:4] = torch.tensor([0.0, 1e-40, float("inf"), float("nan")])[:numel]
+        state = {name: torch.randn(numel + offset)[offset:] for name in ("master", "exp_avg")}
+        state["exp_avg_sq"] = torch.rand(numel + offset)[offset:]
+        state["weights"] = torch.empty(numel + offset, dtype=weights_dtype)[offset:]
+        for hyper in (HYPER, AdamWHyper(lr=1e-3, beta1=0.3, beta2=0.5, eps=1e-6,
+                                        weight_decay=0.0)):
+            for divisor in (1.0, 3.0):
+                native = step_state(OnePassAdamW(), state, grads, hyper, divisor)
+                compiled_kernel = OnePassAdamW(native=False)
+                compiled = step_state(compiled_kernel, state, grads, hyper, divisor)
+                assert not compiled_kernel._failed
+                for name in state:  # exactly, a NaN where the other has one
+                    torch.testing.assert_close(native[name], compiled[name], rtol=0, atol=0,
+                                               equal_nan=True,
+                                               msg=lambda m: f"{numel} {hyper} {name}: {m}")
+
+
+def test_a_native_kernel_that_cannot_be_built_leaves_the_compiled_one(monkeypatch, tmp_path):
+    broken = tmp_path / "adamw_one_pass.c"
+    broken.write_text("this is not C\n")
+    monkeypatch.setenv("TIERED_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "SOURCE", str(broken))
+    native._library.cache_clear()
+    native.native_step.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="the native AdamW kernel could not be built"):
+            assert native.native_step(torch.bfloat16, torch.bfloat16) is None
+        kernel = OnePassAdamW()
+        state = {"master": torch.randn(100), "exp_avg": torch.zeros(100),
+                 "exp_avg_sq": torch.zeros(100), "weights": torch.empty(100).bfloat16()}
+        stepped = step_state(kernel, state, [torch.randn(100).bfloat16()], HYPER, 1.0)
+        assert not kernel._failed and kernel._compiled is not None  # inductor's served
+        assert torch.equal(stepped["weights"], stepped["master"].bfloat16())
+    finally:  # the next use builds (or loads) the real one
+        native._library.cache_clear()
+        native.native_step.cache_clear()
 
 
 def test_one_pass_lets_other_threads_run_while_it_steps():

@@ -16,6 +16,8 @@ from functools import partial
 
 import torch
 
+from .native import native_step
+
 
 @dataclass(frozen=True)
 class AdamWHyper:
@@ -106,7 +108,9 @@ def _alone(tensor: torch.Tensor) -> torch.Tensor:
 
 class OnePassAdamW:
     """AdamW for mixed precision on the CPU: reads the gradient in the compute dtype and writes
-    the new compute-dtype weights in the same pass over memory.
+    the new compute-dtype weights in the same pass over memory. Built from C for this machine
+    where it can be (native.py: the same results, faster), else compiled by inductor, else
+    torch's fused kernel and a cast.
 
     The fused kernel needs an fp32 gradient and leaves the cast to a second pass, so a step
     costs 2 + 28 + 6 bytes of DRAM traffic per parameter against this one's 28 (bf16 gradient
@@ -117,7 +121,10 @@ class OnePassAdamW:
     compiler), the fused kernel and a separate cast do the same work, with a warning.
     """
 
-    def __init__(self):
+    def __init__(self, native: bool = True):
+        """``native``: use the kernel built from C where there is one (False: inductor's, as
+        the benchmark compares them)."""
+        self._native = native
         self._compiled = None
         self._failed = False
 
@@ -132,6 +139,8 @@ class OnePassAdamW:
         its own (dynamo specializes size 1): a parameter of one element in a param group of
         its own, or a shard or piece boundary one element into a run, steps one element.
         """
+        if self._native and native_step(grad_dtype, weights_dtype) is not None:
+            return  # built (or loaded from the cache) now, nothing to compile
         import torch._inductor.config as inductor_config
 
         # Trust the vector instruction sets the CPU lists. Otherwise inductor checks each one
@@ -157,6 +166,10 @@ class OnePassAdamW:
         # Before the try: a caller's mistake must not disable the compiled kernel for the run.
         _require_contiguous(master, grad, exp_avg, exp_avg_sq, weights)
         scalars = _one_pass_scalars(hyper, float(step), grad_divisor)
+        native = native_step(grad.dtype, weights.dtype) if self._native else None
+        if native is not None:
+            native(master, grad, exp_avg, exp_avg_sq, weights, scalars)
+            return
         if not self._failed:
             try:
                 if self._compiled is None:
@@ -180,8 +193,9 @@ class OnePassAdamW:
 
 def one_pass_for(compute_dtype: torch.dtype, grad_dtypes: set[torch.dtype],
                  optimizer_device: torch.device, worker) -> OnePassAdamW | None:
-    """The one-pass kernel for mixed precision with the optimizer on the CPU, compiled now on
-    ``worker`` (the thread that will run it: its intra-op thread count is baked into the code);
+    """The one-pass kernel for mixed precision with the optimizer on the CPU, built from C (or
+    loaded from the cache) or else compiled now on ``worker`` (the thread that will run it:
+    inductor bakes its intra-op thread count into the code, the native kernel reads it);
     ``None`` where torch's fused kernel serves (fp32 keeps it, bit for bit, as does a GPU).
 
     Returns once compiled, a variant per gradient dtype in ``grad_dtypes``: a cold compile took

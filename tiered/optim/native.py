@@ -1,0 +1,111 @@
+"""The one-pass AdamW step built for this machine from C (adamw_one_pass.c), where a C compiler
+is: the compiled (inductor) kernel's results, bit for bit, at 0.94-0.95x the parameters per
+second of torch's fused kernel on fp32 gradients where the compiled one ran 0.70-0.90x (bench/
+RESULTS.md, sixteenth session; issue 21).
+
+The library is built once per machine and compiler, with ``-march=native``, into the user's
+cache folder (``TIERED_CACHE``, as ``tiered node``'s rates), named by a hash of the source, the
+flags, the compiler's version and the CPU's model and flags: a home folder shared by machines of
+other CPUs builds one for each, never loading code for instructions a CPU lacks. Ranks that
+build at once each write their own file and rename it into place. Where there is no compiler,
+or a build fails, the compiled kernel serves, as before, with a warning saying why.
+
+The call is a ctypes foreign call, which lets go of the GIL while the kernel runs (the training
+thread keeps launching work meanwhile), on the caller's intra-op thread count (the CPU worker's).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import warnings
+from typing import Callable
+
+import torch
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "adamw_one_pass.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-shared",
+         "-fPIC")
+"""See adamw_one_pass.c: no fused multiply-adds, so that the results are the compiled
+kernel's; no errno from sqrtf, so that it vectorizes."""
+
+_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+
+NativeStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                       torch.Tensor], None]
+"""(master, gradient, exp_avg, exp_avg_sq, weights, scalars): one step, in place."""
+
+
+@functools.cache
+def native_step(grad_dtype: torch.dtype, weights_dtype: torch.dtype) -> NativeStep | None:
+    """The native kernel for gradients of ``grad_dtype`` and weights of ``weights_dtype``, or
+    None where there is none (no compiler, a failed build, a pair it does not provide)."""
+    library = _library()
+    name = f"one_pass_g{_NAMES.get(grad_dtype)}_w{_NAMES.get(weights_dtype)}"
+    if library is None or not hasattr(library, name):
+        return None
+    function = getattr(library, name)
+    function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    function.restype = None
+
+    def step(master, grad, exp_avg, exp_avg_sq, weights, scalars) -> None:
+        function(master.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+                 weights.data_ptr(), master.numel(), scalars.data_ptr(), torch.get_num_threads())
+
+    return step
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The built library, loaded once per process; None (with a warning) where it cannot be."""
+    try:
+        return ctypes.CDLL(_build())
+    except (OSError, subprocess.SubprocessError) as error:
+        warnings.warn(f"tiered: the native AdamW kernel could not be built ({error}); the "
+                      f"compiled one steps instead")
+        return None
+
+
+def _build() -> str:
+    from ..node import cache_folder  # the rates' cache, one folder per user
+
+    compiler = shutil.which(os.environ.get("CC") or "gcc") or shutil.which("cc")
+    if compiler is None:
+        raise OSError("no C compiler (gcc or cc, or $CC) on PATH")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             check=True, timeout=30).stdout.splitlines()[0]
+    with open(SOURCE, "rb") as file:
+        source = file.read()
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
+                                     _cpu().encode()])).hexdigest()[:16]
+    folder = os.path.join(cache_folder(), "kernels")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"adamw_one_pass-{key}.so")
+    if not os.path.exists(path):
+        building = f"{path}.{os.getpid()}.tmp"
+        try:
+            done = subprocess.run([compiler, *FLAGS, "-o", building, SOURCE],
+                                  capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                raise OSError(f"{os.path.basename(compiler)} failed: "
+                              f"{done.stderr.strip()[-500:]}")
+            os.replace(building, path)  # whole, or not there: another rank may load it now
+        finally:
+            if os.path.exists(building):
+                os.remove(building)
+    return path
+
+
+def _cpu() -> str:
+    """What ``-march=native`` builds for: the CPU's model and instruction-set flags."""
+    try:
+        with open("/proc/cpuinfo") as file:
+            lines = [line for line in file
+                     if line.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
