@@ -1,0 +1,204 @@
+"""Convergence on real text, each optimizer setting against plain PyTorch AdamW (issue 21).
+
+    python bench/bench_convergence.py [--steps 400 --modes torch,tiered:fp32,tiered:bf16,...]
+        [--out FOLDER]
+
+A byte-level GPT (vocabulary 256; ``--dim 256 --layers 4``, about 3.3 M parameters) learns the
+Python standard library's own source files, text no one here wrote: the ``.py`` files at the
+top of ``sysconfig``'s stdlib folder, in name order, the last 5% of the bytes held out. Every
+mode starts from the same weights and reads the same batches; the validation loss (the same
+held-out batches) is taken every ``--every`` steps. Modes:
+- ``torch``: the model in fp32 with ``torch.optim.AdamW`` (the reference); ``torch+dpu``: under
+  the delayed update's rule (``+dpu40``: after 40 ordinary steps), the rule's own cost;
+- ``tiered:fp32``: configs/cpu.yaml in fp32 (bit for bit the reference: a check of the bench);
+- ``tiered:bf16``: cpu.yaml in bf16, the one-pass kernel's mixed precision;
+- ``tiered:bf16+dpu``: the same with the one-step delayed update (``+dpu40``: after 40
+  ordinary steps, its ``warmup_steps``).
+The compact optimizer states of issue 21 come as more modes. It prints each mode's final
+validation loss and its gap to the reference, and writes ``convergence.json`` and the curves as
+``convergence.svg`` into ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import glob
+import json
+import os
+import sys
+import sysconfig
+import time
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "examples"))
+
+from gpt import GPT, next_token_loss  # noqa: E402
+
+from tiered.report import format_table  # noqa: E402
+
+OPTIM = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+HELD_OUT = 0.05
+
+
+def corpus() -> tuple[torch.Tensor, torch.Tensor]:
+    """The standard library's top-level sources as bytes: (training, held out)."""
+    files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+    data = b"".join(open(path, "rb").read() for path in files)
+    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+    split = int(len(tokens) * (1 - HELD_OUT))
+    return tokens[:split], tokens[split:]
+
+
+def batches(tokens: torch.Tensor, count: int, batch: int, seq: int, seed: int) -> list:
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(tokens) - seq, (count, batch), generator=generator)
+    return [torch.stack([tokens[s:s + seq] for s in row]) for row in starts.tolist()]
+
+
+def make_model(args) -> GPT:
+    torch.manual_seed(0)
+    return GPT(256, args.dim, args.layers, args.dim // 64, max_seq=args.seq, tied=True)
+
+
+def run(mode: str, args, train: list, held_out: list) -> dict:
+    import tiered
+
+    model = make_model(args)
+    hyper = dict(OPTIM, lr=args.lr)
+    evaluated = None  # the weights held out batches are scored on, where not the trained ones
+    if mode.startswith("torch"):
+        # fused: the kernel tiered runs, so that tiered:fp32 is this bit for bit
+        optimizer = torch.optim.AdamW(model.parameters(), fused=True, **hyper)
+        engine, close = model, lambda: None
+        _, _, extra = mode.partition("+")
+        if extra.startswith("dpu"):  # scored on the latest weights, as engine.eval() gives
+            engine, optimizer = _delayed(model, optimizer, int(extra[3:] or 0))
+            evaluated = model
+    else:
+        setting, _, extra = mode.removeprefix("tiered:").partition("+")
+        overrides = dict(device="cpu", compute_dtype=setting, optimizer=hyper)
+        if extra.startswith("dpu"):  # "dpu40": after 40 ordinary steps
+            overrides["optimizer"]["delayed_update"] = {"enabled": True,
+                                                         "warmup_steps": int(extra[3:] or 0)}
+        engine, optimizer = tiered.initialize(model, os.path.join(REPO, "configs", "cpu.yaml"),
+                                              **overrides)
+        close = engine.close
+    def held_out_loss() -> float:
+        if hasattr(optimizer, "synchronize"):  # a pending delayed update is finished first
+            optimizer.synchronize()
+        engine.eval()
+        scored = evaluated or engine
+        with torch.no_grad():
+            loss = sum(next_token_loss(scored(idx), idx).item() for idx in held_out)
+        engine.train()
+        return loss / len(held_out)
+
+    curve, start = [(0, held_out_loss())], time.perf_counter()
+    for step, idx in enumerate(train, start=1):
+        next_token_loss(engine(idx), idx).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step % args.every == 0 or step == len(train):
+            curve.append((step, held_out_loss()))
+            print(f"{mode} step {step}: held-out loss {curve[-1][1]:.4f}", flush=True)
+    close()
+    return dict(mode=mode, curve=curve, seconds=time.perf_counter() - start)
+
+
+def _delayed(model: GPT, optimizer: torch.optim.Optimizer, warmup: int):
+    """Plain PyTorch under the delayed update's rule (tiered.policy.DelayedUpdatePolicy): after
+    ``warmup`` ordinary steps, step t's gradient is taken at the weights from before step t-1
+    and applied to those after it. The forward runs a copy holding the weights it is due."""
+    compute = copy.deepcopy(model)
+
+    class Delayed:
+        steps = 0
+
+        def step(self):
+            for mine, its in zip(model.parameters(), compute.parameters()):
+                mine.grad = its.grad
+            before = copy.deepcopy(model.state_dict())
+            optimizer.step()
+            self.steps += 1
+            compute.load_state_dict(model.state_dict() if self.steps <= warmup else before)
+
+        def synchronize(self):
+            """As the engine's: the next forward reads the latest weights."""
+            compute.load_state_dict(model.state_dict())
+
+        def zero_grad(self):
+            compute.zero_grad()
+            optimizer.zero_grad()
+
+    return compute, Delayed()
+
+
+def svg(results: list[dict], path: str) -> None:
+    """The held-out loss curves, one polyline a mode, as an SVG file (no plotting library)."""
+    width, height, pad = 640, 400, 50
+    points = [point for r in results for point in r["curve"]]
+    steps = max(step for step, _ in points)
+    low, high = min(loss for _, loss in points), max(loss for _, loss in points)
+    x = lambda step: pad + (width - 2 * pad) * step / steps  # noqa: E731
+    y = lambda loss: height - pad - (height - 2 * pad) * (loss - low) / (high - low)  # noqa
+    colors = ["#000000", "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
+    lines = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+             f'font-family="sans-serif" font-size="12">',
+             f'<rect width="{width}" height="{height}" fill="white"/>',
+             f'<line x1="{pad}" y1="{height - pad}" x2="{width - pad}" y2="{height - pad}" '
+             f'stroke="black"/><line x1="{pad}" y1="{pad}" x2="{pad}" y2="{height - pad}" '
+             f'stroke="black"/>',
+             f'<text x="{width / 2}" y="{height - 15}" text-anchor="middle">step '
+             f'(0 to {steps})</text>',
+             f'<text x="15" y="{pad - 15}">held-out loss, {high:.3f} (top) to {low:.3f} '
+             f'(bottom)</text>']
+    for index, result in enumerate(results):
+        color = colors[index % len(colors)]
+        polyline = " ".join(f"{x(step):.1f},{y(loss):.1f}" for step, loss in result["curve"])
+        lines.append(f'<polyline points="{polyline}" fill="none" stroke="{color}" '
+                     f'stroke-width="1.5"/>')
+        lines.append(f'<text x="{width - pad - 150}" y="{pad + 16 * index}" fill="{color}">'
+                     f'{result["mode"]}</text>')
+    lines.append("</svg>")
+    with open(path, "w") as file:
+        file.write("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--lr", type=float, default=OPTIM["lr"])
+    parser.add_argument("--every", type=int, default=50)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--held-out-batches", type=int, default=8)
+    parser.add_argument("--modes", default="torch,tiered:fp32,tiered:bf16,tiered:bf16+dpu,"
+                        "tiered:bf16+dpu40")
+    parser.add_argument("--out", default=".")
+    args = parser.parse_args()
+    training, held = corpus()
+    train = batches(training, args.steps, args.batch, args.seq, seed=1)
+    held_out = batches(held, args.held_out_batches, args.batch, args.seq, seed=2)
+    print(f"{len(training) + len(held):,} bytes of stdlib source, {len(held):,} held out; "
+          f"{sum(p.numel() for p in make_model(args).parameters()) / 1e6:.1f} M parameters")
+    results = [run(mode, args, train, held_out) for mode in args.modes.split(",")]
+    reference = next((r for r in results if r["mode"] == "torch"), results[0])
+    final = reference["curve"][-1][1]
+    rows = [["mode", "held-out loss", "gap to " + reference["mode"], "seconds"]]
+    for r in results:
+        loss = r["curve"][-1][1]
+        rows.append([r["mode"], f"{loss:.4f}", f"{(loss - final) / final:+.2%}",
+                     f"{r['seconds']:.0f}"])
+    print(format_table(rows))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "convergence.json"), "w") as file:
+        json.dump(results, file, indent=1)
+    svg(results, os.path.join(args.out, "convergence.svg"))
+
+
+if __name__ == "__main__":
+    main()
