@@ -19,9 +19,8 @@ re-plan (engine/replan.py) keeps a margin for them.
 """
 from __future__ import annotations
 
-from typing import Callable
-
 from contextlib import contextmanager, nullcontext
+from typing import Callable
 
 import torch
 import torch.nn.functional as F

@@ -131,10 +131,9 @@ class TierManager:
         budget or, when null, its plan's needs ``hbm_needed`` (which the spill does not
         change)."""
         room = self.available()[Tier.DRAM]
-        if self.cpu_ram is not None:
-            hbm = self.policy.hbm.budget if self.policy.hbm.budget is not None else hbm_needed
-            room = min(room, self.cpu_ram - hbm)
-        return max(0, room)
+        if self.cpu_ram is None:
+            return max(0, room)
+        return dram_beside_hbm(room, self.cpu_ram, self.policy.hbm.budget, hbm_needed)
 
     def budgets_for(self, plan: MemoryPlan) -> dict[Tier, int]:
         """Each tier's budget for ``plan``. On a CPU device the HBM and DRAM tiers are the same
@@ -145,14 +144,10 @@ class TierManager:
         budgets = {Tier.HBM: self.hbm.usage.budget, Tier.DRAM: self.dram.usage.budget}
         if self.nvme is not None:
             budgets[Tier.NVME] = self.nvme.usage.budget
-        if self.cpu_ram is None:
-            return budgets
-        hbm_set, dram_set = self.policy.hbm.budget, self.policy.dram.budget
-        if dram_set is None:
-            budgets[Tier.DRAM] = (plan.needed(Tier.DRAM) if hbm_set is None
-                                  else max(0, self.cpu_ram - hbm_set))
-        if hbm_set is None:
-            budgets[Tier.HBM] = max(0, self.cpu_ram - budgets[Tier.DRAM])
+        if self.cpu_ram is not None:
+            budgets[Tier.HBM], budgets[Tier.DRAM] = split_shared_ram(
+                self.cpu_ram, self.policy.hbm.budget, self.policy.dram.budget,
+                plan.needed(Tier.DRAM))
         return budgets
 
     def hbm_room(self, plan: MemoryPlan) -> int:
@@ -471,6 +466,25 @@ class TierManager:
         if self.nvme is not None:
             self.nvme.close()
         self.dram.close(clean)
+
+
+def split_shared_ram(ram: int, hbm_budget: int | None, dram_budget: int | None,
+                     dram_needed: int) -> tuple[int, int]:
+    """The HBM and DRAM budgets on a CPU device, where both tiers are ``ram`` (see
+    TierManager.budgets_for): a budget the policy sets stays, a null one is what the other
+    leaves, and with both null DRAM's is what the plan pins there, ``dram_needed``."""
+    if dram_budget is None:
+        dram_budget = dram_needed if hbm_budget is None else max(0, ram - hbm_budget)
+    if hbm_budget is None:
+        hbm_budget = max(0, ram - dram_budget)
+    return hbm_budget, dram_budget
+
+
+def dram_beside_hbm(room: int, ram: int, hbm_budget: int | None, hbm_needed: int) -> int:
+    """The DRAM a plan may fill on a CPU device, where both tiers are ``ram``: no more than
+    ``room`` (DRAM's own budget) nor than the HBM tier's budget leaves or, when null, its
+    plan's needs ``hbm_needed``."""
+    return max(0, min(room, ram - (hbm_budget if hbm_budget is not None else hbm_needed)))
 
 
 def _dram_buffers(plan: MemoryPlan) -> dict[tuple, Buffer]:

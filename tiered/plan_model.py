@@ -40,6 +40,7 @@ from torch import nn
 from .activations import forward_activations
 from .engine.build import flat_units, forward_order, memory_plan
 from .errors import TieredError, UsageError
+from .manager import dram_beside_hbm, split_shared_ram
 from .node import NodeRates
 from .plan import MemoryPlan
 from .plan_report import BatchFit, PlanReport, plan_report
@@ -153,19 +154,14 @@ class NodeBudgets:
         """The DRAM a plan may fill (what ``dram.spill`` keeps there), beside ``hbm_needed``."""
         if self.shared is None:
             return self.dram
-        room = self.dram if self.dram is not None else self.shared
-        return max(0, min(room, self.shared - (self.hbm if self.hbm is not None
-                                               else hbm_needed)))
+        return dram_beside_hbm(self.dram if self.dram is not None else self.shared,
+                               self.shared, self.hbm, hbm_needed)
 
     def for_plan(self, plan: MemoryPlan) -> dict[Tier, int | None]:
-        """The HBM and DRAM budgets of ``plan``: on a CPU device a null one is what the other
-        leaves of the shared RAM, with both null DRAM's is what the plan pins there."""
-        hbm, dram = self.hbm, self.dram
-        if self.shared is not None:
-            if dram is None:
-                dram = plan.needed(Tier.DRAM) if hbm is None else max(0, self.shared - hbm)
-            if hbm is None:
-                hbm = max(0, self.shared - dram)
+        """The HBM and DRAM budgets of ``plan`` (on a CPU device: split_shared_ram)."""
+        if self.shared is None:
+            return {Tier.HBM: self.hbm, Tier.DRAM: self.dram}
+        hbm, dram = split_shared_ram(self.shared, self.hbm, self.dram, plan.needed(Tier.DRAM))
         return {Tier.HBM: hbm, Tier.DRAM: dram}
 
 

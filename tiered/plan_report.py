@@ -90,8 +90,8 @@ class StepTerms:
 
 @dataclass(frozen=True)
 class BatchFit:
-    """What a batch keeps for backward (``tiered plan --batch --seq``, counted on the meta
-    device: activations.py), and the largest batch that fits beside the plan."""
+    """What a batch keeps for backward (``tiered plan --batch --seq``, counted on fake tensors:
+    activations.py), and the largest batch that fits beside the plan."""
 
     batch: int
     seq: int

@@ -76,10 +76,9 @@ class UnitHooks:
         """Timeline marks of the units computing now (forward, or backward since first use)."""
         self._saved_hooks: list[torch.autograd.graph.saved_tensors_hooks] = []
         self._counter: _SavedHooks | None = None
-        """The model forward's outermost saved-tensor hooks: they count what it keeps, and
-        pass it on to the hooks the forward was called under."""
-        self._counting = False
-        """Whether the forward running pushed them (one with grad, outside backward)."""
+        """The outermost saved-tensor hooks of the model forward running (one with grad,
+        outside backward; None otherwise): they count what it keeps, and pass it on to the
+        hooks the forward was called under."""
         self._input_hooks: list = []
         """Handles of the frozen units' input hooks since the last backward ended: removed
         then, or a leaf input the caller keeps across iterations would collect one a step."""
@@ -131,7 +130,7 @@ class UnitHooks:
         while self._saved_hooks:
             self._saved_hooks.pop().__exit__(None, None, None)
         self._forward_depth = 0
-        self._counting = False
+        self._counter = None
         self._inner_skipped.clear()
 
     def remove(self) -> None:
@@ -157,7 +156,6 @@ class UnitHooks:
                 counting = torch.autograd.graph.saved_tensors_hooks(*self._counter)
                 counting.__enter__()
                 self._saved_hooks.append(counting)
-                self._counting = True
             self._forward_depth += 1
             for flat in self._whole_forward:
                 self.runtime.use(flat)
@@ -193,9 +191,9 @@ class UnitHooks:
         if _in_backward_pass() or self._forward_depth == 0:
             return
         self._forward_depth -= 1
-        if self._forward_depth == 0 and self._counting:  # pushed last of all still open
+        if self._forward_depth == 0 and self._counter is not None:  # pushed first, popped last
             self._saved_hooks.pop().__exit__(None, None, None)
-            self._counting = False
+            self._counter = None
         for flat in self._whole_forward:
             self.runtime.done(flat)
         if not torch.is_grad_enabled() or _no_backward_from(output):
@@ -207,7 +205,7 @@ class UnitHooks:
         # cover (see [Note: outer saved-tensor hooks]).
         module._forward_hooks.move_to_end(self._post_forward_ids[flat.spec.index])
         outer = _outer_saved_hooks()
-        if _top_saved_hooks is None and self._counting:  # see _top_saved_hooks
+        if _top_saved_hooks is None and self._counter is not None:  # see _top_saved_hooks
             outer = self._counter
         hooks = torch.autograd.graph.saved_tensors_hooks(partial(self._pack, outer),
                                                          partial(self._unpack, outer))
