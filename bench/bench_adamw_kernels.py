@@ -13,7 +13,10 @@ kernel so that the machine's drift falls on all of them alike; the median of ``-
 - ``one-pass (inductor)``: the one-pass step as inductor compiles it, bf16 gradient in, bf16
   weights out (28 bytes);
 - ``one-pass (native)``: the same step built from C for this machine (tiered/optim/native.py),
-  what tiered runs where a C compiler is; first checked to give the compiled kernel's bits.
+  what tiered runs where a C compiler is; first checked to give the compiled kernel's bits;
+- ``compact: ...``: the native step with compact states (optim/compact.py; issue 21): bf16 or
+  8-bit moments with the fp32 master, and with the bf16 weights as the master; their column
+  "x one-pass" is against the native one-pass kernel on fp32 states, the issue's measure.
 """
 from __future__ import annotations
 
@@ -23,19 +26,35 @@ import time
 
 import torch
 
-from tiered.optim.adamw import AdamWHyper, OnePassAdamW, adamw_step
+from tiered.optim import compact
+from tiered.optim.adamw import AdamWHyper, OnePassAdamW, _one_pass_scalars, adamw_step
 from tiered.optim.workers import CpuWorker, optimizer_threads
 from tiered.report import format_table
 
 HYPER = AdamWHyper(1e-4, 0.9, 0.95, 1e-8, 0.1)
 
 
+COMPACT = {  # name: (fp32 master kept, moments' dtype, bytes of DRAM traffic a parameter)
+    "compact: moments bf16": (True, torch.bfloat16, 2 + 8 + 8 + 2),
+    "compact: moments int8": (True, torch.uint8, 2 + 8 + 4 * compact.QBLOCK_BYTES / 256 + 2),
+    "compact: bf16 + master bf16": (False, torch.bfloat16, 2 + 2 + 8 + 2),
+    "compact: int8 + master bf16": (False, torch.uint8, 2 + 2 + 4 * compact.QBLOCK_BYTES / 256 + 2),
+}
+
+
 def states(numel: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     master = torch.randn(numel)
-    return {"master": master, "exp_avg": torch.zeros(numel), "exp_avg_sq": torch.zeros(numel),
-            "grad32": torch.randn(numel) * 1e-2, "grad16": (torch.randn(numel) * 1e-2).bfloat16(),
-            "weights": master.bfloat16()}
+    data = {"master": master, "exp_avg": torch.zeros(numel), "exp_avg_sq": torch.zeros(numel),
+            "grad32": torch.randn(numel) * 1e-2,
+            "grad16": (torch.randn(numel) * 1e-2).bfloat16(), "weights": master.bfloat16()}
+    for name, (keeps_master, dtype, _) in COMPACT.items():
+        size = compact.packed_nbytes(numel) if dtype is torch.uint8 else numel
+        data[f"{name} master"] = master.clone() if keeps_master else None
+        data[f"{name} weights"] = master.bfloat16()
+        data[f"{name} exp_avg"] = torch.zeros(size, dtype=dtype)
+        data[f"{name} exp_avg_sq"] = torch.zeros(size, dtype=dtype)
+    return data
 
 
 def kernels(compiled: OnePassAdamW, native: OnePassAdamW):
@@ -54,20 +73,31 @@ def kernels(compiled: OnePassAdamW, native: OnePassAdamW):
                         step, HYPER, 1.0)
         return run
 
+    def compact_kernel(name: str):
+        def run(s):
+            weights = s[f"{name} weights"]
+            compact.compact_step(s[f"{name} master"], weights, s["grad16"], s[f"{name} exp_avg"],
+                                 s[f"{name} exp_avg_sq"], weights, 0,
+                                 [compact.Run(0, weights.numel(), scalars)], 1)
+        return run
+
+    scalars = _one_pass_scalars(HYPER, 1.0, 1.0)
     return {"fused": (fused, 28), "fused+cast": (fused_cast, 36),
             "one-pass (inductor)": (one_pass(compiled), 28),
-            "one-pass (native)": (one_pass(native), 28)}
+            "one-pass (native)": (one_pass(native), 28),
+            **{name: (compact_kernel(name), nbytes) for name, (_, _, nbytes) in COMPACT.items()}}
 
 
 def same_bits(runs: dict, numel: int = 1 << 20) -> bool:
     """Whether the native kernel gives the compiled one's results, bit for bit."""
-    first = states(numel)
+    first = {key: value for key, value in states(numel).items() if " " not in key}
     results = []
     for name in ("one-pass (inductor)", "one-pass (native)"):
-        data = {key: value.clone() for key, value in first.items()}
+        data = {key: None if value is None else value.clone() for key, value in first.items()}
         runs[name][0](data)
         results.append(data)
-    return all(torch.equal(results[0][key], results[1][key]) for key in first)
+    return all(torch.equal(results[0][key], results[1][key]) for key in
+               ("master", "exp_avg", "exp_avg_sq", "weights"))
 
 
 def main() -> None:
@@ -103,13 +133,14 @@ def main() -> None:
             worker.submit(lambda name=name: timed(name))
     worker.drain()
     worker.close()
-    base = numel / statistics.median(seconds["fused"])
-    rows = [["kernel", "ms", "G params/s", "GB/s", "x fused"]]
+    fused = statistics.median(seconds["fused"])
+    one_pass = statistics.median(seconds["one-pass (native)"])
+    rows = [["kernel", "ms", "G params/s", "B/param", "GB/s", "x fused", "x one-pass"]]
     for name, (_, bytes_per_param) in runs.items():
         median = statistics.median(seconds[name])
         rows.append([name, f"{median * 1e3:.1f}", f"{numel / median / 1e9:.2f}",
-                     f"{numel * bytes_per_param / median / 1e9:.1f}",
-                     f"{numel / median / base:.2f}"])
+                     f"{bytes_per_param:.1f}", f"{numel * bytes_per_param / median / 1e9:.1f}",
+                     f"{fused / median:.2f}", f"{one_pass / median:.2f}"])
     print(f"{numel / 1e6:.0f} M parameters, {worker.threads} threads, median of {args.repeats}")
     print(format_table(rows))
 

@@ -129,7 +129,7 @@ def test_a_native_kernel_that_cannot_be_built_leaves_the_compiled_one(monkeypatc
     broken = tmp_path / "adamw_one_pass.c"
     broken.write_text("this is not C\n")
     monkeypatch.setenv("TIERED_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(native, "SOURCE", str(broken))
+    monkeypatch.setattr(native, "SOURCES", (str(broken),))
     native._library.cache_clear()
     native.native_step.cache_clear()
     try:

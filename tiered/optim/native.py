@@ -29,11 +29,13 @@ from typing import Callable
 
 import torch
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "adamw_one_pass.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-shared",
+SOURCES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
+                for name in ("adamw_one_pass.c", "adamw_compact.c"))
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
+         "-ffp-contract=off", "-shared",
          "-fPIC")
 """See adamw_one_pass.c: no fused multiply-adds, so that the results are the compiled
-kernel's; no errno from sqrtf, so that it vectorizes."""
+kernel's (and compact.reference_step's); no errno from sqrtf, so that it vectorizes."""
 
 _NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
@@ -61,6 +63,40 @@ def native_step(grad_dtype: torch.dtype, weights_dtype: torch.dtype) -> NativeSt
     return step
 
 
+CompactStep = Callable[..., None]
+"""(master or None, weights_in, gradient, exp_avg, exp_avg_sq, weights_out, first, bounds,
+run_scalars, key): compact.reference_step's arguments, the runs as a tensor
+of bounds (int64, runs + 1) and one of scalars (fp32, runs x 9)."""
+
+
+@functools.cache
+def native_compact_step(grad_dtype: torch.dtype, weights_dtype: torch.dtype, keeps_master: bool,
+                        moments_dtype: torch.dtype) -> CompactStep | None:
+    """The compact-state kernel of adamw_compact.c for these dtypes (moments: fp32, bf16, or
+    uint8 for 8-bit blocks), or None where there is none."""
+    library = _library()
+    moments = {torch.float32: "f32", torch.bfloat16: "bf16", torch.uint8: "q8"}[moments_dtype]
+    name = (f"compact_g{_NAMES.get(grad_dtype)}_w{_NAMES.get(weights_dtype)}_"
+            f"p{'f32' if keeps_master else 'bf16'}_m{moments}")
+    if library is None or not hasattr(library, name):
+        return None
+    function = getattr(library, name)
+    function.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int64] * 2
+                         + [ctypes.c_void_p] * 2 + [ctypes.c_int]
+                         + [ctypes.c_uint32, ctypes.c_int])
+    function.restype = None
+
+    def step(master, weights_in, grad, exp_avg, exp_avg_sq, weights_out, first, bounds,
+             run_scalars, key) -> None:
+        function(0 if master is None else master.data_ptr(), weights_in.data_ptr(),
+                 grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+                 weights_out.data_ptr(), grad.numel(), first, bounds.data_ptr(),
+                 run_scalars.data_ptr(), bounds.numel() - 1, key,
+                 torch.get_num_threads())
+
+    return step
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The built library, loaded once per process; None (with a warning) where it cannot be."""
@@ -80,9 +116,11 @@ def _build() -> str:
         raise OSError("no C compiler (gcc or cc, or $CC) on PATH")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              check=True, timeout=30).stdout.splitlines()[0]
-    with open(SOURCE, "rb") as file:
-        source = file.read()
-    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
+    sources = []
+    for source in SOURCES:
+        with open(source, "rb") as file:
+            sources.append(file.read())
+    key = hashlib.sha256(b"\0".join([*sources, " ".join(FLAGS).encode(), version.encode(),
                                      _cpu().encode()])).hexdigest()[:16]
     folder = os.path.join(cache_folder(), "kernels")
     os.makedirs(folder, exist_ok=True)
@@ -90,7 +128,7 @@ def _build() -> str:
     if not os.path.exists(path):
         building = f"{path}.{os.getpid()}.tmp"
         try:
-            done = subprocess.run([compiler, *FLAGS, "-o", building, SOURCE],
+            done = subprocess.run([compiler, *FLAGS, "-o", building, *SOURCES],
                                   capture_output=True, text=True, timeout=300)
             if done.returncode != 0:
                 raise OSError(f"{os.path.basename(compiler)} failed: "

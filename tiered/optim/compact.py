@@ -1,0 +1,293 @@
+"""Compact optimizer states: the formats, the random stream, and the step in plain PyTorch.
+
+[Note: compact states]
+AdamW keeps 12 bytes per trained parameter beside the weights (fp32 master, two fp32 moments).
+Compact states keep fewer (the policy keys that choose them, ``optimizer.moments`` and
+``optimizer.master``, are issue 21's next part):
+- ``moments: bf16``: 2 bytes each, stochastically rounded. To nearest, a second moment would
+  never move: its step at beta2 = 0.999 is 0.1% of it, under half of bf16's 0.8% spacing.
+- ``moments: int8``: a byte each, plus an fp32 scale per block of 256 (QBLOCK_BYTES = 260 bytes
+  a block: its codes, then its scale). A code is a tiny float, 3 mantissa bits and 4 exponent
+  bits for the first moment (with a sign) or 5 for the second (which spans the square of the
+  gradients' range), scaled so that the block's largest finite magnitude is the map's largest
+  code. Each step of a code is 1/8 to 1/16 of its value, and rounding to it is stochastic too,
+  for the same reason as bf16's. A second moment never rounds to zero unless it is zero: an
+  element whose v read as 0 while its m did not would step by m / eps. A NaN or infinity gets a
+  code of its own (NaN) and stays out of its block's scale: it does not wipe out the block, and
+  the weight it steps is NaN from then on, as in PyTorch.
+- ``master: bf16``: no fp32 master; the bf16 weights are the master, stepped in fp32 and rounded
+  stochastically, so that updates smaller than half a bf16 step still move them on average.
+The update itself is computed in fp32 from the stored values, with the fp32 kernel's formulas;
+only what is stored is compact.
+
+Stochastic rounding takes its bits from a counter-based stream: murmur3's 32-bit finalizer of
+the element's index in its unit's shard plus a key made from (seed, unit, step) (stream_key). A
+step is then the same whatever the threads, pieces or machine, and a resumed run repeats the one
+it resumes. One hash per element and step serves all three: its low 16 bits round the weights,
+the next 8 the first moment and the top 8 the second. 8 bits resolve 1/256 of a moment's
+rounding step, where the smallest change that must survive, a second moment's 0.1% a step, is a
+quarter of bf16's and a twentieth of a code's; a weight's update can be a hundredth of its
+step (lr 1e-6), so it has 16.
+
+``reference_step`` is the native kernel's (adamw_compact.c) specification, in PyTorch: the two
+agree bit for bit (tests/test_compact.py), and ``compact_step`` runs it where the kernel is not
+(a GPU's tensors, no C compiler).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+QBLOCK = 256
+"""Elements per scale of an 8-bit moment."""
+QBLOCK_BYTES = QBLOCK + 4
+
+MASK32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class CodeMap:
+    """An 8-bit float-like code: E exponent bits (bias ``bias``), 3 mantissa bits, perhaps a
+    sign; (8 + M) 2^(E - bias - 3) for E > 0, M 2^(-bias - 2) for E = 0 (evenly spaced down to
+    zero). ``max_code`` is the largest finite magnitude; ``nan_code`` stands for a NaN or
+    infinity."""
+
+    bias: int
+    signed: bool
+    max_code: int
+    nan_code: int
+
+    def values(self) -> torch.Tensor:
+        """Each code's value, as fp32 (exact: small integers times powers of two)."""
+        codes = torch.arange(256)
+        magnitude = codes & 0x7F if self.signed else codes
+        exponent, mantissa = magnitude >> 3, (magnitude & 7).double()
+        value = torch.where(exponent > 0, (8 + mantissa) * torch.exp2(exponent - self.bias - 3.0),
+                            mantissa * 2.0 ** (-self.bias - 2))
+        if self.signed:
+            value = torch.where(codes >= 0x80, -value, value)
+        value[self.nan_code] = float("nan")
+        return value.float()
+
+    @property
+    def largest(self) -> float:
+        """The largest finite value: what a block's largest magnitude becomes."""
+        return self.values()[self.max_code].item()
+
+
+FIRST_MOMENT = CodeMap(bias=15, signed=True, max_code=0x7F, nan_code=0x80)
+"""Signed, 1.875 down to 2^-17 (-0 is the NaN code)."""
+SECOND_MOMENT = CodeMap(bias=31, signed=False, max_code=0xFE, nan_code=0xFF)
+"""Unsigned, 1.75 down to 2^-33."""
+
+
+def stream_key(seed: int, unit: int, step: int) -> int:
+    """The 32-bit key of the random stream of one unit's step."""
+    digest = hashlib.blake2b(f"{seed}:{unit}:{step}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
+
+
+def random_bits(index: torch.Tensor, key: int) -> torch.Tensor:
+    """The stream's 32 bits for each element index (int64, below 2^32), as int64."""
+    h = (index + key) & MASK32
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & MASK32  # int64 wraps; its low 32 bits are the product's
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & MASK32
+    return h ^ (h >> 16)
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """The fp32 tensor's bit patterns, as non-negative int64."""
+    return x.view(torch.int32).long() & MASK32
+
+
+def round_bf16_stochastic(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
+    """fp32 to bf16, rounded up with probability (dropped bits) / 2^16 by the random 16 bits
+    ``r16`` (8 random bits shifted up: in steps of 1/256); a NaN stays a quiet NaN."""
+    bits = _bits(x)
+    rounded = torch.where(torch.isnan(x), (bits >> 16) | 0x40, (bits + r16) >> 16)
+    return _as_int16(rounded).view(torch.bfloat16)
+
+
+def round_bf16_nearest(x: torch.Tensor) -> torch.Tensor:
+    """fp32 to bf16 to nearest even, as torch's cast, but a NaN kept with its sign and payload,
+    as the kernel does."""
+    bits = _bits(x)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    return _as_int16(torch.where(torch.isnan(x), (bits >> 16) | 0x40, rounded)).view(
+        torch.bfloat16)
+
+
+def _as_int16(values: torch.Tensor) -> torch.Tensor:
+    return (((values & 0xFFFF) ^ 0x8000) - 0x8000).to(torch.int16)
+
+
+def encode(x: torch.Tensor, code_map: CodeMap, r8: torch.Tensor) -> torch.Tensor:
+    """The codes of normalized fp32 values (magnitudes at most ``code_map.largest``, but for
+    rounding), rounded up with a probability in steps of 1/256 by 8 random bits each, as
+    int64."""
+    bias = code_map.bias
+    a = x.abs()
+    smallest_normal = 2.0 ** (1 - bias)
+    normal = ((_bits(a) + (r8 << 12)) >> 20) - ((127 - bias) << 3)
+    subnormal = (torch.fmin(a, torch.tensor(smallest_normal)) * 2.0 ** (bias + 2)
+                 + r8.float() * 2.0 ** -8).to(torch.int32).long()
+    code = torch.where(a >= smallest_normal, normal, subnormal).clamp(max=code_map.max_code)
+    if code_map.signed:
+        code = torch.where((x < 0) & (code > 0), code | 0x80, code)
+    else:
+        code = torch.where((a > 0) & (code == 0), 1, code)
+    return torch.where(torch.isfinite(x), code, code_map.nan_code)
+
+
+def packed_nbytes(numel: int) -> int:
+    """Bytes of one 8-bit moment of ``numel`` elements."""
+    return -(-numel // QBLOCK) * QBLOCK_BYTES
+
+
+def _blocks(packed: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of a packed 8-bit moment: its codes (blocks x 256, uint8) and scales (fp32)."""
+    rows = packed[:packed_nbytes(numel)].view(-1, QBLOCK_BYTES)
+    return rows[:, :QBLOCK], rows[:, QBLOCK:].contiguous().view(torch.float32)[:, 0]
+
+
+def dequantize(packed: torch.Tensor, numel: int, code_map: CodeMap) -> torch.Tensor:
+    codes, scales = _blocks(packed, numel)
+    values = code_map.values().to(packed.device)[codes.long()] * scales[:, None]
+    return values.reshape(-1)[:numel]
+
+
+def quantize_into(packed: torch.Tensor, x: torch.Tensor, code_map: CodeMap,
+                  r8: torch.Tensor) -> None:
+    """Write fp32 ``x`` (a whole number of blocks, but for a unit's last) into ``packed``."""
+    numel = x.numel()
+    pad = -numel % QBLOCK
+    blocks = torch.nn.functional.pad(x, (0, pad)).view(-1, QBLOCK)
+    r8 = torch.nn.functional.pad(r8, (0, pad)).view(-1, QBLOCK)
+    finite = torch.where(torch.isfinite(blocks), blocks.abs(), 0.0)
+    scales = finite.amax(dim=1) / code_map.largest
+    inverse = torch.where(scales > 0, (1.0 / scales).clamp(max=torch.finfo(torch.float32).max),
+                          0.0)
+    codes = encode(blocks * inverse[:, None], code_map, r8).to(torch.uint8)
+    rows = packed[:packed_nbytes(numel)].view(-1, QBLOCK_BYTES)
+    last = numel - (rows.shape[0] - 1) * QBLOCK  # a unit's last block may be partial: its
+    rows[:-1, :QBLOCK] = codes[:-1]              # padding keeps what it held
+    rows[-1, :last] = codes[-1, :last]
+    rows[:, QBLOCK:] = scales.view(-1, 1).view(torch.uint8)
+
+
+@dataclass(frozen=True)
+class Run:
+    """Elements [start, stop) of a piece, of one param group: stepped with ``scalars``
+    (adamw._one_pass_scalars), or frozen (None)."""
+
+    start: int
+    stop: int
+    scalars: torch.Tensor | None
+
+
+def read_moment(state: torch.Tensor, numel: int, code_map: CodeMap) -> torch.Tensor:
+    """A stored moment of ``numel`` elements as fp32."""
+    if state.dtype is torch.uint8:
+        return dequantize(state, numel, code_map)
+    return state[:numel].float()
+
+
+def _write_moment(state: torch.Tensor, x: torch.Tensor, code_map: CodeMap,
+                  r8: torch.Tensor) -> None:
+    if state.dtype is torch.uint8:
+        quantize_into(state, x, code_map, r8)
+    elif state.dtype is torch.bfloat16:
+        state[:x.numel()] = round_bf16_stochastic(x, r8 << 8)
+    else:
+        state[:x.numel()] = x
+
+
+def reference_step(master: torch.Tensor | None, weights_in: torch.Tensor, grad: torch.Tensor,
+                   exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, weights_out: torch.Tensor,
+                   first: int, runs: list[Run], key: int) -> None:
+    """One step of a piece of ``grad.numel()`` elements starting at element ``first`` of its
+    unit's shard (a multiple of QBLOCK with 8-bit moments). The moments are fp32, bf16 or
+    packed 8-bit (uint8) tensors; ``master`` is the fp32 master, or None when the bf16 weights
+    are (read from ``weights_in``, which may be ``weights_out``)."""
+    n = grad.numel()
+    device = grad.device
+    index = torch.arange(first, first + n, device=device)
+    random = random_bits(index, key)
+    m_old = read_moment(exp_avg, n, FIRST_MOMENT)
+    v_old = read_moment(exp_avg_sq, n, SECOND_MOMENT)
+    p_old = master[:n] if master is not None else weights_in[:n].float()
+    m, v, p = m_old.clone(), v_old.clone(), p_old.clone()
+    g_all = grad.float()
+    for run in runs:
+        if run.scalars is None:
+            continue
+        here = slice(run.start, run.stop)
+        decay, beta2, avg_weight, sq_weight, eps, step_size, bias2_sqrt, divisor = (
+            run.scalars.to(device).unbind())
+        g = _divide(g_all[here], divisor)
+        from_end = bool(avg_weight.abs() >= 0.5)
+        lerp_by = -(1.0 - avg_weight) if from_end else avg_weight
+        start = g if from_end else m_old[here]
+        m[here] = start + lerp_by * (g - m_old[here])
+        v[here] = v_old[here] * beta2 + g * (g * sq_weight)
+        p[here] = p_old[here] * decay - step_size * m[here] / (
+            _divide(_sqrt(v[here]), bias2_sqrt) + eps)
+    _write_moment(exp_avg, m, FIRST_MOMENT, (random >> 16) & 0xFF)
+    _write_moment(exp_avg_sq, v, SECOND_MOMENT, random >> 24)
+    if master is not None:
+        master[:n] = p
+        weights_out[:n] = round_bf16_nearest(p) if weights_out.dtype is torch.bfloat16 else p
+    else:
+        weights_out[:n] = round_bf16_stochastic(p, random & 0xFFFF)
+
+
+def _divide(x: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
+    """``x / divisor`` divided, as the kernel does: torch multiplies by the reciprocal when the
+    divisor is a one-element tensor, which differs in the last bit."""
+    return x / divisor.expand_as(x)
+
+
+def _sqrt(x: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded square root, as the kernel's ``sqrtf``: torch's fp32 ``sqrt`` on the
+    CPU (MKL's, torch 2.13) is off by one in the last bit for some inputs; the fp64 root rounded
+    to fp32 is exact (fp64 carries more than twice fp32's bits, enough for a square root)."""
+    return x.double().sqrt().float()
+
+
+def compact_step(master: torch.Tensor | None, weights_in: torch.Tensor, grad: torch.Tensor,
+                 exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, weights_out: torch.Tensor,
+                 first: int, runs: list[Run], key: int) -> None:
+    """reference_step's step, by the native kernel (adamw_compact.c) on the CPU where there is
+    one, else by reference_step itself (a GPU, or no C compiler): the same bits either way."""
+    if exp_avg.dtype is torch.uint8 and first % QBLOCK:
+        raise ValueError(f"tiered: a piece of 8-bit moments starts on a block of {QBLOCK} "
+                         f"elements, not at element {first}")
+    if first + grad.numel() > 1 << 32:
+        raise ValueError("tiered: compact states index a unit's shard by 32 bits: a shard of "
+                         f"{first + grad.numel()} elements is too large (tile the layer)")
+    edges = [0] + [edge for run in runs for edge in (run.start, run.stop)] + [grad.numel()]
+    if not runs or edges[::2] != edges[1::2]:
+        raise ValueError(f"tiered: the runs must cover the piece's {grad.numel()} elements one "
+                         f"after another, got {[(run.start, run.stop) for run in runs]}")
+    tensors = [t for t in (master, weights_in, grad, exp_avg, exp_avg_sq, weights_out)
+               if t is not None]
+    kernel = None
+    if grad.device.type == "cpu" and all(t.is_contiguous() for t in tensors):
+        from .native import native_compact_step
+        kernel = native_compact_step(grad.dtype, weights_out.dtype, master is not None,
+                                     exp_avg.dtype)
+    if kernel is None:
+        reference_step(master, weights_in, grad, exp_avg, exp_avg_sq, weights_out, first, runs,
+                       key)
+        return
+    bounds = torch.tensor([run.start for run in runs] + [runs[-1].stop], dtype=torch.int64)
+    frozen = torch.tensor([0.0] * 8 + [1.0])  # the kernel's ninth scalar: a frozen run
+    scalars = torch.stack([frozen if run.scalars is None else
+                           torch.cat([run.scalars.float().cpu(), torch.zeros(1)])
+                           for run in runs])
+    kernel(master, weights_in, grad, exp_avg, exp_avg_sq, weights_out, first, bounds, scalars,
+           key)
