@@ -67,19 +67,19 @@ static inline float to_f32(float f) { return f; }
 
 /* The 8-bit code of a normalized value x (|x| at most the map's largest, but for rounding), in
  * a map of 3 mantissa bits and exponent bias `bias`, rounded up with a probability in steps of
- * 1/256 by the 8 random bits r8: compact.encode's rules. Not fminf, nor an unsigned converted to
- * float: gcc 12 leaves a loop with either scalar. */
+ * 1/256 by the 8 random bits r8: compact.encode's rules. Where |x| is below the smallest normal
+ * code, 2^(1-bias), adding that to it makes an fp32 whose top 3 mantissa bits are the evenly
+ * spaced code (its exponent one more than a normal code's bits would say), so that one
+ * rounding serves both ranges. */
 static inline uint32_t encode(float x, uint32_t r8, int bias, int is_signed, uint32_t max_code,
                               uint32_t nan_code) {
     const uint32_t x_bits = float_bits(x), a_bits = x_bits & 0x7fffffffu;
     const float a = bits_float(a_bits);
     const float smallest_normal = bits_float((uint32_t)(128 - bias) << 23); /* 2^(1-bias) */
-    const float subnormal_scale = bits_float((uint32_t)(127 + bias + 2) << 23);
-    const uint32_t normal = ((a_bits + (r8 << 12)) >> 20) - ((uint32_t)(127 - bias) << 3);
-    const float below = a < smallest_normal ? a : smallest_normal; /* fminf's, NaN included */
-    const uint32_t subnormal =
-        (uint32_t)(int32_t)(below * subnormal_scale + (float)(int32_t)r8 * 0x1p-8f);
-    uint32_t code = a >= smallest_normal ? normal : subnormal;
+    const int below = a < smallest_normal;
+    const uint32_t shifted = float_bits(below ? a + smallest_normal : a);
+    const uint32_t offset = (uint32_t)(below ? 128 - bias : 127 - bias) << 3;
+    uint32_t code = ((shifted + (r8 << 12)) >> 20) - offset;
     code = code > max_code ? max_code : code;
     if (is_signed)
         code |= code != 0 ? (x_bits >> 24) & 0x80u : 0u; /* a sign, but never -0 (NaN) */

@@ -132,10 +132,12 @@ def encode(x: torch.Tensor, code_map: CodeMap, r8: torch.Tensor) -> torch.Tensor
     bias = code_map.bias
     a = x.abs()
     smallest_normal = 2.0 ** (1 - bias)
-    normal = ((_bits(a) + (r8 << 12)) >> 20) - ((127 - bias) << 3)
-    subnormal = (torch.fmin(a, torch.tensor(smallest_normal)) * 2.0 ** (bias + 2)
-                 + r8.float() * 2.0 ** -8).to(torch.int32).long()
-    code = torch.where(a >= smallest_normal, normal, subnormal).clamp(max=code_map.max_code)
+    # Below the smallest normal code, a + 2^(1-bias) is an fp32 whose top 3 mantissa bits are
+    # the evenly spaced code, its exponent one more than a normal code's offset says.
+    below = a < smallest_normal
+    shifted = _bits(torch.where(below, a + smallest_normal, a))
+    offset = torch.where(below, 128 - bias, 127 - bias) << 3
+    code = (((shifted + (r8 << 12)) >> 20) - offset).clamp(max=code_map.max_code)
     if code_map.signed:
         code = torch.where((x < 0) & (code > 0), code | 0x80, code)
     else:
