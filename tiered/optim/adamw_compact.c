@@ -18,22 +18,13 @@
  * where a param group ends inside it, and is encoded once, after all of them are stepped.
  */
 #include <float.h>
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
+
+#include "adamw_kernel.h"
 
 #define QBLOCK 256
 #define QBLOCK_BYTES (QBLOCK + 4)
 #define CHUNK 4096 /* elements a thread steps before it writes their weights out */
 #define SCALARS 9  /* per run: adamw._one_pass_scalars' 8, then 1 for a frozen run */
-
-typedef uint16_t bf16_bits;
-
-static inline uint32_t float_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-static inline float bits_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
 /* The stream's bits for element `index`: murmur3's 32-bit finalizer of index + key. */
 static inline uint32_t random_bits(uint32_t index, uint32_t key) {
@@ -46,24 +37,12 @@ static inline uint32_t random_bits(uint32_t index, uint32_t key) {
     return h;
 }
 
-static inline float from_bf16(bf16_bits h) { return bits_float((uint32_t)h << 16); }
-
-/* To nearest even, a NaN kept a quiet NaN, as torch's cast (adamw_one_pass.c). */
-static inline bf16_bits to_bf16(float f) {
-    uint32_t u = float_bits(f);
-    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    return (bf16_bits)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : rounded);
-}
-
 /* Stochastically: up with probability (the dropped 16 bits) / 2^16, by the 16 random bits
  * `r` (8 bits: shifted up, a probability in steps of 1/256); a NaN stays a quiet NaN. */
 static inline bf16_bits to_bf16_stochastic(float f, uint32_t r) {
     uint32_t u = float_bits(f);
     return (bf16_bits)((u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : (u + r) >> 16);
 }
-
-static inline float from_f32(float f) { return f; }
-static inline float to_f32(float f) { return f; }
 
 /* The 8-bit code of a normalized value x (|x| at most the map's largest, but for rounding), in
  * a map of 3 mantissa bits and exponent bias `bias`, rounded up with a probability in steps of
@@ -194,26 +173,6 @@ static inline void store_moments(int format, void *exp_avg, void *exp_avg_sq, in
                      (uint8_t *)exp_avg_sq + (start / QBLOCK) * QBLOCK_BYTES, m, v, random,
                      count);
     }
-}
-
-/* Copy a chunk of new weights out; non-temporal where the destination is aligned. */
-static inline void write_out(void *dst, const void *src, size_t bytes) {
-#if defined(__AVX512F__)
-    if (((uintptr_t)dst & 63) == 0 && bytes % 64 == 0) {
-        for (size_t j = 0; j < bytes; j += 64)
-            _mm512_stream_si512((__m512i *)((char *)dst + j),
-                                _mm512_load_si512((const void *)((const char *)src + j)));
-        return;
-    }
-#endif
-    memcpy(dst, src, bytes);
-}
-
-/* Non-temporal stores are weakly ordered: done before the caller says the weights are written. */
-static inline void fence(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    _mm_sfence();
-#endif
 }
 
 /* One run's elements [from, to) of a block whose moments are in m_block[], v_block[] and random

@@ -10,53 +10,9 @@
  * overwrites, and the loop has none of inductor's per-call overheads, which cost most at a small
  * unit's size. -fno-math-errno is what lets sqrtf vectorize.
  */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
+#include "adamw_kernel.h"
 
 #define BLOCK 4096 /* elements a thread steps before it writes their weights out */
-
-typedef uint16_t bf16_bits;
-
-static inline float from_bf16(bf16_bits h) {
-    union { uint32_t u; float f; } x;
-    x.u = (uint32_t)h << 16;
-    return x.f;
-}
-
-/* Round to nearest even, a NaN kept a quiet NaN, as torch's cast; branch-free, to vectorize. */
-static inline bf16_bits to_bf16(float f) {
-    union { uint32_t u; float f; } x;
-    x.f = f;
-    uint32_t rounded = (x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16;
-    uint32_t nan = (x.u >> 16) | 0x40u;
-    return (bf16_bits)(((x.u & 0x7fffffffu) > 0x7f800000u) ? nan : rounded);
-}
-
-static inline float from_f32(float f) { return f; }
-
-/* Copy a block of new weights out; non-temporal where the destination is aligned. */
-static inline void write_out(void *dst, const void *src, size_t bytes) {
-#if defined(__AVX512F__)
-    if (((uintptr_t)dst & 63) == 0 && bytes % 64 == 0) {
-        for (size_t j = 0; j < bytes; j += 64)
-            _mm512_stream_si512((__m512i *)((char *)dst + j),
-                                _mm512_load_si512((const void *)((const char *)src + j)));
-        return;
-    }
-#elif defined(__AVX__)
-    if (((uintptr_t)dst & 31) == 0 && bytes % 32 == 0) {
-        for (size_t j = 0; j < bytes; j += 32)
-            _mm256_stream_si256((__m256i *)((char *)dst + j),
-                                _mm256_load_si256((const __m256i *)((const char *)src + j)));
-        return;
-    }
-#endif
-    memcpy(dst, src, bytes);
-}
 
 /* One block of elements [base, end). GRADIENT is the gradient of element i as fp32, divided
  * or not; the first moment moves by lerp as torch computes it, from the nearer end (FROM: g,
@@ -102,13 +58,6 @@ static inline void write_out(void *dst, const void *src, size_t bytes) {
         }                                                                                       \
         fence();                                                                                \
     }
-
-/* Non-temporal stores are weakly ordered: done before the caller says the weights are written. */
-static inline void fence(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    _mm_sfence();
-#endif
-}
 
 ONE_PASS(one_pass_gbf16_wbf16, bf16_bits, from_bf16, bf16_bits, to_bf16)
 ONE_PASS(one_pass_gf32_wbf16, float, from_f32, bf16_bits, to_bf16)

@@ -31,6 +31,7 @@ import torch
 
 SOURCES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
                 for name in ("adamw_one_pass.c", "adamw_compact.c"))
+HEADERS = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "adamw_kernel.h"),)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
          "-ffp-contract=off", "-shared",
          "-fPIC")
@@ -117,7 +118,7 @@ def _build() -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              check=True, timeout=30).stdout.splitlines()[0]
     sources = []
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):  # the library's name changes with any of them
         with open(source, "rb") as file:
             sources.append(file.read())
     key = hashlib.sha256(b"\0".join([*sources, " ".join(FLAGS).encode(), version.encode(),
