@@ -245,3 +245,36 @@ def test_the_step_refuses_pieces_it_cannot_step():
     with pytest.raises(ValueError, match="must cover the piece"):
         compact.compact_step(None, weights, weights, exp_avg, exp_avg_sq, weights, 0,
                              [Run(0, 100, scalars), Run(120, QBLOCK, scalars)], 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("keeps_master,moments", [(True, "int8"), (False, "int8"),
+                                                  (False, "bf16")])
+def test_a_units_step_on_the_gpu_gives_the_native_kernels_bits(keeps_master, moments):
+    """Units placed on the device step with the reference on CUDA tensors (compact_step)."""
+    torch.manual_seed(4)
+    numel = 3 * 4096 + 100
+    master = torch.randn(numel)
+    grads = [torch.randn(numel).bfloat16() for _ in range(2)]
+
+    def runs_of(step: int) -> list[Run]:
+        return [Run(0, 700, _one_pass_scalars(HYPER, step, 1.0)), Run(700, 900, None),
+                Run(900, numel, _one_pass_scalars(HYPER, step, 2.0))]
+
+    def on(device):
+        def step(m, w_in, g, a, b, w_out, first, runs, key):
+            moved = [None if t is None else t.to(device) for t in (m, w_in, g, a, b)]
+            out = moved[1] if w_out is w_in else w_out.to(device)
+            compact.compact_step(*moved, out, first, runs, key)
+            for original, new in zip((m, w_in, a, b, w_out), (*moved[:2], *moved[3:], out)):
+                if original is not None:
+                    original.copy_(new.cpu())
+        return step
+
+    weights = master.bfloat16()
+    kept = master if keeps_master else None
+    cpu = run_steps(on("cpu"), grads, kept, weights, moments, runs_of, 0)
+    gpu = run_steps(on("cuda"), grads, kept, weights, moments, runs_of, 0)
+    for name, a, b in zip(("master", "weights", "exp_avg", "exp_avg_sq"), cpu, gpu):
+        if a is not None:
+            assert same_bits(a, b), name

@@ -10,6 +10,7 @@ import torch
 import tiered
 from gpt import GPT
 from helpers_models import assert_parity, reference_optimizer, train_both
+from tiered.moments_layout import PACKED, piece_granule
 from tiered.plan import StateKind, build_plan
 from tiered.policy import Policy, Tier
 from tiered.tiers.nvme import SPARE_EXTENTS, nvme_bytes
@@ -135,26 +136,19 @@ def test_optimizer_state_several_times_dram_trains_with_parity(tmp_path):
     engine.close()
 
 
-class _Shards:
-    """What StateStream reads of a manager: a staging block and one unit's master shard."""
-
-    def __init__(self, numel: int, staging_numel: int):
-        self.shards = {(0, StateKind.MASTER): type("Shard", (), {"numel": numel})}
-        self._block = torch.empty(staging_numel * 4, dtype=torch.uint8)
-
-    def staging_block(self, name: str) -> torch.Tensor:
-        return self._block
-
-
 @pytest.mark.parametrize("numel", [1000, 4096, (1 << 25) + 1, 87_000_000, 3 * (1 << 25)])
-def test_streamed_pieces_are_as_few_as_fit_and_nearly_equal(numel):
-    from tiered.optim.stream import StateStream
+@pytest.mark.parametrize("dtypes", [(torch.float32,), (torch.float32, PACKED)],
+                         ids=["fp32", "int8"])
+def test_streamed_pieces_are_as_few_as_fit_and_nearly_equal(numel, dtypes):
+    from tiered.optim.stream import unit_pieces
 
-    stream = StateStream(_Shards(numel, 1 << 26), sub_group_size=1 << 25)
-    pieces = stream.pieces(0)
+    granule = piece_granule(list(dtypes))
+    pieces = unit_pieces(0, numel, 1 << 25, granule)
     sizes = [p.numel for p in pieces]
     assert sum(sizes) == numel and max(sizes) <= 1 << 25
     assert len(pieces) == -(-numel // (1 << 25))  # as few as the staging buffers allow
-    assert all(p.start % 1024 == 0 for p in pieces)  # 4 KiB of fp32: O_DIRECT offsets
+    # O_DIRECT offsets: 4 KiB of fp32, and of 8-bit blocks (1024 of 260 bytes)
+    assert all(p.start % (1024 if dtypes == (torch.float32,) else 1 << 18) == 0
+               for p in pieces)
     assert [p.last for p in pieces] == [False] * (len(pieces) - 1) + [True]
-    assert max(sizes) - min(sizes) <= 1024 * len(pieces)  # no stray remainder of a few elements
+    assert max(sizes) - min(sizes) <= granule * len(pieces)  # no stray remainder of a few

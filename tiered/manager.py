@@ -10,6 +10,7 @@ It knows nothing of modules or autograd, so the per-node daemon can host it late
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -17,6 +18,7 @@ import torch
 
 from .errors import BudgetError, TieredError
 from .limits import memory_bound
+from .moments_layout import PACKED, QBLOCK_BYTES
 from .plan import Buffer, MemoryPlan, StateKind
 from .policy import Device, Policy, Tier
 from .tiers import DramTier, HbmTier, NvmeShard, NvmeTier, PinnedSlabSource, SlabSource
@@ -46,12 +48,22 @@ def typed(block: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
     return block.view(dtype)[:numel]
 
 
+def _granule(dtype: torch.dtype) -> int:
+    """Elements of ``dtype`` a piece of a state starts on a multiple of: a 4 KiB block of its
+    extent (O_DIRECT), and for packed 8-bit moments also a block of codes, so that each piece
+    can be decoded alone (moments_layout.py)."""
+    granule = BLOCK_ALIGN // dtype.itemsize
+    return math.lcm(granule, QBLOCK_BYTES) if dtype is PACKED else granule
+
+
 def _pieces(shard: "Shard", block: torch.Tensor):
     """(first element, elements, byte offset, bytes to move) of each piece of an NVMe shard
     that fits ``block``; byte counts round up to whole 4 KiB blocks (the extent has them)."""
     itemsize = shard.dtype.itemsize
-    for start, numel in even_pieces(shard.numel, block.numel() // itemsize,
-                                    BLOCK_ALIGN // itemsize):
+    room = block.numel() // itemsize
+    granule = _granule(shard.dtype)
+    most = room if shard.numel <= room else room // granule * granule
+    for start, numel in even_pieces(shard.numel, most, granule):
         yield start, numel, start * itemsize, align_up(numel * itemsize, BLOCK_ALIGN)
 
 
@@ -296,7 +308,8 @@ class TierManager:
         read through their staging buffer."""
         shard = self.shards[(unit, kind)]
         if shard.resident is not None:
-            step = max(1, max_bytes // shard.dtype.itemsize)
+            granule = _granule(shard.dtype)
+            step = max(granule, max_bytes // shard.dtype.itemsize // granule * granule)
             for start in range(0, shard.numel, step):
                 yield start, shard.resident[start:start + step].cpu()
             return
@@ -419,8 +432,10 @@ class TierManager:
 
     def optimizer_device(self, unit: int) -> torch.device:
         """Where unit ``unit`` is stepped: where its optimizer states are, the device for HBM,
-        else the CPU (NVMe states stream through DRAM)."""
-        return self._device_of(unit, StateKind.MASTER)
+        else the CPU (NVMe states stream through DRAM). Its moments say (a unit may have no
+        masters: optimizer.master bf16); a frozen unit's masters, where it has any."""
+        kind = StateKind.EXP_AVG if self.has(unit, StateKind.EXP_AVG) else StateKind.MASTER
+        return self._device_of(unit, kind)
 
     def _device_of(self, unit: int, kind: StateKind) -> torch.device:
         shard = self.shards.get((unit, kind))

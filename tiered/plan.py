@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from .errors import BudgetError
-from .policy import GradsPolicy, Policy, Tier
+from .moments_layout import stored_numel
+from .policy import GradsPolicy, MasterDtype, Policy, Tier
 from .sizes import align_up, format_size
 from .tiers.dram import BLOCK_ALIGN
 from .tiers.nvme import nvme_bytes
@@ -26,8 +27,8 @@ class StateKind(enum.Enum):
     PARAM = "param"            # compute-dtype weights, in policy.params.tier
     PARAM_NEXT = "param_next"  # the delayed update's next weights (double buffer), same tier
     GRAD = "grad"              # gradient (fp32, or compact: see state_dtype), in policy.grads.tier
-    MASTER = "master"          # fp32 master weights, in policy.optimizer.tier
-    EXP_AVG = "exp_avg"        # Adam first moment, in policy.optimizer.tier
+    MASTER = "master"          # fp32 master weights, in policy.optimizer.tier (none: master bf16)
+    EXP_AVG = "exp_avg"        # Adam first moment, in policy.optimizer.tier (optimizer.moments)
     EXP_AVG_SQ = "exp_avg_sq"  # Adam second moment, in policy.optimizer.tier
 
 
@@ -47,6 +48,8 @@ def state_kinds(policy: Policy) -> list[StateKind]:
     kinds = list(StateKind)
     if not policy.optimizer.delayed_update.enabled:
         kinds.remove(StateKind.PARAM_NEXT)
+    if policy.optimizer.master is MasterDtype.BF16:  # the bf16 weights are the master
+        kinds.remove(StateKind.MASTER)
     return kinds
 
 
@@ -89,13 +92,23 @@ def state_dtype(policy: Policy, kind: StateKind) -> torch.dtype:
     """The dtype a state is allocated in. Gradients are fp32 so that backwards can add up in
     them, except with ``accumulation_steps: 1``: no second backward can add to a step's
     gradient there (it is refused), so they stay compact, in the compute dtype, saving 2 bytes
-    per parameter of the grads tier under bf16 or fp16 (see [Note: gradient states])."""
+    per parameter of the grads tier under bf16 or fp16 (see [Note: gradient states]). Moments
+    are ``optimizer.moments``' (uint8 for packed 8-bit ones: moments_layout.py)."""
     compute = policy.compute_dtype.torch_dtype
     if kind in (StateKind.PARAM, StateKind.PARAM_NEXT):
         return compute
     if kind is StateKind.GRAD and policy.optimizer.accumulation_steps == 1:
         return compute
+    if kind in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ):
+        return policy.optimizer.moments.torch_dtype
     return torch.float32
+
+
+def state_buffer(policy: Policy, label: str, tier: Tier, kind: StateKind,
+                 params: int) -> "Buffer":
+    """The buffer of a ``kind`` state of ``params`` parameters."""
+    dtype = state_dtype(policy, kind)
+    return Buffer(label, tier, stored_numel(dtype, params), dtype)
 
 
 @dataclass(frozen=True)
@@ -133,7 +146,8 @@ def staging_buffers(policy: Policy, device: torch.device, placement: "Placement"
     compute = policy.compute_dtype.torch_dtype
     out = {}
     nvme_params = placement.largest(StateKind.PARAM, Tier.NVME)
-    nvme_states = placement.largest(StateKind.MASTER, Tier.NVME)
+    streamed = placement.largest(StateKind.EXP_AVG, Tier.NVME)
+    nvme_states = max(streamed, placement.largest(StateKind.MASTER, Tier.NVME))
     if nvme_params:
         for slot in range(read_ahead_slots(policy, nvme_params)):
             out[f"param_in{slot}"] = Buffer(f"staging param_in{slot}", Tier.DRAM, nvme_params,
@@ -144,12 +158,13 @@ def staging_buffers(policy: Policy, device: torch.device, placement: "Placement"
     if nvme_states:
         piece = min(nvme_states, policy.optimizer.sub_group_size)
         # Masters alone (a frozen unit's) only pass through master0 for exports; moments
-        # stream with masters through all sets when a trained unit's states are on NVMe.
-        streamed = placement.largest(StateKind.EXP_AVG, Tier.NVME)
-        for kind in OPTIMIZER_STATES if streamed else (StateKind.MASTER,):
+        # stream with the masters (where there are any) through all sets when a trained unit's
+        # states are on NVMe.
+        kinds = [kind for kind in OPTIMIZER_STATES if kind in state_kinds(policy)]
+        for kind in kinds if streamed else (StateKind.MASTER,):
             for slot in range(STAGING_SETS if streamed else 1):
-                out[f"{kind.value}{slot}"] = Buffer(f"staging {kind.value}{slot}", Tier.DRAM,
-                                                    piece, torch.float32)
+                out[f"{kind.value}{slot}"] = state_buffer(
+                    policy, f"staging {kind.value}{slot}", Tier.DRAM, kind, piece)
     # Sized for trained units: a frozen one never has a gradient to land.
     landing = placement.largest(StateKind.GRAD, Tier.DRAM)
     if landing and (device.type != "cpu" or lands_every_gradient):
@@ -324,8 +339,8 @@ class Placement:
 def _plan(policy: Policy, device: torch.device, placement: Placement, full_numels: list[int],
           unit_paths: list[str], world_size: int, groups: list[int] | None,
           building: int | None, lands_every_gradient: bool) -> MemoryPlan:
-    shards = {(unit, kind): Buffer(f"unit {unit} {kind.value}", tier,
-                                   placement.shard_numels[unit], state_dtype(policy, kind))
+    shards = {(unit, kind): state_buffer(policy, f"unit {unit} {kind.value}", tier, kind,
+                                         placement.shard_numels[unit])
               for (unit, kind), tier in placement.tiers.items()}
     return MemoryPlan(
         shards=shards,
@@ -361,7 +376,10 @@ def build_plan(policy: Policy, device: torch.device, shard_numels: list[int],
         return plan
     weights = (StateKind.PARAM, StateKind.PARAM_NEXT)  # a unit's own, as below
     by_size = sorted(range(len(shard_numels)), key=lambda u: -shard_numels[u])
-    for kinds in (OPTIMIZER_STATES, weights):
+    # Weights that are the master (optimizer.master: bf16) are stepped in place: they stay.
+    spilled = ((OPTIMIZER_STATES,) if policy.optimizer.master is MasterDtype.BF16
+               else (OPTIMIZER_STATES, weights))
+    for kinds in spilled:
         for unit in by_size:
             if plan.needed(Tier.DRAM) <= dram_available:
                 return plan

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 import torch
 
 from .errors import PolicyError
+from .moments_layout import PACKED, piece_granule
 from .policy_values import (as_betas, as_bool, as_class_names, as_norm_bound, as_number,
                             as_path, as_size_or_none, as_whole_number, keep_path_as_string,
                             optional, parsed_by)
@@ -25,6 +26,10 @@ from .policy_yaml import read_yaml
 from .sizes import parse_size
 
 POLICY_ENV = "TIERED_POLICY_JSON"
+
+INT8_PIECE = piece_granule([PACKED])
+"""Elements of the smallest piece of 8-bit moments that fills whole 4 KiB blocks
+(moments_layout.py)."""
 """Environment variable through which ``tiered-launch`` hands the resolved policy to each rank."""
 
 
@@ -45,6 +50,31 @@ class ComputeDtype(str, enum.Enum):
     @property
     def torch_dtype(self) -> torch.dtype:
         return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.value]
+
+
+class MomentsDtype(str, enum.Enum):
+    """How AdamW's two moments are stored ([Note: compact states] in optim/compact.py); they are
+    computed in fp32 either way."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    """bf16, stochastically rounded: 2 bytes each."""
+    INT8 = "int8"
+    """8-bit codes of a float-like map (signed for the first moment, unsigned for the second)
+    with an fp32 scale per block of 256: 1.016 bytes each."""
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """What the tiers hold a moment in (int8: packed codes and scales, moments_layout)."""
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": PACKED}[self.value]
+
+
+class MasterDtype(str, enum.Enum):
+    """How the master weights are kept."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+    """No fp32 copy: the bf16 weights are the master, stochastically rounded."""
 
 
 class Device(str, enum.Enum):
@@ -109,6 +139,21 @@ def _check_adamw(lr: float | None, betas: tuple[float, float] | None, eps: float
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
 
 
+def _check_bf16_master(policy: "Policy") -> None:
+    """``optimizer.master: bf16`` steps the bf16 weights themselves, so they must be bf16 and
+    where the optimizer steps: in DRAM for a CPU update, in HBM for a GPU one."""
+    if policy.compute_dtype is not ComputeDtype.BF16:
+        raise ValueError(f"optimizer.master: bf16 makes the bf16 weights the master: it needs "
+                         f"compute_dtype: bf16, got {policy.compute_dtype.value}")
+    params, optimizer = policy.params.tier, policy.optimizer.tier
+    on_host = params is Tier.DRAM and optimizer in (Tier.DRAM, Tier.NVME)
+    if not (on_host or params is optimizer is Tier.HBM or params is Tier.AUTO):
+        raise ValueError(f"optimizer.master: bf16 steps the weights where the optimizer runs: "
+                         f"params.tier must be dram (optimizer.tier dram or nvme), hbm with "
+                         f"optimizer.tier hbm, or auto; got params.tier {params.value} with "
+                         f"optimizer.tier {optimizer.value}")
+
+
 def _patterns(value: object) -> tuple[str, ...]:
     if isinstance(value, str):
         value = [value]
@@ -167,11 +212,27 @@ class OptimizerPolicy:
                                                        metadata={"items": ParamGroupPolicy})
     """Groups of parameters with their own hyperparameters (``optimizer.param_groups[1:]``);
     the rest are ``param_groups[0]``, with the values above."""
+    moments: MomentsDtype = MomentsDtype.FP32
+    """How the Adam moments are stored: fp32 | bf16 (2 bytes each, stochastically rounded) |
+    int8 (about 1 byte each: 8-bit codes with a scale per block of 256). Opt-in: what they cost
+    in loss is measured in bench/RESULTS.md (issue 21)."""
+    master: MasterDtype = MasterDtype.FP32
+    """fp32, or bf16: no fp32 master weights; the bf16 weights are the master, updated with
+    stochastic rounding (needs compute_dtype bf16, and the weights where the optimizer steps
+    them: not on NVMe)."""
+    rounding_seed: int = field(default=0, metadata=parsed_by(as_whole_number))
+    """The seed of stochastic rounding's random stream (with each unit and step: a run and its
+    resume round alike)."""
 
     def __post_init__(self):
         if self.sub_group_size < 1024 or self.sub_group_size % 1024:
             raise ValueError(f"sub_group_size must be a multiple of 1024 elements (4 KiB of "
                              f"fp32), got {self.sub_group_size}")
+        granule = piece_granule([torch.float32, self.moments.torch_dtype])
+        if self.sub_group_size % granule:
+            raise ValueError(f"sub_group_size must be a multiple of {granule} elements with "
+                             f"moments: {self.moments.value} (a piece of states on NVMe is "
+                             f"whole 4 KiB blocks of each), got {self.sub_group_size}")
         if self.accumulation_steps is not None and self.accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be >= 1 or null, "
                              f"got {self.accumulation_steps}")
@@ -372,6 +433,8 @@ class Policy:
                 f"grads.tier must be {expected_grads.value!r} when optimizer.tier is "
                 f"{self.optimizer.tier.value!r}: the optimizer steps where its states live and "
                 f"reads the gradient there")
+        if self.optimizer.master is MasterDtype.BF16:
+            _check_bf16_master(self)
         element = self.compute_dtype.torch_dtype.itemsize
         tile_limit = self.tiling.max_unit_bytes
         if tile_limit is not None and tile_limit < element:

@@ -46,6 +46,7 @@ A load without ``tag`` takes the one ``latest`` names, or the newest complete ch
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import stat
@@ -65,6 +66,13 @@ from .pretrained import (RNG_STATES, extra_states, persistent_buffers, rng_state
                          set_rng_states, store_model_state)
 
 __all__ = ["save", "load", "release_folders"]  # release_folders: for engine.close
+
+_log = logging.getLogger("tiered")
+
+_STATE_NAMES = {StateKind.EXP_AVG: "the first Adam moment",
+                StateKind.EXP_AVG_SQ: "the second Adam moment",
+                StateKind.MASTER: "the master weights", StateKind.PARAM: "the master weights",
+                StateKind.PARAM_NEXT: "the master weights"}
 
 
 def save(engine, directory: str, tag: str | None) -> str:
@@ -187,15 +195,21 @@ def _write_rank(engine, path: str, pending: set[int]) -> tuple[int, str]:
     entries, sources = [], []
     for flat in flats:
         unit = flat.spec.index
-        for kind in OPTIMIZER_STATES:
+        for kind in OPTIMIZER_STATES:  # as they are held: compact moments stay compact
             if manager.has(unit, kind):
-                entries.append(Entry(f"unit{unit}.{kind.value}", torch.float32,
-                                     (flat.shard_numel,)))
+                shard = manager.shards[(unit, kind)]
+                entries.append(Entry(f"unit{unit}.{kind.value}", shard.dtype, (shard.numel,)))
                 sources.append((unit, kind))
         # The weights too where they differ from the masters, or are all a frozen unit has.
-        if unit in pending or not manager.has(unit, StateKind.MASTER):
+        has_masters = manager.has(unit, StateKind.MASTER)
+        if unit in pending or not has_masters:
             entries.append(Entry(f"unit{unit}.param", compute, (flat.shard_numel,)))
             sources.append((unit, StateKind.PARAM))
+        if unit in pending and not has_masters and manager.has(unit, StateKind.EXP_AVG):
+            # optimizer.master bf16: the weights are the master, and the pending update's
+            # next weights are the masters' place.
+            entries.append(Entry(f"unit{unit}.master", compute, (flat.shard_numel,)))
+            sources.append((unit, StateKind.PARAM_NEXT))
     small = rng_states(engine.device)  # written whole, after the units
     small.update({f"buffer.{name}": value.detach().cpu() for name, value in
                   persistent_buffers(engine.module, engine.state_dict_keys).items()})
@@ -404,9 +418,32 @@ def _plan_reads(engine, manifest: dict, readers: dict[str, Reader],
         for kind in kinds:
             dtype = manager.shards[(unit, kind)].dtype
             reads[(unit, kind)] = layout.plan_read(
-                readers, rank_file, units, unit_runs, kind, weights_alone, flat.shard_range,
-                dtype, written if swaps else set())
+                readers, rank_file, units, unit_runs, kind, weights_alone and not swaps,
+                flat.shard_range, dtype, written if swaps else set())
+        if weights_alone and swaps:  # bf16 masters: the next weights are read as the masters
+            reads[(unit, StateKind.PARAM_NEXT)] = layout.plan_read(
+                readers, rank_file, units, unit_runs, StateKind.MASTER, False,
+                flat.shard_range, manager.shards[(unit, StateKind.PARAM)].dtype, written)
+    _say_conversions(reads, manager)
     return reads
+
+
+def _say_conversions(reads: dict[tuple[int, StateKind], layout.Read], manager) -> None:
+    """Log each state the checkpoint holds otherwise than this run keeps it (fp32 moments into
+    an int8 run, fp32 masters into a bf16-master one, and back): what it is converted from and
+    to, once per state."""
+    said = set()
+    for (unit, kind), read in reads.items():
+        saved = read.saved_dtypes()
+        held = manager.shards[(unit, kind)].dtype
+        if kind is StateKind.PARAM and not manager.has(unit, StateKind.EXP_AVG):
+            continue  # a frozen unit's weights, as ever
+        for dtype in saved - {held}:
+            if (kind, dtype) not in said:
+                said.add((kind, dtype))
+                _log.info("tiered: the checkpoint holds %s as %s, this run keeps it as %s: "
+                          "converted on load", _STATE_NAMES.get(kind, kind.value),
+                          layout.dtype_name(dtype), layout.dtype_name(held))
 
 
 def _check_rng(own_file: Reader | None) -> None:
@@ -461,6 +498,8 @@ def _load_states(engine, manifest: dict, reads: dict[tuple[int, StateKind], layo
                 values = reads[(unit, kind)].fetch()
                 manager.store(unit, kind, values)
                 masters = values if kind is StateKind.MASTER else masters
+        if (unit, StateKind.PARAM_NEXT) in reads:  # bf16 masters: the pending next weights
+            masters = reads[(unit, StateKind.PARAM_NEXT)].fetch()
         weights_read = reads.get((unit, StateKind.PARAM))
         if weights_read is not None and masters is not None:
             # A delayed update pending: keep its two weights.

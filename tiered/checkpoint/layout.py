@@ -17,13 +17,17 @@ kept no masters, with its compute-dtype weights, which then stand for the master
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import re
 from dataclasses import dataclass
 
 import torch
 
 from ..engine.units import ParamSpec
+from ..moments_layout import PACKED, QBLOCK, QBLOCK_BYTES, packed_nbytes
 from ..ops.tiled_linear import LinearTile
+from ..optim.compact import (FIRST_MOMENT, SECOND_MOMENT, CodeMap, dequantize, quantize_into,
+                             random_bits)
 from ..plan import StateKind
 from .format import CheckpointError, Reader
 
@@ -302,28 +306,82 @@ def _source(kind: StateKind, weights_alone: bool, pending: bool, has: _Saved) ->
     return found
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """How a state's dtype is named to a user: int8 for packed 8-bit moments."""
+    return "int8" if dtype is PACKED else str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True)
 class Read:
     """Where the elements of one state of one unit's new shard come from."""
 
     dtype: torch.dtype
+    """What the state is held in (PACKED: 8-bit moments, moments_layout.py)."""
     numel: int
+    """Parameters of the shard."""
     pieces: tuple[tuple[Reader, str, int, int, int], ...]
     """(file, tensor, first element of the shard, elements, first element in the tensor); the
     elements no piece covers (padding, moments of a unit saved without) are zeros."""
+    code_map: CodeMap | None = None
+    """A moment's 8-bit code map (to decode a packed one saved, or encode one held)."""
+
+    def saved_dtypes(self) -> set[torch.dtype]:
+        return {reader.entry(name).dtype for reader, name, *_ in self.pieces}
 
     def fetch(self) -> torch.Tensor:
+        """The state as it is held: fp32 or bf16 values, or packed 8-bit codes (read as they
+        are where the checkpoint holds this very shard packed, else encoded anew)."""
+        if self.dtype is PACKED:
+            return self._fetch_packed()
         out = torch.zeros(self.numel, dtype=self.dtype)
         for reader, name, at, count, start in self.pieces:
             target = out[at:at + count]
             saved = reader.entry(name).dtype
             if saved is self.dtype:
                 reader.read(name, target, start=start)
+            elif saved is PACKED:  # 8-bit moments saved, held in another dtype
+                target.copy_(self._decoded(reader, name, start, count))
             else:  # weights saved in another dtype (another compute dtype, or fp32 masters)
                 value = torch.empty(count, dtype=saved)
                 reader.read(name, value, start=start)
                 target.copy_(value)
         return out
+
+    def _fetch_packed(self) -> torch.Tensor:
+        out = torch.zeros(packed_nbytes(self.numel), dtype=PACKED)
+        whole = [(reader, name) for reader, name, at, count, start in self.pieces
+                 if (at, count, start) == (0, self.numel, 0)
+                 and reader.entry(name).shape == (packed_nbytes(self.numel),)
+                 and reader.entry(name).dtype is PACKED]
+        if whole:  # this shard, saved packed: its bytes
+            reader, name = whole[0]
+            reader.read(name, out)
+            return out
+        values = dataclasses.replace(self, dtype=torch.float32).fetch()
+        # Rounded as every step rounds, with a stream of its own (key 0, no step has it).
+        rounding = random_bits(torch.arange(self.numel), 0) >> 24
+        quantize_into(out, values, self.code_map, rounding)
+        return out
+
+    def _decoded(self, reader: Reader, name: str, start: int, count: int) -> torch.Tensor:
+        """Elements [start, start + count) of a saved packed moment, as fp32."""
+        first, stop = start // QBLOCK, -(-(start + count) // QBLOCK)
+        codes = torch.empty((stop - first) * QBLOCK_BYTES, dtype=PACKED)
+        reader.read(name, codes, start=first * QBLOCK_BYTES)
+        values = dequantize(codes, (stop - first) * QBLOCK, self.code_map)
+        return values[start - first * QBLOCK:start - first * QBLOCK + count]
+
+
+def _saved_shape_ok(entry, size: int, source: str) -> bool:
+    """Whether a saved state has the shape and dtype its kind may have: weights and masters
+    any float (another compute dtype; bf16 masters), moments fp32, bf16 or packed."""
+    if entry.dtype is PACKED:
+        return source in ("exp_avg", "exp_avg_sq") and entry.shape == (packed_nbytes(size),)
+    if entry.shape != (size,):
+        return False
+    if source in ("param", "master"):
+        return entry.dtype.is_floating_point
+    return entry.dtype in (torch.float32, torch.bfloat16)
 
 
 def plan_read(readers: dict[str, Reader], rank_file, saved_units: list[dict],
@@ -349,16 +407,16 @@ def plan_read(readers: dict[str, Reader], rank_file, saved_units: list[dict],
             rank = position // size
             reader = readers[rank_file(rank)]
             entry = reader.entry(name)
-            weights = source == "param"
-            if entry.shape != (size,) or not (entry.dtype.is_floating_point if weights
-                                              else entry.dtype is torch.float32):
+            if not _saved_shape_ok(entry, size, source):
                 raise CheckpointError(
                     f"{reader.path}: {name!r} is {entry.dtype} {entry.shape}, expected "
-                    f"{'a float' if weights else 'float32'} ({size},)")
+                    f"{'a float' if source in ('param', 'master') else 'fp32, bf16 or int8'} "
+                    f"of {size} elements")
             count = min(stop - first, (rank + 1) * size - position)
             pieces.append((reader, name, first - start, count, position - rank * size))
             first, position = first + count, position + count
-    return Read(dtype, end - start, tuple(pieces))
+    code_map = {StateKind.EXP_AVG: FIRST_MOMENT, StateKind.EXP_AVG_SQ: SECOND_MOMENT}.get(kind)
+    return Read(dtype, end - start, tuple(pieces), code_map)
 
 
 def _origins(flat, unit_runs: list[Segment],

@@ -77,7 +77,7 @@ def assemble(flats: list[FlatParam], manager: TierManager, group: ProcessGroup,
             trainable=[flat.has_trainable for flat in flats],
             buffer_dtype=state_dtype(policy, StateKind.GRAD), ranges=ranges,
             one_pass=one_pass,
-            sub_group_size=policy.optimizer.sub_group_size, norm_group=group.on_host(),
+            optimizer=policy.optimizer, norm_group=group.on_host(),
             max_grad_norm=policy.optimizer.max_grad_norm, fp16=scaler is not None,
             timeline=timeline), events))
     runtime = UnitRuntime(EngineContext(flats, manager, group, policy, worker, Streams(device),

@@ -2,12 +2,11 @@
 
 [Note: compact states]
 AdamW keeps 12 bytes per trained parameter beside the weights (fp32 master, two fp32 moments).
-Compact states keep fewer (the policy keys that choose them, ``optimizer.moments`` and
-``optimizer.master``, are issue 21's next part):
+``optimizer.moments`` and ``optimizer.master`` keep fewer:
 - ``moments: bf16``: 2 bytes each, stochastically rounded. To nearest, a second moment would
   never move: its step at beta2 = 0.999 is 0.1% of it, under half of bf16's 0.8% spacing.
-- ``moments: int8``: a byte each, plus an fp32 scale per block of 256 (QBLOCK_BYTES = 260 bytes
-  a block: its codes, then its scale). A code is a tiny float, 3 mantissa bits and 4 exponent
+- ``moments: int8``: a byte each, plus an fp32 scale per block of 256 (260 bytes a block: its
+  codes, then its scale; moments_layout.py). A code is a tiny float, 3 mantissa bits and 4 exponent
   bits for the first moment (with a sign) or 5 for the second (which spans the square of the
   gradients' range), scaled so that the block's largest finite magnitude is the map's largest
   code. Each step of a code is 1/8 to 1/16 of its value, and rounding to it is stochastic too,
@@ -40,9 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-QBLOCK = 256
-"""Elements per scale of an 8-bit moment."""
-QBLOCK_BYTES = QBLOCK + 4
+from ..moments_layout import QBLOCK, QBLOCK_BYTES, packed_nbytes
 
 MASK32 = 0xFFFFFFFF
 
@@ -143,11 +140,6 @@ def encode(x: torch.Tensor, code_map: CodeMap, r8: torch.Tensor) -> torch.Tensor
     else:
         code = torch.where((a > 0) & (code == 0), 1, code)
     return torch.where(torch.isfinite(x), code, code_map.nan_code)
-
-
-def packed_nbytes(numel: int) -> int:
-    """Bytes of one 8-bit moment of ``numel`` elements."""
-    return -(-numel // QBLOCK) * QBLOCK_BYTES
 
 
 def _blocks(packed: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,7 @@ from functools import partial
 import torch
 
 from ..manager import TierManager, typed
+from ..policy import OptimizerPolicy
 from ..sync import wait_for
 from ..timeline import Timeline
 from .adamw import OnePassAdamW
@@ -42,7 +43,8 @@ class HostSetup:
     ranges: list[tuple[GroupRange, ...]]
     """Per unit, its shard's runs of one param group (groups.shard_ranges)."""
     one_pass: OnePassAdamW | None
-    sub_group_size: int
+    optimizer: OptimizerPolicy
+    """The policy's optimizer section: how states are stored, streamed and rounded."""
     norm_group: object
     """The data-parallel group on the host (ProcessGroup.on_host), for the global norm."""
     max_grad_norm: float | None
@@ -63,7 +65,7 @@ class RankHost:
         """Units in the order their first gradient since ``zero_grad`` arrived: the order an
         update steps them in (see [Note: buffer hand-off])."""
         self.stepper = UnitStepper(setup.manager, self, setup.names, setup.ranges,
-                                   setup.one_pass, setup.sub_group_size, setup.timeline)
+                                   setup.one_pass, setup.optimizer, setup.timeline)
         self._squares: dict[int, torch.Tensor] = {}
         """Squared norms of complete gradients, taken as they arrived."""
         self._ready: list[int] = []

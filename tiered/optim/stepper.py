@@ -5,6 +5,9 @@ States in HBM or DRAM are stepped in place; a run of units whose states are on N
 through DRAM (stream.py). Either way the kernel sees one piece at a time (a whole resident shard
 is one piece), reading that piece's gradient and writing that piece's new weights, once per run
 of one param group in it (groups.py); a unit's step count advances once, before its first piece.
+Compact states (optimizer.moments, optimizer.master: optim/compact.py) are stepped a piece at a
+time with all its runs at once, with the unit's random stream of that step; where the bf16
+weights are the master, the kernel reads them from the unit's current weights.
 """
 from __future__ import annotations
 
@@ -14,8 +17,10 @@ import torch
 
 from ..manager import TierManager
 from ..plan import OPTIMIZER_STATES, StateKind
+from ..policy import MasterDtype, MomentsDtype, OptimizerPolicy
 from ..timeline import Timeline
-from .adamw import AdamWHyper, OnePassAdamW, adamw_step
+from .adamw import AdamWHyper, OnePassAdamW, _one_pass_scalars, adamw_step
+from .compact import Run, compact_step, stream_key
 from .groups import FROZEN, GroupRange
 from .stream import Piece, StateStream
 
@@ -23,7 +28,7 @@ from .stream import Piece, StateStream
 class UnitStepper:
     def __init__(self, manager: TierManager, gradients, names: list[str],
                  ranges: list[tuple[GroupRange, ...]], one_pass: OnePassAdamW | None,
-                 sub_group_size: int, timeline: Timeline):
+                 optimizer: OptimizerPolicy, timeline: Timeline):
         self.manager = manager
         self.gradients = gradients
         """What holds the gradients it reads: the host (``read``, and ``consumed`` once read)."""
@@ -33,6 +38,10 @@ class UnitStepper:
         self.one_pass = one_pass
         """Mixed precision on the CPU (see adamw.OnePassAdamW); else torch's fused kernel."""
         self.timeline = timeline
+        self.compact = (optimizer.moments is not MomentsDtype.FP32
+                        or optimizer.master is MasterDtype.BF16)
+        """Compact states: stepped by compact.compact_step."""
+        self.rounding_seed = optimizer.rounding_seed
         self.steps = [torch.zeros((), dtype=torch.float32, device=self.device(unit))
                       for unit in range(len(names))]
         """Per unit: the number of its last step (what AdamW's bias correction reads), where
@@ -40,7 +49,8 @@ class UnitStepper:
         # A frozen unit's masters may be on NVMe too, but only trained units are streamed.
         has_nvme_states = any(manager.nvme_file(i, StateKind.EXP_AVG) is not None
                               for i in range(len(names)))
-        self.stream = StateStream(manager, sub_group_size) if has_nvme_states else None
+        self.stream = (StateStream(manager, optimizer.sub_group_size) if has_nvme_states
+                       else None)
 
     def step(self, units: list[int], hypers: tuple[AdamWHyper, ...], divisor: float,
              into_next: bool, on_unit: Callable[[int], None] = lambda unit: None) -> None:
@@ -58,8 +68,8 @@ class UnitStepper:
 
         def step_piece(piece: Piece, master, exp_avg, exp_avg_sq) -> None:
             if piece.start == 0:
-                if self.steps[piece.unit].device != master.device:  # moved by a re-plan
-                    self.steps[piece.unit] = self.steps[piece.unit].to(master.device)
+                if self.steps[piece.unit].device != exp_avg.device:  # moved by a re-plan
+                    self.steps[piece.unit] = self.steps[piece.unit].to(exp_avg.device)
                 self.steps[piece.unit] += 1
             with self.timeline.span(f"adamw {self.names[piece.unit]}", "cpu",
                                     {"params": piece.numel}):
@@ -83,7 +93,7 @@ class UnitStepper:
 
         streamed: list[int] = []
         for unit in [*units, None]:
-            on_nvme = unit is not None and self.manager.nvme_file(unit, StateKind.MASTER)
+            on_nvme = unit is not None and self.manager.nvme_file(unit, StateKind.EXP_AVG)
             if on_nvme:
                 streamed.append(unit)
                 continue
@@ -91,11 +101,10 @@ class UnitStepper:
                 self.stream.run(streamed, step_piece, unit_done)
                 streamed = []
             if unit is not None:
-                numel = self.manager.shards[(unit, StateKind.MASTER)].numel
-                states = [self.manager.load(unit, state) for state in OPTIMIZER_STATES]
-                step_piece(Piece(unit, 0, numel, last=True), *states)
-                for state, value in zip(OPTIMIZER_STATES, states):
-                    self.manager.store(unit, state, value)  # in place: nothing moves
+                numel = self.manager.shards[(unit, StateKind.PARAM)].numel
+                states = [self.manager.load(unit, state) if self.manager.has(unit, state)
+                          else None for state in OPTIMIZER_STATES]
+                step_piece(Piece(unit, 0, numel, last=True), *states)  # in place: nothing moves
                 unit_done(unit)
 
     def _kernel(self, piece: Piece, master, exp_avg, exp_avg_sq,
@@ -103,6 +112,10 @@ class UnitStepper:
                 kind: StateKind) -> None:
         grads = self.gradients.read(piece.unit)
         weights = self._weights(piece.unit, kind)
+        if self.compact:
+            self._compact_kernel(piece, master, exp_avg, exp_avg_sq, grads, weights, hypers,
+                                 divisor)
+            return
         one_pass = self._one_pass_for(piece.unit)
         # Frozen runs are never stepped, and weights written in place keep them; a staging
         # buffer holds another unit's values there, so they are filled from the masters.
@@ -128,6 +141,24 @@ class UnitStepper:
                            hyper, divisor_on(master.device))
                 new.copy_(master[here])
 
+    def _compact_kernel(self, piece: Piece, master, exp_avg, exp_avg_sq, grads, weights,
+                        hypers: tuple[AdamWHyper, ...], divisor: float) -> None:
+        """Step the piece's compact states, all its runs in one call."""
+        unit, end = piece.unit, piece.start + piece.numel
+        step = float(self.steps[unit])
+        runs = [Run(max(part.start, piece.start) - piece.start,
+                    min(part.stop, end) - piece.start,
+                    None if part.group is FROZEN
+                    else _one_pass_scalars(hypers[part.group], step, divisor))
+                for part in self.ranges[unit] if max(part.start, piece.start) < min(part.stop, end)]
+        here = slice(piece.start, end)
+        # Without masters the current weights are read (PARAM: made current before an update
+        # is sent, also a delayed one, which writes PARAM_NEXT).
+        weights_in = (weights[here] if master is not None
+                      else self.manager.load(unit, StateKind.PARAM)[here])
+        compact_step(master, weights_in, grads[here], exp_avg, exp_avg_sq, weights[here],
+                     piece.start, runs, stream_key(self.rounding_seed, unit, int(step)))
+
     def _one_pass_for(self, unit: int) -> OnePassAdamW | None:
         """The one-pass kernel for a unit stepped on the CPU under mixed precision, else None
         (torch's fused kernel)."""
@@ -139,5 +170,7 @@ class UnitStepper:
 
     def _weights(self, unit: int, kind: StateKind) -> torch.Tensor:
         """Where this unit's new weights are written (then stored to their tier); the one-pass
-        kernel writes them on the CPU only."""
-        return self.manager.param_target(unit, kind, self._one_pass_for(unit) is not None)
+        and compact kernels write them where they step."""
+        on_cpu = self.device(unit).type == "cpu"
+        return self.manager.param_target(unit, kind, on_cpu and (
+            self.compact or self._one_pass_for(unit) is not None))

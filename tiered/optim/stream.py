@@ -1,8 +1,9 @@
 """Optimizer states on NVMe, streamed through pinned DRAM in sub-groups.
 
 [Note: state stream]
-A unit's master weights and Adam moments on NVMe are cut into pieces of at most
-``optimizer.sub_group_size`` elements. Pieces go round three sets of pinned staging buffers:
+A unit's master weights (where it has them) and Adam moments on NVMe are cut into pieces of at
+most ``optimizer.sub_group_size`` parameters, each starting where every state's file has a
+4 KiB block (and, for packed 8-bit moments, a block of codes: moments_layout.piece_granule). Pieces go round three sets of pinned staging buffers:
 while piece i is stepped in set i % 3, piece i+1 is being read into the next set and piece i-1
 written back from the previous one. Before a set is read into again, the writes from it (piece
 i-2) must have finished. A unit's pieces are written into the next versions of its three states
@@ -19,7 +20,8 @@ from typing import Callable
 import torch
 
 from ..manager import TierManager
-from ..plan import OPTIMIZER_STATES, STAGING_SETS
+from ..moments_layout import piece_granule, stored_span
+from ..plan import OPTIMIZER_STATES, STAGING_SETS, StateKind
 from ..sizes import align_up, even_pieces
 from ..tiers.aio import Transfer
 from ..tiers.dram import BLOCK_ALIGN
@@ -35,24 +37,38 @@ class Piece:
     """The unit's last piece."""
 
 
-StepPiece = Callable[[Piece, torch.Tensor, torch.Tensor, torch.Tensor], None]
-"""Steps one piece, given its master weights and two moments (views into a staging set)."""
+StepPiece = Callable[[Piece, torch.Tensor | None, torch.Tensor, torch.Tensor], None]
+"""Steps one piece, given its master weights (None where the unit keeps none) and two moments
+(views into a staging set)."""
+
+
+def unit_pieces(unit: int, numel: int, most: int, granule: int) -> list[Piece]:
+    """A unit's ``numel`` parameters in as few pieces of at most ``most`` as there can be, of
+    nearly equal size: a remainder of a few elements would be a pipeline stage of its own (and
+    a shape the compiled kernel has not seen). Pieces start on multiples of ``granule``, where
+    each state's file has a 4 KiB block, as O_DIRECT needs (moments_layout.piece_granule)."""
+    pieces = even_pieces(numel, most, granule)
+    return [Piece(unit, start, count, k == len(pieces) - 1)
+            for k, (start, count) in enumerate(pieces)]
 
 
 class StateStream:
     def __init__(self, manager: TierManager, sub_group_size: int):
         self.manager = manager
-        block = manager.staging_block(f"{OPTIMIZER_STATES[0].value}0")
-        self.piece_numel = min(sub_group_size, block.numel() // 4)
+        streamed = [unit for unit, kind in manager.shards if kind is StateKind.EXP_AVG
+                    and manager.nvme_file(unit, kind) is not None]
+        self.kinds = [kind for kind in OPTIMIZER_STATES if manager.has(streamed[0], kind)]
+        """The states a streamed unit has (trained units all have the same)."""
+        self.dtypes = {kind: manager.shards[(streamed[0], kind)].dtype for kind in self.kinds}
+        # As the plan sized the staging sets (plan.staging_buffers).
+        self.piece_numel = min(sub_group_size, max(self._numel(unit) for unit in streamed))
+        self.granule = piece_granule(list(self.dtypes.values()))
+
+    def _numel(self, unit: int) -> int:
+        return self.manager.shards[(unit, StateKind.PARAM)].numel
 
     def pieces(self, unit: int) -> list[Piece]:
-        """The unit's states in as few pieces as fit the staging buffers, of nearly equal size:
-        a remainder of a few elements would be a pipeline stage of its own (and a shape the
-        compiled kernel has not seen). Pieces start on 4 KiB of fp32, as O_DIRECT needs."""
-        numel = self.manager.shards[(unit, OPTIMIZER_STATES[0])].numel
-        pieces = even_pieces(numel, self.piece_numel, BLOCK_ALIGN // 4)
-        return [Piece(unit, start, count, k == len(pieces) - 1)
-                for k, (start, count) in enumerate(pieces)]
+        return unit_pieces(unit, self._numel(unit), self.piece_numel, self.granule)
 
     def run(self, units: list[int], step_piece: StepPiece,
             unit_done: Callable[[int], None]) -> None:
@@ -72,9 +88,8 @@ class StateStream:
             if slot in writes:
                 writes.pop(slot).wait()  # the set still holds piece i-3's data on its way out
             piece = pieces[i]
-            offset, nbytes = self._span(piece)
             reads[i] = Transfer.joined([self.manager.nvme_file(piece.unit, kind).start_read(
-                self._block(kind, slot), offset, nbytes) for kind in OPTIMIZER_STATES])
+                self._block(kind, slot), *self._span(piece, kind)) for kind in self.kinds])
 
         try:
             if pieces:
@@ -84,17 +99,15 @@ class StateStream:
                     start_read(i + 1)
                 reads.pop(i).wait()
                 slot = i % STAGING_SETS
-                views = [self._block(kind, slot).view(torch.float32)[:piece.numel]
-                         for kind in OPTIMIZER_STATES]
-                step_piece(piece, *views)
+                views = {kind: self._view(kind, slot, piece) for kind in self.kinds}
+                step_piece(piece, *(views.get(kind) for kind in OPTIMIZER_STATES))
                 if piece.unit not in versions:
                     versions[piece.unit] = VersionGroup(
                         [self.manager.nvme_file(piece.unit, kind).next_version()
-                         for kind in OPTIMIZER_STATES])
-                offset, nbytes = self._span(piece)
+                         for kind in self.kinds])
                 writes[slot] = Transfer.joined(
-                    [version.write(self._block(kind, slot), offset, nbytes)
-                     for version, kind in zip(versions[piece.unit].versions, OPTIMIZER_STATES)])
+                    [version.write(self._block(kind, slot), *self._span(piece, kind))
+                     for version, kind in zip(versions[piece.unit].versions, self.kinds)])
                 if piece.last:
                     group = versions.pop(piece.unit)
                     group.commit()
@@ -111,8 +124,15 @@ class StateStream:
             for transfer in (*reads.values(), *writes.values()):
                 transfer.settle()  # no I/O thread may still use a staging set after this
 
-    def _span(self, piece: Piece) -> tuple[int, int]:
-        return piece.start * 4, align_up(piece.numel * 4, BLOCK_ALIGN)
+    def _span(self, piece: Piece, kind: StateKind) -> tuple[int, int]:
+        """The byte offset and (whole 4 KiB blocks of) bytes of the piece in ``kind``'s file."""
+        dtype = self.dtypes[kind]
+        first, count = stored_span(dtype, piece.start, piece.numel)
+        return first * dtype.itemsize, align_up(count * dtype.itemsize, BLOCK_ALIGN)
+
+    def _view(self, kind: StateKind, slot: int, piece: Piece) -> torch.Tensor:
+        dtype = self.dtypes[kind]
+        return self._block(kind, slot).view(dtype)[:stored_span(dtype, 0, piece.numel)[1]]
 
     def _block(self, kind, slot: int) -> torch.Tensor:
         return self.manager.staging_block(f"{kind.value}{slot}")

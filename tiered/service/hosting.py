@@ -201,7 +201,7 @@ class HostedRank:
             self.host = RankHost(HostSetup(
                 manager=self.manager, names=request.names, trainable=request.trainable,
                 buffer_dtype=state_dtype(policy, StateKind.GRAD), ranges=request.ranges,
-                one_pass=one_pass, sub_group_size=policy.optimizer.sub_group_size,
+                one_pass=one_pass, optimizer=policy.optimizer,
                 norm_group=_RankNorm(seat),
                 max_grad_norm=policy.optimizer.max_grad_norm,
                 fp16=policy.compute_dtype is ComputeDtype.FP16,

@@ -19,7 +19,7 @@ from ..plan import Buffer, MemoryPlan, StateKind
 from ..policy import Policy, Tier
 
 DTYPES = {str(dtype).removeprefix("torch."): dtype
-          for dtype in (torch.float32, torch.bfloat16, torch.float16)}
+          for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.uint8)}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

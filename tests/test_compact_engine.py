@@ -1,0 +1,213 @@
+"""Compact optimizer states through the engine (issue 21): ``optimizer.moments`` and
+``optimizer.master`` against plain PyTorch with the compact step's reference, resident states
+against states streamed from NVMe, and the bytes the plan holds."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiered
+from gpt import GPT, next_token_loss
+from helpers_models import (MICRO, OPTIM, assert_parity, batches, make_model, run_engine,
+                            token_batches)
+from tiered.errors import PolicyError
+from tiered.moments_layout import packed_nbytes
+from tiered.optim.adamw import AdamWHyper, _one_pass_scalars
+from tiered.optim.compact import SECOND_MOMENT, Run, read_moment, reference_step, stream_key
+from tiered.plan import StateKind
+from tiered.policy import Tier
+from tiered.sizes import align_up
+from tiered.tiers.dram import BLOCK_ALIGN
+
+HYPER = AdamWHyper(OPTIM["lr"], *OPTIM["betas"], OPTIM["eps"], OPTIM["weight_decay"])
+MOMENTS = {"bf16": torch.bfloat16, "int8": torch.uint8}
+
+
+def policy(moments: str = "fp32", master: str = "fp32", compute: str = "fp32", **optimizer):
+    return {"compute_dtype": compute, "device": "cpu",
+            "optimizer": {"lr": OPTIM["lr"], "betas": list(OPTIM["betas"]), "eps": OPTIM["eps"],
+                          "weight_decay": OPTIM["weight_decay"], "moments": moments,
+                          "master": master, **optimizer}}
+
+
+def reference_training(units, moments: str) -> dict:
+    """Plain PyTorch with compact.reference_step as the optimizer: each unit's parameters as
+    one flat (the engine's layout, padding included), its moments compact, stepped with that
+    unit's random stream (the engine's rounding_seed, 0)."""
+    model = make_model()
+    named = dict(model.named_parameters())
+    flats = [[named[name] for name in names] for names, _ in units]
+    dtype = MOMENTS[moments]
+    states = []
+    for (_, padded), params in zip(units, flats):
+        size = packed_nbytes(padded) if dtype is torch.uint8 else padded
+        states.append((torch.zeros(size, dtype=dtype), torch.zeros(size, dtype=dtype)))
+    for step, micro_batches in enumerate(batches(), start=1):
+        for idx in micro_batches:
+            (next_token_loss(model(idx), idx) / MICRO).backward()
+        with torch.no_grad():
+            for unit, ((_, padded), params, (exp_avg, exp_avg_sq)) in enumerate(
+                    zip(units, flats, states)):
+                numel = sum(p.numel() for p in params)
+                grad, master = torch.zeros(padded), torch.zeros(padded)  # padding: zeros
+                grad[:numel] = torch.cat([p.grad.flatten() for p in params])
+                master[:numel] = torch.cat([p.flatten() for p in params])
+                weights = torch.empty(padded)
+                reference_step(master, weights, grad, exp_avg, exp_avg_sq, weights, 0,
+                               [Run(0, padded, _one_pass_scalars(HYPER, step, 1.0))],
+                               stream_key(0, unit, step))
+                offset = 0
+                for p in params:
+                    p.copy_(master[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+        model.zero_grad()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("moments", ["bf16", "int8"])
+def test_compact_moments_train_as_plain_pytorch_with_the_reference_step(moments):
+    engine, optimizer = tiered.initialize(make_model(), policy(moments))
+    units = [([param.names[0] for param in flat.spec.params], flat.padded_numel)
+             for flat in engine.runtime.flats]
+    assert all(engine.manager.shards[(i, StateKind.EXP_AVG)].dtype is MOMENTS[moments]
+               for i in range(len(units)))
+    state = run_engine(engine, optimizer)
+    engine.close()
+    assert_parity(state, reference_training(units, moments))
+
+
+def big_model() -> GPT:
+    """Blocks of 790 K parameters: four pieces each when streamed in pieces of 262144."""
+    torch.manual_seed(0)
+    return GPT(64, 256, 2, 4, max_seq=16, tied=True, qkv_bias=False)
+
+
+def train_big(engine, optimizer, steps: int = 3) -> dict:
+    g = torch.Generator().manual_seed(5)
+    for _ in range(steps):
+        idx = torch.randint(0, 64, (4, 16), generator=g)
+        next_token_loss(engine(idx), idx).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return engine.full_state_dict()
+
+
+@pytest.mark.parametrize("moments,master", [("int8", "bf16"), ("bf16", "fp32"),
+                                            ("int8", "fp32")])
+def test_states_streamed_from_nvme_step_as_resident_ones(tmp_path, moments, master):
+    """Pieces of a unit's states (four here) give the bits of stepping it whole: blocks and
+    random bits follow the element's place in its unit."""
+    settings = dict(moments=moments, master=master, compute="bf16", sub_group_size=1 << 18)
+    resident = tiered.initialize(big_model(), policy(**settings))
+    expected = train_big(*resident)
+    resident[0].close()
+    streamed = dict(policy(**settings), nvme={"path": str(tmp_path)})
+    streamed["optimizer"]["tier"] = "nvme"
+    engine, optimizer = tiered.initialize(big_model(), streamed)
+    assert engine.manager.nvme_file(1, StateKind.EXP_AVG) is not None
+    assert engine.manager.has(1, StateKind.MASTER) is (master == "fp32")
+    assert len(engine.runtime.host.rank_host.stepper.stream.pieces(1)) == 4
+    got = train_big(engine, optimizer)
+    engine.close()
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+
+
+def test_the_plan_holds_the_compact_bytes():
+    """int8 moments: 260 bytes per 256 parameters (in whole 4 KiB blocks); bf16 master: no
+    fp32 copy at all."""
+    engine, _ = tiered.initialize(big_model(), policy("int8", "bf16", compute="bf16"))
+    plan = engine.manager.plan
+    for i, flat in enumerate(engine.runtime.flats):
+        assert (i, StateKind.MASTER) not in plan.shards
+        for kind in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ):
+            buffer = plan.shards[(i, kind)]
+            assert buffer.dtype is torch.uint8
+            assert buffer.nbytes == align_up(packed_nbytes(flat.shard_numel), BLOCK_ALIGN)
+    fp32_engine, _ = tiered.initialize(big_model(), policy(compute="bf16"))
+    saved = sum(flat.shard_numel * 4 + 2 * (flat.shard_numel * 4 - packed_nbytes(
+        flat.shard_numel)) for flat in engine.runtime.flats)
+    gap = fp32_engine.manager.plan.needed(Tier.DRAM) - plan.needed(Tier.DRAM)
+    assert abs(gap - saved) <= 3 * BLOCK_ALIGN * len(engine.runtime.flats)
+    engine.close()
+    fp32_engine.close()
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"optimizer": {"master": "bf16"}, "compute_dtype": "fp16"}, "needs compute_dtype: bf16"),
+    ({"optimizer": {"master": "bf16"}, "params": {"tier": "nvme"}, "nvme": {"path": "/x"}},
+     "params.tier must be dram"),
+    ({"optimizer": {"moments": "int8", "sub_group_size": 1 << 16}}, "multiple of 262144"),
+    ({"optimizer": {"moments": "bf16", "sub_group_size": 3 * 1024}}, "multiple of 2048"),
+    ({"optimizer": {"moments": "fp8"}}, "allowed: fp32 | bf16 | int8"),
+])
+def test_compact_settings_that_cannot_work_are_refused_by_name(settings, message):
+    with pytest.raises(PolicyError, match=message):
+        tiered.Policy.from_dict(settings, "policy.yaml")
+
+
+def train_small(engine, optimizer, batches_of: list[torch.Tensor]) -> list[float]:
+    losses = []
+    for idx in batches_of:
+        loss = next_token_loss(engine(idx), idx)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["ordinary", "delayed-update"])
+def test_a_resume_of_compact_states_repeats_the_run_bit_for_bit(tmp_path, delayed):
+    """Saved as they are (int8 codes, bf16 weights as the master; under the delayed update the
+    pending next weights too), loaded, and stepped with the same random streams."""
+    settings = policy("int8", "bf16", compute="bf16",
+                      delayed_update={"enabled": delayed, "warmup_steps": 1})
+    data = token_batches(6)
+    engine, optimizer = tiered.initialize(make_model(), settings)
+    expected = train_small(engine, optimizer, data)
+    final = engine.full_state_dict()
+    engine.close()
+
+    engine, optimizer = tiered.initialize(make_model(), settings)
+    train_small(engine, optimizer, data[:3])
+    engine.save_checkpoint(str(tmp_path), tag="mid")
+    engine.close()
+    engine, optimizer = tiered.initialize(make_model(), settings)
+    engine.load_checkpoint(str(tmp_path), tag="mid")
+    assert train_small(engine, optimizer, data[3:]) == expected[3:]
+    got = engine.full_state_dict()
+    engine.close()
+    for name in final:
+        assert torch.equal(got[name], final[name]), name
+
+
+@pytest.mark.parametrize("saved,loaded", [(("fp32", "fp32"), ("int8", "bf16")),
+                                          (("int8", "bf16"), ("fp32", "fp32")),
+                                          (("bf16", "fp32"), ("int8", "fp32"))])
+def test_a_checkpoint_loads_under_other_state_dtypes_and_trains_on(tmp_path, caplog, saved,
+                                                                   loaded):
+    data = token_batches(8)
+    engine, optimizer = tiered.initialize(make_model(), policy(*saved, compute="bf16"))
+    before = train_small(engine, optimizer, data[:4])
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    moments = [engine.manager.load(i, StateKind.EXP_AVG_SQ).clone()
+               for i in range(len(engine.runtime.flats))]
+    engine.close()
+    engine, optimizer = tiered.initialize(make_model(), policy(*loaded, compute="bf16"))
+    with caplog.at_level("INFO", logger="tiered"):
+        engine.load_checkpoint(str(tmp_path), tag="t")
+    said = [r.getMessage() for r in caplog.records if "converted on load" in r.getMessage()]
+    assert any("second Adam moment" in line for line in said), said
+    if saved[1] != loaded[1]:
+        assert any("master weights" in line for line in said), said
+    # The second moments came across (to their new dtype's precision).
+    for i in range(len(engine.runtime.flats)):
+        held = engine.manager.load(i, StateKind.EXP_AVG_SQ)
+        values = read_moment(held, engine.runtime.flats[i].shard_numel, SECOND_MOMENT)
+        original = read_moment(moments[i], engine.runtime.flats[i].shard_numel, SECOND_MOMENT)
+        torch.testing.assert_close(values, original, rtol=1 / 8, atol=1e-12)
+    after = train_small(engine, optimizer, data[4:])
+    engine.close()
+    assert all(torch.isfinite(torch.tensor(after)))
+    assert after[-1] < before[0]  # the loss goes on down from where it was
