@@ -13,10 +13,12 @@ held-out batches) is taken every ``--every`` steps. Modes:
 - ``tiered:fp32``: configs/cpu.yaml in fp32 (bit for bit the reference: a check of the bench);
 - ``tiered:bf16``: cpu.yaml in bf16, the one-pass kernel's mixed precision;
 - ``tiered:bf16+dpu``: the same with the one-step delayed update (``+dpu40``: after 40
-  ordinary steps, its ``warmup_steps``).
-The compact optimizer states of issue 21 come as more modes. It prints each mode's final
-validation loss and its gap to the reference, and writes ``convergence.json`` and the curves as
-``convergence.svg`` into ``--out``.
+  ordinary steps, its ``warmup_steps``);
+- ``+moments-bf16``, ``+moments-int8``, ``+master-bf16`` (with tiered modes, combined with each
+  other and with ``+dpu``): the compact optimizer states of issue 21 (``optimizer.moments``,
+  ``optimizer.master``).
+It prints each mode's final validation loss and its gap to the reference, and writes
+``convergence.json`` and the curves as ``convergence.svg`` into ``--out``.
 """
 from __future__ import annotations
 
@@ -86,11 +88,15 @@ def run(mode: str, args, train: list, held_out: list) -> dict:
             engine, optimizer = _delayed(model, optimizer, int(extra[3:] or 0))
             evaluated = model
     else:
-        setting, _, extra = mode.removeprefix("tiered:").partition("+")
+        setting, *extras = mode.removeprefix("tiered:").split("+")
         overrides = dict(device="cpu", compute_dtype=setting, optimizer=hyper)
-        if extra.startswith("dpu"):  # "dpu40": after 40 ordinary steps
-            overrides["optimizer"]["delayed_update"] = {"enabled": True,
-                                                         "warmup_steps": int(extra[3:] or 0)}
+        for extra in extras:
+            if extra.startswith("dpu"):  # "dpu40": after 40 ordinary steps
+                overrides["optimizer"]["delayed_update"] = {"enabled": True,
+                                                             "warmup_steps": int(extra[3:] or 0)}
+            else:  # "moments-int8", "master-bf16"
+                key, _, value = extra.partition("-")
+                overrides["optimizer"][key] = value
         engine, optimizer = tiered.initialize(model, os.path.join(REPO, "configs", "cpu.yaml"),
                                               **overrides)
         close = engine.close
@@ -185,12 +191,13 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--held-out-batches", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=1, help="of the training batches' order")
     parser.add_argument("--modes", default="torch,tiered:fp32,tiered:bf16,tiered:bf16+dpu,"
                         "tiered:bf16+dpu40")
     parser.add_argument("--out", default=".")
     args = parser.parse_args()
     training, held = corpus()
-    train = batches(training, args.steps, args.batch, args.seq, seed=1)
+    train = batches(training, args.steps, args.batch, args.seq, seed=args.seed)
     held_out = batches(held, args.held_out_batches, args.batch, args.seq, seed=2)
     print(f"{len(training) + len(held):,} bytes of stdlib source, {len(held):,} held out; "
           f"{sum(p.numel() for p in make_model(args).parameters()) / 1e6:.1f} M parameters")

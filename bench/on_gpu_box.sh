@@ -1,16 +1,17 @@
 #!/bin/bash
 # The GPU-box checks, one stage per call so each fits the box's 10-minute command limit:
-#   bash bench/on_gpu_box.sh tests|offload|variants|hbm|tiled|io|nvme|large|clip|cpu|lora|load|service|reattach|warm|hf|auto|replan [OUT]
+#   bash bench/on_gpu_box.sh tests|offload|variants|hbm|tiled|io|nvme|large|clip|cpu|lora|load|service|reattach|warm|hf|auto|replan|compact|capacity [OUT]
 # Each stage prints its table last and keeps logs and timelines in OUT (default ./gpu-out).
 # Stage times measured on the H100 box (16 cores, 125 GiB, 64 GiB free disk), tenth session:
 # tests 2.7 min, cpu 1.6 min, offload 6.3 min, lora 5 min, tiled 1.4 min, io 1.7 min; fourth
 # session: nvme 3.6 min, large 6.1 min. Estimated: variants 5 min, hbm 5 min, clip 4 min, load
-# 8 min, service 6 min, reattach 6 min, warm 6 min, hf 8 min, auto 9 min, replan 4 min; nvme with its service
+# 8 min, service 6 min, reattach 6 min, warm 6 min, hf 8 min, auto 9 min, replan 4 min, compact 8 min,
+# capacity 8 min; nvme with its service
 # twin since the thirteenth session, 7 min. Every tiered process spends 50-95 s in setup there, 25-36 s of it
 # compiling the one-pass AdamW (inductor's cache hits, yet the compile stays 25 s; 2.4 s on the
 # development machine).
 set -o pipefail
-stage=${1:?stage: tests, offload, variants, hbm, tiled, io, nvme, large, clip, cpu, lora, load, service, reattach, warm, hf, auto or replan}
+stage=${1:?stage: tests, offload, variants, hbm, tiled, io, nvme, large, clip, cpu, lora, load, service, reattach, warm, hf, auto, replan, compact or capacity}
 out=${2:-gpu-out}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -119,6 +120,21 @@ replan)  # issue 20: the re-plan after step 1. The 6.5 B GPT at batch 2 under au
     python bench/bench_offload.py --layers 32 --dim 4096 --batches 2 --steps 6 --warmup 3 \
         --out "$out/replan.json" --modes tiered:auto+dpu 2>&1 \
         | grep -v -e Warning -e _conversion | tee "$out/replan.log" ;;
+compact)  # issue 21: ZeRO-Infinity's placement of the 2.78 B GPT with int8 moments against fp32
+    # states (45.1 s/step in the fourth session), both in this stage
+    mkdir -p "$nvme"
+    for moments in fp32 int8; do
+        python bench/bench_offload.py --modes tiered:nvme --nvme "$nvme" --steps 3 \
+            --out "$out/compact_$moments.json" --set "{\"optimizer\": {\"moments\": \"$moments\"}}" \
+            2>&1 | grep -v -e Warning -e _conversion
+    done | tee "$out/compact.log" ;;
+capacity)  # issue 21: the largest GPT bench_capacity.py plans with int8 moments (15.9 B: 49 x
+    # 5120), trained in 104 GiB of DRAM plus the disk
+    mkdir -p "$nvme"
+    python bench/bench_offload.py --layers 49 --dim 5120 --batch 1 --modes tiered:cpu+arrive \
+        --nvme "$nvme" --steps 3 --out "$out/capacity.json" \
+        --set '{"dram": {"budget": "104GiB", "spill": "nvme"}, "optimizer": {"moments": "int8"}}' \
+        2>&1 | grep -v -e Warning -e _conversion | tee "$out/capacity.log" ;;
 load)  # pretrained weights: the 2.78 B GPT's bf16 safetensors into a model ready to train
     mkdir -p "$nvme"
     python bench/bench_load.py --layers 32 --dim 2560 --nvme "$nvme" \
@@ -126,6 +142,6 @@ load)  # pretrained weights: the 2.78 B GPT's bf16 safetensors into a model read
         2>&1 | grep -v -e Warning -e _conversion | tee "$out/load.log" ;;
 *)
     echo "unknown stage $stage: tests, offload, variants, hbm, tiled, io, nvme, large, clip," \
-        "cpu, lora, load, service, reattach, warm, hf, auto, replan" >&2
+        "cpu, lora, load, service, reattach, warm, hf, auto, replan, compact, capacity" >&2
     exit 2 ;;
 esac

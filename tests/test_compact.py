@@ -17,6 +17,8 @@ MOMENTS = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
 # (gradient, weights, fp32 master kept, moments): every variant the kernel provides.
 VARIANTS = [(g, w, True, m) for g, w in [(torch.bfloat16, torch.bfloat16),
                                           (torch.float32, torch.bfloat16),
+                                          (torch.float16, torch.float16),
+                                          (torch.float32, torch.float16),
                                           (torch.float32, torch.float32)]
             for m in ("bf16", "int8")]
 VARIANTS += [(g, torch.bfloat16, False, m) for g in (torch.bfloat16, torch.float32)

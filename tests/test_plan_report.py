@@ -19,6 +19,7 @@ from helpers_models import OPTIM, lora_model, make_model, token_batches
 from helpers_placement import SUB_GROUP, units_per_tier
 from tiered.engine.probe import SPANS_PER_UNIT
 from tiered.node import NodeRates
+from tiered.moments_layout import packed_nbytes
 from tiered.plan import StateKind
 from tiered.plan_report import StepTerms, step_terms
 from tiered.policy import Tier
@@ -185,4 +186,22 @@ def test_frozen_units_move_no_optimizer_bytes_and_each_backward_counts(tmp_path)
         up, down = 4 * every * backwards, 2 * trained * backwards
         assert terms.pcie == pytest.approx(max(up / 1e7, down / 2e7, (up + down) / 2.5e7))
         assert terms.cpu_update == pytest.approx(trained / 2e6)
+    engine.close()
+
+
+def test_compact_states_move_their_own_bytes_on_the_drive(tmp_path):
+    """int8 moments on NVMe: each step reads and writes the fp32 masters and 260 bytes per 256
+    parameters of each moment; the CPU update still steps every trained parameter."""
+    engine, _ = tiered.initialize(lora_model(), os.path.join(REPO, "configs", "nvme.yaml"),
+                                  device="cpu", optimizer=dict(OPTIM, sub_group_size=1 << 18,
+                                                               moments="int8"),
+                                  nvme={"path": str(tmp_path)})
+    flats = engine.runtime.flats
+    trained = [f.shard_numel for f in flats if f.has_trainable]
+    every = sum(f.shard_numel for f in flats)
+    terms = step_terms(engine.manager.plan, engine.policy, 1, RATES, False, 1)
+    states = sum(4 * n + 2 * packed_nbytes(n) for n in trained)
+    assert terms.nvme == pytest.approx((4 * every + states) / 4e6
+                                       + (2 * sum(trained) + states) / 1e6)
+    assert terms.cpu_update == pytest.approx(sum(trained) / 2e6)
     engine.close()

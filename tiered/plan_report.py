@@ -26,7 +26,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .node import NodeRates
-from .plan import MemoryPlan, StateKind, reduce_dtype, state_dtype
+from .plan import OPTIMIZER_STATES, MemoryPlan, StateKind, reduce_dtype, state_dtype
 from .policy import ComputeDtype, Policy, Tier
 from .report import format_table
 from .sizes import format_size
@@ -247,10 +247,11 @@ def step_terms(plan: MemoryPlan, policy: Policy, world_size: int, rates: NodeRat
         stepped_on_host = unit in trained and (
             on_cpu or plan.shards[(unit, StateKind.EXP_AVG)].tier is not Tier.HBM)
         if kind is StateKind.EXP_AVG:  # a trained unit: stepped where its moments are
+            params = plan.shards[(unit, StateKind.PARAM)].numel  # 8-bit moments are packed
             if stepped_on_host:
-                host_params += n
+                host_params += params
             else:
-                device_params += n
+                device_params += params
         elif kind is StateKind.PARAM:
             if tier is not Tier.HBM:
                 up += 2 * n * weight_bytes * backwards
@@ -261,9 +262,9 @@ def step_terms(plan: MemoryPlan, policy: Policy, world_size: int, rates: NodeRat
                 drive_write += n * weight_bytes if unit in trained else 0
         elif kind is StateKind.GRAD and tier is not Tier.HBM:
             down += n * grad_bytes * backwards
-        elif kind is StateKind.MASTER and tier is Tier.NVME and unit in trained:
-            drive_read += 3 * n * 4  # with its two moments
-            drive_write += 3 * n * 4
+        if kind in OPTIMIZER_STATES and tier is Tier.NVME and unit in trained:
+            drive_read += n * buffer.dtype.itemsize  # each step reads and writes them all
+            drive_write += n * buffer.dtype.itemsize
     cpu_rate = (rates.cpu_adamw_params_per_s if policy.compute_dtype is ComputeDtype.FP32
                 else rates.cpu_one_pass_params_per_s)
     gpu = (device_params / rates.gpu_adamw_params_per_s

@@ -270,3 +270,10 @@ COMPACT(compact_gbf16_wbf16_pbf16_mq8, bf16_bits, from_bf16, bf16_bits, from_bf1
 COMPACT(compact_gf32_wbf16_pbf16_mf32, float, from_f32, bf16_bits, from_bf16, to_bf16, 0, MOMENTS_f32)
 COMPACT(compact_gf32_wbf16_pbf16_mbf16, float, from_f32, bf16_bits, from_bf16, to_bf16, 0, MOMENTS_bf16)
 COMPACT(compact_gf32_wbf16_pbf16_mq8, float, from_f32, bf16_bits, from_bf16, to_bf16, 0, MOMENTS_q8)
+
+#if defined(__FLT16_MAX__) /* the compiler's _Float16: IEEE half, round to nearest even */
+COMPACT(compact_gf16_wf16_pf32_mbf16, _Float16, from_f16, _Float16, from_f16, to_f16, 1, MOMENTS_bf16)
+COMPACT(compact_gf16_wf16_pf32_mq8, _Float16, from_f16, _Float16, from_f16, to_f16, 1, MOMENTS_q8)
+COMPACT(compact_gf32_wf16_pf32_mbf16, float, from_f32, _Float16, from_f16, to_f16, 1, MOMENTS_bf16)
+COMPACT(compact_gf32_wf16_pf32_mq8, float, from_f32, _Float16, from_f16, to_f16, 1, MOMENTS_q8)
+#endif

@@ -27,6 +27,11 @@ static inline bf16_bits to_bf16(float f) {
 static inline float from_f32(float f) { return f; }
 static inline float to_f32(float f) { return f; }
 
+#if defined(__FLT16_MAX__) /* the compiler's _Float16: IEEE half, round to nearest even */
+static inline float from_f16(_Float16 h) { return (float)h; }
+static inline _Float16 to_f16(float f) { return (_Float16)f; }
+#endif
+
 /* Copy a block of new weights out; non-temporal where the destination is aligned, so that a
  * store does not first read the line it overwrites. */
 static inline void write_out(void *dst, const void *src, size_t bytes) {

@@ -63,8 +63,6 @@ ONE_PASS(one_pass_gbf16_wbf16, bf16_bits, from_bf16, bf16_bits, to_bf16)
 ONE_PASS(one_pass_gf32_wbf16, float, from_f32, bf16_bits, to_bf16)
 
 #if defined(__FLT16_MAX__) /* the compiler's _Float16: IEEE half, round to nearest even */
-static inline float from_f16(_Float16 h) { return (float)h; }
-static inline _Float16 to_f16(float f) { return (_Float16)f; }
 ONE_PASS(one_pass_gf16_wf16, _Float16, from_f16, _Float16, to_f16)
 ONE_PASS(one_pass_gf32_wf16, float, from_f32, _Float16, to_f16)
 #endif
