@@ -3,6 +3,9 @@
 against states streamed from NVMe, and the bytes the plan holds."""
 from __future__ import annotations
 
+import math
+from fnmatch import fnmatchcase
+
 import pytest
 import torch
 
@@ -30,13 +33,23 @@ def policy(moments: str = "fp32", master: str = "fp32", compute: str = "fp32", *
                           "master": master, **optimizer}}
 
 
-def reference_training(units, moments: str) -> dict:
+GROUPS = [{"match": ["*ln*", "*.bias"], "weight_decay": 0.0, "lr": OPTIM["lr"] / 2}]
+"""A second param group, norms and biases, as fine-tunes set one up."""
+
+
+def group_hypers() -> list[AdamWHyper]:
+    return [HYPER, AdamWHyper(OPTIM["lr"] / 2, *OPTIM["betas"], OPTIM["eps"], 0.0)]
+
+
+def reference_training(units, moments: str, max_grad_norm: float | None = None,
+                       grouped: bool = False) -> dict:
     """Plain PyTorch with compact.reference_step as the optimizer: each unit's parameters as
-    one flat (the engine's layout, padding included), its moments compact, stepped with that
-    unit's random stream (the engine's rounding_seed, 0)."""
+    one flat (the engine's layout, padding included, which goes with the last parameter's
+    group), its moments compact, stepped with that unit's random stream (the engine's
+    rounding_seed, 0); the gradient clipped as clip_grad_norm_ does, by a divisor."""
     model = make_model()
     named = dict(model.named_parameters())
-    flats = [[named[name] for name in names] for names, _ in units]
+    flats = [[(name, named[name]) for name in names] for names, _ in units]
     dtype = MOMENTS[moments]
     states = []
     for (_, padded), params in zip(units, flats):
@@ -45,19 +58,33 @@ def reference_training(units, moments: str) -> dict:
     for step, micro_batches in enumerate(batches(), start=1):
         for idx in micro_batches:
             (next_token_loss(model(idx), idx) / MICRO).backward()
+        divisor = 1.0
+        if max_grad_norm is not None:
+            norm = math.sqrt(sum(float(p.grad.double().square().sum())
+                                 for p in model.parameters()))
+            clip = max_grad_norm / (norm + 1e-6)
+            divisor = 1.0 / clip if clip < 1.0 else 1.0
+        hypers = group_hypers()
         with torch.no_grad():
             for unit, ((_, padded), params, (exp_avg, exp_avg_sq)) in enumerate(
                     zip(units, flats, states)):
-                numel = sum(p.numel() for p in params)
+                numel = sum(p.numel() for _, p in params)
                 grad, master = torch.zeros(padded), torch.zeros(padded)  # padding: zeros
-                grad[:numel] = torch.cat([p.grad.flatten() for p in params])
-                master[:numel] = torch.cat([p.flatten() for p in params])
+                grad[:numel] = torch.cat([p.grad.flatten() for _, p in params])
+                master[:numel] = torch.cat([p.flatten() for _, p in params])
+                runs, offset = [], 0
+                for k, (name, p) in enumerate(params):
+                    group = int(grouped and any(fnmatchcase(name, pattern)
+                                                for pattern in GROUPS[0]["match"]))
+                    stop = padded if k == len(params) - 1 else offset + p.numel()
+                    runs.append(Run(offset, stop, _one_pass_scalars(hypers[group], step,
+                                                                    divisor)))
+                    offset += p.numel()
                 weights = torch.empty(padded)
-                reference_step(master, weights, grad, exp_avg, exp_avg_sq, weights, 0,
-                               [Run(0, padded, _one_pass_scalars(HYPER, step, 1.0))],
+                reference_step(master, weights, grad, exp_avg, exp_avg_sq, weights, 0, runs,
                                stream_key(0, unit, step))
                 offset = 0
-                for p in params:
+                for _, p in params:
                     p.copy_(master[offset:offset + p.numel()].view_as(p))
                     offset += p.numel()
         model.zero_grad()
@@ -65,15 +92,22 @@ def reference_training(units, moments: str) -> dict:
 
 
 @pytest.mark.parametrize("moments", ["bf16", "int8"])
-def test_compact_moments_train_as_plain_pytorch_with_the_reference_step(moments):
-    engine, optimizer = tiered.initialize(make_model(), policy(moments))
+@pytest.mark.parametrize("clipped_and_grouped", [False, True], ids=["plain", "clip+groups"])
+def test_compact_moments_train_as_plain_pytorch_with_the_reference_step(moments,
+                                                                        clipped_and_grouped):
+    extra = dict(max_grad_norm=0.5, param_groups=GROUPS) if clipped_and_grouped else {}
+    engine, optimizer = tiered.initialize(make_model(), policy(moments, **extra))
     units = [([param.names[0] for param in flat.spec.params], flat.padded_numel)
              for flat in engine.runtime.flats]
     assert all(engine.manager.shards[(i, StateKind.EXP_AVG)].dtype is MOMENTS[moments]
                for i in range(len(units)))
     state = run_engine(engine, optimizer)
+    clipped = optimizer.last_grad_norm
     engine.close()
-    assert_parity(state, reference_training(units, moments))
+    if clipped_and_grouped:
+        assert clipped > 0.5  # it did clip
+    assert_parity(state, reference_training(units, moments, extra.get("max_grad_norm"),
+                                            clipped_and_grouped))
 
 
 def big_model() -> GPT:

@@ -20,9 +20,10 @@ The update itself is computed in fp32 from the stored values, with the fp32 kern
 only what is stored is compact.
 
 Stochastic rounding takes its bits from a counter-based stream: murmur3's 32-bit finalizer of
-the element's index in its unit's shard plus a key made from (seed, unit, step) (stream_key). A
-step is then the same whatever the threads, pieces or machine, and a resumed run repeats the one
-it resumes. One hash per element and step serves all three: its low 16 bits round the weights,
+the element's index in its unit's shard (each rank's own shard: the ranks' shards of a unit,
+other parameters, share the bits) plus a key made from (seed, unit, step)
+(stream_key). A step is then the same whatever the threads, pieces or machine, and a resumed
+run repeats the one it resumes. One hash per element and step serves all three: its low 16 bits round the weights,
 the next 8 the first moment and the top 8 the second. 8 bits resolve 1/256 of a moment's
 rounding step, where the smallest change that must survive, a second moment's 0.1% a step, is a
 quarter of bf16's and a twentieth of a code's; a weight's update can be a hundredth of its

@@ -3,14 +3,14 @@
 [Note: state stream]
 A unit's master weights (where it has them) and Adam moments on NVMe are cut into pieces of at
 most ``optimizer.sub_group_size`` parameters, each starting where every state's file has a
-4 KiB block (and, for packed 8-bit moments, a block of codes: moments_layout.piece_granule). Pieces go round three sets of pinned staging buffers:
-while piece i is stepped in set i % 3, piece i+1 is being read into the next set and piece i-1
-written back from the previous one. Before a set is read into again, the writes from it (piece
-i-2) must have finished. A unit's pieces are written into the next versions of its three states
-(spare extents, see [Note: atomic shard writes]), committed together after its last piece: the
-three switch together once all is written, or, if any piece failed, none does, so a unit's
-master weights and moments never come from different steps. The stream ends when every version
-is written.
+4 KiB block (and, for packed 8-bit moments, a block of codes: moments_layout.piece_granule).
+Pieces go round three sets of pinned staging buffers: while piece i is stepped in set i % 3,
+piece i+1 is being read into the next set and piece i-1 written back from the previous one.
+Before a set is read into again, the writes from it (piece i-2) must have finished. A unit's
+pieces are written into the next versions of its states (spare extents, see [Note: atomic shard
+writes]), committed together after its last piece: they switch together once all is written,
+or, if any piece failed, none does, so a unit's master weights and moments never come from
+different steps. The stream ends when every version is written.
 """
 from __future__ import annotations
 
