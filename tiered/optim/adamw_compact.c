@@ -258,22 +258,26 @@ static inline void store_moments(int format, void *exp_avg, void *exp_avg_sq, in
         fence();                                                                               \
     }
 
-COMPACT(compact_gbf16_wbf16_pf32_mbf16, bf16_bits, from_bf16, bf16_bits, from_bf16, to_bf16, 1, MOMENTS_bf16)
-COMPACT(compact_gbf16_wbf16_pf32_mq8, bf16_bits, from_bf16, bf16_bits, from_bf16, to_bf16, 1, MOMENTS_q8)
-COMPACT(compact_gf32_wbf16_pf32_mbf16, float, from_f32, bf16_bits, from_bf16, to_bf16, 1, MOMENTS_bf16)
-COMPACT(compact_gf32_wbf16_pf32_mq8, float, from_f32, bf16_bits, from_bf16, to_bf16, 1, MOMENTS_q8)
-COMPACT(compact_gf32_wf32_pf32_mbf16, float, from_f32, float, from_f32, to_f32, 1, MOMENTS_bf16)
-COMPACT(compact_gf32_wf32_pf32_mq8, float, from_f32, float, from_f32, to_f32, 1, MOMENTS_q8)
-COMPACT(compact_gbf16_wbf16_pbf16_mf32, bf16_bits, from_bf16, bf16_bits, from_bf16, to_bf16, 0, MOMENTS_f32)
-COMPACT(compact_gbf16_wbf16_pbf16_mbf16, bf16_bits, from_bf16, bf16_bits, from_bf16, to_bf16, 0, MOMENTS_bf16)
-COMPACT(compact_gbf16_wbf16_pbf16_mq8, bf16_bits, from_bf16, bf16_bits, from_bf16, to_bf16, 0, MOMENTS_q8)
-COMPACT(compact_gf32_wbf16_pbf16_mf32, float, from_f32, bf16_bits, from_bf16, to_bf16, 0, MOMENTS_f32)
-COMPACT(compact_gf32_wbf16_pbf16_mbf16, float, from_f32, bf16_bits, from_bf16, to_bf16, 0, MOMENTS_bf16)
-COMPACT(compact_gf32_wbf16_pbf16_mq8, float, from_f32, bf16_bits, from_bf16, to_bf16, 0, MOMENTS_q8)
+/* The variants native.native_compact_step names, compact_g<gradient>_w<weights>_p<master>_m<
+ * moments>: each dtype by its name's T_, from_ and to_; the master fp32 (HAS_f32) or none. */
+#define T_bf16 bf16_bits
+#define T_f16 _Float16
+#define T_f32 float
+#define HAS_f32 1
+#define HAS_bf16 0
+#define VARIANT(G, W, P, M)                                                                    \
+    COMPACT(compact_g##G##_w##W##_p##P##_m##M, T_##G, from_##G, T_##W, from_##W, to_##W,      \
+            HAS_##P, MOMENTS_##M)
+#define COMPACT_MOMENTS(G, W, P) VARIANT(G, W, P, bf16) VARIANT(G, W, P, q8)
 
-#if defined(__FLT16_MAX__) /* the compiler's _Float16: IEEE half, round to nearest even */
-COMPACT(compact_gf16_wf16_pf32_mbf16, _Float16, from_f16, _Float16, from_f16, to_f16, 1, MOMENTS_bf16)
-COMPACT(compact_gf16_wf16_pf32_mq8, _Float16, from_f16, _Float16, from_f16, to_f16, 1, MOMENTS_q8)
-COMPACT(compact_gf32_wf16_pf32_mbf16, float, from_f32, _Float16, from_f16, to_f16, 1, MOMENTS_bf16)
-COMPACT(compact_gf32_wf16_pf32_mq8, float, from_f32, _Float16, from_f16, to_f16, 1, MOMENTS_q8)
+COMPACT_MOMENTS(bf16, bf16, f32)
+COMPACT_MOMENTS(f32, bf16, f32)
+COMPACT_MOMENTS(f32, f32, f32)
+VARIANT(bf16, bf16, bf16, f32) /* bf16 masters: also with fp32 moments */
+COMPACT_MOMENTS(bf16, bf16, bf16)
+VARIANT(f32, bf16, bf16, f32)
+COMPACT_MOMENTS(f32, bf16, bf16)
+#if defined(__FLT16_MAX__)
+COMPACT_MOMENTS(f16, f16, f32)
+COMPACT_MOMENTS(f32, f16, f32)
 #endif
