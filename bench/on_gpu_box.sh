@@ -6,7 +6,7 @@
 # tests 2.7 min, cpu 1.6 min, offload 6.3 min, lora 5 min, tiled 1.4 min, io 1.7 min; fourth
 # session: nvme 3.6 min, large 6.1 min. Estimated: variants 5 min, hbm 5 min, clip 4 min, load
 # 8 min, service 6 min, reattach 6 min, warm 6 min, hf 8 min, auto 9 min, replan 4 min, compact 8 min,
-# capacity 8 min; nvme with its service
+# capacity 9 min (the large stage's 6.1 min for 1.6x the parameters, one step fewer); nvme with its service
 # twin since the thirteenth session, 7 min. Every tiered process spends 50-95 s in setup there, 25-36 s of it
 # compiling the one-pass AdamW (inductor's cache hits, yet the compile stays 25 s; 2.4 s on the
 # development machine).
@@ -132,7 +132,7 @@ capacity)  # issue 21: the largest GPT bench_capacity.py plans with int8 moments
     # 5120), trained in 104 GiB of DRAM plus the disk
     mkdir -p "$nvme"
     python bench/bench_offload.py --layers 49 --dim 5120 --batch 1 --modes tiered:cpu+arrive \
-        --nvme "$nvme" --steps 3 --out "$out/capacity.json" \
+        --nvme "$nvme" --steps 2 --out "$out/capacity.json" \
         --set '{"dram": {"budget": "104GiB", "spill": "nvme"}, "optimizer": {"moments": "int8"}}' \
         2>&1 | grep -v -e Warning -e _conversion | tee "$out/capacity.log" ;;
 load)  # pretrained weights: the 2.78 B GPT's bf16 safetensors into a model ready to train
