@@ -29,6 +29,7 @@ CASES = {
     "clipped": ("cpu", {"max_grad_norm": 0.5}),
     "delayed update": ("cpu", {"delayed_update": {"enabled": True, "warmup_steps": 1}}),
     "accumulation declared": ("nvme", {"accumulation_steps": 2}),
+    "int8 moments": ("nvme", {"moments": "int8"}),  # compact states, stepped in the service
 }
 
 
