@@ -280,3 +280,24 @@ def test_a_units_step_on_the_gpu_gives_the_native_kernels_bits(keeps_master, mom
     for name, a, b in zip(("master", "weights", "exp_avg", "exp_avg_sq"), cpu, gpu):
         if a is not None:
             assert same_bits(a, b), name
+
+
+def test_where_no_kernel_is_the_reference_steps_in_chunks_to_the_same_bits(monkeypatch):
+    """A GPU's units, or a machine without a C compiler: reference_step in chunks of whole
+    blocks (bounded temporaries), runs cut at the chunks' edges, the kernel's bits."""
+    torch.manual_seed(6)
+    numel = 5 * 1024 + 300
+    grads = [torch.randn(numel).bfloat16() for _ in range(2)]
+    weights = torch.randn(numel).bfloat16()
+
+    def runs_of(step: int) -> list[Run]:  # one run across a chunk's edge, one inside
+        return [Run(0, 1500, _one_pass_scalars(HYPER, step, 1.0)), Run(1500, 1600, None),
+                Run(1600, numel, _one_pass_scalars(HYPER, step, 3.0))]
+
+    native_bits = run_steps(compact.compact_step, grads, None, weights, "int8", runs_of, 512)
+    monkeypatch.setattr(compact, "REFERENCE_CHUNK", 1024)
+    monkeypatch.setattr(native, "native_compact_step", lambda *args: None)
+    chunked = run_steps(compact.compact_step, grads, None, weights, "int8", runs_of, 512)
+    for name, a, b in zip(("master", "weights", "exp_avg", "exp_avg_sq"), native_bits, chunked):
+        if a is not None:
+            assert same_bits(a, b), name

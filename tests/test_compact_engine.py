@@ -3,6 +3,7 @@
 against states streamed from NVMe, and the bytes the plan holds."""
 from __future__ import annotations
 
+import errno
 import math
 from fnmatch import fnmatchcase
 
@@ -20,6 +21,7 @@ from tiered.optim.compact import SECOND_MOMENT, Run, read_moment, reference_step
 from tiered.plan import StateKind
 from tiered.policy import Tier
 from tiered.sizes import align_up
+from tiered.tiers.aio import inject_faults
 from tiered.tiers.dram import BLOCK_ALIGN
 
 HYPER = AdamWHyper(OPTIM["lr"], *OPTIM["betas"], OPTIM["eps"], OPTIM["weight_decay"])
@@ -245,3 +247,28 @@ def test_a_checkpoint_loads_under_other_state_dtypes_and_trains_on(tmp_path, cap
     engine.close()
     assert all(torch.isfinite(torch.tensor(after)))
     assert after[-1] < before[0]  # the loss goes on down from where it was
+
+
+def test_bf16_masters_beside_moments_on_nvme_keep_their_step_when_a_write_fails(tmp_path):
+    """The weights are the master: a unit's new ones wait in staging until its moments' new
+    versions are on the drive, so a failed write leaves weights and moments of one step."""
+    settings = dict(policy("int8", "bf16", compute="bf16"), nvme={"path": str(tmp_path)})
+    settings["optimizer"]["tier"] = "nvme"
+    engine, optimizer = tiered.initialize(big_model(), settings)
+    idx = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(2))
+    train_big(engine, optimizer, steps=1)
+    manager = engine.manager
+    first = engine.runtime.forward_order(list(range(len(engine.runtime.flats))))[0]
+    before = manager.load(first, StateKind.PARAM).clone()
+
+    def fault(verb, path, offset, size):  # the update's first write: its first unit's moments
+        if verb == "write":
+            raise OSError(errno.EIO, "injected EIO")
+
+    next_token_loss(engine(idx), idx).backward()
+    with inject_faults(fault):
+        with pytest.raises(tiered.TieredError, match="injected EIO"):
+            optimizer.step()
+            optimizer.synchronize()
+    assert torch.equal(manager.load(first, StateKind.PARAM), before)
+    engine.close()

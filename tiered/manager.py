@@ -305,7 +305,8 @@ class TierManager:
     def pieces(self, unit: int, kind: StateKind, max_bytes: int = 64 << 20):
         """(first element, contents) of the shard state, piece by piece, as CPU tensors valid
         until the next piece: slices of a DRAM shard, copies of an HBM one, and NVMe extents
-        read through their staging buffer."""
+        read through their staging buffer. Elements of the state's dtype: bytes, whole blocks
+        of codes, for packed 8-bit moments."""
         shard = self.shards[(unit, kind)]
         if shard.resident is not None:
             granule = _granule(shard.dtype)
@@ -416,12 +417,14 @@ class TierManager:
         resident = self.shards[(unit, kind)].resident
         return resident is not None and (resident.device.type == "cpu" or not cpu_only)
 
-    def param_target(self, unit: int, kind: StateKind, cpu_only: bool) -> torch.Tensor:
+    def param_target(self, unit: int, kind: StateKind, cpu_only: bool,
+                     staged: bool = False) -> torch.Tensor:
         """Where new weights of ``kind`` may be written in place: the resident shard itself
         (see :meth:`param_in_place`), or the "param_out" staging buffer for weights bound for
-        NVMe, or for HBM from the CPU (then :meth:`store` moves them)."""
+        NVMe, or for HBM from the CPU, or that must wait (``staged``) (then :meth:`store`
+        moves them)."""
         shard = self.shards[(unit, kind)]
-        if self.param_in_place(unit, kind, cpu_only):
+        if self.param_in_place(unit, kind, cpu_only) and not staged:
             return shard.resident
         return typed(self._staging["param_out"], shard.numel, shard.dtype)
 

@@ -61,13 +61,12 @@ def unit_state_kinds(policy: Policy, trainable: bool,
     parameters computed in bf16), so that ``full_state_dict``, exports and checkpoints still
     give them back exactly. A bf16 model fine-tuned in bf16 keeps 2 bytes per frozen parameter
     where a trained one needs 16 to 20."""
-    kinds = state_kinds(policy)
     if trainable:
-        return kinds
+        return state_kinds(policy)
     compute = policy.compute_dtype.torch_dtype
     exact = compute is torch.float32 or all(dtype is compute for dtype in param_dtypes)
     keep = {StateKind.PARAM} if exact else {StateKind.PARAM, StateKind.MASTER}
-    return [kind for kind in kinds if kind in keep]
+    return [kind for kind in StateKind if kind in keep]  # masters also under master: bf16
 
 
 def state_tier(policy: Policy, kind: StateKind) -> Tier:
@@ -152,7 +151,11 @@ def staging_buffers(policy: Policy, device: torch.device, placement: "Placement"
         for slot in range(read_ahead_slots(policy, nvme_params)):
             out[f"param_in{slot}"] = Buffer(f"staging param_in{slot}", Tier.DRAM, nvme_params,
                                             compute)
-    param_out = max(nvme_params, placement.largest_stepped_apart(StateKind.PARAM, Tier.HBM))
+    # Without masters (optimizer.master: bf16) a unit's new weights wait there while its
+    # moments stream from NVMe, until their versions commit (stepper.UnitStepper._weights).
+    masterless = StateKind.MASTER not in state_kinds(policy)
+    param_out = max(nvme_params, placement.largest_stepped_apart(StateKind.PARAM, Tier.HBM),
+                    placement.largest(StateKind.EXP_AVG, Tier.NVME) if masterless else 0)
     if param_out:
         out["param_out"] = Buffer("staging param_out", Tier.DRAM, param_out, compute)
     if nvme_states:
@@ -323,7 +326,9 @@ class Placement:
     def largest_stepped_apart(self, kind: StateKind, tier: Tier) -> int:
         """The largest shard whose ``kind`` state is in ``tier`` and whose masters are off the
         device, so stepped (or loaded) on the CPU: new weights for the device written on the
-        host (0 if none is). A unit without masters (frozen, exact) is never stepped."""
+        host (0 if none is). A unit without masters is frozen and exact, never stepped, or keeps
+        its weights as the master (optimizer.master: bf16), which the policy keeps beside
+        its optimizer: not stepped apart."""
         return max((n for u, n in enumerate(self.shard_numels)
                     if self.tiers.get((u, kind)) is tier
                     and self.tiers.get((u, StateKind.MASTER)) not in (None, Tier.HBM)),
@@ -376,13 +381,15 @@ def build_plan(policy: Policy, device: torch.device, shard_numels: list[int],
         return plan
     weights = (StateKind.PARAM, StateKind.PARAM_NEXT)  # a unit's own, as below
     by_size = sorted(range(len(shard_numels)), key=lambda u: -shard_numels[u])
-    # Weights that are the master (optimizer.master: bf16) are stepped in place: they stay.
-    spilled = ((OPTIMIZER_STATES,) if policy.optimizer.master is MasterDtype.BF16
-               else (OPTIMIZER_STATES, weights))
-    for kinds in spilled:
+    # Trained weights that are the master (optimizer.master: bf16) are stepped in place in
+    # DRAM: they stay; a frozen unit's, never stepped, may go.
+    masters_stay = policy.optimizer.master is MasterDtype.BF16
+    for kinds in (OPTIMIZER_STATES, weights):
         for unit in by_size:
             if plan.needed(Tier.DRAM) <= dram_available:
                 return plan
+            if kinds is weights and masters_stay and (unit, StateKind.EXP_AVG) in placement.tiers:
+                continue
             present = tuple(k for k in kinds if (unit, k) in placement.tiers)
             if present and all(placement.tiers[(unit, k)] is Tier.DRAM for k in present):
                 placement = placement.moved(unit, present, Tier.NVME)

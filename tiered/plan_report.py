@@ -32,8 +32,9 @@ from .report import format_table
 from .sizes import format_size
 
 SHOWN_STATES = (StateKind.PARAM, StateKind.GRAD, StateKind.MASTER)
-"""One row per kind of state: the moments sit with the master weights, the delayed update's
-next weights with the weights."""
+"""One row per kind of state: the moments sit with the master weights (a unit without masters,
+under ``optimizer.master: bf16``, is counted where its moments are), the delayed update's next
+weights with the weights."""
 
 
 @dataclass(frozen=True)
@@ -212,7 +213,9 @@ def plan_report(plan: MemoryPlan, budgets: dict[Tier, int | None], policy: Polic
                 unit_names: tuple[str, ...] = (), replanned: str | None = None) -> PlanReport:
     """``on_cpu``: the CPU is the device (it steps every unit, and no PCIe is crossed)."""
     units: dict[StateKind, dict[Tier, int]] = {kind: {} for kind in SHOWN_STATES}
-    for (_, kind), buffer in plan.shards.items():
+    for (unit, kind), buffer in plan.shards.items():
+        if kind is StateKind.EXP_AVG and (unit, StateKind.MASTER) not in plan.shards:
+            kind = StateKind.MASTER  # the optimizer's states are where its moments are
         if kind in units:
             units[kind][buffer.tier] = units[kind].get(buffer.tier, 0) + 1
     tiers = [Tier.HBM, Tier.DRAM] + ([Tier.NVME] if Tier.NVME in budgets else [])

@@ -26,10 +26,6 @@ from .policy_yaml import read_yaml
 from .sizes import parse_size
 
 POLICY_ENV = "TIERED_POLICY_JSON"
-
-INT8_PIECE = piece_granule([PACKED])
-"""Elements of the smallest piece of 8-bit moments that fills whole 4 KiB blocks
-(moments_layout.py)."""
 """Environment variable through which ``tiered-launch`` hands the resolved policy to each rank."""
 
 

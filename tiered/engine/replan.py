@@ -20,7 +20,8 @@ It happens once, said in the log (logger "tiered", INFO, rank 0) and in ``plan_r
 explicit ``hbm.reserve`` is the user's word and is kept as it is, with no re-plan. Exactness is
 unchanged: a unit's states are copied bit for bit, its step count follows it, and the kernel
 that steps it (torch's fused AdamW on the device, where the CPU's would be the one-pass one
-under mixed precision) computes AdamW as every other does.
+under mixed precision; compact states' reference step, where the CPU's would be its kernel, to
+the same bits) computes AdamW as every other does.
 """
 from __future__ import annotations
 

@@ -21,9 +21,9 @@ only what is stored is compact.
 
 Stochastic rounding takes its bits from a counter-based stream: murmur3's 32-bit finalizer of
 the element's index in its unit's shard (each rank's own shard: the ranks' shards of a unit,
-other parameters, share the bits) plus a key made from (seed, unit, step)
-(stream_key). A step is then the same whatever the threads, pieces or machine, and a resumed
-run repeats the one it resumes. One hash per element and step serves all three: its low 16 bits round the weights,
+other parameters, share the bits) plus a key made from (seed, unit, step) (stream_key). A step
+is then the same whatever the threads, pieces or machine, and a resumed run repeats the one it
+resumes. One hash per element and step serves all three: its low 16 bits round the weights,
 the next 8 the first moment and the top 8 the second. 8 bits resolve 1/256 of a moment's
 rounding step, where the smallest change that must survive, a second moment's 0.1% a step, is a
 quarter of bf16's and a twentieth of a code's; a weight's update can be a hundredth of its
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..moments_layout import QBLOCK, QBLOCK_BYTES, packed_nbytes
+from ..moments_layout import QBLOCK, QBLOCK_BYTES, packed_nbytes, stored_span
 
 MASK32 = 0xFFFFFFFF
 
@@ -163,7 +163,8 @@ def quantize_into(packed: torch.Tensor, x: torch.Tensor, code_map: CodeMap,
     blocks = torch.nn.functional.pad(x, (0, pad)).view(-1, QBLOCK)
     r8 = torch.nn.functional.pad(r8, (0, pad)).view(-1, QBLOCK)
     finite = torch.where(torch.isfinite(blocks), blocks.abs(), 0.0)
-    scales = finite.amax(dim=1) / code_map.largest
+    largest = finite.amax(dim=1)
+    scales = _divide(largest, torch.tensor(code_map.largest, device=largest.device))
     inverse = torch.where(scales > 0, (1.0 / scales).clamp(max=torch.finfo(torch.float32).max),
                           0.0)
     codes = encode(blocks * inverse[:, None], code_map, r8).to(torch.uint8)
@@ -242,7 +243,8 @@ def reference_step(master: torch.Tensor | None, weights_in: torch.Tensor, grad: 
 
 def _divide(x: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
     """``x / divisor`` divided, as the kernel does: torch multiplies by the reciprocal when the
-    divisor is a one-element tensor, which differs in the last bit."""
+    divisor is a one-element tensor or a Python number (on the CPU and on CUDA), which differs
+    in the last bit."""
     return x / divisor.expand_as(x)
 
 
@@ -276,8 +278,8 @@ def compact_step(master: torch.Tensor | None, weights_in: torch.Tensor, grad: to
         kernel = native_compact_step(grad.dtype, weights_out.dtype, master is not None,
                                      exp_avg.dtype)
     if kernel is None:
-        reference_step(master, weights_in, grad, exp_avg, exp_avg_sq, weights_out, first, runs,
-                       key)
+        _reference_in_chunks(master, weights_in, grad, exp_avg, exp_avg_sq, weights_out, first,
+                             runs, key)
         return
     bounds = torch.tensor([run.start for run in runs] + [runs[-1].stop], dtype=torch.int64)
     frozen = torch.tensor([0.0] * 8 + [1.0])  # the kernel's ninth scalar: a frozen run
@@ -286,3 +288,32 @@ def compact_step(master: torch.Tensor | None, weights_in: torch.Tensor, grad: to
                            for run in runs])
     kernel(master, weights_in, grad, exp_avg, exp_avg_sq, weights_out, first, bounds, scalars,
            key)
+
+
+REFERENCE_CHUNK = 1 << 22
+"""Parameters reference_step takes at once where it stands in for the kernel (a GPU's units):
+its temporaries (int64 random bits and codes, fp32 copies) are some 60 bytes a parameter, which
+no plan counts; 4 M of them stay within 256 MB whatever the unit's size."""
+
+
+def _reference_in_chunks(master, weights_in, grad, exp_avg, exp_avg_sq, weights_out,
+                         first: int, runs: list[Run], key: int) -> None:
+    """reference_step over the piece in chunks of whole blocks: the same bits (blocks and
+    random bits follow the element's place in its unit), bounded temporaries."""
+    n = grad.numel()
+    for start in range(0, n, REFERENCE_CHUNK):
+        stop = min(start + REFERENCE_CHUNK, n)
+        here = slice(start, stop)
+        moments = [state[slice(*_stored(state.dtype, start, stop - start))]
+                   for state in (exp_avg, exp_avg_sq)]
+        chunk_runs = [Run(max(run.start, start) - start, min(run.stop, stop) - start,
+                          run.scalars)
+                      for run in runs if max(run.start, start) < min(run.stop, stop)]
+        reference_step(None if master is None else master[here], weights_in[here], grad[here],
+                       *moments, weights_out[here], first + start, chunk_runs, key)
+
+
+def _stored(dtype: torch.dtype, start: int, count: int) -> tuple[int, int]:
+    """(first, stop) of the stored elements of parameters [start, start + count)."""
+    first, stored = stored_span(dtype, start, count)
+    return first, first + stored

@@ -170,7 +170,11 @@ class UnitStepper:
 
     def _weights(self, unit: int, kind: StateKind) -> torch.Tensor:
         """Where this unit's new weights are written (then stored to their tier); the one-pass
-        and compact kernels write them where they step."""
+        and compact kernels write them where they step. Weights that are the master beside
+        moments streamed from NVMe wait in staging until the moments' new versions commit, so
+        that a failed write leaves weights and moments of the same step."""
         on_cpu = self.device(unit).type == "cpu"
+        staged = (self.compact and not self.manager.has(unit, StateKind.MASTER)
+                  and self.manager.nvme_file(unit, StateKind.EXP_AVG) is not None)
         return self.manager.param_target(unit, kind, on_cpu and (
-            self.compact or self._one_pass_for(unit) is not None))
+            self.compact or self._one_pass_for(unit) is not None), staged)
