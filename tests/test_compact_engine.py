@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tiered
-from gpt import GPT, next_token_loss
+from gpt import GPT, add_lora, next_token_loss
 from helpers_models import (MICRO, OPTIM, assert_parity, batches, make_model, run_engine,
                             token_batches)
 from tiered.errors import PolicyError
@@ -272,3 +272,26 @@ def test_bf16_masters_beside_moments_on_nvme_keep_their_step_when_a_write_fails(
             optimizer.synchronize()
     assert torch.equal(manager.load(first, StateKind.PARAM), before)
     engine.close()
+
+
+def test_frozen_fp32_weights_keep_fp32_masters_under_bf16_masters():
+    """LoRA on fp32 weights computed in bf16: the trained adapters keep no fp32 copy, the frozen
+    weights keep theirs, so that full_state_dict (and exports, checkpoints) give them back
+    exactly, as under fp32 masters."""
+    torch.manual_seed(0)
+    model = add_lora(GPT(64, 32, 2, 2), 4)
+    original = {name: value.clone() for name, value in model.state_dict().items()}
+    engine, optimizer = tiered.initialize(model, policy("int8", "bf16", compute="bf16"))
+    manager = engine.manager
+    for flat in engine.runtime.flats:
+        trained = flat.has_trainable
+        assert manager.has(flat.spec.index, StateKind.MASTER) is not trained
+        assert manager.has(flat.spec.index, StateKind.EXP_AVG) is trained
+    idx = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(3))
+    train_small(engine, optimizer, [idx, idx])
+    state = engine.full_state_dict()
+    engine.close()
+    frozen = [name for name in original if "lora_" not in name]
+    assert all(torch.equal(state[name], original[name]) for name in frozen)
+    assert not all(torch.equal(state[name], original[name]) for name in original
+                   if "lora_" in name)  # the adapters trained
