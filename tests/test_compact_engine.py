@@ -295,3 +295,18 @@ def test_frozen_fp32_weights_keep_fp32_masters_under_bf16_masters():
     assert all(torch.equal(state[name], original[name]) for name in frozen)
     assert not all(torch.equal(state[name], original[name]) for name in original
                    if "lora_" in name)  # the adapters trained
+
+
+def test_units_stepped_as_their_gradients_arrive_step_as_at_the_optimizer_step():
+    """``accumulation_steps: 1`` steps each unit during backward, as its gradient lands: the
+    same kernel, key and bits as stepping them all at ``optimizer.step()``."""
+    data = token_batches(3)
+    states = []
+    for accumulation in (None, 1):
+        engine, optimizer = tiered.initialize(
+            make_model(), policy("int8", "bf16", compute="bf16", accumulation_steps=accumulation))
+        train_small(engine, optimizer, data)
+        states.append(engine.full_state_dict())
+        engine.close()
+    for name in states[0]:
+        assert torch.equal(states[0][name], states[1][name]), name
