@@ -14,7 +14,10 @@ from torch import nn
 
 import tiered
 from gpt import GPT, LoRALinear, add_lora, next_token_loss
+from tiered.optim.compact import FIRST_MOMENT, SECOND_MOMENT, read_moment
 from tiered.plan import StateKind
+
+CODE_MAPS = {StateKind.EXP_AVG: FIRST_MOMENT, StateKind.EXP_AVG_SQ: SECOND_MOMENT}
 
 POLICIES = ("cpu", "nvme", "gpu")
 STEPS, MICRO, BATCH, SEQ, VOCAB = 5, 2, 8, 16, 64
@@ -153,6 +156,8 @@ def states_by_name(engine) -> dict[tuple[str, str], torch.Tensor]:
                     shard = engine.manager.shards[(flat.spec.index, kind)]
                     values = torch.empty(shard.numel, dtype=shard.dtype)
                     engine.manager.copy_out(flat.spec.index, kind, values)
+                    if kind in CODE_MAPS:  # fp32, bf16 or 8-bit moments (issue 21)
+                        values = read_moment(values, flat.shard_numel, CODE_MAPS[kind])
                     out[(param.names[0], kind.value)] = (lo - offset,
                                                          values[lo - start:hi - start].float())
             offset += param.numel

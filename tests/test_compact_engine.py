@@ -12,8 +12,8 @@ import torch
 
 import tiered
 from gpt import GPT, add_lora, next_token_loss
-from helpers_models import (MICRO, OPTIM, assert_parity, batches, make_model, run_engine,
-                            token_batches)
+from helpers_models import (MICRO, OPTIM, assert_parity, batches, lora_model, make_model,
+                            run_engine, states_by_name, token_batches)
 from tiered.errors import PolicyError
 from tiered.moments_layout import packed_nbytes
 from tiered.optim.adamw import AdamWHyper, _one_pass_scalars
@@ -310,3 +310,30 @@ def test_units_stepped_as_their_gradients_arrive_step_as_at_the_optimizer_step()
         engine.close()
     for name in states[0]:
         assert torch.equal(states[0][name], states[1][name]), name
+
+
+def test_compact_moments_load_into_another_cut_of_units(tmp_path):
+    """Saved with LoRA's frozen and trained halves as units of their own, loaded with one unit
+    per block: each adapter's 8-bit moments are decoded from the middle of a saved unit's
+    blocks and encoded into new blocks, to within a code's step of what was saved."""
+    settings = policy("int8", "bf16", compute="bf16")
+    data = token_batches(5)
+    engine, optimizer = tiered.initialize(lora_model(), settings)
+    train_small(engine, optimizer, data[:3])
+    saved = states_by_name(engine)
+    units_saved = len(engine.runtime.flats)
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    engine.close()
+    engine, optimizer = tiered.initialize(lora_model(), dict(settings,
+                                                             units={"split_frozen": False}))
+    assert len(engine.runtime.flats) < units_saved  # another cut
+    engine.load_checkpoint(str(tmp_path), tag="t")
+    loaded = states_by_name(engine)
+    moments = [key for key in saved if key[1] in ("exp_avg", "exp_avg_sq")]
+    assert moments and all(key in loaded for key in moments)
+    for key in moments:
+        (_, was), (_, now) = saved[key], loaded[key]
+        torch.testing.assert_close(now, was, rtol=1 / 8, atol=1e-9, msg=lambda m: f"{key}: {m}")
+    after = train_small(engine, optimizer, data[3:])
+    engine.close()
+    assert all(math.isfinite(loss) for loss in after)
