@@ -16,6 +16,7 @@ import torch
 import tiered
 
 from tiered.engine.engine import LAUNCHED_ENV
+from tiered.tiers.aio import inject_faults
 from tiered.policy import POLICY_ENV
 from tiered.service.client import JOB_ENV, SERVICE_ENV
 
@@ -148,3 +149,15 @@ def refused(engine, load, *in_message: str, one_line: bool = False) -> str:
         assert "\n" not in message, message
     assert_same(engine.full_state_dict(), before, f"half-loaded by a refused load ({message})")
     return message
+
+
+def update_failing_with(engine, optimizer, idx: torch.Tensor, fault, message: str) -> None:
+    """A backward on ``idx``, then the update with ``fault`` (aio.inject_faults') injected into
+    its I/O: it must raise a TieredError matching ``message``."""
+    from gpt import next_token_loss
+
+    next_token_loss(engine(idx), idx).backward()
+    with inject_faults(fault):
+        with pytest.raises(tiered.TieredError, match=message):
+            optimizer.step()
+            optimizer.synchronize()

@@ -12,6 +12,7 @@ import torch
 
 import tiered
 from gpt import GPT, add_lora, next_token_loss
+from helpers import update_failing_with
 from helpers_models import (MICRO, OPTIM, assert_parity, batches, lora_model, make_model,
                             run_engine, states_by_name, token_batches)
 from tiered.errors import PolicyError
@@ -21,7 +22,6 @@ from tiered.optim.compact import SECOND_MOMENT, Run, read_moment, reference_step
 from tiered.plan import StateKind
 from tiered.policy import Tier
 from tiered.sizes import align_up
-from tiered.tiers.aio import inject_faults
 from tiered.tiers.dram import BLOCK_ALIGN
 
 HYPER = AdamWHyper(OPTIM["lr"], *OPTIM["betas"], OPTIM["eps"], OPTIM["weight_decay"])
@@ -265,11 +265,7 @@ def test_bf16_masters_beside_moments_on_nvme_keep_their_step_when_a_write_fails(
         if verb == "write":
             raise OSError(errno.EIO, "injected EIO")
 
-    next_token_loss(engine(idx), idx).backward()
-    with inject_faults(fault):
-        with pytest.raises(tiered.TieredError, match="injected EIO"):
-            optimizer.step()
-            optimizer.synchronize()
+    update_failing_with(engine, optimizer, idx, fault, "injected EIO")
     assert torch.equal(manager.load(first, StateKind.PARAM), before)
     engine.close()
 

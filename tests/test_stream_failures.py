@@ -14,6 +14,7 @@ from torch import nn
 
 import tiered
 from gpt import GPT, add_lora, next_token_loss
+from helpers import update_failing_with
 from tiered.engine.build import flat_units, memory_plan
 from tiered.plan import StateKind
 from tiered.policy import resolve
@@ -96,11 +97,7 @@ def test_an_update_that_failed_part_way_is_never_computed_on(tmp_path):
         if len(started) == 5 and offset == 4096:
             raise OSError(errno.EIO, "injected EIO")
 
-    next_token_loss(engine(idx), idx).backward()
-    with inject_faults(fault):
-        with pytest.raises(tiered.TieredError, match="injected EIO"):
-            optimizer.step()
-            optimizer.synchronize()
+    update_failing_with(engine, optimizer, idx, fault, "injected EIO")
     with torch.no_grad(), pytest.raises(tiered.TieredError, match="CPU worker failed"):
         engine(idx)
     engine.close()
