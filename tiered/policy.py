@@ -2,16 +2,15 @@
 
 A policy is data: which tier holds each piece of training state, the optimizer's settings and the
 tiers' budgets. Mechanism (tiers, engine, optimizer) reads a frozen :class:`Policy` and never a
-dict. Every error names the source file, the key path and what is allowed.
+dict. Every error names the source file, the key path and what is allowed. The sections are
+here; the generic building and checking of a section tree is policy_schema.py's.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import enum
 import json
 import os
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -22,6 +21,7 @@ from .moments_layout import PACKED, piece_granule
 from .policy_values import (as_betas, as_bool, as_class_names, as_norm_bound, as_number,
                             as_path, as_size_or_none, as_whole_number, keep_path_as_string,
                             optional, parsed_by)
+from .policy_schema import build, merge, plain_value_in, plain_value_message
 from .policy_yaml import read_yaml
 from .sizes import parse_size
 
@@ -408,9 +408,9 @@ class Policy:
     tiling: TilingPolicy = TilingPolicy()
 
     def __post_init__(self):
-        misplaced = _plain_value_in(self)
+        misplaced = plain_value_in(self)
         if misplaced is not None:
-            raise PolicyError(_plain_value_message(*misplaced))
+            raise PolicyError(plain_value_message(*misplaced))
         tiers = {"params": self.params.tier, "grads": self.grads.tier,
                  "optimizer": self.optimizer.tier}
         if Tier.AUTO in tiers.values() and set(tiers.values()) != {Tier.AUTO}:
@@ -460,7 +460,7 @@ class Policy:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None, source: str = "<dict>") -> "Policy":
         """Build from a mapping of the YAML schema; missing keys take their defaults."""
-        return _build(cls, {} if data is None else data, key_path="", source=source)
+        return build(cls, {} if data is None else data, key_path="", source=source)
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, overrides: Mapping[str, Any] | None = None) -> "Policy":
@@ -481,59 +481,6 @@ class Policy:
     def replace(self, **overrides: Any) -> "Policy":
         """A copy with schema-form overrides merged in (``optimizer={"lr": 1e-3}``)."""
         return _with_overrides(self.to_dict(), "a tiered.Policy", overrides)
-
-
-def _structured_kind(hint: Any) -> type | None:
-    """The enum or section class a field's type names (``Tier | None`` names Tier), if any."""
-    for kind in typing.get_args(hint) or (hint,):
-        if isinstance(kind, type) and (issubclass(kind, enum.Enum)
-                                       or dataclasses.is_dataclass(kind)):
-            return kind
-    return None
-
-
-def _plain_value_in(section: Any, prefix: str = "") -> tuple[str, Any, type] | None:
-    """(key path, value, expected class) of the first field of ``section`` or of the sections it
-    holds whose type is an enum or a section but whose value is not one (``"bf16"``,
-    ``{"tier": "nvme"}``), or None."""
-    hints = typing.get_type_hints(type(section))
-    for f in dataclasses.fields(section):
-        value, key = getattr(section, f.name), prefix + f.name
-        if "items" in f.metadata:
-            entries = [(f"{key}[{i}]", item, f.metadata["items"]) for i, item in enumerate(value)]
-        elif value is None and type(None) in typing.get_args(hints[f.name]):
-            entries = []
-        else:
-            entries = [(key, value, _structured_kind(hints[f.name]))]
-        for path, item, kind in entries:
-            if kind is not None and not isinstance(item, kind):
-                return path, item, kind
-            if dataclasses.is_dataclass(item):
-                inner = _plain_value_in(item, path + ".")
-                if inner is not None:
-                    return inner
-    return None
-
-
-def _plain_value_message(key: str, value: Any, kind: type) -> str:
-    """The refusal of ``value`` at ``key``, with the ``from_dict`` call that takes it."""
-    example = value
-    for name in reversed(key.split(".")):  # "params.tier" -> {"params": {"tier": value}}
-        name, index, _ = name.partition("[")
-        example = {name: [example] if index else example}
-    return (f"tiered.Policy: {key} must be a {kind.__name__}, got {value!r}; plain values (as "
-            f"in YAML) go through Policy.from_dict({example!r})")
-
-
-def merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """Deep merge: nested mappings merge key by key, anything else replaces."""
-    out = copy.deepcopy(dict(base))
-    for key, value in overrides.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
 
 
 def resolve(policy: "Policy | str | os.PathLike | Mapping[str, Any] | None",
@@ -588,44 +535,3 @@ def _error_of(data: Mapping[str, Any], source: str) -> str | None:
     except PolicyError as error:
         return str(error)
     return None
-
-
-def _build(cls, data: Any, key_path: str, source: str):
-    if not isinstance(data, Mapping):
-        raise PolicyError(f"{source}: {key_path or 'the top level'} must be a mapping, got {data!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = [k for k in data if k not in fields]
-    if unknown:
-        shown = f"{key_path}.{unknown[0]}" if key_path else str(unknown[0])
-        raise PolicyError(f"{source}: unknown key {shown!r}; allowed here: {', '.join(fields)}")
-    values = {}
-    for name, value in data.items():
-        f = fields[name]
-        child_path = f"{key_path}.{name}" if key_path else name
-        values[name] = _convert(f, value, child_path, source)
-    try:
-        return cls(**values)
-    except (ValueError, TypeError) as e:
-        raise PolicyError(f"{source}: {key_path + ': ' if key_path else ''}{e}") from None
-
-
-def _convert(f: dataclasses.Field, value: Any, key_path: str, source: str):
-    default = f.default if f.default is not dataclasses.MISSING else None
-    if dataclasses.is_dataclass(default):
-        return _build(type(default), value, key_path, source)
-    if "items" in f.metadata:  # a list of sections; null is an empty one
-        if value is None:
-            return ()
-        if not isinstance(value, (list, tuple)):
-            raise PolicyError(f"{source}: {key_path} must be a list of mappings, got {value!r}")
-        return tuple(_build(f.metadata["items"], item, f"{key_path}[{i}]", source)
-                     for i, item in enumerate(value))
-    try:
-        if isinstance(default, enum.Enum):
-            return type(default)(value)
-        return f.metadata["parse"](value)
-    except (ValueError, TypeError) as e:  # a parser's TypeError (e.g. null) is a policy error too
-        if isinstance(default, enum.Enum):
-            allowed = " | ".join(m.value for m in type(default))
-            raise PolicyError(f"{source}: {key_path} is {value!r}; allowed: {allowed}") from None
-        raise PolicyError(f"{source}: {key_path}: {e}") from None
