@@ -5,20 +5,23 @@ from __future__ import annotations
 
 import errno
 import math
+import os
 from fnmatch import fnmatchcase
 
 import pytest
 import torch
 
 import tiered
+from distributed import run_ranks
 from gpt import GPT, add_lora, next_token_loss
 from helpers import update_failing_with
-from helpers_models import (MICRO, OPTIM, assert_parity, batches, lora_model, make_model,
+from helpers_models import (BATCH, CODE_MAPS, MICRO, OPTIM, assert_parity, batches, lora_model, make_model,
                             run_engine, states_by_name, token_batches)
 from tiered.errors import PolicyError
 from tiered.moments_layout import packed_nbytes
 from tiered.optim.adamw import AdamWHyper, _one_pass_scalars
-from tiered.optim.compact import SECOND_MOMENT, Run, read_moment, reference_step, stream_key
+from tiered.optim.compact import (SECOND_MOMENT, Run, dequantize, quantize_into, random_bits,
+                                  read_moment, reference_step, stream_key)
 from tiered.plan import StateKind
 from tiered.policy import Tier
 from tiered.sizes import align_up
@@ -333,3 +336,79 @@ def test_compact_moments_load_into_another_cut_of_units(tmp_path):
     after = train_small(engine, optimizer, data[3:])
     engine.close()
     assert all(math.isfinite(loss) for loss in after)
+
+
+def _shard_states(engine) -> dict[tuple[int, str], tuple[int, torch.Tensor]]:
+    """This rank's shard of each unit's weights and moments: (unit, state) -> (the shard's
+    first element in the unit's flat, its values as fp32, moments decoded)."""
+    out = {}
+    for flat in engine.runtime.flats:
+        start, _ = flat.shard_range
+        for kind in (StateKind.PARAM, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ):
+            shard = engine.manager.shards[(flat.spec.index, kind)]
+            values = torch.empty(shard.numel, dtype=shard.dtype)
+            engine.manager.copy_out(flat.spec.index, kind, values)
+            if kind in CODE_MAPS:
+                values = read_moment(values, flat.shard_numel, CODE_MAPS[kind])
+            out[(flat.spec.index, kind.value)] = (start, values.float())
+    return out
+
+
+def _train_ranks(rank: int, world: int, folder: str, load: bool, steps: slice) -> None:
+    """Train ``steps`` of token_batches at this world size with int8 moments and bf16 masters
+    (from the checkpoint in ``folder`` if ``load``, saving one there if not); this rank's
+    states as loaded (or as saved) and its losses go to a file."""
+    engine, optimizer = tiered.initialize(make_model(), policy("int8", "bf16", compute="bf16"))
+    if load:
+        engine.load_checkpoint(folder, tag="t")
+    states = _shard_states(engine)
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    losses = []
+    for idx in token_batches(5)[steps]:
+        loss = next_token_loss(engine(idx[rows]), idx[rows])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    if not load:
+        engine.save_checkpoint(folder, tag="t")
+        states = _shard_states(engine)
+    torch.save((states, losses), os.path.join(folder, f"{'loaded' if load else 'saved'}{rank}.pt"))
+    engine.close()
+
+
+@pytest.mark.parametrize("saved_world,loaded_world", [(2, 1), (1, 2)])
+def test_compact_states_reshard_to_another_world_size(saved_world, loaded_world, tmp_path):
+    """int8 moments and bf16 masters saved by two ranks load at one, and the other way. A
+    loading rank's shard begins or ends inside the saved 8-bit blocks, so it decodes the saved
+    elements and encodes blocks of its own, rounded with the stream of key 0 (layout.Read):
+    exactly that, against the reference's quantize_into. The weights (the masters) load bit for
+    bit, and training goes on."""
+    def run(world, *args):
+        if world == 1:
+            _train_ranks(0, 1, *args)
+        else:
+            run_ranks(world, _train_ranks, *args)
+
+    run(saved_world, str(tmp_path), False, slice(0, 3))
+    run(loaded_world, str(tmp_path), True, slice(3, 5))
+    saved: dict[tuple[int, str], torch.Tensor] = {}
+    for rank in range(saved_world):  # the whole flats, as saved
+        for key, (start, values) in torch.load(tmp_path / f"saved{rank}.pt",
+                                               weights_only=True)[0].items():
+            whole = saved.setdefault(key, torch.zeros(saved_world * len(values)))
+            whole[start:start + len(values)] = values
+    for rank in range(loaded_world):
+        loaded, losses = torch.load(tmp_path / f"loaded{rank}.pt", weights_only=True)
+        assert loaded.keys() == saved.keys()
+        for (unit, kind), (start, values) in loaded.items():
+            was = torch.nn.functional.pad(saved[(unit, kind)], (0, len(values)))
+            was = was[start:start + len(values)]
+            if kind == "param":
+                assert torch.equal(values, was), (unit, kind, rank)
+                continue
+            code_map = CODE_MAPS[StateKind(kind)]
+            expected = torch.empty(packed_nbytes(len(values)), dtype=torch.uint8)
+            quantize_into(expected, was, code_map, random_bits(torch.arange(len(values)), 0) >> 24)
+            assert torch.equal(values, dequantize(expected, len(values), code_map)), (unit, kind)
+        assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
