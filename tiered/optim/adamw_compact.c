@@ -204,7 +204,9 @@ static inline void store_moments(int format, void *exp_avg, void *exp_avg_sq, in
               void *exp_avg, void *exp_avg_sq, WEIGHT_T *weights_out, int64_t n,               \
               int64_t first, const int64_t *bounds, const float *run_scalars, int runs,       \
               uint32_t key, int threads) {                                                     \
-        _Pragma("omp parallel for num_threads(threads) schedule(static)")                      \
+        _Pragma("omp parallel num_threads(threads)")                                           \
+        {                                                                                      \
+        _Pragma("omp for schedule(static)")                                                    \
         for (int64_t chunk = 0; chunk < n; chunk += CHUNK) {                                   \
             const int64_t chunk_end = chunk + CHUNK < n ? chunk + CHUNK : n;                   \
             WEIGHT_T out[CHUNK] __attribute__((aligned(64)));                                  \
@@ -255,7 +257,8 @@ static inline void store_moments(int format, void *exp_avg, void *exp_avg_sq, in
             }                                                                                  \
             write_out(weights_out + chunk, out, (size_t)(chunk_end - chunk) * sizeof(WEIGHT_T)); \
         }                                                                                      \
-        fence();                                                                               \
+        fence(); /* each thread's own streaming stores */                                      \
+        }                                                                                      \
     }
 
 /* The variants native.native_compact_step names, compact_g<gradient>_w<weights>_p<master>_m<

@@ -53,7 +53,8 @@ static inline void write_out(void *dst, const void *src, size_t bytes) {
     memcpy(dst, src, bytes);
 }
 
-/* Non-temporal stores are weakly ordered: done before the caller says the weights are written. */
+/* Non-temporal stores are weakly ordered: each thread that made some fences them before the
+ * kernel returns and the caller says the weights are written. */
 static inline void fence(void) {
 #if defined(__x86_64__) || defined(__i386__)
     _mm_sfence();

@@ -42,10 +42,13 @@ class UnitStepper:
                         or optimizer.master is MasterDtype.BF16)
         """Compact states: stepped by compact.compact_step."""
         self.rounding_seed = optimizer.rounding_seed
-        self.steps = [torch.zeros((), dtype=torch.float32, device=self.device(unit))
+        self.steps = [torch.zeros((), dtype=torch.float32,
+                                  device="cpu" if self.compact else self.device(unit))
                       for unit in range(len(names))]
         """Per unit: the number of its last step (what AdamW's bias correction reads), where
-        the unit is stepped (it follows the unit there when a re-plan moves it)."""
+        the fused kernel reads it: where the unit is stepped (it follows the unit there when a
+        re-plan moves it). The compact step makes its scalars on the host, so its counts stay
+        there: reading one on a GPU would wait for the device once a unit."""
         # A frozen unit's masters may be on NVMe too, but only trained units are streamed.
         has_nvme_states = any(manager.nvme_file(i, StateKind.EXP_AVG) is not None
                               for i in range(len(names)))
@@ -68,7 +71,8 @@ class UnitStepper:
 
         def step_piece(piece: Piece, master, exp_avg, exp_avg_sq) -> None:
             if piece.start == 0:
-                if self.steps[piece.unit].device != exp_avg.device:  # moved by a re-plan
+                moved = self.steps[piece.unit].device != exp_avg.device  # by a re-plan
+                if moved and not self.compact:
                     self.steps[piece.unit] = self.steps[piece.unit].to(exp_avg.device)
                 self.steps[piece.unit] += 1
             with self.timeline.span(f"adamw {self.names[piece.unit]}", "cpu",
