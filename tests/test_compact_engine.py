@@ -412,3 +412,30 @@ def test_compact_states_reshard_to_another_world_size(saved_world, loaded_world,
             quantize_into(expected, was, code_map, random_bits(torch.arange(len(values)), 0) >> 24)
             assert torch.equal(values, dequantize(expected, len(values), code_map)), (unit, kind)
         assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
+
+
+def test_a_skipped_fp16_step_leaves_compact_states_as_if_it_never_ran():
+    """fp16 compute with int8 moments: a step whose scaled gradients overflow is skipped, so
+    that the run then goes on as one that never met it: the same weights and 8-bit moments bit
+    for bit, the random streams included (the unit's step count did not advance)."""
+    def run(initial_scale: float, steps: list[torch.Tensor]):
+        engine, optimizer = tiered.initialize(
+            make_model(), dict(policy("int8", compute="fp16"),
+                               loss_scale={"initial_scale": initial_scale}))
+        for idx in steps:
+            engine.backward(next_token_loss(engine(idx), idx))
+            optimizer.step()
+            optimizer.zero_grad()
+            engine.scaler.scale = min(engine.scaler.scale, 2.0**10)  # after the overflow
+        result = (optimizer.skipped_steps, engine.full_state_dict(), states_by_name(engine))
+        engine.close()
+        return result
+
+    data = token_batches(3)
+    skipped, weights, states = run(2.0**40, data)  # 2**40 overflows fp16 gradients
+    never, weights_never, states_never = run(2.0**10, data[1:])
+    assert (skipped, never) == (1, 0)
+    assert all(torch.equal(weights[name], weights_never[name]) for name in weights)
+    assert states.keys() == states_never.keys()
+    for key, (first, values) in states.items():
+        assert first == states_never[key][0] and torch.equal(values, states_never[key][1]), key
