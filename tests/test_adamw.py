@@ -1,6 +1,9 @@
 """The AdamW kernels against torch.optim.AdamW."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -123,6 +126,33 @@ def test_the_native_kernel_gives_the_compiled_kernels_bits(grad_dtype, weights_d
                     torch.testing.assert_close(native[name], compiled[name], rtol=0, atol=0,
                                                equal_nan=True,
                                                msg=lambda m: f"{numel} {hyper} {name}: {m}")
+
+
+NATIVE_STEP_SCRIPT = """
+import sys
+import torch
+from tiered.optim.adamw import AdamWHyper, native_step, _one_pass_scalars
+torch.set_num_threads(2)
+torch.manual_seed(0)
+state = [torch.randn(4099), torch.randn(4099).bfloat16(), torch.randn(4099), torch.rand(4099),
+         torch.empty(4099, dtype=torch.bfloat16)]
+native_step(torch.bfloat16, torch.bfloat16)(*state, _one_pass_scalars(
+    AdamWHyper(1e-2, 0.9, 0.95, 1e-8, 0.1), 1.0, 1.0))
+torch.save(state, sys.argv[1])
+"""
+
+
+def test_the_native_kernel_steps_every_element_with_fewer_threads_than_asked(tmp_path):
+    """OpenMP may give a team smaller than the threads asked for (here OMP_THREAD_LIMIT=1
+    against 2): the ranges follow the team, and every element is stepped as with two."""
+    results = []
+    for limit in ("2", "1"):
+        out = tmp_path / f"team{limit}.pt"
+        subprocess.run([sys.executable, "-c", NATIVE_STEP_SCRIPT, str(out)], check=True,
+                       env=dict(os.environ, OMP_THREAD_LIMIT=limit), timeout=120)
+        results.append(torch.load(out, weights_only=True))
+    for two, one in zip(*results):  # master, gradient, moments, weights
+        assert torch.equal(two, one)
 
 
 def test_a_native_kernel_that_cannot_be_built_leaves_the_compiled_one(monkeypatch, tmp_path):

@@ -151,7 +151,8 @@ static inline void stream16_f16(_Float16 *dst, __m512 p) {
 #define VECTOR_LOOP(G, W)
 #endif
 
-/* Each thread steps one contiguous range, a whole number of vectors long. */
+/* Each thread of the team steps one contiguous range, a whole number of vectors long (the
+ * team's size as it is: OpenMP may give fewer threads than asked for). */
 #define ONE_PASS(G, GRAD_T, W, WEIGHT_T)                                                        \
     STEP_RANGE(G, GRAD_T, W, WEIGHT_T)                                                          \
     void one_pass_g##G##_w##W(float *restrict master, const GRAD_T *restrict grad,              \
@@ -160,9 +161,10 @@ static inline void stream16_f16(_Float16 *dst, __m512 p) {
                               int threads) {                                                    \
         Coefficients c;                                                                         \
         memcpy(&c, scalars, sizeof c);                                                          \
-        const int64_t per_thread = ((n + threads - 1) / threads + 15) & ~(int64_t)15;           \
         _Pragma("omp parallel num_threads(threads)")                                            \
         {                                                                                       \
+            const int64_t team = omp_get_num_threads();                                         \
+            const int64_t per_thread = ((n + team - 1) / team + 15) & ~(int64_t)15;             \
             const int64_t lo = omp_get_thread_num() * per_thread;                               \
             const int64_t hi = lo + per_thread < n ? lo + per_thread : n;                       \
             if (lo < hi)                                                                        \
