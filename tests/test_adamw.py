@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 
+from helpers import REPO
 from tiered.optim import adamw, native
 from tiered.optim.adamw import AdamWHyper, OnePassAdamW, adamw_step
 from tiered.optim.norm import squared_norm
@@ -149,7 +150,8 @@ def test_the_native_kernel_steps_every_element_with_fewer_threads_than_asked(tmp
     for limit in ("2", "1"):
         out = tmp_path / f"team{limit}.pt"
         subprocess.run([sys.executable, "-c", NATIVE_STEP_SCRIPT, str(out)], check=True,
-                       env=dict(os.environ, OMP_THREAD_LIMIT=limit), timeout=120)
+                       cwd=REPO, env=dict(os.environ, OMP_THREAD_LIMIT=limit, PYTHONPATH=str(REPO)),
+                       timeout=120)
         results.append(torch.load(out, weights_only=True))
     for two, one in zip(*results):  # master, gradient, moments, weights
         assert torch.equal(two, one)

@@ -206,7 +206,7 @@ static inline void store_moments(int format, void *exp_avg, void *exp_avg_sq, in
               uint32_t key, int threads) {                                                     \
         _Pragma("omp parallel num_threads(threads)")                                           \
         {                                                                                      \
-        _Pragma("omp for schedule(static)")                                                    \
+        _Pragma("omp for schedule(static) nowait") /* the fence below needs no barrier */     \
         for (int64_t chunk = 0; chunk < n; chunk += CHUNK) {                                   \
             const int64_t chunk_end = chunk + CHUNK < n ? chunk + CHUNK : n;                   \
             WEIGHT_T out[CHUNK] __attribute__((aligned(64)));                                  \

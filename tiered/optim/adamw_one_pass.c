@@ -4,7 +4,10 @@
  *
  * The formulas, their order and the coefficients (`scalars`, from adamw._one_pass_scalars) are
  * those of adamw._adamw_one_pass as inductor compiles it, with no fused multiply-adds
- * (-ffp-contract=off): the results are the compiled kernel's, bit for bit (tests/test_adamw.py).
+ * (-ffp-contract=off): the results are the compiled kernel's, bit for bit (tests/test_adamw.py),
+ * but for which NaN comes out where two meet: x86 gives an operation's first NaN operand, and
+ * compilers order a sum's operands as they like, so its sign and payload may differ by path
+ * (as they did between the old loop's vector body and its epilogue); a NaN is a NaN.
  * -fno-math-errno is what lets sqrtf vectorize.
  *
  * [Note: streaming the weights out] The new weights are written with non-temporal stores, so
@@ -66,7 +69,7 @@ static inline __m512 load16_f16(const _Float16 *p) {
 }
 static inline void stream16_f16(_Float16 *dst, __m512 p) {
     _mm256_stream_si256((__m256i *)dst,
-                        _mm512_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                        _mm512_cvtps_ph(p, _MM_FROUND_CUR_DIRECTION)); /* as (_Float16)f */
 }
 #endif
 
@@ -137,7 +140,8 @@ static inline void stream16_f16(_Float16 *dst, __m512 p) {
 /* vectors: the first element whose weights are aligned (or hi); tail: after the last vector. */
 #define VECTOR_BOUNDS(WEIGHT_T)                                                                 \
     vectors = lo + (int64_t)((32 - ((uintptr_t)(weights + lo) & 31)) & 31) / sizeof(WEIGHT_T); \
-    vectors = vectors < hi ? vectors : hi;                                                      \
+    /* weights not on their own type's alignment never reach 32 bytes: all element by element */ \
+    vectors = vectors < hi && (uintptr_t)weights % sizeof(WEIGHT_T) == 0 ? vectors : hi;       \
     tail = vectors + (hi - vectors) / 16 * 16;
 #define VECTOR_LOOP(G, W)                                                                       \
     for (int64_t i = vectors; i < tail; i += 16) {                                              \
