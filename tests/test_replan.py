@@ -190,16 +190,15 @@ def test_attention_dropout_is_counted_as_each_device_keeps_it():
 
 
 def test_the_re_plan_adds_units_to_the_balance_and_within_memory():
-    """On synthetic measurements: memory alone keeps all that fit beside the reserve; with a
-    predicted step, no more than bring it within 2% of the shortest; never fewer than now."""
+    """On synthetic measurements: memory alone moves all that fit beside the reserve; with a
+    predicted step, no more than bring it within 2% of the shortest."""
     need = lambda count: 100 + 10 * count  # noqa: E731  bytes with `count` units moved
-    assert units_to_keep(0, 8, need, 200, 40, None) == 6
-    assert units_to_keep(0, 8, need, 200, 200, None) == 0
+    assert units_to_keep(8, need, 200, 40, None) == 6
+    assert units_to_keep(8, need, 200, 200, None) == 0
     # The CPU's share shrinks 0.1 s a unit until the forward and backward (0.5 s) bound it.
     step = lambda count: max(0.5, 1.0 - 0.1 * count)  # noqa: E731
-    assert units_to_keep(0, 8, need, 200, 40, step) == 5
-    assert units_to_keep(0, 8, need, 200, 90, step) == 1  # memory binds before the balance
-    assert units_to_keep(3, 8, need, 200, 90, step) == 3  # kept ones stay
+    assert units_to_keep(8, need, 200, 40, step) == 5
+    assert units_to_keep(8, need, 200, 90, step) == 1  # memory binds before the balance
 
 
 def test_tiered_plan_with_the_batch_places_units_as_the_re_plan_does(tmp_path, capsys):

@@ -95,7 +95,7 @@ def replanned_units(plan: MemoryPlan, order: list[int], hbm_budget: int, unplann
     candidates = [unit for unit in order
                   if plan.shards[(unit, StateKind.EXP_AVG)].tier is not Tier.HBM]
     count = units_to_keep(
-        0, len(candidates),
+        len(candidates),
         lambda count: plan.kept_on_device(candidates[:count]).needed(Tier.HBM), hbm_budget,
         unplanned + hbm_budget // MEASURED_MARGIN_SHARE,
         None if predicted_step is None
@@ -103,19 +103,19 @@ def replanned_units(plan: MemoryPlan, order: list[int], hbm_budget: int, unplann
     return candidates[:count]
 
 
-def units_to_keep(kept: int, most: int, hbm_needed: Callable[[int], int], hbm_room: int,
-                  reserve: int, predicted_step: Callable[[int], float] | None) -> int:
-    """How many units of the forward's order the device keeps after the re-plan: ``kept``
-    now, at most ``most``; with the first ``count``, the plan needs ``hbm_needed(count)`` of
+def units_to_keep(most: int, hbm_needed: Callable[[int], int], hbm_room: int, reserve: int,
+                  predicted_step: Callable[[int], float] | None) -> int:
+    """How many of ``most`` units away from the device (in the forward's order) the re-plan
+    moves there: with the first ``count``, the plan needs ``hbm_needed(count)`` of
     ``hbm_room``, ``reserve`` left free, and a step is predicted to take
     ``predicted_step(count)`` seconds (None: nothing predicted, memory decides alone). Units
-    are only added: one the first step showed is not needed on the device stays there (its
-    HBM was planned, and moving it would take DRAM the plan may no longer have)."""
-    fit = largest_true(kept, most, lambda count: hbm_needed(count) + reserve <= hbm_room)
-    if predicted_step is None or fit == kept:
+    already there are no candidates: one the first step showed is not needed on the device
+    stays there (its HBM was planned, and moving it would take DRAM the plan may no longer
+    have)."""
+    fit = largest_true(0, most, lambda count: hbm_needed(count) + reserve <= hbm_room)
+    if predicted_step is None or fit == 0:
         return fit
     shortest = predicted_step(fit) * (1 + BALANCE_SLACK)
     # The predicted step only shortens as units move, so the first count within the slack is
     # the balance: the count past which it stays within.
-    return fit - largest_true(0, fit - kept,
-                              lambda fewer: predicted_step(fit - fewer) <= shortest)
+    return fit - largest_true(0, fit, lambda fewer: predicted_step(fit - fewer) <= shortest)
