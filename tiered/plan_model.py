@@ -55,11 +55,14 @@ def model_on_meta(spec: str, lora: int | None = None, checkpointing: bool = Fals
     keeps its input only, and recomputes the rest in backward)."""
     model = _named_model(spec)
     if checkpointing:
-        if not hasattr(model, "gradient_checkpointing_enable"):
+        # activation_checkpointing_enable: gradient_checkpointing_enable's name since
+        # transformers 5.2x, the old one deprecated
+        enable = (getattr(model, "activation_checkpointing_enable", None)
+                  or getattr(model, "gradient_checkpointing_enable", None))
+        if enable is None:
             raise UsageError(f"--checkpointing: MODEL {spec!r} is not a Hugging Face model; "
                              f"a factory's model checkpoints as its own code says")
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable({"use_reentrant": False})
     return model if lora is None else _with_lora(model, lora, os.path.exists(spec))
 
 
