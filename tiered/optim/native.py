@@ -1,9 +1,9 @@
 """The one-pass AdamW step built for this machine from C (adamw_one_pass.c), where a C compiler
-is: the compiled (inductor) kernel's results, bit for bit, at 0.95-1.06x the parameters per
-second of torch's fused kernel on fp32 gradients where the compiled one ran 0.73-0.93x (50 M
-parameters, 2 cores; bench/RESULTS.md, eighteenth session: the weights streamed out from the
-registers), and built in a fraction of a second once where inductor compiles for seconds in
-every process. With it, the compact-state kernels (adamw_compact.c; issue 21).
+is: the compiled (inductor) kernel's results, bit for bit, at 0.98x the parameters per second
+of torch's fused kernel on fp32 gradients (median of seven runs, 0.90-1.11) where the compiled
+one ran 0.73-0.93x (50 M parameters, 2 cores; bench/RESULTS.md, eighteenth session: the
+weights streamed out from the registers), and built in a fraction of a second once where
+inductor compiles for seconds in every process. With it, the compact-state kernels (adamw_compact.c; issue 21).
 
 The library is built once per machine and compiler, with ``-march=native``, into the user's
 cache folder (``TIERED_CACHE``, as ``tiered node``'s rates), named by a hash of the source, the
