@@ -141,25 +141,40 @@ def lora_model() -> nn.Module:
     return model
 
 
+CHECKPOINTED = (StateKind.PARAM, StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
+"""The states a checkpoint holds."""
+
+
+def shard_states(engine, kinds=CHECKPOINTED) -> dict[tuple[int, StateKind], torch.Tensor]:
+    """This rank's shard of each unit's states of ``kinds`` that it has, read once each, as
+    fp32 (moments decoded: fp32, bf16 or 8-bit; issue 21): (unit, kind) -> values."""
+    out = {}
+    for flat in engine.runtime.flats:
+        for kind in kinds:
+            if engine.manager.has(flat.spec.index, kind):
+                shard = engine.manager.shards[(flat.spec.index, kind)]
+                values = torch.empty(shard.numel, dtype=shard.dtype)
+                engine.manager.copy_out(flat.spec.index, kind, values)
+                if kind in CODE_MAPS:
+                    values = read_moment(values, flat.shard_numel, CODE_MAPS[kind])
+                out[(flat.spec.index, kind)] = values.float()
+    return out
+
+
 def states_by_name(engine) -> dict[tuple[str, str], torch.Tensor]:
     """This rank's elements of every state of every parameter: (name, state) -> (first element
     of the parameter this rank holds, values)."""
+    shards = shard_states(engine)
     out = {}
     for flat in engine.runtime.flats:
         start, stop = flat.shard_range
         offset = 0
         for param in flat.spec.params:
             lo, hi = max(start, offset), min(stop, offset + param.numel)
-            for kind in (StateKind.PARAM, StateKind.MASTER, StateKind.EXP_AVG,
-                         StateKind.EXP_AVG_SQ):  # what a checkpoint holds
-                if hi > lo and engine.manager.has(flat.spec.index, kind):
-                    shard = engine.manager.shards[(flat.spec.index, kind)]
-                    values = torch.empty(shard.numel, dtype=shard.dtype)
-                    engine.manager.copy_out(flat.spec.index, kind, values)
-                    if kind in CODE_MAPS:  # fp32, bf16 or 8-bit moments (issue 21)
-                        values = read_moment(values, flat.shard_numel, CODE_MAPS[kind])
-                    out[(param.names[0], kind.value)] = (lo - offset,
-                                                         values[lo - start:hi - start].float())
+            for kind in CHECKPOINTED:
+                if hi > lo and (flat.spec.index, kind) in shards:
+                    values = shards[(flat.spec.index, kind)]
+                    out[(param.names[0], kind.value)] = (lo - offset, values[lo - start:hi - start])
             offset += param.numel
     return out
 

@@ -15,8 +15,8 @@ import tiered
 from distributed import run_ranks
 from gpt import GPT, add_lora, next_token_loss
 from helpers import update_failing_with
-from helpers_models import (BATCH, CODE_MAPS, MICRO, OPTIM, assert_parity, batches, lora_model, make_model,
-                            run_engine, states_by_name, token_batches)
+from helpers_models import (BATCH, CODE_MAPS, MICRO, OPTIM, assert_parity, batches, lora_model,
+                            make_model, run_engine, shard_states, states_by_name, token_batches)
 from tiered.errors import PolicyError
 from tiered.moments_layout import packed_nbytes
 from tiered.optim.adamw import AdamWHyper, _one_pass_scalars
@@ -341,17 +341,9 @@ def test_compact_moments_load_into_another_cut_of_units(tmp_path):
 def _shard_states(engine) -> dict[tuple[int, str], tuple[int, torch.Tensor]]:
     """This rank's shard of each unit's weights and moments: (unit, state) -> (the shard's
     first element in the unit's flat, its values as fp32, moments decoded)."""
-    out = {}
-    for flat in engine.runtime.flats:
-        start, _ = flat.shard_range
-        for kind in (StateKind.PARAM, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ):
-            shard = engine.manager.shards[(flat.spec.index, kind)]
-            values = torch.empty(shard.numel, dtype=shard.dtype)
-            engine.manager.copy_out(flat.spec.index, kind, values)
-            if kind in CODE_MAPS:
-                values = read_moment(values, flat.shard_numel, CODE_MAPS[kind])
-            out[(flat.spec.index, kind.value)] = (start, values.float())
-    return out
+    first = {flat.spec.index: flat.shard_range[0] for flat in engine.runtime.flats}
+    return {(unit, kind.value): (first[unit], values) for (unit, kind), values in shard_states(
+        engine, (StateKind.PARAM, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)).items()}
 
 
 def _train_ranks(rank: int, world: int, folder: str, load: bool, steps: slice) -> None:
