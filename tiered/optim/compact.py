@@ -304,7 +304,7 @@ def _reference_in_chunks(master, weights_in, grad, exp_avg, exp_avg_sq, weights_
     for start in range(0, n, REFERENCE_CHUNK):
         stop = min(start + REFERENCE_CHUNK, n)
         here = slice(start, stop)
-        moments = [state[slice(*_stored(state.dtype, start, stop - start))]
+        moments = [state.narrow(0, *stored_span(state.dtype, start, stop - start))
                    for state in (exp_avg, exp_avg_sq)]
         chunk_runs = [Run(max(run.start, start) - start, min(run.stop, stop) - start,
                           run.scalars)
@@ -312,8 +312,3 @@ def _reference_in_chunks(master, weights_in, grad, exp_avg, exp_avg_sq, weights_
         reference_step(None if master is None else master[here], weights_in[here], grad[here],
                        *moments, weights_out[here], first + start, chunk_runs, key)
 
-
-def _stored(dtype: torch.dtype, start: int, count: int) -> tuple[int, int]:
-    """(first, stop) of the stored elements of parameters [start, start + count)."""
-    first, stored = stored_span(dtype, start, count)
-    return first, first + stored

@@ -71,8 +71,8 @@ class UnitStepper:
 
         def step_piece(piece: Piece, master, exp_avg, exp_avg_sq) -> None:
             if piece.start == 0:
-                moved = self.steps[piece.unit].device != exp_avg.device  # by a re-plan
-                if moved and not self.compact:
+                if not self.compact and self.steps[piece.unit].device != exp_avg.device:
+                    # the unit was moved by a re-plan
                     self.steps[piece.unit] = self.steps[piece.unit].to(exp_avg.device)
                 self.steps[piece.unit] += 1
             with self.timeline.span(f"adamw {self.names[piece.unit]}", "cpu",
