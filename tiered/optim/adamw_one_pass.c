@@ -144,12 +144,8 @@ static inline void stream16_f16(_Float16 *dst, __m512 p) {
     vectors = vectors < hi && (uintptr_t)weights % sizeof(WEIGHT_T) == 0 ? vectors : hi;       \
     tail = vectors + (hi - vectors) / 16 * 16;
 #define VECTOR_LOOP(G, W)                                                                       \
-    for (int64_t i = vectors; i < tail; i += 16) {                                              \
-        if (has_divisor && from_end) STEP_VECTOR(G, W, 1, 1)                                    \
-        else if (has_divisor) STEP_VECTOR(G, W, 1, 0)                                           \
-        else if (from_end) STEP_VECTOR(G, W, 0, 1)                                              \
-        else STEP_VECTOR(G, W, 0, 0)                                                            \
-    }
+    for (int64_t i = vectors; i < tail; i += 16)                                                \
+        STEP_VECTOR(G, W, has_divisor, from_end)
 #else
 #define VECTOR_BOUNDS(WEIGHT_T) vectors = tail = lo;
 #define VECTOR_LOOP(G, W)
