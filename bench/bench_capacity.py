@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(REPO, "examples"))
 from gpt import GPT  # noqa: E402
 
 from tiered.plan_model import plan_model, read_node  # noqa: E402
+from tiered.planner import largest_true  # noqa: E402
 from tiered.policy import Policy, Tier  # noqa: E402
 from tiered.report import format_table  # noqa: E402
 from tiered.sizes import format_size, parse_size  # noqa: E402
@@ -60,12 +61,11 @@ def main() -> None:
     rows = [["moments", "master", "largest GPT", "layers", "DRAM", "NVMe"]]
     for moments, master in SETTINGS:
         chosen = policy(moments, master, nvme_budget)
-        low, high = 0, 1
-        while fits(high, args, chosen, rates)[0]:
-            low, high = high, high * 2
-        while high - low > 1:  # low fits, high does not
-            middle = (low + high) // 2
-            low, high = (middle, high) if fits(middle, args, chosen, rates)[0] else (low, middle)
+        fit = lambda layers: fits(layers, args, chosen, rates)[0]  # noqa: E731
+        high = 1
+        while fit(high):  # doubled until it does not fit; half of it does
+            high *= 2
+        low = largest_true(high // 2, high - 1, fit)
         params, report = fits(low, args, chosen, rates)[1]
         rows.append([moments, master, f"{params / 1e9:.1f} B", str(low),
                      format_size(report.needed[Tier.DRAM]), format_size(report.needed[Tier.NVME])])
