@@ -147,7 +147,10 @@ CHECKPOINTED = (StateKind.PARAM, StateKind.MASTER, StateKind.EXP_AVG, StateKind.
 
 def shard_states(engine, kinds=CHECKPOINTED) -> dict[tuple[int, StateKind], torch.Tensor]:
     """This rank's shard of each unit's states of ``kinds`` that it has, read once each, as
-    fp32 (moments decoded: fp32, bf16 or 8-bit; issue 21): (unit, kind) -> values."""
+    fp32 (moments decoded: fp32, bf16 or 8-bit; issue 21): (unit, kind) -> values. Once the
+    CPU worker is done: ``optimizer.step()`` may return while the update still writes these
+    states (a delayed update stays pending: its next weights are a state of their own)."""
+    engine.runtime.worker.drain()
     out = {}
     for flat in engine.runtime.flats:
         for kind in kinds:
