@@ -6,18 +6,20 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import tiered
 
 from tiered.engine.engine import LAUNCHED_ENV
 from tiered.tiers.aio import inject_faults
-from tiered.policy import POLICY_ENV
+from tiered.policy import POLICY_ENV, Policy
 from tiered.service.client import JOB_ENV, SERVICE_ENV
 
 REPO = Path(__file__).resolve().parents[1]
@@ -161,3 +163,34 @@ def update_failing_with(engine, optimizer, idx: torch.Tensor, fault, message: st
         with pytest.raises(tiered.TieredError, match=message):
             optimizer.step()
             optimizer.synchronize()
+
+
+def write_policy(path: Path, base: str | None = None, **overrides) -> Path:
+    """A policy file: ``configs/<base>.yaml`` (or nothing) with schema overrides merged in."""
+    data = yaml.safe_load((CONFIGS / f"{base}.yaml").read_text()) if base else {}
+    for key, value in overrides.items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def train_reference(policy: Policy) -> dict[str, torch.Tensor]:
+    """What the ranks of tests/scripts/launch_train.py together must compute: the same model, the whole batch, one process,
+    torch.optim.AdamW with the policy's settings."""
+    sys.path.insert(0, str(REPO / "tests" / "scripts"))
+    try:
+        import launch_train as spec
+    finally:
+        sys.path.remove(str(REPO / "tests" / "scripts"))
+    from gpt import next_token_loss
+
+    model = spec.build_model()
+    opt = policy.optimizer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps,
+                                  weight_decay=opt.weight_decay)
+    for step in range(spec.STEPS):
+        idx = spec.global_batch(step)
+        next_token_loss(model(idx), idx).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {k: v.detach() for k, v in model.state_dict().items()}

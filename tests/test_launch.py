@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
-from helpers import CONFIGS, REPO, finish, left_behind
+from helpers import REPO, finish, left_behind, train_reference, write_policy
 from tiered.engine.engine import LAUNCHED_ENV
 from tiered.policy import POLICY_ENV, Policy
 
@@ -37,15 +36,6 @@ def start(module: str, *args: str) -> subprocess.Popen:
 
 def launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return finish(start("tiered.launch", *args), timeout)
-
-
-def write_policy(path: Path, base: str | None = None, **overrides) -> Path:
-    """A policy file: ``configs/<base>.yaml`` (or nothing) with schema overrides merged in."""
-    data = yaml.safe_load((CONFIGS / f"{base}.yaml").read_text()) if base else {}
-    for key, value in overrides.items():
-        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
 
 
 def assert_refused(result: subprocess.CompletedProcess, *fragments: str) -> None:
@@ -205,28 +195,6 @@ def test_budget_that_cannot_fit_fails_in_initialize(tmp_path, nvme, base, tier, 
 
 
 # -- good runs -----------------------------------------------------------------------------------
-
-def train_reference(policy: Policy) -> dict[str, torch.Tensor]:
-    """What the two ranks together must compute: the same model, the whole batch, one process,
-    torch.optim.AdamW with the policy's settings."""
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import launch_train as spec
-    finally:
-        sys.path.remove(str(SCRIPTS))
-    from gpt import next_token_loss
-
-    model = spec.build_model()
-    opt = policy.optimizer
-    optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps,
-                                  weight_decay=opt.weight_decay)
-    for step in range(spec.STEPS):
-        idx = spec.global_batch(step)
-        next_token_loss(model(idx), idx).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return {k: v.detach() for k, v in model.state_dict().items()}
-
 
 def test_two_ranks_on_cpu_train_to_equal_weights_and_clean_up(tmp_path, nvme):
     # fp32 so a single-process torch run is a reference to 1e-5. eps of the order of the

@@ -28,6 +28,7 @@ from tiered.service import (ServiceClient, ServiceError, ServiceSlabSource, serv
 from tiered.service import wire
 from tiered.service.remote_nvme import ServiceNvme
 from tiered.tiers.aio import IoSettings
+from tiered.service.identity import this_code
 from tiered.service.paths import RUNTIME_ENV
 
 
@@ -66,7 +67,9 @@ def own_service(folder):
 
 
 def attached(folder: str, job: str, rank: int = 0, world: int = 1) -> ServiceSlabSource:
-    return ServiceSlabSource(ServiceClient.connect(folder), job, rank, world, pin=False)
+    """A rank attached as a trainer process of its own would (its first engine)."""
+    return ServiceSlabSource(ServiceClient.connect(folder), job, rank, world, pin=False,
+                             engine=0)
 
 
 def job_status(folder: str, name: str) -> dict | None:
@@ -225,6 +228,16 @@ def test_a_failed_job_is_kept_for_the_keep_time_then_freed(service):
     assert service_status(folder)["dram"]["used"] == 0
 
 
+def test_a_job_that_failed_holding_nothing_is_forgotten_at_once(service):
+    """A client that attaches and drops before reserving (a rank refused for its budget, a
+    crash in setup) leaves nothing to keep: no failed job stays in the status."""
+    folder, _ = service
+    source = attached(folder, "held-nothing")
+    assert job_status(folder, "held-nothing")["state"] == "running"
+    source.client.close()
+    wait_until(lambda: job_status(folder, "held-nothing") is None, seconds=5)
+
+
 def test_a_rank_attached_twice_or_at_another_world_size_is_refused(service):
     folder, _ = service
     source = attached(folder, "twice", rank=0, world=2)
@@ -325,7 +338,7 @@ def test_a_client_that_dies_mid_message_touches_no_job(service, how):
     bystander = attached(folder, "bystander")
     bystander(4096)
     with raw(folder) as sock:
-        whole = body({"op": "attach", "job": "half", "rank": 0, "world": 1})
+        whole = body({"op": "attach", "job": "half", "rank": 0, "world": 1, "code": CODE})
         sock.sendall({"mid-header": whole[:5], "mid-body": whole[:-3],
                       "mid-attach": whole}[how])
     wait_until(lambda: job_status(folder, "half") is None
@@ -335,16 +348,27 @@ def test_a_client_that_dies_mid_message_touches_no_job(service, how):
     bystander.close(clean=True)
 
 
+CODE = this_code().to_wire()
+"""What a launcher or trainer of this installation says of its code (identity.py)."""
+
 REFUSED_REQUESTS = {
     "unknown op": ({"op": "format_disk"}, "unknown request 'format_disk'"),
-    "rank as text": ({"op": "attach", "job": "j", "rank": "0", "world": 1},
+    "rank as text": ({"op": "attach", "job": "j", "rank": "0", "world": 1, "code": CODE},
                      "needs 'rank' as int, got '0'"),
-    "rank as bool": ({"op": "attach", "job": "j", "rank": True, "world": 1},
+    "rank as bool": ({"op": "attach", "job": "j", "rank": True, "world": 1, "code": CODE},
                      "needs 'rank' as int, got True"),
-    "rank past world": ({"op": "attach", "job": "j", "rank": 2, "world": 2},
+    "rank past world": ({"op": "attach", "job": "j", "rank": 2, "world": 2, "code": CODE},
                         "needs 0 <= rank < world"),
-    "a path as job": ({"op": "attach", "job": "../x", "rank": 0, "world": 1},
+    "a world past the bound": ({"op": "attach", "job": "j", "rank": 0, "world": 10**15,
+                                "code": CODE}, "a job has 1 to 65536 ranks, got world 10000"),
+    "a held world past the bound": ({"op": "hold", "job": "j", "world": 10**15, "code": CODE},
+                                    "a job has 1 to 65536 ranks"),
+    "an engine past the bound": ({"op": "attach", "job": "j", "rank": 0, "world": 1,
+                                  "engine": 64, "code": CODE}, "needs 0 <= engine < 64"),
+    "a path as job": ({"op": "attach", "job": "../x", "rank": 0, "world": 1, "code": CODE},
                       "a job name is 1 to 100 letters"),
+    "attach without its code": ({"op": "attach", "job": "j", "rank": 0, "world": 1},
+                                "a tiered that does not say its code"),
     "reserve unattached": ({"op": "reserve", "nbytes": 4096}, "needs an attached rank"),
     "release unattached": ({"op": "release", "segment": 0}, "needs an attached rank"),
 }

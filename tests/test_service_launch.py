@@ -18,11 +18,15 @@ import time
 
 import psutil
 import pytest
+import torch
 
-from helpers import CONFIGS, EXAMPLE, REPO, SMALL, clean_env, finish
+from helpers import (CONFIGS, EXAMPLE, REPO, SMALL, clean_env, finish, train_reference,
+                     write_policy)
 from tiered.launch import main as tiered_launch
 from tiered.liveness import is_held
-from tiered.service import running_service, service_paths, service_status
+from tiered.policy import Policy
+from tiered.service import (JobHold, ServiceError, running_service, service_paths,
+                            service_status)
 from tiered.service.paths import RUNTIME_ENV
 
 SCRIPTS = REPO / "tests" / "scripts"
@@ -134,7 +138,7 @@ def test_a_killed_launchers_job_is_kept_then_freed_and_its_service_exits(folder,
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
     job = service_status(folder)["jobs"][0]
-    assert (job["name"], job["state"], job["launchers"]) == ("killed", "failed", 0)
+    assert (job["name"], job["state"], job["launcher"]) == ("killed", "failed", None)
     assert not any(rank["attached"] for rank in job["ranks"])
     assert 0 < job["freed_in_seconds"] <= 8
 
@@ -166,3 +170,71 @@ def test_a_failed_job_alone_is_freed_after_the_keep_time_and_the_service_exits(f
     wait_until(lambda: service_gone(folder), seconds=30)
     log = open(service_paths(folder).log).read()
     assert re.search(r"job job-\w+: kept 2 s after it failed; freed", log), log
+
+
+def test_a_second_launch_of_a_live_job_is_refused_by_name_and_the_job_trains_on(folder,
+                                                                               tmp_path):
+    """A second ``tiered-launch --job J`` while J trains (here: a script that exits 0 without
+    using tiered, which once freed J's memory under it), and a raw ``hold`` of J by another
+    process of the user, are refused naming what runs J; J's memory stays its own (a job of the
+    same size then gets new segments, not J's) and J ends with PyTorch's weights."""
+    policy_file = write_policy(tmp_path / "fp32.yaml", "cpu", compute_dtype="fp32",
+                               device="cpu")
+    out, go = tmp_path / "out", tmp_path / "go"
+    out.mkdir()
+    live = launch(folder, "--job", "J", "--policy", policy_file, SCRIPTS / "launch_train.py",
+                  out, go, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_until(lambda: (out / "paused0").exists() or live.poll() is not None)
+        assert live.poll() is None, live.communicate()
+        before = service_status(folder)
+        noop = tmp_path / "noop.py"
+        noop.write_text("")
+        second = finish(launch(folder, "--job", "J", "--policy", policy_file, noop,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE), timeout=120)
+        assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr
+        assert re.search(rf"job J is running: launcher pid {live.pid} holds it since "
+                         rf"[-\d]+ [:\d]+ and ranks attached: 0 \(pid \d+\); a second launch "
+                         rf"of it is refused", second.stderr), second.stderr
+        with pytest.raises(ServiceError, match=f"job J is running: launcher pid {live.pid}"):
+            JobHold(folder, "J")
+        after = service_status(folder)
+        assert after["dram"]["used"] == before["dram"]["used"] > 0
+        assert [(job["name"], job["state"]) for job in after["jobs"]] == [("J", "running")]
+    finally:
+        go.touch()
+    run = finish(live, timeout=120)
+    assert run.returncode == 0, run.stderr
+    reference = train_reference(Policy.from_yaml(policy_file))
+    trained = torch.load(out / "rank0.pt")
+    for name, weight in reference.items():
+        torch.testing.assert_close(trained[name], weight, rtol=0, atol=1e-5, msg=name)
+
+
+def test_two_engines_in_each_rank_train_beside_each_other_through_the_service(folder,
+                                                                             tmp_path):
+    """Each engine of a process is a job of its own at the service (``J``, ``J#1``): the
+    second ``initialize`` neither waits behind the first's open files (it once waited ten
+    minutes, then failed) nor shares its memory, and both train to PyTorch's weights; the
+    launcher's clean end frees both."""
+    policy_file = write_policy(tmp_path / "fp32.yaml", "nvme", compute_dtype="fp32",
+                               device="cpu")
+    out, nvme = tmp_path / "out", tmp_path / "nvme"
+    out.mkdir()
+    nvme.mkdir()
+    started = time.monotonic()
+    run = finish(launch(folder, "--nproc-per-node", 2, "--job", "J", "--nvme", nvme,
+                        "--policy", policy_file, SCRIPTS / "two_engines.py", out,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE), timeout=240)
+    assert run.returncode == 0, run.stderr
+    assert time.monotonic() - started < 120
+    assert [json.loads((out / f"jobs{r}.json").read_text()) for r in range(2)] == \
+        [["J", "J#1"]] * 2
+    reference = train_reference(Policy.from_yaml(policy_file, {"nvme": {"path": str(nvme)}}))
+    for which in ["first", "second"]:
+        for r in range(2):
+            trained = torch.load(out / f"{which}{r}.pt")
+            for name, weight in reference.items():
+                torch.testing.assert_close(trained[name], weight, rtol=0, atol=1e-5,
+                                           msg=f"{which} engine, rank {r}: {name}")
+    wait_until(lambda: service_gone(folder), seconds=30)

@@ -228,7 +228,7 @@ def test_status_says_each_jobs_last_step_done_and_how_busy_its_pool_and_queue_ar
     monkeypatch.setenv(RUNTIME_ENV, service)
     assert tiered_cli(["daemon", "status"]) == 0
     said = capsys.readouterr().out
-    assert "job last-step: running; world 1, 1 ranks attached, 0 launcher(s), last step done 3" \
+    assert "job last-step: running; world 1, 1 ranks attached, no launcher, last step done 3" \
         in said
     assert re.search(r"CPU update in the service, \d+ thread\(s\), busy \d+% since it started",
                      said), said

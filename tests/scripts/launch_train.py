@@ -1,6 +1,6 @@
 """Trains a small GPT for a few steps under ``tiered-launch``; run by tests/test_launch.py.
 
-    tiered-launch --policy P.yaml [--nproc-per-node N] tests/scripts/launch_train.py OUT_DIR
+    tiered-launch --policy P.yaml [--nproc-per-node N] tests/scripts/launch_train.py OUT_DIR [GO]
 
 The policy comes from the launcher (``tiered.initialize(model)`` with no policy). Each rank trains
 on its own slice of the same seeded global batch, then writes to OUT_DIR:
@@ -8,11 +8,14 @@ on its own slice of the same seeded global batch, then writes to OUT_DIR:
   rank{rank}.pt   ``engine.full_state_dict()`` after training
   rank{rank}.json what the rank saw: rank, world size, OMP_NUM_THREADS, its policy, losses, and
                   the job the node's service holds its DRAM under (null without a service)
+With GO (a path), each rank writes OUT_DIR/paused{rank} after its first step and waits for GO to
+exist before the next: a test acts on the service while the job is live.
 The engine is not closed: its NVMe run folder must go at a clean interpreter exit.
 """
 import json
 import os
 import sys
+import time
 
 import tiered  # first: it quiets torch's warning about a missing numpy
 import torch
@@ -40,6 +43,7 @@ def global_batch(step: int) -> torch.Tensor:
 
 def main() -> None:
     out = sys.argv[1]
+    go = sys.argv[2] if len(sys.argv) > 2 else None
     model = build_model()
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     engine, optimizer = tiered.initialize(model)
@@ -54,6 +58,10 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+        if go is not None and step == 0:
+            open(os.path.join(out, f"paused{rank}"), "w").close()
+            while not os.path.exists(go):
+                time.sleep(0.05)
     state = engine.full_state_dict()
     torch.save(initial, os.path.join(out, f"init{rank}.pt"))
     torch.save(state, os.path.join(out, f"rank{rank}.pt"))

@@ -17,6 +17,7 @@ import torch
 
 from ..errors import BudgetError, NvmeError
 from . import wire
+from .identity import this_code
 from .paths import ServiceError, ServicePaths, service_paths
 from .segments import map_segment
 
@@ -95,18 +96,53 @@ def refusal(reply: dict, what: str) -> Exception:
     return ServiceError(f"{what}: {error}")
 
 
+class EngineSlots:
+    """Which engines of this process are open at the service, per job: each is its own job
+    there (jobs.py, [Note: job lifecycle]), named by its place, the lowest free one. A process
+    that builds its engines in the same order after a crash finds each one's kept state."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._open: dict[str, set[int]] = {}
+
+    def take(self, job: str) -> int:
+        with self._lock:
+            taken = self._open.setdefault(job, set())
+            slot = next(slot for slot in range(len(taken) + 1) if slot not in taken)
+            taken.add(slot)
+            return slot
+
+    def give_back(self, job: str, slot: int) -> None:
+        with self._lock:
+            self._open[job].discard(slot)
+
+
+ENGINE_SLOTS = EngineSlots()
+
+
 class ServiceSlabSource:
     """DRAM slabs (tiers/dram.py's SlabSource) carved from segments the service reserves for
     this rank: the service's memory, mapped here and, on a GPU, registered with CUDA here."""
 
     def __init__(self, client: ServiceClient, job: str, rank: int, world: int, pin: bool,
-                 fresh: bool = False):
-        """``fresh``: a state the service kept of the job is freed, never taken over."""
+                 fresh: bool = False, engine: int | None = None):
+        """``fresh``: a state the service kept of the job is freed, never taken over.
+        ``engine``: this engine's place among the process's open ones; None takes the lowest
+        free one (a test that plays several processes names it)."""
         self.client = client
-        self.job = job
         self.rank = rank
         self.pin = pin
-        reply, _ = client.request("attach", job=job, rank=rank, world=world, fresh=fresh)
+        self._slot = (job, ENGINE_SLOTS.take(job)) if engine is None else None
+        try:
+            reply, _ = client.request("attach", job=job, rank=rank, world=world, fresh=fresh,
+                                      engine=engine if self._slot is None else self._slot[1],
+                                      code=this_code().to_wire())
+        except BaseException:
+            self._give_back_slot()
+            raise
+        self.job: str = reply.get("job", job)
+        """The job the service holds this rank's part under: the launcher's name, or for a
+        process's second and later open engines ``NAME#k``."""
         self.note: str = reply.get("note", "")
         """What the service said on attaching (a kept state it freed), for the trainer's log."""
         self.kept: dict | None = reply.get("kept")
@@ -190,6 +226,12 @@ class ServiceSlabSource:
             pass  # gone already: it freed or keeps the state by itself
         finally:
             self.client.close()
+            self._give_back_slot()
+
+    def _give_back_slot(self) -> None:
+        if self._slot is not None:
+            ENGINE_SLOTS.give_back(*self._slot)
+            self._slot = None
 
 
 SERVICE_ENV = "TIERED_SERVICE"

@@ -13,6 +13,7 @@ import time
 
 from ..liveness import is_held
 from .client import ServiceClient
+from .identity import this_code
 from .paths import ServiceError, service_paths
 
 START_SECONDS = 120.0
@@ -131,7 +132,8 @@ class JobHold:
         over by this run's ranks; ``world``: its ranks, where known."""
         self.client = ServiceClient.connect(folder)
         try:
-            reply, _ = self.client.request("hold", job=job, fresh=fresh, world=world)
+            reply, _ = self.client.request("hold", job=job, fresh=fresh, world=world,
+                                           code=this_code().to_wire())
         except BaseException:
             self.client.close()
             raise

@@ -3,17 +3,28 @@
 [Note: job lifecycle]
 A job is named (``tiered-launch --job NAME``, else torchrun's run id) and has ``world`` ranks.
 Its launcher holds it from before its ranks start (``hold``), so that a service started for one
-job does not take the moment before they attach for the end of it. Its state is one of
-JobState, changed only here:
+job does not take the moment before they attach for the end of it. A name is one job: a second
+launcher's ``hold`` of a job that runs (a launcher or a trainer of it alive) is refused, naming
+what runs it; it is never merged into it. Its state is one of JobState, changed only here:
 - RUNNING: its launcher or at least one rank is there, and none has gone without a clean end;
+- ENDING: its launcher ended it cleanly (every rank exited 0) while the service had not yet
+  seen every rank's connection close; freed once it has, however they close;
 - FAILED: its launcher saw it fail or went without a word (killed), or, with no launcher, a
   rank's trainer went without a clean end (killed, an exception, a dropped socket). A rank that
   goes while its launcher holds the job changes nothing yet: the launcher sees every rank's exit
   status, and decides. What a failed job holds is kept: other ranks may still be attached (they
   will fail in their next collective), and once the last is gone the job is kept for
   ``keep_seconds``, then freed.
-A job whose launcher ends it cleanly (every rank exited 0), or whose every rank detached
-cleanly without a launcher, is freed at once and forgotten. A rank whose host runs here counts
+A job whose launcher ends it cleanly (every rank exited 0) is freed once nothing of it is
+attached, and one whose every rank detached cleanly without a launcher at once; either is
+forgotten. So is a failed job that holds nothing (a rank refused for its budget, a client that
+attached and dropped): there is nothing of it to keep.
+
+Each engine of a trainer's process is a job of its own at the service (a DPO reference model
+beside its policy, a notebook that builds a second model before closing the first): the first
+is the job the launcher names, the k-th open one ``NAME#k`` (a name no launcher can give),
+which its launcher's hold covers too. A relaunch builds its engines in the same order, so each
+reattaches to its own kept state. A rank whose host runs here counts
 as there until its host has run what it was sent (see [Note: reattach] in commits.py).
 
 A job whose ranks' hosts ran here and committed a step can be reattached: a relaunch of it
@@ -34,6 +45,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+import psutil
+
 from ..errors import BudgetError, TieredError
 from ..sizes import format_size
 from .commits import StepCommits
@@ -45,8 +58,16 @@ SETTLE_SECONDS = 600.0
 """How long a relaunched rank waits for the last round's hosts to run what they were sent."""
 
 
+MAX_WORLD = 1 << 16
+"""The most ranks a job may have (a bound on what a client may ask the service to track)."""
+STALE_SECONDS = 10.0
+"""How long a launch waits for the service to see a dead launcher's or trainer's connection
+close (it is told within milliseconds: the kernel closes a dead process's sockets)."""
+
+
 class JobState(enum.Enum):
     RUNNING = "running"
+    ENDING = "ending"
     FAILED = "failed"
 
 
@@ -86,6 +107,13 @@ class Rank:
         return sum(segment.nbytes for segment in self.segments.values())
 
 
+@dataclass(frozen=True)
+class Launcher:
+    pid: int
+    since: float
+    """When it took the hold (seconds since the epoch)."""
+
+
 @dataclass
 class Job:
     name: str
@@ -93,8 +121,11 @@ class Job:
     """Its ranks, set by the first to attach (a launcher holds a job before that)."""
     state: JobState = JobState.RUNNING
     ranks: dict[int, Rank] = field(default_factory=dict)
-    holders: int = 0
-    """Launchers holding it (see [Note: job lifecycle])."""
+    launcher: Launcher | None = None
+    """The launcher holding it (see [Note: job lifecycle])."""
+    parent: "Job | None" = None
+    """For a process's second and later engines (``NAME#k``), the job of its first: its
+    launcher holds them too."""
     gone_since: float | None = None
     """When its last attached rank or holder went (FAILED jobs are kept from then on)."""
     commits: StepCommits | None = None
@@ -109,10 +140,20 @@ class Job:
         return [rank for rank in self.ranks.values() if rank.pid is not None]
 
     @property
+    def held(self) -> bool:
+        """A launcher holds it (its own, or its parent's)."""
+        return (self.launcher or (self.parent.launcher if self.parent else None)) is not None
+
+    @property
     def present(self) -> bool:
         """A launcher, a trainer or a host of it is there."""
-        return (self.holders > 0 or bool(self.attached)
+        return (self.held or bool(self.attached)
                 or any(rank.host_running or rank.files_open for rank in self.ranks.values()))
+
+    @property
+    def holds_memory(self) -> bool:
+        """Some rank of it has segments or files here (what a failed job is kept for)."""
+        return any(rank.segments or rank.files is not None for rank in self.ranks.values())
 
     @property
     def settled(self) -> bool:
@@ -155,57 +196,112 @@ class Registry:
         """Jobs that ever attached (a service started for one job exits once it has served it
         and holds nothing)."""
 
-    def hold(self, name: str, fresh: bool = False, world: int | None = None) -> str:
-        """A launcher holds job ``name`` while it runs ``world`` ranks (None: not known);
-        returns a note ("" or what was freed or is kept to reattach to). ``fresh``: a kept
-        state is freed, never reattached."""
+    def hold(self, name: str, pid: int, fresh: bool = False, world: int | None = None) -> str:
+        """The launcher ``pid`` holds job ``name`` while it runs ``world`` ranks (None: not
+        known); returns a note ("" or what was freed or is kept to reattach to). ``fresh``: a
+        kept state is freed, never reattached. Refused while the job runs (see [Note: job
+        lifecycle])."""
         _check_name(name)
+        _check_world(world)
         with self._lock:
+            job = self._jobs.get(name)
+            if job is not None and job.state is not JobState.FAILED:
+                self._refuse_if_running(job)
+                # Only dead processes are left: their connections close in a moment, which
+                # fails the job (kept to reattach to) or frees it.
+                if not self._settling.wait_for(
+                        lambda: self._jobs.get(name) is not job
+                        or job.state is JobState.FAILED, STALE_SECONDS):
+                    raise RefusedError(f"job {name}: its last launcher and trainers are gone, "
+                                       f"but their connections have not closed after "
+                                       f"{STALE_SECONDS:.0f} s; try again later")
             job, note = self._job_for(name, fresh, world)
-            job.holders += 1
+            job.launcher = Launcher(pid, time.time())
             job.gone_since = None
             return note
 
-    def unhold(self, name: str, clean: bool) -> None:
-        """The launcher is done: ``clean`` when every rank exited 0 (the job is freed at once),
-        else (it saw a failure, or its connection dropped) the job has failed."""
+    def unhold(self, name: str, pid: int, clean: bool) -> None:
+        """The launcher ``pid`` is done: ``clean`` when every rank exited 0 (the job is freed
+        once nothing of it is attached), else (it saw a failure, or its connection dropped)
+        the job has failed. So are the jobs of its processes' other engines."""
         with self._lock:
             job = self._jobs.get(name)
-            if job is None or job.holders == 0:
+            if job is None or job.launcher is None or job.launcher.pid != pid:
                 return
-            job.holders -= 1
-            if clean:
-                self._free(job)
-            else:
-                self._went(job, failed=True)
+            job.launcher = None
+            for each in [job, *self._engines_beside(job)]:
+                if clean:
+                    # A rank's connection may not have closed yet, or it went without a
+                    # detach (a script need not close its engine): its exit status was 0.
+                    each.state = JobState.ENDING
+                else:
+                    each.state = JobState.FAILED
+                if not each.present:
+                    self._gone(each)
 
-    def attach(self, name: str, rank: int, world: int, pid: int,
-               fresh: bool = False) -> tuple[str, dict | None]:
+    def _refuse_if_running(self, job: Job) -> None:
+        """Refuse a second launch of ``job`` while a launcher or trainer of it is alive."""
+        family = [job, *self._engines_beside(job)]
+        who = []
+        if job.launcher is not None and _alive(job.launcher.pid):
+            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job.launcher.since))
+            who.append(f"launcher pid {job.launcher.pid} holds it since {since}")
+        trainers = sorted({(rank.rank, rank.pid) for each in family for rank in each.attached
+                           if _alive(rank.pid)})
+        if trainers:
+            who.append("ranks attached: " + ", ".join(f"{rank} (pid {pid})"
+                                                       for rank, pid in trainers))
+        if not who:
+            return
+        raise RefusedError(f"job {job.name} is running: {' and '.join(who)}; a second launch "
+                           f"of it is refused: give this one another --job, or wait for it to "
+                           f"end (tiered daemon status shows it)")
+
+    def _engines_beside(self, job: Job) -> list[Job]:
+        """The jobs of the other engines of ``job``'s processes (``NAME#k``)."""
+        return [other for other in self._jobs.values() if other.parent is job]
+
+    def attach(self, name: str, rank: int, world: int, pid: int, fresh: bool = False,
+               engine: int = 0) -> tuple[str, str, dict | None]:
         """Attach ``pid`` as rank ``rank`` of job ``name``; returns a note for the trainer to
         show ("" when there is nothing to say) and, where the job's state can be reattached
         to, what the rank takes over (see [Note: reattach]): the step, its segments in the
         order they were reserved, its record of that step, what its host left and what it
-        was asked to run. ``fresh``: a kept state is freed, never reattached."""
+        was asked to run. ``fresh``: a kept state is freed, never reattached. ``engine``: the
+        engine's place among those open in the trainer's process (0: the first); returns, first,
+        the name of the job it attached to (see [Note: job lifecycle])."""
         _check_name(name)
-        if world < 1 or not 0 <= rank < world:
+        _check_world(world)
+        if not 0 <= rank < world:
             raise RefusedError(f"attach needs 0 <= rank < world, got rank {rank}, world {world}")
+        if not 0 <= engine < MAX_ENGINES:
+            raise RefusedError(f"attach needs 0 <= engine < {MAX_ENGINES}, got {engine}")
+        key = name if engine == 0 else f"{name}#{engine}"
         with self._lock:
-            job, note = self._job_for(name, fresh, world)
+            held = self._jobs.get(key)
+            held = held.ranks.get(rank) if held is not None else None
+            if held is not None and held.pid is not None and _alive(held.pid):
+                # Waiting cannot help: a live trainer holds the rank.
+                raise RefusedError(f"job {key} rank {rank} is attached already (pid "
+                                   f"{held.pid}); a second job needs another --job")
+            job, note = self._job_for(key, fresh, world)
+            if engine:
+                job.parent = self._jobs.get(name)
             # A rank that went just now may still have its transfers settling (files.py).
             if not self._settling.wait_for(lambda: job.settled and not (
                     rank in job.ranks and job.ranks[rank].files_open), SETTLE_SECONDS):
-                raise RefusedError(f"job {name}: the hosts of its last run still run after "
+                raise RefusedError(f"job {key}: the hosts of its last run still run after "
                                    f"{SETTLE_SECONDS:.0f} s; try again later")
-            if self._jobs.get(name) is not job:
-                raise RefusedError(f"job {name} was freed while this rank waited")
+            if self._jobs.get(key) is not job:
+                raise RefusedError(f"job {key} was freed while this rank waited")
             if job.world is None:
                 job.world = world
             if job.world != world:
-                raise RefusedError(f"job {name} runs at world size {job.world}, this rank "
+                raise RefusedError(f"job {key} runs at world size {job.world}, this rank "
                                    f"asks for {world}; use another --job for another job")
             held = job.ranks.get(rank)
             if held is not None and held.pid is not None:
-                raise RefusedError(f"job {name} rank {rank} is attached already (pid "
+                raise RefusedError(f"job {key} rank {rank} is attached already (pid "
                                    f"{held.pid}); a second job needs another --job")
             owner = job.ranks.setdefault(rank, Rank(rank))
             owner.pid = pid
@@ -225,7 +321,7 @@ class Registry:
                 job.commits = None
             if kept is None and (owner.segments or owner.files):  # a restarted rank's old state
                 self._free_rank(owner)
-            return note, kept
+            return key, note, kept
 
     def _job_for(self, name: str, fresh: bool, world: int | None) -> tuple[Job, str]:
         """The job ``name`` to join at ``world`` ranks (None: not known yet), made when it is
@@ -234,8 +330,16 @@ class Registry:
         world size is refused. Refuses a failed job still partly there."""
         note = ""
         job = self._jobs.get(name)
+        if job is not None and job.state is JobState.ENDING:
+            # Its ranks exited 0: their connections close in a moment, which frees it.
+            self._settling.wait_for(lambda: self._jobs.get(name) is not job, STALE_SECONDS)
+            if self._jobs.get(name) is job:
+                raise RefusedError(f"job {name} ended, but ranks "
+                                   f"{sorted(r.rank for r in job.attached)} of it are still "
+                                   f"attached after {STALE_SECONDS:.0f} s; try again later")
+            job = None
         if job is not None and job.state is JobState.FAILED and not job.attached \
-                and job.holders == 0:
+                and not job.held:
             # Its hosts may still run what its dead trainers sent: part of what is kept.
             self._settling.wait_for(lambda: not job.present, SETTLE_SECONDS)
         if job is not None and job.state is JobState.FAILED and not job.present:
@@ -402,16 +506,18 @@ class Registry:
         """A rank or holder of ``job`` is gone; ``failed`` unless it ended cleanly. While a
         launcher holds the job, a rank that went says nothing yet (a script may end without
         ``engine.close()``): the launcher sees every rank's exit status and decides."""
-        if failed and job.holders == 0:
+        if failed and not job.held and job.state is JobState.RUNNING:
             job.state = JobState.FAILED
+        self._settling.notify_all()
         if not job.present:
             self._gone(job)
 
     def _gone(self, job: Job) -> None:
-        """Nothing of ``job`` is there any more: kept when it failed, else freed."""
-        if job.state is JobState.FAILED:
+        """Nothing of ``job`` is there any more: kept when it failed and holds something,
+        else freed."""
+        if job.state is JobState.FAILED and job.holds_memory:
             job.gone_since = self._clock()
-        else:  # every rank ended cleanly, with no launcher to wait for
+        else:  # ended cleanly, or nothing of it to keep
             self._free(job)
 
     def expire(self) -> list[str]:
@@ -443,7 +549,10 @@ class Registry:
                     # What a relaunch takes over, once no trainer of it is attached.
                     "resumable_step": (job.reattach_step() or None) if not job.attached
                     else None,
-                    "launchers": job.holders, "freed_in_seconds": kept,
+                    "launcher": (None if job.launcher is None else
+                                 {"pid": job.launcher.pid, "since": job.launcher.since}),
+                    "engine_of": job.parent.name if job.parent is not None else None,
+                    "freed_in_seconds": kept,
                     "ranks": [{"rank": r.rank, "pid": r.pid, "attached": r.pid is not None,
                                "host": "service" if r.host is not None else "trainer",
                                "dram_bytes": r.dram_bytes, "segments": len(r.segments),
@@ -476,7 +585,9 @@ class Registry:
     def _free(self, job: Job) -> None:
         for rank in job.ranks.values():
             self._free_rank(rank)
-        self._jobs.pop(job.name, None)
+        if self._jobs.get(job.name) is job:
+            del self._jobs[job.name]
+        self._settling.notify_all()
 
     def _free_rank(self, rank: Rank) -> None:
         for segment in rank.segments.values():
@@ -495,6 +606,23 @@ class Registry:
 
 JOB_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 JOB_NAME_MAX = 100
+
+
+MAX_ENGINES = 64
+"""The most engines one trainer's process may have open at the service at once."""
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie has ended: its sockets are closed)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _check_world(world: int | None) -> None:
+    if world is not None and not 1 <= world <= MAX_WORLD:
+        raise RefusedError(f"a job has 1 to {MAX_WORLD} ranks, got world {world}")
 
 
 def _has_nvme(request: dict) -> bool:

@@ -39,6 +39,7 @@ from .files import FileStream, RankFiles
 from .cores import CorePool
 from .hosting import HostedRank, HostSeat, JobNorm
 from .hostwire import COMMAND_OPS, HostRequest, command_from_wire
+from .identity import mismatch, this_code
 from .jobs import RefusedError, Registry
 from .paths import ServiceError, service_paths
 
@@ -116,8 +117,8 @@ class TierService:
 
     def serve(self) -> None:
         """Serve until stopped; then free everything and remove the socket."""
-        log.info("tiered service %s (pid %d) serving in %s, DRAM pool %d bytes, failed jobs "
-                 "kept %.0f s", __version__, os.getpid(), self.paths.folder,
+        log.info("tiered service: %s (pid %d) serving in %s, DRAM pool %d bytes, failed jobs "
+                 "kept %.0f s", this_code().describe(), os.getpid(), self.paths.folder,
                  self.config.dram_budget, self.config.keep_seconds)
         try:
             while not self._stopping.is_set():
@@ -197,7 +198,7 @@ class TierService:
                 self.registry.detach(job, rank, clean=False)
                 log.info("job %s rank %d: its trainer went without engine.close()", job, rank)
             if client.holds is not None:
-                self.registry.unhold(client.holds, clean=False)
+                self.registry.unhold(client.holds, client.pid, clean=False)
                 log.info("job %s: its launcher went without a word; its state is kept",
                          client.holds)
             conn.close()
@@ -219,7 +220,8 @@ class TierService:
             client.reply({"ok": True, **reply}, fds)
 
     def _op_hello(self, client, message):
-        return {"pid": os.getpid(), "version": __version__, "folder": self.paths.folder}, []
+        return {"pid": os.getpid(), "version": __version__, "folder": self.paths.folder,
+                "code": this_code().to_wire()}, []
 
     def _op_status(self, client, message):
         status = self.registry.status()
@@ -233,6 +235,7 @@ class TierService:
             # (commits.py); the step a relaunch goes on from once they are gone.
             job["last_step"] = job["committed_step"]
         return {"service": {"pid": os.getpid(), "version": __version__,
+                            "code": this_code().to_wire(),
                             "folder": self.paths.folder,
                             "uptime_seconds": round(time.time() - self.started, 1),
                             "until_idle": self.config.until_idle,
@@ -255,14 +258,16 @@ class TierService:
         if client.attached is not None or client.holds is not None:
             raise RefusedError("this connection holds or is a rank already; one connection "
                                "per rank")
+        _refuse_other_code(message)
         job = _field(message, "job", str)
         rank, world = _field(message, "rank", int), _field(message, "world", int)
         fresh = bool(message.get("fresh", False))
-        note, kept = self.registry.attach(job, rank, world, client.pid, fresh)
+        engine = _field(message, "engine", int) if "engine" in message else 0
+        job, note, kept = self.registry.attach(job, rank, world, client.pid, fresh, engine)
         client.attached = (job, rank)
         log.info("job %s rank %d/%d attached (pid %s)%s", job, rank, world, client.pid,
                  f", takes over step {kept['step']}" if kept else "")
-        return {"note": note, "kept": kept}, []
+        return {"job": job, "note": note, "kept": kept}, []
 
     def _op_map(self, client, message):
         """A kept segment of the rank, to map again (a reattached trainer: jobs.py)."""
@@ -292,9 +297,10 @@ class TierService:
     def _op_hold(self, client, message):
         if client.attached is not None or client.holds is not None:
             raise RefusedError("this connection holds or is a rank already")
+        _refuse_other_code(message)
         job = _field(message, "job", str)
         world = message.get("world")
-        note = self.registry.hold(job, bool(message.get("fresh", False)),
+        note = self.registry.hold(job, client.pid, bool(message.get("fresh", False)),
                                   None if world is None else _field(message, "world", int))
         client.holds = job
         log.info("job %s held by its launcher (pid %s)", job, client.pid)
@@ -305,9 +311,9 @@ class TierService:
             raise RefusedError("'unhold' needs a held job: send 'hold' first")
         job, client.holds = client.holds, None
         clean = _field(message, "clean", bool)
-        self.registry.unhold(job, clean)
+        self.registry.unhold(job, client.pid, clean)
         log.info("job %s %s (its launcher says)", job,
-                 "ended cleanly; freed" if clean else "failed")
+                 "ended cleanly; freed once nothing of it is attached" if clean else "failed")
         return {}, []
 
 
@@ -455,6 +461,13 @@ def parse_cores(text: str) -> tuple[int, ...]:
 
 def _cores_text(cores) -> str:
     return ",".join(str(core) for core in cores)
+
+
+def _refuse_other_code(message: dict) -> None:
+    """A launcher or trainer of another installation is not served (identity.py)."""
+    why = mismatch(message.get("code"))
+    if why is not None:
+        raise RefusedError(why)
 
 
 class _BadField(TieredError):

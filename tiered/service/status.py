@@ -1,14 +1,19 @@
 """``tiered daemon status`` as a person reads it: the pool, then each job and its ranks."""
 from __future__ import annotations
 
+import time
+
 from ..sizes import format_size
 
 
 def status_table(status: dict) -> str:
     service, dram = status["service"], status["dram"]
+    code = service["code"]
     lines = [f"tiered service {service['version']}, pid {service['pid']}, up "
              f"{service['uptime_seconds']:.0f} s, in {service['folder']}"
              + (" (exits once its jobs are gone)" if service.get("until_idle") else ""),
+             f"runs the code of {code['installation']} (code {code['code']}); it serves "
+             f"launchers and trainers of that code only",
              f"CPU work on {service['usable_cores']} core(s): {_ranges(service['cores'])}"
              + (f", {service['threads_running']} update thread(s) running, at most "
                 f"{service['threads_peak']} at once" if "threads_peak" in service else "")
@@ -28,9 +33,15 @@ def status_table(status: dict) -> str:
         step = (f", last step done {job['last_step']}" if job.get("last_step") else "")
         if job.get("resumable_step"):
             step += ", a relaunch of it goes on from there"
-        lines.append(f"job {job['name']}: {state}; world {world}, "
+        launcher = job["launcher"]
+        held = ("no launcher" if launcher is None else
+                f"launcher pid {launcher['pid']} since "
+                f"{time.strftime('%H:%M:%S', time.localtime(launcher['since']))}")
+        beside = (f" (another engine of job {job['engine_of']}'s processes)"
+                  if job.get("engine_of") else "")
+        lines.append(f"job {job['name']}{beside}: {state}; world {world}, "
                      f"{len([r for r in job['ranks'] if r['attached']])} ranks attached, "
-                     f"{job['launchers']} launcher(s){step}")
+                     f"{held}{step}")
         for rank in job["ranks"]:
             who = f"pid {rank['pid']}" if rank["attached"] else "gone"
             lines.append(f"  rank {rank['rank']:>3}  {who:<12} DRAM "
