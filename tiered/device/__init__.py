@@ -1,0 +1,121 @@
+"""What the engine asks of its compute device, behind one seam: streams and events and their
+ordering, ``record_stream``, synchronizing, memory statistics and host-memory registration.
+
+Three devices answer it: CUDA (``CudaAccelerator``), the plain CPU (``CpuAccelerator``: no
+streams, nothing to order) and a simulated accelerator (``sim.SimAccelerator``: CUDA's streams
+and ordering rules over CPU tensors, checked on every operator), so that every branch a GPU
+takes runs, and is checked, where there is no GPU. ``TIERED_DEVICE=sim`` chooses it.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ..errors import PolicyError
+from .sim import SimAccelerator
+
+DEVICE_ENV = "TIERED_DEVICE"
+"""``sim``: train on the simulated accelerator (the CPU computes; streams are checked)."""
+
+
+@runtime_checkable
+class StreamLike(Protocol):
+    def wait_event(self, event) -> None: ...
+    def wait_stream(self, other) -> None: ...
+    def synchronize(self) -> None: ...
+
+
+@runtime_checkable
+class EventLike(Protocol):
+    def record(self, stream=None) -> None: ...
+    def query(self) -> bool: ...
+    def synchronize(self) -> None: ...
+    def wait(self, stream=None) -> None: ...
+
+
+class Accelerator(Protocol):
+    """A compute device as the engine uses it."""
+
+    name: str
+    """What ``initialize`` logs: ``cuda``, ``cpu`` or ``simulated``."""
+    has_streams: bool
+    """Whether work runs on streams that must be ordered (CUDA, simulated)."""
+
+    def Stream(self) -> StreamLike: ...  # noqa: N802 (torch.cuda's names)
+    def Event(self) -> EventLike: ...  # noqa: N802
+    def current_stream(self) -> StreamLike: ...
+    def stream(self, stream: StreamLike) -> contextlib.AbstractContextManager: ...
+    def record_stream(self, tensor: torch.Tensor, stream: StreamLike) -> None: ...
+    def synchronize(self) -> None: ...
+    def max_memory_allocated(self) -> int | None: ...
+
+
+class CudaAccelerator:
+    name = "cuda"
+    has_streams = True
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def Stream(self) -> torch.cuda.Stream:  # noqa: N802
+        return torch.cuda.Stream(self.device)
+
+    def Event(self) -> torch.cuda.Event:  # noqa: N802
+        return torch.cuda.Event()
+
+    def current_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def stream(self, stream: torch.cuda.Stream):
+        return torch.cuda.stream(stream)
+
+    def record_stream(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        tensor.record_stream(stream)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def max_memory_allocated(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+
+class CpuAccelerator:
+    """The CPU playing the device: every operator completes before the next, so there is
+    nothing to order; the engine takes its stream-less branches."""
+    name = "cpu"
+    has_streams = False
+
+    def Stream(self):  # noqa: N802
+        raise TypeError("the CPU has no streams (has_streams is False)")
+
+    Event = Stream  # noqa: N815
+    current_stream = Stream
+
+    def stream(self, stream):
+        return contextlib.nullcontext()
+
+    def record_stream(self, tensor: torch.Tensor, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def max_memory_allocated(self) -> None:
+        return None
+
+
+def accelerator_for(device: torch.device) -> Accelerator:
+    """The device's accelerator: CUDA's for a CUDA device; for the CPU, the simulated one when
+    ``TIERED_DEVICE=sim``, else the plain CPU."""
+    if device.type == "cuda":
+        return CudaAccelerator(device)
+    chosen = os.environ.get(DEVICE_ENV, "")
+    if chosen == "sim":
+        return SimAccelerator()
+    if chosen not in ("", "cpu", "cuda", "auto"):
+        raise PolicyError(f"{DEVICE_ENV}={chosen!r} is not a device: use sim (the simulated "
+                          f"accelerator), cpu or cuda, or leave it unset")
+    return CpuAccelerator()
