@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 
 import torch
 
@@ -26,23 +27,55 @@ REPLY_SECONDS = 600.0
 (about 10 s per 100 GiB), and a service that does not answer in this long is stuck."""
 
 
+REFUSED_SECONDS = 0.5
+"""How long a socket that nothing listens on is tried again: a service between binding its
+socket and listening on it is ready within microseconds; a killed one's socket never is."""
+
+
 class ServiceClient:
     def __init__(self, paths: ServicePaths, timeout: float = REPLY_SECONDS):
         self.paths = paths
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(timeout)
-        try:
-            self._sock.connect(paths.socket)
-        except (FileNotFoundError, ConnectionRefusedError):
-            self._sock.close()
-            raise ServiceError(f"no tiered service runs in {paths.folder} (start one with "
-                               f"'tiered daemon start', or train without one: "
-                               f"tiered-launch --no-daemon)") from None
-        except OSError as e:
-            self._sock.close()
-            raise ServiceError(f"cannot reach the tiered service at {paths.socket}: "
-                               f"{e.strerror}") from None
+        self._sock = self._connected(paths, timeout)
         self._lock = threading.Lock()  # one request, one reply: never interleaved
+
+    @staticmethod
+    def _connected(paths: ServicePaths, timeout: float) -> socket.socket:
+        """A socket connected to the service, tried again with a growing pause while the
+        service cannot take it yet: a full backlog for up to ``timeout``, a socket nothing
+        listens on for up to REFUSED_SECONDS. A missing socket fails at once."""
+        start = time.monotonic()
+        pause = 0.001
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(timeout)
+            try:
+                sock.connect(paths.socket)
+                return sock
+            except OSError as e:
+                sock.close()
+                if isinstance(e, BlockingIOError):
+                    # A full backlog: a burst of connections outran the service's accepts, and
+                    # the kernel refuses a socket with a timeout at once (EAGAIN), unqueued.
+                    patience = timeout
+                elif isinstance(e, ConnectionRefusedError):
+                    patience = min(timeout, REFUSED_SECONDS)
+                else:
+                    patience = 0.0
+                left = patience - (time.monotonic() - start)
+                if left > 0:
+                    time.sleep(min(pause, left))
+                    pause = min(2 * pause, 0.05)
+                    continue
+                if isinstance(e, BlockingIOError):
+                    raise ServiceError(f"the tiered service at {paths.socket} took no connection "
+                                       f"within {timeout:g} s: its backlog stayed full"
+                                       ) from None
+                if isinstance(e, (FileNotFoundError, ConnectionRefusedError)):
+                    raise ServiceError(f"no tiered service runs in {paths.folder} (start one "
+                                       f"with 'tiered daemon start', or train without one: "
+                                       f"tiered-launch --no-daemon)") from None
+                raise ServiceError(f"cannot reach the tiered service at {paths.socket}: "
+                                   f"{e.strerror}") from None
 
     @classmethod
     def connect(cls, folder: str | None = None,

@@ -109,7 +109,10 @@ class TierService:
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self.paths.socket)
         os.chmod(self.paths.socket, 0o600)
-        self._listener.listen(64)
+        # Every rank of every job on the node connects at once as a run starts (and again for
+        # its files and host): past the backlog the kernel refuses a Unix connect at once
+        # (EAGAIN) instead of queueing it. The kernel caps this at net.core.somaxconn.
+        self._listener.listen(4096)
         self._listener.settimeout(TICK_SECONDS)
 
     def stop(self) -> None:

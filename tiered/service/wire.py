@@ -6,9 +6,10 @@ Messages cross a Unix stream socket. A message may carry file descriptors (memfd
 ``SCM_RIGHTS`` ancillary data, sent with its first byte. JSON, never pickle: a message is data,
 and a peer that sends garbage gets an error, never code run on its behalf. Every way a message
 can be wrong (another magic, another version, a length past ``MAX_BODY``, a body that is not a
-JSON object with a string ``op``, more descriptors than ``MAX_FDS``, a peer that stops mid-message)
-raises :class:`WireError` naming what was wrong; descriptors that came with a refused message are
-closed, so a bad peer cannot leak them into the service.
+JSON object with a string ``op``, JSON nested too deeply to decode, more descriptors than
+``MAX_FDS``, a peer that stops mid-message) raises :class:`WireError` naming what was wrong;
+descriptors that came with a refused message are closed, so a bad peer cannot leak them into
+the service.
 """
 from __future__ import annotations
 
@@ -72,8 +73,13 @@ def receive(sock: socket.socket) -> tuple[dict, list[int]]:
         body = _exactly(sock, length)
         try:
             message = json.loads(body.decode())
-        except (UnicodeDecodeError, ValueError) as e:
+        except ValueError as e:  # bytes that are not UTF-8 (UnicodeDecodeError) or not JSON
             raise WireError(f"message body is not UTF-8 JSON ({e})") from None
+        except RecursionError:
+            # The decoder recurses once per nested array or object: a short body of brackets
+            # (``[[[[...]]]]``) reaches the interpreter's limit, which must not end the thread
+            # that reads this peer. No message of ours nests more than a few levels.
+            raise WireError("message body is JSON nested too deeply to decode") from None
         if not isinstance(message, dict) or not isinstance(message.get("op"), str):
             raise WireError("message body is not a JSON object with a string 'op'")
         return message, fds
