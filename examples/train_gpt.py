@@ -2,6 +2,7 @@
 
     tiered-launch --nvme "$(mktemp -d)" --policy configs/nvme.yaml examples/train_gpt.py
     ... examples/train_gpt.py --checkpoint ckpt --save-every 50   # checkpoints as it goes
+    ... examples/train_gpt.py --checkpoint ckpt --save-every 50 --keep-last 3   # the newest 3
     ... examples/train_gpt.py --checkpoint ckpt --resume          # on from the latest one
     tiered-launch --job NAME ... examples/train_gpt.py   # relaunched after a crash: on from the
                                                          # node's service's kept state
@@ -61,6 +62,9 @@ def main() -> None:
                         help="folder for checkpoints (made at the first save); checked before "
                              "training starts")
     parser.add_argument("--save-every", type=int, default=0, help="steps between checkpoints")
+    parser.add_argument("--keep-last", type=int, default=None, metavar="N",
+                        help="keep only the newest N checkpoints, each save removing the older "
+                             "ones once it is complete (default: keep all)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest checkpoint in --checkpoint; with none "
                              "there yet it is an error, not a fresh start (leave --resume out "
@@ -81,10 +85,14 @@ def main() -> None:
                                ("--lora", args.lora, 0)):
         if value < least:
             parser.error(f"{flag} must be >= {least}, got {value}")
+    if args.keep_last is not None and args.keep_last < 1:
+        parser.error(f"--keep-last must be >= 1, got {args.keep_last}")
     if args.dim % args.heads:
         parser.error(f"--heads {args.heads} must divide --dim {args.dim}")
     if (args.resume or args.save_every) and not args.checkpoint:
         parser.error("--resume and --save-every need --checkpoint DIR")
+    if args.keep_last is not None and not args.save_every:
+        parser.error("--keep-last needs --save-every N")
     if args.checkpoint:
         try:  # not a folder, or not writable: said now, not at the first save
             check_folder(args.checkpoint)
@@ -146,7 +154,7 @@ def main() -> None:
             log(f"step {step:4d}  loss {loss.item():.4f}  "
                 f"{(step - first + 1) * args.batch * args.seq / elapsed:,.0f} tokens/s")
         if args.checkpoint and args.save_every and step % args.save_every == 0:
-            engine.save_checkpoint(args.checkpoint)
+            engine.save_checkpoint(args.checkpoint, keep_last=args.keep_last)
 
     if args.save_pretrained:
         engine.save_pretrained(args.save_pretrained)

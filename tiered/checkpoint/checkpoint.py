@@ -40,8 +40,11 @@ types and ranges (manifest.py), each rank file's kind and size before its hash.
 One job at a time writes into a folder: its first save or load there checks the folder
 (folder.check_folder) and takes it, refusing one a live job holds and removing what dead jobs
 staged ([Note: one job per checkpoint folder] in folder.py); the engine's close gives it back.
-A load without ``tag`` takes the one ``latest`` names, or the newest complete checkpoint where
-``latest`` is missing or empty ([Note: a load without 'latest'] in latest.py).
+A load without ``tag`` takes the one ``latest`` names, or the newest intact checkpoint where
+``latest`` is missing or empty ([Note: a load without 'latest'] in latest.py); a tag that is a
+link out of the folder is refused ([Note: a tag that is a link] there). A save with
+``keep_last`` removes the older checkpoints beyond that count once its own is complete
+([Note: what keep_last removes] in retention.py).
 """
 from __future__ import annotations
 
@@ -49,7 +52,6 @@ import json
 import logging
 import os
 import shutil
-import stat
 import warnings
 
 import torch
@@ -60,10 +62,11 @@ from . import layout
 from .agreement import all_or_raise
 from .folder import check_folder, claim, release_folders
 from .format import CheckpointError, Entry, Reader, Writer, file_digest
-from .latest import LATEST, MANIFEST, check_tag, chosen_tag, complete_tags
-from .manifest import FORMAT_VERSION, rank_file, read_manifest
+from .latest import LATEST, MANIFEST, check_inside, check_tag, chosen_tag, complete_tags
+from .manifest import FORMAT_VERSION, check_rank_file, intact_steps, rank_file, read_manifest
 from .pretrained import (RNG_STATES, extra_states, persistent_buffers, rng_states,
                          set_rng_states, store_model_state)
+from .retention import check_keep_last, remove_older
 
 __all__ = ["save", "load", "release_folders"]  # release_folders: for engine.close
 
@@ -75,10 +78,12 @@ _STATE_NAMES = {StateKind.EXP_AVG: "the first Adam moment",
                 StateKind.PARAM_NEXT: "the master weights"}
 
 
-def save(engine, directory: str, tag: str | None) -> str:
-    """Write a checkpoint of ``engine`` under ``directory`` (see the module note); returns its
+def save(engine, directory: str, tag: str | None, keep_last: int | None = None) -> str:
+    """Write a checkpoint of ``engine`` under ``directory`` (see the module note), then where
+    ``keep_last`` is a count remove the older ones beyond it (retention.py); returns its
     folder. Every rank must call it; a failure on any rank raises on every rank."""
     group = engine.runtime.group
+    check_keep_last(keep_last)
     _refuse_held_gradients(engine)
     state = engine.optimizer.checkpoint_state()
     tag = tag or f"step{state['steps_called']:08d}"
@@ -94,7 +99,7 @@ def save(engine, directory: str, tag: str | None) -> str:
             except OSError as error:
                 failure = CheckpointError(f"cannot create {staging}: {error.strerror}")
         all_or_raise(group, failure, f"rank 0 could not create {staging}")
-        return _save_staged(engine, state, staging, directory, tag)
+        return _save_staged(engine, state, staging, directory, tag, keep_last)
     except BaseException:
         # Interrupted (SIGTERM's SystemExit, Ctrl-C's KeyboardInterrupt; torchrun signals
         # every rank) or failed part-way: what was staged is no checkpoint. Rank 0 alone
@@ -104,8 +109,11 @@ def save(engine, directory: str, tag: str | None) -> str:
         raise
 
 
-def _save_staged(engine, state: dict, staging: str, directory: str, tag: str) -> str:
-    """Each rank writes its part into ``staging``; rank 0 commits it as ``directory/tag``."""
+def _save_staged(engine, state: dict, staging: str, directory: str, tag: str,
+                 keep_last: int | None) -> str:
+    """Each rank writes its part into ``staging``; rank 0 commits it as ``directory/tag``,
+    then removes what ``keep_last`` leaves out, before the agreement: every rank's save
+    returns once the folder holds what it will."""
     runtime, group = engine.runtime, engine.runtime.group
     failure = None
     pending = set(state["pending"]["written"]) if state["pending"] else set()
@@ -140,6 +148,9 @@ def _save_staged(engine, state: dict, staging: str, directory: str, tag: str) ->
             _commit(staging, folder, manifest, directory, tag)
         except OSError as error:
             failure = CheckpointError(f"cannot complete {folder}: {error.strerror}")
+        else:
+            if keep_last is not None:
+                remove_older(directory, tag, keep_last)
     all_or_raise(group, failure, f"rank 0 could not complete {folder}")
     return folder
 
@@ -290,7 +301,7 @@ def load(engine, directory: str, tag: str | None) -> str:
     _own_folder(engine, directory, create=False)
     failure, readers = None, {}
     try:
-        tag = tag or chosen_tag(directory, _steps_of, say=group.rank == 0)
+        tag = tag or chosen_tag(directory, intact_steps, say=group.rank == 0)
         folder = _complete_folder(directory, tag)
         manifest = read_manifest(folder)
         runs = layout.segments(engine.runtime.flats, manifest["units"], manifest.get("tiles"))
@@ -320,13 +331,11 @@ def load(engine, directory: str, tag: str | None) -> str:
     return tag
 
 
-def _steps_of(folder: str) -> int:
-    return read_manifest(folder)["optimizer"]["steps_called"]
-
-
 def _complete_folder(directory: str, tag: str) -> str:
     """The folder of ``tag``; or, where a save of the same tag crashed after setting the
-    previous copy aside, that copy (see :func:`_commit`)."""
+    previous copy aside, that copy (see :func:`_commit`). Never one out of ``directory``
+    (latest.check_inside)."""
+    check_inside(directory, tag)
     folder = os.path.join(directory, tag)
     aside = os.path.join(directory, f".{tag}.old")
     if not os.path.exists(os.path.join(folder, MANIFEST)) and \
@@ -368,29 +377,14 @@ def _open_verified(folder: str, manifest: dict, names: list[str]) -> dict[str, R
 
 
 def _open_one(folder: str, manifest: dict, name: str) -> Reader:
-    path = os.path.join(folder, name)
-    expected = manifest["files"].get(name)
-    try:
-        found = os.stat(path)
-    except FileNotFoundError:
-        found = None
-    except OSError as error:
-        raise CheckpointError(f"{path}: cannot be read: {error.strerror}") from None
-    if expected is None or found is None:
-        raise CheckpointError(f"{path}: missing from the checkpoint")
-    if not stat.S_ISREG(found.st_mode):
-        kind = "a folder" if stat.S_ISDIR(found.st_mode) else "a device, FIFO or socket"
-        raise CheckpointError(f"{path}: is {kind}, not a regular file as a rank file is")
-    if found.st_size != expected["size"]:
-        raise CheckpointError(f"{path}: {found.st_size} bytes, the manifest says "
-                              f"{expected['size']} (truncated?)")
+    path = check_rank_file(folder, manifest, name)
     try:
         _, digest = file_digest(path)
     except OSError as error:
         raise CheckpointError(f"{path}: cannot be read: {error.strerror}") from None
-    if digest != expected["sha256"]:
+    if digest != manifest["files"][name]["sha256"]:
         raise CheckpointError(f"{path}: sha256 {digest} differs from the manifest's "
-                              f"{expected['sha256']} (corrupted)")
+                              f"{manifest['files'][name]['sha256']} (corrupted)")
     return Reader(path)
 
 

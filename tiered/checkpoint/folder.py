@@ -12,7 +12,8 @@ of one process are one job, so they share the lock.
 Holding the lock, rank 0 knows that no live job is saving there, and that this job's own saves
 remove their staging folders however they end short of a SIGKILL: every ``.<tag>.tmp`` found
 at the claim was left by a dead job, and is removed (with a ``.<tag>.old`` whose tag is
-complete again, and a ``.latest.tmp``), saying so in one line.
+complete again, a ``.<tag>.del`` that keep_last was deleting and a ``.latest.tmp``), saying
+so in one line.
 """
 from __future__ import annotations
 
@@ -131,9 +132,10 @@ def _release(engine, real: str) -> None:
 
 
 def _remove_dead_staging(real: str, directory: str) -> None:
-    """What saves of dead jobs left: staging folders, a ``latest`` written aside, and the
-    previous copy of a tag that a save set aside (only once that tag is complete again: until
-    then it is the copy a load finds, see checkpoint._commit)."""
+    """What saves of dead jobs left: staging folders, a ``latest`` written aside, checkpoints
+    keep_last was removing (retention.py), and the previous copy of a tag that a save set
+    aside (only once that tag is complete again: until then it is the copy a load finds, see
+    checkpoint._commit)."""
     removed = []
     for name in sorted(os.listdir(real)):
         path = os.path.join(real, name)
@@ -141,7 +143,7 @@ def _remove_dead_staging(real: str, directory: str) -> None:
             os.remove(path)
         elif not (name.startswith(".") and os.path.isdir(path) and not os.path.islink(path)):
             continue
-        elif name.endswith(".tmp"):
+        elif name.endswith((".tmp", ".del")):
             shutil.rmtree(path, ignore_errors=True)
         elif name.endswith(".old") and os.path.isfile(
                 os.path.join(real, name[1:-len(".old")], MANIFEST)):

@@ -7,12 +7,25 @@ absolute path would otherwise load a checkpoint from outside the folder.
 [Note: a load without 'latest']
 A save writes ``latest`` last, aside and renamed; a save that fails there (a full disk) leaves
 complete checkpoints and no ``latest``, or an empty one (a crash of a file system that lost the
-unflushed write). A load then takes the newest complete checkpoint and says which. Newest is
+unflushed write). A load then takes the newest intact checkpoint and says which. Newest is
 the most optimizer steps (``optimizer.steps_called`` of its manifest), as the one a resume
 should go on from; among equals (tags saved at one step) the manifest written last. Tag names
-do not order checkpoints (a user's tags are any names). A ``latest`` that holds text that is
-not a tag (not UTF-8, a path) is refused rather than guessed around: nothing tiered does
-writes it, so something else did, and the user should look.
+do not order checkpoints (a user's tags are any names). Intact: its manifest reads, and every
+rank file it lists is there, a regular file of the listed size; a newer one that is not (a
+copy or a sync that stopped part way, a rank's file lost) is passed over, saying which and
+why, since a resume from an older checkpoint beats none. Sizes are compared, the files are not
+hashed here (that would read every checkpoint of the folder whole): the load hashes the one it
+takes, and refuses it if it is corrupted. A ``latest`` that holds text that is not a tag (not
+UTF-8, a path) is refused rather than guessed around: nothing tiered does writes it, so
+something else did, and the user should look; and a checkpoint ``latest`` or the load names
+is loaded or refused, never replaced by another.
+
+[Note: a tag that is a link]
+A tag may be a symbolic link to another checkpoint of the folder (``best`` -> ``step00000400``),
+but not out of it: the folder's owner lock, its ``latest`` and ``keep_last`` speak for what
+the folder holds, and a link elsewhere would resume from a checkpoint another job may be
+writing or removing. No documented use relies on such a link; one is refused, naming where
+it points (copy or move that checkpoint into the folder instead).
 """
 from __future__ import annotations
 
@@ -67,10 +80,11 @@ def read_text(path: str, limit: int) -> str:
                               f"offset {error.start})") from None
 
 
-def chosen_tag(directory: str, steps_of, say: bool) -> str:
-    """The tag ``latest`` names, or where it is missing or empty the newest complete one (see
-    the note); ``steps_of(folder)``: a complete checkpoint's step count (reads its manifest,
-    raising a CheckpointError where it is not usable). ``say``: warn which was taken."""
+def chosen_tag(directory: str, age_of, say: bool) -> str:
+    """The tag ``latest`` names, or where it is missing or empty the newest intact one (see
+    the note); ``age_of(folder)``: an intact checkpoint's step count (raising a
+    CheckpointError saying why where it is not intact). ``say``: warn which were passed over
+    and which was taken."""
     path = os.path.join(directory, LATEST)
     try:
         tag = read_text(path, TEXT_LIMIT).strip()
@@ -80,29 +94,51 @@ def chosen_tag(directory: str, steps_of, say: bool) -> str:
     if tag:
         check_tag(tag, f"{path} names")
         return tag
-    newest = _newest_complete(directory, steps_of)
-    if newest is None:
-        raise CheckpointError(f"no checkpoint in {directory} (no '{LATEST}' file, and no "
-                              f"folder with a {MANIFEST})")
-    tag, steps = newest
+    intact, broken = by_age(directory, age_of)
+    if say:
+        for name, why in broken:
+            warnings.warn(f"tiered: skipping the checkpoint {name!r} in {directory}: {why}",
+                          stacklevel=3)
+    if not intact:
+        names = ", ".join(repr(name) for name, _ in broken)
+        skipped = f"; {len(broken)} skipped: {names}" if broken else \
+            f", and no folder with a {MANIFEST}"
+        raise CheckpointError(f"no {'intact ' if broken else ''}checkpoint in {directory} "
+                              f"(no '{LATEST}' file{skipped})")
+    tag, steps = intact[-1]
     if say:
         warnings.warn(f"tiered: {path} is {problem}; loading the newest complete checkpoint "
                       f"there, {tag!r} ({steps} optimizer steps)", stacklevel=3)
     return tag
 
 
-def _newest_complete(directory: str, steps_of) -> tuple[str, int] | None:
-    best = None
+def by_age(directory: str, age_of) -> tuple[list[tuple[str, int]], list[tuple[str, str]]]:
+    """The checkpoints of ``directory``: the intact ones with their step counts, oldest first
+    (the note's order), and the others with why they are not (``age_of``'s error)."""
+    intact, broken = [], []
     for tag in complete_tags(directory):
         folder = os.path.join(directory, tag)
         try:
-            steps = steps_of(folder)
-        except CheckpointError:  # a damaged manifest: not a checkpoint to resume from
+            check_inside(directory, tag)
+            steps = age_of(folder)
+            key = (steps, os.stat(os.path.join(folder, MANIFEST)).st_mtime_ns)
+        except CheckpointError as error:
+            broken.append((tag, str(error)))
             continue
-        key = (steps, os.stat(os.path.join(folder, MANIFEST)).st_mtime_ns)
-        if best is None or key > best[0]:
-            best = (key, tag)
-    return None if best is None else (best[1], best[0][0])
+        intact.append((key, tag))
+    return [(tag, key[0]) for key, tag in sorted(intact)], broken
+
+
+def check_inside(directory: str, tag: str) -> None:
+    """Refuse a tag that is a link out of ``directory`` (see [Note: a tag that is a link])."""
+    folder = os.path.join(directory, tag)
+    if not os.path.islink(folder):
+        return
+    target = os.path.realpath(folder)
+    if os.path.dirname(target) != os.path.realpath(directory):
+        raise CheckpointError(f"checkpoint {tag!r} in {directory} is a symbolic link to "
+                              f"{target}, outside the folder: tiered loads only the "
+                              f"checkpoints a folder holds; copy or move it there")
 
 
 def complete_tags(directory: str) -> list[str]:

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import stat
 
 from .format import CheckpointError
 from .latest import MANIFEST, read_text
@@ -46,6 +47,39 @@ def read_manifest(folder: str) -> dict:
         raise CheckpointError(f"{path}: cannot be read: {e}") from None
     check_manifest(path, manifest)
     return manifest
+
+
+def check_rank_file(folder: str, manifest: dict, name: str) -> str:
+    """The path of the rank file ``name`` of the checkpoint ``folder``, checked against the
+    manifest without reading it: listed, there, a regular file (a link to ``/dev/zero`` would
+    be hashed for ever) and of the listed size (a file cut short)."""
+    path = os.path.join(folder, name)
+    expected = manifest["files"].get(name)
+    try:
+        found = os.stat(path)
+    except FileNotFoundError:
+        found = None
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot be read: {error.strerror}") from None
+    if expected is None or found is None:
+        raise CheckpointError(f"{path}: missing from the checkpoint")
+    if not stat.S_ISREG(found.st_mode):
+        kind = "a folder" if stat.S_ISDIR(found.st_mode) else "a device, FIFO or socket"
+        raise CheckpointError(f"{path}: is {kind}, not a regular file as a rank file is")
+    if found.st_size != expected["size"]:
+        raise CheckpointError(f"{path}: {found.st_size} bytes, the manifest says "
+                              f"{expected['size']} (truncated?)")
+    return path
+
+
+def intact_steps(folder: str) -> int:
+    """The optimizer steps of the checkpoint ``folder`` where it is intact: its manifest reads
+    and every rank file it lists passes :func:`check_rank_file` (not hashed: see [Note: a load
+    without 'latest'] in latest.py); else a CheckpointError naming what is not."""
+    manifest = read_manifest(folder)
+    for name in manifest["files"]:
+        check_rank_file(folder, manifest, name)
+    return manifest["optimizer"]["steps_called"]
 
 
 def check_manifest(path: str, manifest) -> None:

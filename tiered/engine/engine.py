@@ -268,11 +268,14 @@ class TieredEngine:
                 usage.release(nbytes)
             yield flat, host
 
-    def save_checkpoint(self, directory: str, tag: str | None = None) -> str:
+    def save_checkpoint(self, directory: str, tag: str | None = None, *,
+                        keep_last: int | None = None) -> str:
         """Save every tier's state under ``directory/tag`` (default tag: ``step<N>``), atomically,
-        each rank its own part; returns the folder. Call it on every rank."""
+        each rank its own part; returns the folder. ``keep_last``: once it is complete, remove
+        the older checkpoints there beyond the newest ``keep_last`` (None keeps all). Call it
+        on every rank."""
         self._refuse_unless_whole()
-        return checkpoint.save(self, directory, tag)
+        return checkpoint.save(self, directory, tag, keep_last)
 
     def load_checkpoint(self, directory: str, tag: str | None = None) -> str:
         """Load ``directory/tag`` (default: the latest complete one), also one saved at another
