@@ -1,5 +1,6 @@
-"""The side streams units arrive and gradients leave on, and the events that order them (nothing
-on the CPU).
+"""The side streams units arrive and gradients leave on, and the events that order them: the
+device's (tiered/device), so CUDA's on a GPU, none on the plain CPU, and the simulated
+accelerator's under ``TIERED_DEVICE=sim``, where the CPU takes every branch a GPU takes.
 
 [Note: gather stream]
 A unit's flat buffer is allocated and filled on the gather stream (host-to-device copy of this
@@ -7,7 +8,8 @@ rank's shard, then the all-gather), and an event is recorded after it. At the un
 compute stream waits on that event, and ``record_stream`` marks the buffer as read by the compute
 stream, so that once it is released the caching allocator does not hand its memory to the gather
 stream's next allocation before the compute stream has finished reading it. New weights that the
-CPU worker wrote on the device are waited for the same way (the event after the update).
+CPU worker wrote on the device are waited for too: once the optimizer has drained the worker,
+the gather stream waits for the work the worker queued on its own stream (optim/host.py).
 
 [Note: offload stream]
 A unit's gradient is produced on the compute stream. Reducing it and copying this rank's shard
@@ -15,7 +17,9 @@ to pinned DRAM run on the offload stream, after an event that marks the gradient
 the next unit's backward kernels do not wait behind the copy. The tensors involved were allocated
 on the compute stream; ``record_stream`` keeps the caching allocator from handing their memory to
 the compute stream's next allocation until the offload stream is done with them. The CPU worker
-waits on the event recorded after the copy before it reads the landed shard.
+waits on the event recorded after the copy before it reads the landed shard; for a host in the
+node's service, which never touches the device, the trainer's sender thread waits on it before
+the gradient's command leaves (service/remote.py).
 """
 from __future__ import annotations
 
@@ -23,13 +27,15 @@ import contextlib
 
 import torch
 
+from ..device import EventLike, StreamLike, accelerator_for
+
 
 class Streams:
     def __init__(self, device: torch.device):
         self.device = device
-        cuda = device.type == "cuda"
-        self.gather = torch.cuda.Stream(device) if cuda else None
-        self.offload = torch.cuda.Stream(device) if cuda else None
+        self._accelerator = accelerator = accelerator_for(device)
+        self.gather = accelerator.Stream() if accelerator.has_streams else None
+        self.offload = accelerator.Stream() if accelerator.has_streams else None
 
     @contextlib.contextmanager
     def on_gather(self):
@@ -37,13 +43,14 @@ class Streams:
         if self.gather is None:
             yield
             return
-        with torch.cuda.stream(self.gather):
+        with self._accelerator.stream(self.gather):
             yield
 
-    def gather_after(self, event: torch.cuda.Event | None) -> None:
-        """Later gathers wait for ``event`` (device work that wrote the weights they read)."""
-        if event is not None:
-            self.gather.wait_event(event)
+    def gather_after(self, stream: StreamLike | None) -> None:
+        """Later gathers wait for the work queued so far on ``stream`` (device work that wrote
+        the weights they read; None: there is none)."""
+        if stream is not None:
+            self.gather.wait_stream(stream)
 
     @contextlib.contextmanager
     def on_offload(self):
@@ -51,19 +58,19 @@ class Streams:
         if self.offload is None:
             yield
             return
-        self.offload.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.offload):
+        self.offload.wait_stream(self._accelerator.current_stream())
+        with self._accelerator.stream(self.offload):
             yield
 
     def keep_for_offload(self, *tensors: torch.Tensor) -> None:
         if self.offload is not None:
             for tensor in tensors:
-                tensor.record_stream(self.offload)
+                self._accelerator.record_stream(tensor, self.offload)
 
-    def record(self) -> torch.cuda.Event | None:
+    def record(self) -> EventLike | None:
         """An event after the work queued so far on the current stream (None on the CPU)."""
         if self.offload is None:
             return None
-        event = torch.cuda.Event()
+        event = self._accelerator.Event()
         event.record()
         return event

@@ -309,8 +309,11 @@ class LocalHost:
         self._sent = 0
         self._lock = threading.Lock()  # backward's threads and the training thread both send
         device = rank_host.manager.hbm.device
-        if device.type == "cuda":
-            worker.submit(partial(_own_stream, device))
+        self.device_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        """The stream the worker queues its device work on (see _own_stream); None on the
+        CPU, where that work is done when its task is."""
+        if self.device_stream is not None:
+            worker.submit(partial(_own_stream, device, self.device_stream))
             worker.drain()
 
     def send(self, command: Command) -> None:
@@ -340,12 +343,12 @@ class LocalHost:
         its tier manager, so it sees the swap already."""
 
 
-def _own_stream(device: torch.device) -> None:
-    """Give the worker thread (whose current device and stream are its own) a stream of its
-    own on the rank's device: its device work (taking gradients in, their norms, the AdamW of
-    units stepped on the GPU) then runs beside the training thread's forward and backward. On
-    the default stream, the training thread's, it queued behind them, and each unit's
-    synchronize waited for them too. Whoever reads what it wrote waits for its events
-    (``wait_for``, the optimizer's ``synchronize``)."""
+def _own_stream(device: torch.device, stream: torch.cuda.Stream) -> None:
+    """Make ``stream`` the worker thread's (whose current device and stream are its own): its
+    device work (taking gradients in, their norms, the AdamW of units stepped on the GPU) then
+    runs beside the training thread's forward and backward. On the default stream, the
+    training thread's, it queued behind them, and each unit's synchronize waited for them too.
+    Whoever reads what it wrote waits for that stream (the optimizer's ``synchronize``, once
+    the worker is drained: LocalHost.device_stream) or for its events (``wait_for``)."""
     torch.cuda.set_device(device)
-    torch.cuda.set_stream(torch.cuda.Stream(device))
+    torch.cuda.set_stream(stream)

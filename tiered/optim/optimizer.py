@@ -286,14 +286,11 @@ class TieredAdamW(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Finish the queued update; its weights become the ones the next forward gathers."""
-        streams = self._runtime.streams
-        written = []
-        if streams.gather is not None:
-            # Weights the worker wrote on the device are ready after the work it queued there.
-            self._worker.submit(lambda: written.append(streams.record()))
         self._worker.drain()
-        if written:
-            streams.gather_after(written[0])
+        # Weights the host wrote on the device are ready after the work it queued on its stream,
+        # all of it queued once the drain returns. The order is the training thread's to make:
+        # a host in the service takes commands, not callables, and never touches the device.
+        self._runtime.streams.gather_after(self._host.device_stream)
         update, self._pending = self._pending, None
         if update is None:
             return

@@ -78,6 +78,9 @@ class RemoteHost:
     records_steps = True
     """Each ``step()`` call sends its record: the service keeps the job's state to reattach to
     (see [Note: reattach] in commits.py)."""
+    device_stream = None
+    """The host queues no device work (the service never touches CUDA): what it writes is in
+    DRAM or on NVMe, done once a ``drain`` returns."""
 
     def __init__(self, folder: str, timeline: Timeline, model_state: Callable[[], dict]):
         """A connection to the service in ``folder``, for a host :meth:`start` asks it to run;
