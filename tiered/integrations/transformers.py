@@ -21,11 +21,17 @@ evaluation); what it would do to a model's parameters is the engine's instead:
   (under the delayed update, the last finished update's).
 - ``save_model`` exports the weights streamed from the tiers (``engine.save_pretrained``) with
   the model's config and generation config, a folder ``from_pretrained`` loads.
+- A reference model the trainer takes beside the policy (trl's ``DPOTrainer(ref_model=...)``)
+  gets an engine of its own, ``ref_engine``, under the same policy: the trainer only ever runs
+  it under ``no_grad``, so it is frozen before it is partitioned, and the engine keeps its
+  weights alone (no gradients, no optimizer states; through the node's service, a job of its
+  own beside the policy's). Left a plain module, it would sit whole on the device.
 An argument whose meaning the engine cannot give is refused at construction, by name.
 """
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import warnings
 import weakref
@@ -157,6 +163,29 @@ def refusals(args, given: dict[str, Any]) -> list[str]:
     return refused
 
 
+def reference_refusals(args, model: nn.Module, reference: nn.Module | None) -> list[str]:
+    """What the engine cannot honour about the reference model of a trainer that takes one
+    (``ref_model``: trl's DPOTrainer), each said with what to do instead."""
+    refused = []
+    if isinstance(reference, TieredEngine):
+        refused.append("ref_model=<engine>: pass the reference model itself; TieredTrainer "
+                       "initializes its engine")
+    if getattr(args, "sync_ref_model", False):
+        refused.append("sync_ref_model=True: trl mixes the policy's parameters into the "
+                       "reference's in place, and both models' weights live in their engines' "
+                       "tiers; keep the reference fixed")
+    if reference is None and peft_base_of(model) is not None:
+        refused.append("ref_model=None with a peft model: trl then computes the reference by "
+                       "switching the adapters (to a copy it adds, or off), which sets their "
+                       "requires_grad, fixed once the engine partitioned the model; pass the "
+                       "base model as ref_model (load_model(path)): it gets an engine of its own")
+    elif reference is None and not getattr(args, "precompute_ref_log_probs", False):
+        refused.append("ref_model=None: trl would load a plain copy of the model, whole on the "
+                       "device, beside the engine; pass ref_model (load_model(path)), which gets "
+                       "an engine of its own, or set precompute_ref_log_probs=True")
+    return refused
+
+
 class TieredTrainerMixin:
     """Makes a ``transformers.Trainer`` subclass train through a tiered engine (see [Note:
     Trainer over the engine]): ``class MySFT(TieredTrainerMixin, SFTTrainer)``.
@@ -164,7 +193,9 @@ class TieredTrainerMixin:
     Takes ``policy=`` (a YAML path, dict or ``tiered.Policy``; default: the one the model was
     built under, else the launcher's, as ``tiered.initialize``) besides the trainer's own
     arguments. After construction ``self.engine`` is the engine and ``self.optimizer`` its
-    ``TieredAdamW``; ``self.model`` stays the model, whose parameters live in the tiers."""
+    ``TieredAdamW``; ``self.model`` stays the model, whose parameters live in the tiers. A
+    trainer that takes a reference model (``class TieredDPO(TieredTrainerMixin, DPOTrainer)``)
+    has it partitioned, frozen, into ``self.ref_engine`` (None without one); close both."""
 
     def __init__(self, model: nn.Module | None = None, args=None, *pos, policy=None, **kwargs):
         if pos:
@@ -181,17 +212,25 @@ class TieredTrainerMixin:
         if args is None:
             args = transformers.TrainingArguments(output_dir="tmp_trainer")
         refused = refusals(args, kwargs)
+        reference = kwargs.get("ref_model")
+        if "ref_model" in inspect.signature(super().__init__).parameters:
+            refused += reference_refusals(args, model, reference)
         if refused:
             raise TieredError("TieredTrainer cannot honour these arguments:\n  - "
                               + "\n  - ".join(refused))
         kwargs.pop("optimizers", None)  # (None, None): the engine's take their place
-        if policy is None:  # the one the model was built under, as initialize takes it
-            context = init_context_of(peft_base_of(model) or model)
-            policy = context.policy if context is not None else None
         decay = Trainer.get_decay_parameter_names(self, model)
-        policy = trainer_policy(args, model, policy, decay)
         with _start_weights(model) as (weights, strict):
-            self.engine, optimizer = initialize(model, policy, weights=weights, strict=strict)
+            self.engine, optimizer = initialize(
+                model, trainer_policy(args, model, _given_policy(model, policy), decay),
+                weights=weights, strict=strict)
+        self.ref_engine = None
+        if reference is not None:
+            try:
+                self.ref_engine = _reference_engine(reference, args, policy)
+            except BaseException:
+                self.engine.close()  # no half-built trainer holds the tiers
+                raise
         super().__init__(model=model, args=args, optimizers=(optimizer, None), **kwargs)
         # accelerate runs the backward as scaler.scale(loss).backward() when it has a scaler:
         # the engine's loss scale under fp16, else none (not a GradScaler of its own, which
@@ -301,6 +340,27 @@ class TieredTrainerMixin:
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+
+
+def _given_policy(model: nn.Module, policy):
+    """``policy`` as given to the trainer, else the one the model (or a peft model's base) was
+    built under, as ``initialize`` takes it."""
+    if policy is not None:
+        return policy
+    context = init_context_of(peft_base_of(model) or model)
+    return context.policy if context is not None else None
+
+
+def _reference_engine(reference: nn.Module, args, policy) -> TieredEngine:
+    """The reference model's engine (see [Note: Trainer over the engine]): frozen first, so that
+    it keeps no gradients and no optimizer states; the compute dtype is the arguments', as the
+    policy's."""
+    reference.requires_grad_(False)
+    with _start_weights(reference) as (weights, strict):
+        engine, _ = initialize(reference, trainer_policy(args, reference,
+                                                         _given_policy(reference, policy), []),
+                               weights=weights, strict=strict)
+    return engine
 
 
 def _trainable_state(engine: TieredEngine) -> dict[str, torch.Tensor]:
