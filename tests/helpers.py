@@ -46,6 +46,13 @@ def left_behind(nvme) -> list[str]:
     return sorted(set(os.listdir(nvme)) - kept)
 
 
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     """This environment without what a launcher or a run sets, and with no GPU: the CPU plays
     the device, so that two ranks need no two GPUs."""

@@ -9,6 +9,7 @@ import threading
 
 import pytest
 
+from helpers import dead_pid
 from tiered.service.commits import NotCommitted, StepCommits
 from tiered.service.jobs import Registry
 
@@ -95,14 +96,19 @@ def test_ranks_closing_together_stop_waiting_for_a_step_one_of_them_never_record
     assert commits.step == 2
 
 
-def _run_and_die(registry: Registry, job: str, steps: int, pid: int = 100,
-                 finals=(FINAL, FINAL)) -> None:
+GONE = dead_pid()
+"""The pid of every trainer and launcher here: the registry refuses a rank or job that a live
+process holds, and these stand for processes that have died."""
+
+
+def _run_and_die(registry: Registry, job: str, steps: int, finals=(FINAL, FINAL)) -> None:
     """Two ranks attach, reserve, host, commit ``steps`` steps, and their trainers die; their
     hosts end leaving ``finals`` (None: the host failed)."""
+    pid = GONE
     for rank in (0, 1):
-        registry.attach(job, rank, 2, pid + rank)
+        registry.attach(job, rank, 2, pid)
         segment = registry.reserve(job, rank, 4096)
-        _, _, _, commits, round_ = registry.host_started(job, rank, pid + rank, [segment.id],
+        _, _, _, commits, round_ = registry.host_started(job, rank, pid, [segment.id],
                                                       REQUEST)
     for step in range(1, steps + 1):
         for rank in (0, 1):
@@ -116,12 +122,12 @@ def _run_and_die(registry: Registry, job: str, steps: int, pid: int = 100,
 def test_every_rank_of_a_relaunch_takes_over_the_same_step_however_its_hosts_interleave():
     registry = Registry(1 << 30, keep_seconds=600)
     _run_and_die(registry, "j", steps=3)
-    note, kept0 = registry.attach("j", 0, 2, 200)
+    _, note, kept0 = registry.attach("j", 0, 2, GONE)
     assert "goes on from its kept state at step 3" in note
     # Rank 0's new host opens a round before rank 1 attaches: rank 1 still takes over step 3.
-    _, _, _, commits, round_ = registry.host_started("j", 0, 200, kept0["segments"], REQUEST)
+    _, _, _, commits, round_ = registry.host_started("j", 0, GONE, kept0["segments"], REQUEST)
     assert commits.open
-    _, kept1 = registry.attach("j", 1, 2, 201)
+    _, _, kept1 = registry.attach("j", 1, 2, GONE)
     assert kept0["step"] == kept1["step"] == 3
     assert (kept0["record"], kept1["record"]) == ({"rank": 0, "step": 3}, {"rank": 1, "step": 3})
     assert kept1["final"] == FINAL and kept1["host"] == REQUEST
@@ -132,8 +138,8 @@ def test_fresh_frees_the_kept_state_and_another_world_size_is_refused_by_name():
     _run_and_die(registry, "j", steps=2)
     with pytest.raises(Exception, match="ran at world size 2 .* relaunch it at 2, or with "
                                         "--fresh"):
-        registry.hold("j", world=1)
-    note = registry.hold("j", fresh=True, world=1)
+        registry.hold("j", GONE, world=1)
+    note = registry.hold("j", GONE, fresh=True, world=1)
     assert "kept state was freed: a new run of it starts afresh (--fresh)" in note
     assert registry.dram_used == 0
 
@@ -143,12 +149,12 @@ def test_a_restart_that_cannot_take_over_starts_with_no_old_record():
     the restart starts afresh, and its steps 1, 2, ... are committed anew, not taken for the
     old run's."""
     registry = Registry(1 << 30, keep_seconds=600)
-    registry.hold("j", world=2)
+    registry.hold("j", GONE, world=2)
     _run_and_die(registry, "j", steps=3, finals=(FINAL, None))
-    _, kept = registry.attach("j", 0, 2, 300)
+    _, _, kept = registry.attach("j", 0, 2, GONE)
     assert kept is None
     segment = registry.reserve("j", 0, 4096)
-    _, _, _, commits, round_ = registry.host_started("j", 0, 300, [segment.id], REQUEST)
+    _, _, _, commits, round_ = registry.host_started("j", 0, GONE, [segment.id], REQUEST)
     assert commits.step == 0
     commits.arrived(round_, 0, 1, {})
     outcome = []
@@ -173,10 +179,10 @@ def test_a_relaunch_whose_rank_died_before_its_host_started_is_taken_over_again(
     relaunch 2 takes the same state over, every rank of it."""
     registry = Registry(1 << 30, keep_seconds=600)
     _run_and_die(registry, "j", steps=3)
-    _, first = registry.attach("j", 0, 2, 200)
+    _, _, first = registry.attach("j", 0, 2, GONE)
     registry.detach("j", 0, clean=False)
-    _, kept0 = registry.attach("j", 0, 2, 300)
-    _, kept1 = registry.attach("j", 1, 2, 301)
+    _, _, kept0 = registry.attach("j", 0, 2, GONE)
+    _, _, kept1 = registry.attach("j", 1, 2, GONE)
     assert kept0 == first and kept0["step"] == kept1["step"] == 3
     assert registry.dram_used == 2 * 4096, "a kept segment was freed"
 
@@ -184,8 +190,8 @@ def test_a_relaunch_whose_rank_died_before_its_host_started_is_taken_over_again(
 def test_a_host_that_could_not_be_built_leaves_the_kept_state_as_it_was():
     registry = Registry(1 << 30, keep_seconds=600)
     _run_and_die(registry, "j", steps=2)
-    _, kept = registry.attach("j", 0, 2, 200)
-    registry.host_started("j", 0, 200, kept["segments"], REQUEST)
+    _, _, kept = registry.attach("j", 0, 2, GONE)
+    registry.host_started("j", 0, GONE, kept["segments"], REQUEST)
     registry.host_ended("j", 0, None, ran=False)  # its compile failed: nothing ran
     registry.detach("j", 0, clean=False)
     assert [j["resumable_step"] for j in registry.status()["jobs"]] == [2]

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import tiered
-from helpers import mounted
+from helpers import dead_pid, mounted
 from tiered.engine.engine import LAUNCHED_ENV
 from tiered.liveness import LOCK_NAME, MAKING_PREFIX
 from tiered.sizes import format_size
@@ -73,13 +73,6 @@ def du(folder: str) -> int:
     """Bytes of disk the files under ``folder`` take, as ``du`` counts them."""
     return sum(os.lstat(os.path.join(parent, name)).st_blocks * 512
                for parent, _, names in os.walk(folder) for name in names)
-
-
-def dead_pid() -> int:
-    """The pid of a process that has exited (and been reaped)."""
-    process = subprocess.Popen([sys.executable, "-c", "pass"])
-    process.wait()
-    return process.pid
 
 
 def nvme_model() -> nn.Module:
