@@ -26,7 +26,7 @@ from tiered.launch import main as tiered_launch
 from tiered.liveness import is_held
 from tiered.policy import Policy
 from tiered.service import (JobHold, ServiceError, running_service, service_paths,
-                            service_status)
+                            service_status, start_service, stop_service)
 from tiered.service.paths import RUNTIME_ENV
 
 SCRIPTS = REPO / "tests" / "scripts"
@@ -238,3 +238,22 @@ def test_two_engines_in_each_rank_train_beside_each_other_through_the_service(fo
                 torch.testing.assert_close(trained[name], weight, rtol=0, atol=1e-5,
                                            msg=f"{which} engine, rank {r}: {name}")
     wait_until(lambda: service_gone(folder), seconds=30)
+
+
+def test_a_rank_the_services_pool_cannot_hold_is_refused_in_one_line(folder, tmp_path):
+    """The node's pool (here 64 KiB) refuses a rank's DRAM: the rank says so in one line that
+    names the pool and the remedy, not in initialize()'s traceback."""
+    start_service(folder, dram=64 << 10)
+    try:
+        out = tmp_path / "out"
+        out.mkdir()
+        run = finish(launch(folder, "--policy", CONFIGS / "cpu.yaml", SCRIPTS / "launch_train.py",
+                            out, stdout=subprocess.PIPE, stderr=subprocess.PIPE), timeout=120)
+    finally:
+        stop_service(folder)
+    assert run.returncode == 1, run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
+    refusal = [line for line in run.stderr.splitlines() if line.startswith("tiered rank 0: ")]
+    assert len(refusal) == 1, run.stderr
+    assert "the service's DRAM pool cannot hold" in refusal[0]
+    assert "start the service with a larger --dram, or lower dram.budget" in refusal[0]

@@ -36,6 +36,8 @@ LAUNCHER_PID_ENV = "TIERED_LAUNCHER_PID"
 PR_SET_PDEATHSIG = 1
 """From <linux/prctl.h>."""
 MODES = ("script", "module", "program")
+TRACEBACK_ENV = "TIERED_TRACEBACK"
+"""Set to 1: a rank refused for its budget shows its traceback, not one line."""
 
 _stopped_by: int | None = None
 """The first stop signal the rank got while its script ran (see _on_stop_signal)."""
@@ -121,10 +123,23 @@ def main(argv: list[str]) -> None:
             _script_running = False
     except SystemExit:
         raise
-    except BaseException:
-        if _stopped_by is None:
+    except BaseException as error:
+        if _stopped_by is not None:
+            sys.exit(128 + _stopped_by)
+        if not _is_budget_refusal(error) or os.environ.get(TRACEBACK_ENV) == "1":
             raise
-        sys.exit(128 + _stopped_by)
+        # What does not fit is the user's to change (a budget, the service's pool), and the
+        # message says what and how: the stack of initialize() would only bury it.
+        print(f"tiered rank {os.environ.get('RANK', '?')}: error: {error} ({TRACEBACK_ENV}=1 "
+              f"shows where)", file=sys.stderr)
+        sys.exit(1)
+
+
+def _is_budget_refusal(error: BaseException) -> bool:
+    """Whether ``error`` is tiered's BudgetError, known by name (importing tiered here would
+    import torch before the script could set what torch reads at import)."""
+    return any(kind.__module__ == "tiered.errors" and kind.__name__ == "BudgetError"
+               for kind in type(error).__mro__)
 
 
 if __name__ == "__main__":
