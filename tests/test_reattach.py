@@ -76,10 +76,20 @@ def start_killed(service: str, job: str, out, case: str, point: str,
         stderr=subprocess.PIPE)
 
 
+def scaled(seconds: float) -> float:
+    """``seconds``, a deadline ample on a quiet machine, times how much slower this one runs
+    now: processes ready to run per core (the last minute's load average), at least 1 and at
+    most 4 (so that a run that hangs still fails in bounded time). A busy CI runner, or a suite
+    beside other work, slows every subprocess here alike; a fixed deadline then decides
+    nothing but the load."""
+    busy = os.getloadavg()[0] / (os.cpu_count() or 1)
+    return seconds * min(4.0, max(1.0, busy))
+
+
 def kept_job(service: str, name: str) -> dict:
     """The job's status once the service has seen its trainer go and its hosts ran what the
     trainer had sent (a relaunch's attach waits for that too)."""
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + scaled(60)
     while True:
         job = next(j for j in service_status(service)["jobs"] if j["name"] == name)
         if job["state"] == "failed" and job["resumable_step"] is not None \
@@ -116,17 +126,68 @@ POINTS = {
 }
 
 
+KILLED_SECONDS = 120
+"""A killed run's deadline from its start, scaled: alone on a quiet core one takes 5-10 s
+(Python and torch starting, then a few steps of a tiny model)."""
+
+
+class _KilledRuns:
+    """Each selected point's run, killed there: at most one a core at once, in the order the
+    tests ask for them, so that the next runs go on while a test relaunches the one before in
+    this process. Started all nine at once, they shared two cores nine ways and the first
+    one's deadline ran while all shared them: under load the fixture timed out and every
+    point failed with it. Here a run's deadline counts from its own start, beside no more runs
+    than cores, and one that fails fails its own point alone."""
+
+    def __init__(self, service: str, out, points: list[str]):
+        self.service, self.out, self.waiting = service, out, points
+        self.running: dict[str, tuple[str, subprocess.Popen, float]] = {}
+        self.ended: dict[str, tuple[str, int] | BaseException] = {}
+        self.at_once = os.cpu_count() or 1
+
+    def _start(self) -> None:
+        while self.waiting and len(self.running) < self.at_once:
+            where = self.waiting.pop(0)
+            case, point, step, _ = POINTS[where]
+            job = "killed-" + where.replace(" ", "-").replace(",", "")
+            self.running[where] = job, start_killed(self.service, job, self.out / f"{job}.pt",
+                                                    case, point, step), time.monotonic()
+
+    def __getitem__(self, where: str) -> tuple[str, int]:
+        """The run's job and exit status, once it ended."""
+        if where not in self.ended and where not in self.running and where not in self.waiting:
+            self.waiting.append(where)  # a point no selected test listed (asked by hand)
+        self._start()
+        while where not in self.ended:  # the runs end in about the order they started
+            first = next(iter(self.running))
+            job, process, started = self.running.pop(first)
+            left = scaled(KILLED_SECONDS) - (time.monotonic() - started)
+            try:
+                self.ended[first] = job, finish(process, max(left, 1.0)).returncode
+            except subprocess.TimeoutExpired as late:  # its own point's test fails on it
+                self.ended[first] = late
+            self._start()
+        if isinstance(self.ended[where], BaseException):
+            raise self.ended[where]
+        return self.ended[where]
+
+    def close(self) -> None:
+        """Ends the runs still going (tests failed or were interrupted before asking)."""
+        for _, process, _ in self.running.values():
+            process.kill()
+            finish(process)
+
+
 @pytest.fixture(scope="module")
-def killed(service, tmp_path_factory) -> dict[str, tuple[str, int]]:
-    """Each point's run, killed there (side by side: most of each is Python and torch
-    starting): its job and exit status."""
-    out = tmp_path_factory.mktemp("killed")
-    started = {}
-    for where, (case, point, step, _) in POINTS.items():
-        job = "killed-" + where.replace(" ", "-").replace(",", "")
-        started[where] = job, start_killed(service, job, out / f"{job}.pt", case, point, step)
-    return {where: (job, finish(process).returncode) for where, (job, process)
-            in started.items()}
+def killed(service, tmp_path_factory, request):
+    """Each point's killed run, started as the tests of this session come to it (see
+    _KilledRuns): its job and exit status."""
+    selected = [item.callspec.params["where"] for item in request.session.items
+                if item.module is request.module and hasattr(item, "callspec")
+                and "where" in item.callspec.params]
+    runs = _KilledRuns(service, tmp_path_factory.mktemp("killed"), selected)
+    yield runs
+    runs.close()
 
 
 @pytest.mark.parametrize("where", POINTS)
@@ -148,7 +209,7 @@ def test_a_relaunch_with_another_policy_is_refused_by_name_and_fresh_starts_over
         service, references, tmp_path, monkeypatch, capsys):
     job = "mismatched"
     run = start_killed(service, job, tmp_path / "killed.pt", "plain", "forward", 3)
-    assert finish(run).returncode == -9
+    assert finish(run, scaled(KILLED_SECONDS)).returncode == -9
     kept_job(service, job)
     monkeypatch.setenv(RUNTIME_ENV, service)
     assert tiered_cli(["daemon", "status"]) == 0
@@ -177,7 +238,8 @@ def launch(runtime: str, job: str, out, *args: str, restarts: int = 0):
                *args]
     return finish(subprocess.Popen(command, cwd=REPO, text=True, stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE,
-                                   env=clean_env(**{RUNTIME_ENV: runtime})), timeout=240)
+                                   env=clean_env(**{RUNTIME_ENV: runtime})),
+                  timeout=scaled(240))
 
 
 def test_a_torchrun_restart_reattaches_and_ends_as_an_uninterrupted_run(tmp_path):

@@ -4,20 +4,24 @@ PyTorch does throughout; what the step measured is what a plain model's forward 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 import yaml
 
 import tiered
+from distributed import run_ranks
 from gpt import next_token_loss
-from helpers_models import OPTIM, make_model, token_batches
-from helpers_placement import AUTO, SUB_GROUP, placed, replan_budgets, units_per_tier
+from helpers_models import OPTIM, assert_parity, make_model, token_batches
+from helpers_placement import (AUTO, CPU, SUB_GROUP, auto_policy, mixed_budgets, placed,
+                               replan_budgets, units_per_tier)
 from tiered.activations import forward_activations
 from tiered.cli import main
+from tiered.engine.build import flat_units, forward_order, memory_plan
 from tiered.plan import StateKind
-from tiered.policy import Policy
-from tiered.planner import units_to_keep
+from tiered.planner import MEASURED_MARGIN_SHARE, replanned_units, units_to_keep
+from tiered.policy import Policy, Tier
 
 STEPS = 4
 
@@ -81,6 +85,77 @@ def test_the_first_step_moves_what_fits_to_the_device_once_and_training_stays_ex
     if not delayed:
         model = make_model()
         assert train(model, torch.optim.AdamW(model.parameters(), fused=True, **OPTIM)) == losses
+
+
+WORLD = 2
+
+
+def rank_batches(rank: int) -> list[torch.Tensor]:
+    """Rank 0 trains on one row of 4 tokens a step, rank 1 on two rows of 8: rank 1's forward
+    keeps four times what rank 0's does, so each measures its own activations."""
+    rows, seq = ((slice(0, 1), 4), (slice(1, 3), 8))[rank]
+    return [idx[rows, :seq].clone() for idx in token_batches(STEPS)]
+
+
+def two_rank_budgets() -> dict:
+    """mixed_budgets' DRAM at two ranks, and an HBM budget under which, after step 1, every
+    unit fits beside what rank 0's forward keeps and a sixteenth of the budget: the default
+    reserve (a quarter) leaves the device only the root; rank 0 alone would move both blocks,
+    rank 1 alone (its forward keeping four times as much) one. The test asserts each."""
+    policy = auto_policy(optimizer={"sub_group_size": SUB_GROUP})
+    flats = flat_units(make_model(), policy, 0, WORLD, CPU)
+    every = memory_plan(policy, CPU, flats, on_device=frozenset(forward_order(flats)))
+    idx = rank_batches(0)[0]
+    room = every.needed(Tier.HBM) + forward_activations(make_model(), lambda model: model(idx))
+    budget = room * MEASURED_MARGIN_SHARE // (MEASURED_MARGIN_SHARE - 1)
+    while budget - budget // MEASURED_MARGIN_SHARE < room:
+        budget += 1
+    return {"hbm": {"budget": budget, "reserve": None}, "dram": mixed_budgets(WORLD)["dram"]}
+
+
+def _replan_at_two_ranks(rank: int, world: int, out: str) -> None:
+    engine, optimizer = tiered.initialize(
+        make_model(), AUTO, device="cpu", compute_dtype="fp32",
+        nvme={"path": os.path.join(out, "nvme")},
+        optimizer=dict(OPTIM, sub_group_size=SUB_GROUP), **two_rank_budgets())
+    planned, before = engine.manager.plan, placed(engine, StateKind.MASTER)
+    for idx in rank_batches(rank):
+        next_token_loss(engine(idx), idx).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    measured = engine.plan_report().measured.activations
+    # What this rank's own measurement alone would move: the plan it started with, re-planned.
+    alone = replanned_units(planned, forward_order(engine.runtime.flats),
+                            engine.manager.hbm.usage.budget, measured)
+    result = {"before": before, "after": placed(engine, StateKind.MASTER), "alone": alone,
+              "measured": measured, "replanned": engine.plan_report().replanned,
+              "state": engine.full_state_dict()}
+    engine.close()
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+
+
+def test_ranks_that_measure_different_activations_move_the_same_units(tmp_path):
+    """Each rank measures its own step, and would move its own count of units; they move the
+    fewest any of them can ([Note: re-plan]: ranks plan alike, so none holds a placement its
+    peers do not), and train as PyTorch does on the ranks' batches, averaged."""
+    os.mkdir(tmp_path / "nvme")
+    run_ranks(WORLD, _replan_at_two_ranks, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
+    assert ranks[0]["measured"] < ranks[1]["measured"]
+    assert [len(rank["alone"]) for rank in ranks] == [2, 1]  # the ranks would not agree alone
+    for rank in ranks:
+        assert rank["before"] == ["hbm", "nvme", "dram"]
+        assert rank["after"] == ["hbm", "hbm", "dram"], rank["replanned"]
+        assert rank["replanned"].startswith("re-planned after step 1: 1 more units kept")
+    model = make_model()
+    reference = torch.optim.AdamW(model.parameters(), **OPTIM)
+    for step in zip(*(rank_batches(rank) for rank in range(WORLD))):
+        # DDP's gradient: each rank's mean over its own tokens, averaged over the ranks.
+        sum(next_token_loss(model(idx), idx) for idx in step).div(WORLD).backward()
+        reference.step()
+        reference.zero_grad()
+    for rank in ranks:
+        assert_parity(rank["state"], model.state_dict())
 
 
 def test_a_first_step_too_long_to_time_is_re_planned_after_by_memory(tmp_path):
