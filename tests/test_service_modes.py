@@ -16,7 +16,7 @@ import stat
 import pytest
 
 from helpers import own_service
-from tiered.service import service_paths
+from tiered.service import service_paths, start_service, stop_service
 from tiered.service.control import running_service
 
 
@@ -68,3 +68,19 @@ def test_nothing_in_the_folder_is_open_to_others(service):
     loose = {name: f"{mode(os.path.join(service.folder, name)):04o}" for name in names
              if mode(os.path.join(service.folder, name)) & 0o077}
     assert not loose, loose
+
+
+def test_a_log_left_looser_from_before_is_made_owner_only(tmp_path):
+    """A log the service appends to that another hand left 0644 (a ``chmod`` to share it, an
+    old version's) is tightened when the service opens it."""
+    folder = tmp_path / "service"
+    folder.mkdir(mode=0o700)
+    log = service_paths(str(folder)).log
+    with open(log, "w") as file:
+        file.write("an earlier service's lines\n")
+    os.chmod(log, 0o644)
+    start_service(str(folder), dram=2 << 20)
+    try:
+        assert mode(log) == 0o600, f"{mode(log):04o}"
+    finally:
+        stop_service(str(folder))

@@ -85,6 +85,7 @@ def _in_background(config: ServiceConfig) -> int:
     try:
         paths = service_paths(config.folder, create=True)
         log = os.open(paths.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.fchmod(log, 0o600)  # a log kept from before (or made by hand) may be looser
         nothing = os.open(os.devnull, os.O_RDONLY)
         os.dup2(nothing, 0)
         os.dup2(log, 1)
