@@ -163,7 +163,7 @@ def test_a_native_kernel_that_cannot_be_built_leaves_the_compiled_one(monkeypatc
     monkeypatch.setenv("TIERED_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(native, "SOURCES", (str(broken),))
     native._library.cache_clear()
-    native.native_step.cache_clear()
+    native._native_step.cache_clear()
     try:
         with pytest.warns(UserWarning, match="the native AdamW kernel could not be built"):
             assert native.native_step(torch.bfloat16, torch.bfloat16) is None
@@ -175,7 +175,7 @@ def test_a_native_kernel_that_cannot_be_built_leaves_the_compiled_one(monkeypatc
         assert torch.equal(stepped["weights"], stepped["master"].bfloat16())
     finally:  # the next use builds (or loads) the real one
         native._library.cache_clear()
-        native.native_step.cache_clear()
+        native._native_step.cache_clear()
 
 
 def test_one_pass_lets_other_threads_run_while_it_steps():

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from helpers import same_bits
 from tiered.optim import compact, native
 from tiered.optim.adamw import AdamWHyper, _one_pass_scalars
 from tiered.optim.compact import FIRST_MOMENT, QBLOCK, SECOND_MOMENT, Run
@@ -29,16 +30,6 @@ def fresh_moments(numel: int, moments: str) -> tuple[torch.Tensor, torch.Tensor]
     dtype = MOMENTS[moments]
     size = compact.packed_nbytes(numel) if dtype is torch.uint8 else numel
     return torch.zeros(size, dtype=dtype), torch.zeros(size, dtype=dtype)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit for bit, but that a NaN may be any NaN (which payload an operation passes on is the
-    instruction's choice of operand)."""
-    if a.dtype is torch.uint8:  # codes: one NaN code
-        return torch.equal(a, b)
-    nan = a.isnan()
-    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan].view(torch.uint8),
-                                                       b[~nan].view(torch.uint8))
 
 
 def run_steps(step, grads, master, weights, moments, runs_of, first):

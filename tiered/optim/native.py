@@ -5,7 +5,8 @@ one ran 0.73-0.93x (50 M parameters, 2 cores; bench/RESULTS.md, eighteenth sessi
 weights streamed out from the registers), and built in a fraction of a second once where
 inductor compiles for seconds in every process. With it, the compact-state kernels (adamw_compact.c; issue 21).
 
-The library is built once per machine and compiler, with ``-march=native``, into the user's
+The library is built once per machine and compiler, with ``-march=native`` (or for the
+instruction set $TIERED_KERNEL_ISA names: INSTRUCTION_SETS), into the user's
 cache folder (``TIERED_CACHE``, as ``tiered node``'s rates), named by a hash of the source, the
 flags, the compiler's version and the CPU's model and flags: a home folder shared by machines of
 other CPUs builds one for each, never loading code for instructions a CPU lacks. Ranks that
@@ -32,11 +33,28 @@ import torch
 SOURCES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
                 for name in ("adamw_one_pass.c", "adamw_compact.c"))
 HEADERS = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "adamw_kernel.h"),)
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
+FLAGS = ("-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
          "-ffp-contract=off", "-shared",
          "-fPIC")
 """See adamw_one_pass.c: no fused multiply-adds, so that the results are the compiled
 kernel's (and compact.reference_step's); no errno from sqrtf, so that it vectorizes."""
+
+INSTRUCTION_SETS = {
+    "native": ("-march=native",),
+    "portable": ("-march=x86-64",),
+    "avx2": ("-march=x86-64-v3",),
+    "avx512": ("-march=x86-64-v4",),
+}
+"""What each build targets: ``native`` this CPU (the default), the others a level of x86-64
+that any CPU of it runs: SSE2 only (the C loop as the compiler vectorizes it for any x86-64),
+AVX2 (the same loop, 8 lanes), AVX-512 (the loop of intrinsics). They give the same bits
+(tests/test_kernels_isa.py), so that a run's results do not depend on the CPU it lands on."""
+ISA_ENV = "TIERED_KERNEL_ISA"
+"""Names the instruction set the kernels are built for (see INSTRUCTION_SETS): a CPU's paths
+tested on another that has them all (CI runs the AVX2 and portable ones on any CPU)."""
+_NEEDS = {"portable": {"sse2"}, "avx2": {"avx2", "fma", "bmi2", "f16c", "movbe"},
+          "avx512": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}}
+"""The CPU flags (/proc/cpuinfo) each x86-64 level needs to run."""
 
 _NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
@@ -45,11 +63,19 @@ NativeStep = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, t
 """(master, gradient, exp_avg, exp_avg_sq, weights, scalars): one step, in place."""
 
 
-@functools.cache
-def native_step(grad_dtype: torch.dtype, weights_dtype: torch.dtype) -> NativeStep | None:
+def native_step(grad_dtype: torch.dtype, weights_dtype: torch.dtype,
+                isa: str | None = None) -> NativeStep | None:
     """The native kernel for gradients of ``grad_dtype`` and weights of ``weights_dtype``, or
-    None where there is none (no compiler, a failed build, a pair it does not provide)."""
-    library = _library()
+    None where there is none (no compiler, a failed build, a pair it does not provide).
+    ``isa``: the instruction set it is built for (INSTRUCTION_SETS; None: $TIERED_KERNEL_ISA,
+    else native)."""
+    return _native_step(grad_dtype, weights_dtype, kernel_isa(isa))
+
+
+@functools.cache
+def _native_step(grad_dtype: torch.dtype, weights_dtype: torch.dtype,
+                 isa: str) -> NativeStep | None:
+    library = _library(isa)
     name = f"one_pass_g{_NAMES.get(grad_dtype)}_w{_NAMES.get(weights_dtype)}"
     if library is None or not hasattr(library, name):
         return None
@@ -70,12 +96,19 @@ run_scalars, key): compact.reference_step's arguments, the runs as a tensor
 of bounds (int64, runs + 1) and one of scalars (fp32, runs x 9)."""
 
 
-@functools.cache
 def native_compact_step(grad_dtype: torch.dtype, weights_dtype: torch.dtype, keeps_master: bool,
-                        moments_dtype: torch.dtype) -> CompactStep | None:
+                        moments_dtype: torch.dtype, isa: str | None = None) -> CompactStep | None:
     """The compact-state kernel of adamw_compact.c for these dtypes (moments: fp32, bf16, or
-    uint8 for 8-bit blocks), or None where there is none."""
-    library = _library()
+    uint8 for 8-bit blocks), or None where there is none; ``isa`` as native_step's."""
+    return _native_compact_step(grad_dtype, weights_dtype, keeps_master, moments_dtype,
+                                kernel_isa(isa))
+
+
+@functools.cache
+def _native_compact_step(grad_dtype: torch.dtype, weights_dtype: torch.dtype,
+                         keeps_master: bool, moments_dtype: torch.dtype,
+                         isa: str) -> CompactStep | None:
+    library = _library(isa)
     moments = {torch.float32: "f32", torch.bfloat16: "bf16", torch.uint8: "q8"}[moments_dtype]
     name = (f"compact_g{_NAMES.get(grad_dtype)}_w{_NAMES.get(weights_dtype)}_"
             f"p{'f32' if keeps_master else 'bf16'}_m{moments}")
@@ -98,18 +131,40 @@ def native_compact_step(grad_dtype: torch.dtype, weights_dtype: torch.dtype, kee
     return step
 
 
+def kernel_isa(isa: str | None = None) -> str:
+    """``isa``, else $TIERED_KERNEL_ISA, else ``native``: checked to be one this CPU runs."""
+    chosen = isa or os.environ.get(ISA_ENV) or "native"
+    if chosen not in INSTRUCTION_SETS:
+        raise ValueError(f"{ISA_ENV}={chosen!r}: the kernels build for "
+                         f"{', '.join(INSTRUCTION_SETS)}")
+    if not runs_here(chosen):
+        raise ValueError(f"{ISA_ENV}={chosen!r}: this CPU lacks "
+                         f"{', '.join(sorted(_NEEDS[chosen] - _cpu_flags()))}, which it needs")
+    return chosen
+
+
+def runs_here(isa: str) -> bool:
+    """Whether this CPU runs code built for ``isa``."""
+    if isa == "native":
+        return True
+    return platform.machine() in ("x86_64", "AMD64") and _NEEDS[isa] <= _cpu_flags()
+
+
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    """The built library, loaded once per process; None (with a warning) where it cannot be."""
+def _library(isa: str) -> ctypes.CDLL | None:
+    """The library built for ``isa``, loaded once per process; None (with a warning) where it
+    cannot be built."""
     try:
-        return ctypes.CDLL(_build())
+        return ctypes.CDLL(build(isa))
     except (OSError, subprocess.SubprocessError) as error:
         warnings.warn(f"tiered: the native AdamW kernel could not be built ({error}); the "
                       f"compiled one steps instead")
         return None
 
 
-def _build() -> str:
+def build(isa: str) -> str:
+    """The path of the library built for ``isa`` (INSTRUCTION_SETS), building it once per
+    machine and compiler; whether this CPU could run it is not asked (see runs_here)."""
     from ..node import cache_folder  # the rates' cache, one folder per user
 
     compiler = shutil.which(os.environ.get("CC") or "gcc") or shutil.which("cc")
@@ -121,15 +176,16 @@ def _build() -> str:
     for source in (*SOURCES, *HEADERS):  # the library's name changes with any of them
         with open(source, "rb") as file:
             sources.append(file.read())
-    key = hashlib.sha256(b"\0".join([*sources, " ".join(FLAGS).encode(), version.encode(),
+    flags = (*FLAGS, *INSTRUCTION_SETS[isa])
+    key = hashlib.sha256(b"\0".join([*sources, " ".join(flags).encode(), version.encode(),
                                      _cpu().encode()])).hexdigest()[:16]
     folder = os.path.join(cache_folder(), "kernels")
     os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"adamw_one_pass-{key}.so")
+    path = os.path.join(folder, f"adamw_one_pass-{isa}-{key}.so")
     if not os.path.exists(path):
         building = f"{path}.{os.getpid()}.tmp"
         try:
-            done = subprocess.run([compiler, *FLAGS, "-o", building, *SOURCES],
+            done = subprocess.run([compiler, *flags, "-o", building, *SOURCES],
                                   capture_output=True, text=True, timeout=300)
             if done.returncode != 0:
                 raise OSError(f"{os.path.basename(compiler)} failed: "
@@ -139,6 +195,14 @@ def _build() -> str:
             if os.path.exists(building):
                 os.remove(building)
     return path
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    """This CPU's instruction-set flags, as /proc/cpuinfo lists them (none where it cannot be
+    read)."""
+    return frozenset(word for line in _cpu().splitlines() if line.startswith("flags")
+                     for word in line.split(":", 1)[1].split())
 
 
 def _cpu() -> str:
