@@ -87,12 +87,47 @@ def train_torch(model, optimizer, max_grad_norm: float | None = None, scheduler=
     return model.state_dict()
 
 
-def assert_parity(state: dict, reference: dict) -> None:
-    """The same keys in the same order, every tensor within DESIGN's rtol 1e-5 / atol 1e-6."""
+ENLARGED_ULPS_PER_MILLE = 1
+"""At most this many elements in a thousand of a tensor (and at least one) may pass DESIGN's
+tolerance in a parity test, each by at most ENLARGED_ULP_BOUND. See [Note: ulps AdamW
+enlarges]."""
+ENLARGED_ULP_BOUND = OPTIM["lr"] / 100
+
+# [Note: ulps AdamW enlarges]
+# The engine's gradient is PyTorch's up to the order of its sums: two ranks add two halves of a
+# batch where one process adds it whole, and a CPU's instruction set changes how torch's own
+# kernels round (on AVX2, torch's single-tensor AdamW and its fused one differ at 0.2% of
+# elements). An ulp there stays an ulp almost everywhere, but AdamW divides the first moment by
+# the root of the second: where an element's gradients nearly cancel over the steps, m is a
+# small difference of large terms, and its last bits move the element by up to the rate a
+# step. Seen: one element in 3072, 7e-6 (7e-4 of lr) after 5 steps, the same on every run of
+# an AVX2 CPU, with each kernel of ours giving the same bits. So a parity test against
+# PyTorch holds every element to rtol 1e-5 / atol 1e-6 but at most one in a thousand (at least
+# one a tensor), and those to 1/100 of the rate: fourteen times the worst seen. A wrong rule
+# moves most elements past the tolerance (tests/test_parity.py plants three: decay dropped,
+# the default betas, amsgrad's maximum move 99.8%, 99.3% and 91% of them); comparisons of the
+# product with itself (resume, reattach, NVMe against DRAM) stay bit for bit.
+
+
+def assert_parity(state: dict, reference: dict, bound: float = ENLARGED_ULP_BOUND) -> None:
+    """The same keys in the same order, every tensor within DESIGN's rtol 1e-5 / atol 1e-6 but
+    for the few elements [Note: ulps AdamW enlarges] allows, each within ``bound`` (1/100 of
+    the learning rate of a test that trains at another)."""
     assert list(state) == list(reference)
     for name in reference:
-        torch.testing.assert_close(state[name], reference[name], rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"{name}: {m}")
+        actual, expected = state[name], reference[name]
+        assert actual.shape == expected.shape and actual.dtype == expected.dtype, \
+            f"{name}: {actual.dtype}{list(actual.shape)} against {expected.dtype}" \
+            f"{list(expected.shape)}"
+        if torch.allclose(actual, expected, rtol=1e-5, atol=1e-6):
+            continue
+        outside = ~torch.isclose(actual, expected, rtol=1e-5, atol=1e-6)
+        allowed = max(1, expected.numel() * ENLARGED_ULPS_PER_MILLE // 1000)
+        worst = (actual.double() - expected.double()).abs().max().item()
+        assert int(outside.sum()) <= allowed and worst <= bound, (
+            f"{name}: {int(outside.sum())} of {expected.numel()} elements outside rtol 1e-5 / "
+            f"atol 1e-6 (at most {allowed} may be, within {bound:.1e}), the worst by "
+            f"{worst:.3e}, first at {tuple(outside.nonzero()[0].tolist())}")
 
 
 def assert_parity_on_host(state: dict, reference: dict) -> None:

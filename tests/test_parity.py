@@ -102,3 +102,16 @@ def test_two_ranks_every_policy(tmp_path):
             assert_parity(state, reference)
     assert not [p for p in os.listdir(tmp_path) if p.startswith("tiered-")], \
         "NVMe run folders left behind"
+
+
+@pytest.mark.parametrize("wrong", [dict(weight_decay=0.0), dict(betas=(0.9, 0.999)),
+                                   dict(amsgrad=True)],
+                         ids=["decay dropped", "default betas", "amsgrad's maximum"])
+def test_the_parity_bound_fails_a_wrong_rule(wrong):
+    """What [Note: ulps AdamW enlarges] lets pass is a few enlarged ulps, not a wrong rule: an
+    AdamW with one rule changed, trained as the reference is, fails assert_parity against it."""
+    model = make_model()
+    wrongly = train_torch(model, torch.optim.AdamW(model.parameters(), **dict(OPTIM, **wrong)),
+                          max_grad_norm=0.5)
+    with pytest.raises(AssertionError, match="elements outside rtol"):
+        assert_parity(wrongly, train_reference(max_grad_norm=0.5))
