@@ -104,6 +104,27 @@ def test_two_ranks_every_policy(tmp_path):
         "NVMe run folders left behind"
 
 
+def _rank_cpu_policy(rank: int, world: int, out_dir: str, nvme: str) -> None:
+    torch.save(train_engine("cpu", rank, world, nvme, max_grad_norm=0.5),
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_two_ranks_give_the_same_bits_in_every_run(tmp_path):
+    """Two runs of two ranks (new processes each) end with the same bits, weights and norms:
+    what the box's results and a resumed run are compared by."""
+    runs = []
+    for run in ("first", "second"):
+        os.mkdir(tmp_path / run)
+        run_ranks(2, _rank_cpu_policy, str(tmp_path / run), str(tmp_path))
+        runs.append([torch.load(tmp_path / run / f"rank{rank}.pt", weights_only=True)
+                     for rank in range(2)])
+    for (state, norms), (again, norms_again) in zip(*runs):
+        assert norms == norms_again
+        assert list(state) == list(again)
+        for name in state:
+            assert torch.equal(state[name], again[name]), name
+
+
 @pytest.mark.parametrize("wrong", [dict(weight_decay=0.0), dict(betas=(0.9, 0.999)),
                                    dict(amsgrad=True)],
                          ids=["decay dropped", "default betas", "amsgrad's maximum"])
