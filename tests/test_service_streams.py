@@ -13,6 +13,7 @@ the worker, and the simulated accelerator finds the race when it does not.
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -26,7 +27,6 @@ from helpers_models import (OPTIM, assert_parity, make_model, run_engine, token_
                             train_torch)
 from tiered.device import DEVICE_ENV
 from tiered.device.sim import OrderingError, SimAccelerator
-from tiered.engine import streams as streams_module
 from tiered.engine.streams import Streams
 from tiered.optim.workers import CpuWorker
 from tiered.service import service_status
@@ -102,14 +102,13 @@ def test_the_delayed_update_with_streams_through_the_service_follows_its_rule(
 
 
 @pytest.mark.parametrize("ordered", [True, False])
-def test_gathers_after_a_drain_wait_for_the_device_work_the_worker_queued(monkeypatch, ordered):
+def test_gathers_after_a_drain_wait_for_the_device_work_the_worker_queued(ordered):
     """What ``synchronize()`` does in-process on a GPU: the worker writes new weights on its own
     stream (LocalHost.device_stream); once it is drained, the gather stream waits for that
     stream, and a gather that reads the weights is ordered after the write. Without the wait
     it would race on a GPU (a drained worker has queued its work, not run it)."""
     sim = SimAccelerator()
-    monkeypatch.setattr(streams_module, "accelerator_for", lambda device: sim)
-    streams = Streams(torch.device("cpu"))
+    streams = Streams(sim)
     device_stream = sim.Stream("the CPU worker's stream")
     weights = torch.zeros(64)
 
@@ -135,3 +134,17 @@ def test_gathers_after_a_drain_wait_for_the_device_work_the_worker_queued(monkey
     else:
         with pytest.raises(OrderingError, match="not ordered after the write"):
             gather()
+
+
+def test_initialize_says_it_runs_on_the_simulated_device_and_the_worker_has_its_stream(
+        tmp_path, caplog, streams_as_on_a_gpu):
+    """What a GPU's in-process rank has: the worker's own stream for its device work
+    (LocalHost.device_stream), and a log line naming the device."""
+    with caplog.at_level(logging.INFO, logger="tiered"):
+        engine, _ = tiered.initialize(make_model(), os.path.join(CONFIGS, "cpu.yaml"),
+                                      compute_dtype="fp32", device="cpu")
+    try:
+        assert "tiered: device cpu (simulated)" in caplog.text
+        assert engine.runtime.host.device_stream is not None
+    finally:
+        engine.close()

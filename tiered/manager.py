@@ -437,8 +437,13 @@ class TierManager:
         """Where unit ``unit`` is stepped: where its optimizer states are, the device for HBM,
         else the CPU (NVMe states stream through DRAM). Its moments say (a unit may have no
         masters: optimizer.master bf16); a frozen unit's masters, where it has any."""
+        return self.hbm.device if self.optimizer_in_hbm(unit) else torch.device("cpu")
+
+    def optimizer_in_hbm(self, unit: int) -> bool:
+        """Whether unit ``unit``'s optimizer states are in the HBM tier (see optimizer_device)."""
         kind = StateKind.EXP_AVG if self.has(unit, StateKind.EXP_AVG) else StateKind.MASTER
-        return self._device_of(unit, kind)
+        shard = self.shards.get((unit, kind))
+        return shard is not None and shard.tier is Tier.HBM
 
     def _device_of(self, unit: int, kind: StateKind) -> torch.device:
         shard = self.shards.get((unit, kind))

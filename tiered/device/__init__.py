@@ -9,6 +9,7 @@ takes runs, and is checked, where there is no GPU. ``TIERED_DEVICE=sim`` chooses
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import Protocol, runtime_checkable
 
@@ -48,9 +49,29 @@ class Accelerator(Protocol):
     def Event(self) -> EventLike: ...  # noqa: N802
     def current_stream(self) -> StreamLike: ...
     def stream(self, stream: StreamLike) -> contextlib.AbstractContextManager: ...
+    def set_stream(self, stream: StreamLike) -> None: ...
     def record_stream(self, tensor: torch.Tensor, stream: StreamLike) -> None: ...
     def synchronize(self) -> None: ...
     def max_memory_allocated(self) -> int | None: ...
+    def host_reads(self, *tensors: torch.Tensor, what: str = "a host read") -> None: ...
+    def host_writes(self, *tensors: torch.Tensor, what: str = "a host write") -> None: ...
+
+
+def wait_for(accelerator: Accelerator, event: EventLike | None, tensor: torch.Tensor,
+             on_device: bool) -> None:
+    """Make ``tensor``, finished by the work before ``event``, safe to use on this thread: for
+    device memory the current stream waits (and is named as a user of it, for the caching
+    allocator), for host memory the thread itself waits. The one rule every thread follows
+    before it uses what work queued on another stream finishes (a gradient's copy off the
+    device, a gathered unit)."""
+    if event is None:
+        return
+    if on_device:
+        stream = accelerator.current_stream()
+        stream.wait_event(event)
+        accelerator.record_stream(tensor, stream)
+    else:
+        event.synchronize()
 
 
 class CudaAccelerator:
@@ -72,6 +93,11 @@ class CudaAccelerator:
     def stream(self, stream: torch.cuda.Stream):
         return torch.cuda.stream(stream)
 
+    def set_stream(self, stream: torch.cuda.Stream) -> None:
+        """This thread's current device and stream from here on."""
+        torch.cuda.set_device(self.device)
+        torch.cuda.set_stream(stream)
+
     def record_stream(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
         tensor.record_stream(stream)
 
@@ -80,6 +106,11 @@ class CudaAccelerator:
 
     def max_memory_allocated(self) -> int:
         return torch.cuda.max_memory_allocated(self.device)
+
+    def host_reads(self, *tensors: torch.Tensor, what: str = "a host read") -> None:
+        pass  # the sanitizer of the box's check sees a GPU's accesses itself
+
+    host_writes = host_reads
 
 
 class CpuAccelerator:
@@ -97,6 +128,9 @@ class CpuAccelerator:
     def stream(self, stream):
         return contextlib.nullcontext()
 
+    def set_stream(self, stream) -> None:
+        pass
+
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
         pass
 
@@ -106,16 +140,28 @@ class CpuAccelerator:
     def max_memory_allocated(self) -> None:
         return None
 
+    def host_reads(self, *tensors: torch.Tensor, what: str = "a host read") -> None:
+        pass
+
+    host_writes = host_reads
+
 
 def accelerator_for(device: torch.device) -> Accelerator:
     """The device's accelerator: CUDA's for a CUDA device; for the CPU, the simulated one when
-    ``TIERED_DEVICE=sim``, else the plain CPU."""
+    ``TIERED_DEVICE=sim`` (one a process, as a GPU is one device however many engines use
+    it), else the plain CPU."""
     if device.type == "cuda":
         return CudaAccelerator(device)
     chosen = os.environ.get(DEVICE_ENV, "")
     if chosen == "sim":
-        return SimAccelerator()
+        return simulated_device()
     if chosen not in ("", "cpu", "cuda", "auto"):
         raise PolicyError(f"{DEVICE_ENV}={chosen!r} is not a device: use sim (the simulated "
                           f"accelerator), cpu or cuda, or leave it unset")
     return CpuAccelerator()
+
+
+@functools.cache
+def simulated_device() -> SimAccelerator:
+    """This process's simulated accelerator."""
+    return SimAccelerator()

@@ -165,6 +165,10 @@ class SimAccelerator:
     def stream(self, stream: SimStream) -> "_OnStream":
         return _OnStream(self, stream)
 
+    def set_stream(self, stream: SimStream) -> None:
+        """This thread's current stream from here on (torch.cuda.set_stream)."""
+        self._local.stream = stream
+
     def synchronize(self) -> None:
         with self._lock:
             for stream in self._streams.values():

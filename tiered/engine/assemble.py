@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from ..device import accelerator_for
 from ..manager import TierManager
 from ..optim import TieredAdamW
 from ..optim.adamw import OnePassAdamW
@@ -50,7 +51,8 @@ def assemble(flats: list[FlatParam], manager: TierManager, group: ProcessGroup,
     """The runtime, the optimizer and the loss scaler (fp16 only) of an engine whose units are
     built and whose tiers hold their states; its host runs on ``worker`` here, or, with
     ``in_service``, in the node's service."""
-    device = group.device
+    accelerator = accelerator_for(group.device)
+    streams = Streams(accelerator)
     scaler = LossScaler(policy.loss_scale) if policy.compute_dtype is ComputeDtype.FP16 else None
     remote = (RemoteHost(in_service.source.client.paths.folder, timeline,
                          in_service.model_state) if in_service else None)
@@ -79,8 +81,8 @@ def assemble(flats: list[FlatParam], manager: TierManager, group: ProcessGroup,
             one_pass=one_pass,
             optimizer=policy.optimizer, norm_group=group.on_host(),
             max_grad_norm=policy.optimizer.max_grad_norm, fp16=scaler is not None,
-            timeline=timeline), events))
-    runtime = UnitRuntime(EngineContext(flats, manager, group, policy, worker, Streams(device),
+            timeline=timeline, accelerator=accelerator), events))
+    runtime = UnitRuntime(EngineContext(flats, manager, group, policy, worker, streams,
                                         timeline, link, buffers, pending))
     return runtime, TieredAdamW(runtime, policy, scaler, book), scaler
 

@@ -497,7 +497,8 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
         if kept is not None:
             reattach.restore(engine, kept)
         if group.rank == 0 and _log.isEnabledFor(logging.INFO):
-            _log.info("tiered: the plan of rank 0 (of %d)\n%s", group.world_size,
+            _log.info("tiered: device %s (%s); the plan of rank 0 (of %d)\n%s", device,
+                      runtime.streams.accelerator.name, group.world_size,
                       engine.plan_report().table())
     except BaseException:
         if worker is not None:
@@ -571,10 +572,9 @@ def _shut_down(runtime: UnitRuntime, clean: bool = False) -> None:
     if runtime.readahead is not None:
         runtime.readahead.close()
     runtime.timeline.close()
-    if runtime.group.device.type == "cuda":
-        # A prefetch or a gradient's copy off the device may still read or write the units'
-        # storage and the pinned slabs freed below.
-        torch.cuda.synchronize(runtime.group.device)
+    # A prefetch or a gradient's copy off the device may still read or write the units' storage
+    # and the pinned slabs freed below.
+    runtime.streams.accelerator.synchronize()
     # Units a forward left gathered for a backward that never came: their storage is the HBM
     # tier's, and the model's attributes would keep it as long as the model lives.
     runtime.gatherer.release_all()

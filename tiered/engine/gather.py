@@ -10,7 +10,7 @@ import torch
 
 from ..plan import StateKind
 from ..policy import Tier
-from ..sync import wait_for
+from ..device import wait_for
 from .context import EngineContext
 from .flat import FlatParam, Residency
 from .pending import PendingWeights
@@ -92,7 +92,7 @@ class Gatherer:
         """Make ``flat`` usable by the compute stream, gathering it now if needed."""
         self.start(flat)
         event = self._ready.pop(flat.spec.index, None)
-        wait_for(event, flat.full)  # the compute stream waits, and owns the buffer from here on
+        wait_for(self.streams.accelerator, event, flat.full, on_device=True)  # the compute stream waits, and owns the buffer from here on
 
     def release(self, flat: FlatParam) -> None:
         """Free ``flat``'s gathered weights.

@@ -28,8 +28,6 @@ from __future__ import annotations
 import logging
 import warnings
 
-import torch
-
 from ..node import cached_node_rates
 from ..plan import StateKind
 from ..plan_report import StepMeasurement, step_terms
@@ -47,6 +45,7 @@ class Replan:
         self.manager = context.manager
         self.policy = context.policy
         self.group = context.group
+        self.accelerator = context.streams.accelerator
         self.timeline = context.timeline
         self.order = forward_order(context.flats)
         self.names = [flat.name for flat in context.flats]
@@ -63,8 +62,8 @@ class Replan:
         manager = self.manager
         plan = manager.plan
         unplanned = activations
-        if self.group.device.type == "cuda":  # also what autograd does not keep, the cache's
-            peak = torch.cuda.max_memory_allocated(self.group.device)
+        peak = self.accelerator.max_memory_allocated()
+        if peak is not None:  # also what autograd does not keep, the caching allocator's
             unplanned = max(unplanned, peak - manager.hbm.usage.peak)
         try:
             moved = replanned_units(plan, self.order, manager.hbm.usage.budget, unplanned,

@@ -27,13 +27,12 @@ import contextlib
 
 import torch
 
-from ..device import EventLike, StreamLike, accelerator_for
+from ..device import Accelerator, EventLike, StreamLike
 
 
 class Streams:
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._accelerator = accelerator = accelerator_for(device)
+    def __init__(self, accelerator: Accelerator):
+        self.accelerator = accelerator
         self.gather = accelerator.Stream() if accelerator.has_streams else None
         self.offload = accelerator.Stream() if accelerator.has_streams else None
 
@@ -43,7 +42,7 @@ class Streams:
         if self.gather is None:
             yield
             return
-        with self._accelerator.stream(self.gather):
+        with self.accelerator.stream(self.gather):
             yield
 
     def gather_after(self, stream: StreamLike | None) -> None:
@@ -58,19 +57,19 @@ class Streams:
         if self.offload is None:
             yield
             return
-        self.offload.wait_stream(self._accelerator.current_stream())
-        with self._accelerator.stream(self.offload):
+        self.offload.wait_stream(self.accelerator.current_stream())
+        with self.accelerator.stream(self.offload):
             yield
 
     def keep_for_offload(self, *tensors: torch.Tensor) -> None:
         if self.offload is not None:
             for tensor in tensors:
-                self._accelerator.record_stream(tensor, self.offload)
+                self.accelerator.record_stream(tensor, self.offload)
 
     def record(self) -> EventLike | None:
         """An event after the work queued so far on the current stream (None on the CPU)."""
         if self.offload is None:
             return None
-        event = self._accelerator.Event()
+        event = self.accelerator.Event()
         event.record()
         return event

@@ -16,9 +16,9 @@ from functools import partial
 
 import torch
 
+from ..device import Accelerator, StreamLike, wait_for
 from ..manager import TierManager, typed
 from ..policy import OptimizerPolicy
-from ..sync import wait_for
 from ..timeline import Timeline
 from .adamw import OnePassAdamW
 from .arrival import LastBackward
@@ -51,6 +51,8 @@ class HostSetup:
     fp16: bool
     """A loss scaler checks each update's gradients for infs and nans."""
     timeline: Timeline
+    accelerator: Accelerator
+    """The compute device's (the plain CPU's in the node's service, which never touches it)."""
 
 
 class RankHost:
@@ -65,7 +67,8 @@ class RankHost:
         """Units in the order their first gradient since ``zero_grad`` arrived: the order an
         update steps them in (see [Note: buffer hand-off])."""
         self.stepper = UnitStepper(setup.manager, self, setup.names, setup.ranges,
-                                   setup.one_pass, setup.optimizer, setup.timeline)
+                                   setup.one_pass, setup.optimizer, setup.timeline,
+                                   setup.accelerator)
         self._squares: dict[int, torch.Tensor] = {}
         """Squared norms of complete gradients, taken as they arrived."""
         self._ready: list[int] = []
@@ -111,7 +114,8 @@ class RankHost:
     def _gradient_in(self, command: GradientIn) -> None:
         unit = command.unit
         shard = self._shard(command)
-        wait_for(command.ready, shard)
+        wait_for(self.setup.accelerator, command.ready, shard,
+                 on_device=command.tensor is not None or self.stepper.on_device(unit))
         if command.first:
             self.dtype[unit] = shard.dtype
             self.arrival_order.append(unit)
@@ -308,12 +312,12 @@ class LocalHost:
         self.rank_host = rank_host
         self._sent = 0
         self._lock = threading.Lock()  # backward's threads and the training thread both send
-        device = rank_host.manager.hbm.device
-        self.device_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        accelerator = rank_host.setup.accelerator
+        self.device_stream = accelerator.Stream() if accelerator.has_streams else None
         """The stream the worker queues its device work on (see _own_stream); None on the
         CPU, where that work is done when its task is."""
         if self.device_stream is not None:
-            worker.submit(partial(_own_stream, device, self.device_stream))
+            worker.submit(partial(_own_stream, accelerator, self.device_stream))
             worker.drain()
 
     def send(self, command: Command) -> None:
@@ -343,12 +347,11 @@ class LocalHost:
         its tier manager, so it sees the swap already."""
 
 
-def _own_stream(device: torch.device, stream: torch.cuda.Stream) -> None:
+def _own_stream(accelerator: Accelerator, stream: StreamLike) -> None:
     """Make ``stream`` the worker thread's (whose current device and stream are its own): its
     device work (taking gradients in, their norms, the AdamW of units stepped on the GPU) then
     runs beside the training thread's forward and backward. On the default stream, the
     training thread's, it queued behind them, and each unit's synchronize waited for them too.
     Whoever reads what it wrote waits for that stream (the optimizer's ``synchronize``, once
     the worker is drained: LocalHost.device_stream) or for its events (``wait_for``)."""
-    torch.cuda.set_device(device)
-    torch.cuda.set_stream(stream)
+    accelerator.set_stream(stream)

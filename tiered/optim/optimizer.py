@@ -152,7 +152,8 @@ class TieredAdamW(torch.optim.Optimizer):
         self._pending: _Update | None = None
         self._grads = runtime.grads
         runtime.current_hypers = self._hypers
-        on_host = (runtime.group.device.type == "cpu" or self._manager.plan.steps_on_host())
+        on_host = (not runtime.streams.accelerator.has_streams
+                   or self._manager.plan.steps_on_host())
         self._ordinary_mode = (UpdateMode.OVERLAPPED if on_host and scaler is None
                                else UpdateMode.BLOCKING)
         """The mode of updates that are not delayed (see [Note: update modes]): overlapped

@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from ..device import Accelerator
 from ..manager import TierManager
 from ..plan import OPTIMIZER_STATES, StateKind
 from ..policy import MasterDtype, MomentsDtype, OptimizerPolicy
@@ -28,8 +29,9 @@ from .stream import Piece, StateStream
 class UnitStepper:
     def __init__(self, manager: TierManager, gradients, names: list[str],
                  ranges: list[tuple[GroupRange, ...]], one_pass: OnePassAdamW | None,
-                 optimizer: OptimizerPolicy, timeline: Timeline):
+                 optimizer: OptimizerPolicy, timeline: Timeline, accelerator: Accelerator):
         self.manager = manager
+        self.accelerator = accelerator
         self.gradients = gradients
         """What holds the gradients it reads: the host (``read``, and ``consumed`` once read)."""
         self.names = names
@@ -81,7 +83,7 @@ class UnitStepper:
                              kind)
 
         def unit_done(unit: int) -> None:
-            on_device = self.device(unit).type == "cuda"
+            on_device = self.on_device(unit)
             if not on_device:  # read: the next gradient may be copied in while we write back
                 self.gradients.consumed(unit)
             with self.timeline.span(f"write back {self.names[unit]}", "cpu"):
@@ -91,7 +93,7 @@ class UnitStepper:
                 # count as written, and its gradient buffer as read, once they have run (a
                 # gather reads the weights on another stream, the next gradient is copied in
                 # on another).
-                torch.cuda.current_stream(self.device(unit)).synchronize()
+                self.accelerator.current_stream().synchronize()
                 self.gradients.consumed(unit)
             on_unit(unit)
 
@@ -167,6 +169,11 @@ class UnitStepper:
         """The one-pass kernel for a unit stepped on the CPU under mixed precision, else None
         (torch's fused kernel)."""
         return self.one_pass if self.device(unit).type == "cpu" else None
+
+    def on_device(self, unit: int) -> bool:
+        """Whether ``unit`` is stepped in device memory, by work queued on this thread's
+        stream (under ``tier: auto``, a unit the plan keeps in HBM, on a device with streams)."""
+        return self.accelerator.has_streams and self.manager.optimizer_in_hbm(unit)
 
     def device(self, unit: int) -> torch.device:
         """Where ``unit`` is stepped: the CPU, or under ``tier: auto`` perhaps the GPU."""

@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from ..device import CpuAccelerator
 from ..errors import TieredError
 from ..manager import TierManager
 from ..optim.adamw import one_pass_for
@@ -205,7 +206,8 @@ class HostedRank:
                 norm_group=_RankNorm(seat),
                 max_grad_norm=policy.optimizer.max_grad_norm,
                 fp16=policy.compute_dtype is ComputeDtype.FP16,
-                timeline=_SpanSender(tell, request.traced)), _WireEvents(tell))
+                timeline=_SpanSender(tell, request.traced), accelerator=CpuAccelerator()),
+                _WireEvents(tell))
         except BaseException:
             self.close()
             raise
