@@ -6,6 +6,7 @@ import re
 
 import torch
 
+from tiered.device import CpuAccelerator
 from tiered.plan import StateKind
 from tiered.sizes import align_up
 from tiered.tiers import DramTier, PinnedSlabSource
@@ -17,7 +18,8 @@ EXTENT_NAME = re.compile(r"extent-\d{5}\.bin")
 
 
 def dram_blocks(sizes: dict, huge_pages: bool = False) -> tuple[DramTier, dict]:
-    tier = DramTier(budget=None, source=PinnedSlabSource(pin=False, huge_pages=huge_pages))
+    tier = DramTier(budget=None,
+                    source=PinnedSlabSource(CpuAccelerator(), huge_pages=huge_pages))
     return tier, tier.reserve(sizes)
 
 

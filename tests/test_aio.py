@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import tiered
+from tiered.device import CpuAccelerator
 from tiered.liveness import LOCK_NAME
 from gpt import GPT, next_token_loss
 from tiered.plan import OPTIMIZER_STATES, StateKind
@@ -32,7 +33,7 @@ NVME_YAML = os.path.join(REPO, "configs", "nvme.yaml")
 
 def aligned_blocks(sizes: dict) -> dict:
     """Page-aligned DRAM blocks (O_DIRECT buffers), each ``align_up(size, 4096)`` bytes."""
-    return DramTier(None, PinnedSlabSource(pin=False)).reserve(sizes)
+    return DramTier(None, PinnedSlabSource(CpuAccelerator())).reserve(sizes)
 
 
 def random_bytes(n: int, gen: torch.Generator) -> torch.Tensor:

@@ -20,6 +20,7 @@ import pytest
 import torch
 from torch import nn
 
+from tiered.device import CpuAccelerator
 import tiered
 from distributed import run_ranks
 from gpt import GPT, add_lora, next_token_loss
@@ -86,7 +87,7 @@ class RecordingSlabs(PinnedSlabSource):
     """Ordinary (4 KiB-aligned) DRAM slabs, each one asked for recorded."""
 
     def __init__(self):
-        super().__init__(pin=False)
+        super().__init__(CpuAccelerator())
         self.made: list[int] = []
 
     def __call__(self, nbytes: int) -> torch.Tensor:

@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 
+from tiered.device import CpuAccelerator
 import tiered
 from tiered.sizes import align_up, format_size
 from tiered.tiers import DramTier, HbmTier, PinnedSlabSource
@@ -172,11 +173,11 @@ def test_dram_huge_pages_warns_where_they_are_off(monkeypatch, tmp_path):
     modes.write_text("always madvise [never]\n")
     monkeypatch.setattr(dram_module, "THP_MODE", str(modes))
     with pytest.warns(UserWarning, match=r"dram.huge_pages.*\[never\]"):
-        PinnedSlabSource(pin=False, huge_pages=True)
+        PinnedSlabSource(CpuAccelerator(), huge_pages=True)
     modes.write_text("always [madvise] never\n")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        PinnedSlabSource(pin=False, huge_pages=True)
+        PinnedSlabSource(CpuAccelerator(), huge_pages=True)
 
 
 @THP
@@ -192,7 +193,7 @@ def test_engine_dram_on_huge_pages():
 
 
 def test_dram_over_budget_names_needed_and_available_and_holds_nothing():
-    tier = DramTier(budget=3 * BLOCK, source=PinnedSlabSource(pin=False))
+    tier = DramTier(budget=3 * BLOCK, source=PinnedSlabSource(CpuAccelerator()))
     tier.reserve({"a": BLOCK, "b": 100})
     slabs = list(tier._slabs)
     with pytest.raises(tiered.BudgetError) as info:
@@ -213,7 +214,7 @@ def test_dram_reservation_is_all_or_nothing_when_a_slab_cannot_be_had(monkeypatc
         """The second slab fails, as pinning does when memory runs out."""
 
         def __init__(self):
-            super().__init__(pin=False)
+            super().__init__(CpuAccelerator())
             self.made, self.released = [], []
 
         def __call__(self, nbytes):

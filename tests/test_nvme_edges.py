@@ -21,6 +21,7 @@ import pytest
 import torch
 from torch import nn
 
+from tiered.device import CpuAccelerator
 import tiered
 from gpt import GPT, next_token_loss
 from helpers import run_with_deadline
@@ -606,7 +607,7 @@ def test_extents_on_a_file_system_with_o_direct_but_without_fallocate(tmp_path):
             assert tier.direct  # O_DIRECT is there: no buffered fallback, no warning
             shard = tier.create("a state", 10_000)  # 3 spares and its extent, 12 KiB each
             assert shard.nbytes == 3 * BLOCK
-            blocks = DramTier(None, PinnedSlabSource(pin=False)).reserve(
+            blocks = DramTier(None, PinnedSlabSource(CpuAccelerator())).reserve(
                 {"out": shard.nbytes, "back": shard.nbytes})
             blocks["out"].copy_(torch.randint(0, 256, (shard.nbytes,), dtype=torch.uint8,
                                               generator=torch.Generator().manual_seed(3)))

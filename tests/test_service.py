@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from tiered.cli import main as tiered
+from tiered.device import CpuAccelerator
 from tiered.errors import BudgetError
 from tiered.sizes import format_size
 from tiered.service import (ServiceClient, ServiceError, ServiceSlabSource, service_paths,
@@ -68,7 +69,7 @@ def own_service(folder):
 
 def attached(folder: str, job: str, rank: int = 0, world: int = 1) -> ServiceSlabSource:
     """A rank attached as a trainer process of its own would (its first engine)."""
-    return ServiceSlabSource(ServiceClient.connect(folder), job, rank, world, pin=False,
+    return ServiceSlabSource(ServiceClient.connect(folder), job, rank, world, CpuAccelerator(),
                              engine=0)
 
 

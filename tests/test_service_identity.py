@@ -19,13 +19,15 @@ from tiered.service.paths import RUNTIME_ENV
 
 TRY = """
 import sys
+from tiered.device import CpuAccelerator
 from tiered.service import JobHold, ServiceClient, ServiceError, ServiceSlabSource
 folder, what = sys.argv[1], sys.argv[2]
 try:
     if what == "hold":
         JobHold(folder, "other-code").end(clean=True)
     else:
-        ServiceSlabSource(ServiceClient.connect(folder), "other-code", 0, 1, pin=False).close(True)
+        ServiceSlabSource(ServiceClient.connect(folder), "other-code", 0, 1,
+                          CpuAccelerator()).close(True)
 except ServiceError as e:
     print(e)
     sys.exit(3)

@@ -139,3 +139,68 @@ def test_tiered_device_chooses_the_simulated_accelerator_and_refuses_what_is_non
     monkeypatch.setenv(DEVICE_ENV, "gpu")
     with pytest.raises(PolicyError, match="TIERED_DEVICE='gpu' is not a device: use sim"):
         accelerator_for(cpu)
+
+
+def test_two_shards_of_one_slab_are_apart_and_overlapping_views_are_not(sim):
+    """A slab holds many shards: a write to one orders nothing about another; a view that
+    overlaps the written bytes does."""
+    side = sim.Stream("the offload stream")
+    slab = torch.zeros(256)
+    with sim.tracking():
+        with sim.stream(side):
+            slab[:128].add_(1.0)  # the write
+        slab[128:].sum()  # another shard: apart
+        sim.check()
+        with pytest.raises(OrderingError, match="not ordered after the write"):
+            slab[120:136].sum()  # overlaps the written bytes
+            sim.check()
+
+
+def test_host_memory_is_the_hosts_and_it_waits_for_a_copy_to_it_only_when_told(sim):
+    """Operators on host memory (registered, as the DRAM tier's slabs are) run on the host
+    whatever thread's; a copy into it on a stream is ordered before the host's read only by a
+    synchronize, which a blocking copy is."""
+    host = torch.zeros(64)
+    sim.register_host_memory(host)
+    side = sim.Stream("the offload stream")
+    with sim.tracking():
+        grad = torch.ones(64)
+        side.wait_stream(sim.current_stream())
+        with sim.stream(side):
+            host.copy_(grad)  # blocking: the host waits for it
+        host.sum()
+        sim.check()
+        with sim.stream(side):
+            host.copy_(grad, non_blocking=True)  # the copy
+        done = sim.Event()
+        done.record(side)
+        with pytest.raises(OrderingError, match="a read on the host is not ordered after the "
+                                                "write of the same memory on the offload"):
+            host.sum()  # the host's read, before it waited
+            sim.check()
+        done.synchronize()
+        host.sum()
+
+
+def test_a_released_storage_still_read_by_another_stream_is_found(sim):
+    """What a released unit does (``release_storage``): its memory goes back to the allocator
+    for the stream that made it, and a stream that read it without ``record_stream`` may still
+    be reading."""
+    side = sim.Stream("the gather stream")
+    for kept in (True, False):
+        with sim.tracking():
+            with sim.stream(side):
+                weights = torch.ones(64) * 2
+            done = sim.Event()
+            done.record(side)
+            sim.current_stream().wait_event(done)
+            if kept:
+                sim.record_stream(weights, sim.current_stream())
+            weights.sum()  # the compute stream's read
+            if kept:
+                sim.release_storage(weights)
+                continue
+            with pytest.raises(OrderingError, match="memory went back to the allocator for the "
+                                                    "gather stream while the default stream"):
+                sim.release_storage(weights)
+                sim.check()

@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from .device import accelerator_for
 from .errors import BudgetError, TieredError
 from .limits import memory_bound
 from .moments_layout import PACKED, QBLOCK_BYTES
@@ -104,9 +105,9 @@ class TierManager:
         self._swapped: set[int] = set()
         """Units whose PARAM and PARAM_NEXT buffers are swapped (see :meth:`swap_params`)."""
         self.hbm = HbmTier(device, policy.hbm.budget)
-        # Pinned only for a GPU's copies: a CPU engine on a machine with CUDA (a benchmark's
-        # writer, a test) would register every slab (0.6 s/GiB) and start a CUDA context.
-        source = dram_source or PinnedSlabSource(pin=device.type == "cuda",
+        # Registered with this engine's device: a CPU engine on a machine with CUDA (a
+        # benchmark's writer, a test) would pin every slab (0.6 s/GiB) and start a CUDA context.
+        source = dram_source or PinnedSlabSource(accelerator_for(device),
                                                  huge_pages=policy.dram.huge_pages)
         self.dram = DramTier(policy.dram.budget, source, ranks)
         io = IoSettings(policy.nvme.block_size, policy.nvme.queue_depth)

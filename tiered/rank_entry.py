@@ -25,6 +25,7 @@ package would import torch before the script could set what torch reads at impor
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import runpy
@@ -118,7 +119,8 @@ def main(argv: list[str]) -> None:
     _stop_once_on_signals()
     try:
         try:
-            run_target(mode, target, args)
+            with _ordering_checked():
+                run_target(mode, target, args)
         finally:
             _script_running = False
     except SystemExit:
@@ -133,6 +135,17 @@ def main(argv: list[str]) -> None:
         print(f"tiered rank {os.environ.get('RANK', '?')}: error: {error} ({TRACEBACK_ENV}=1 "
               f"shows where)", file=sys.stderr)
         sys.exit(1)
+
+
+def _ordering_checked():
+    """Under ``TIERED_DEVICE=sim``, the script's operators tracked on the simulated device (a
+    race a GPU would run ends the rank with both sites named: tiered/device/sim.py); else
+    nothing. Only then is torch imported before the script, which may set what torch reads
+    at import."""
+    if os.environ.get("TIERED_DEVICE") != "sim":  # tiered.device.DEVICE_ENV, torch-free
+        return contextlib.nullcontext()
+    from tiered.device import simulated_device
+    return simulated_device().tracking()
 
 
 def _is_budget_refusal(error: BaseException) -> bool:

@@ -45,16 +45,19 @@ class Accelerator(Protocol):
     has_streams: bool
     """Whether work runs on streams that must be ordered (CUDA, simulated)."""
 
-    def Stream(self) -> StreamLike: ...  # noqa: N802 (torch.cuda's names)
+    def Stream(self, name: str = "") -> StreamLike: ...  # noqa: N802 (torch.cuda's names)
     def Event(self) -> EventLike: ...  # noqa: N802
     def current_stream(self) -> StreamLike: ...
     def stream(self, stream: StreamLike) -> contextlib.AbstractContextManager: ...
     def set_stream(self, stream: StreamLike) -> None: ...
+    def release_storage(self, tensor: torch.Tensor) -> None: ...
     def record_stream(self, tensor: torch.Tensor, stream: StreamLike) -> None: ...
     def synchronize(self) -> None: ...
     def max_memory_allocated(self) -> int | None: ...
     def host_reads(self, *tensors: torch.Tensor, what: str = "a host read") -> None: ...
     def host_writes(self, *tensors: torch.Tensor, what: str = "a host write") -> None: ...
+    def register_host_memory(self, slab: torch.Tensor) -> None: ...
+    def unregister_host_memory(self, slab: torch.Tensor) -> None: ...
 
 
 def wait_for(accelerator: Accelerator, event: EventLike | None, tensor: torch.Tensor,
@@ -81,7 +84,8 @@ class CudaAccelerator:
     def __init__(self, device: torch.device):
         self.device = device
 
-    def Stream(self) -> torch.cuda.Stream:  # noqa: N802
+    def Stream(self, name: str = "") -> torch.cuda.Stream:  # noqa: N802
+        """A new stream (``name`` names it in the simulated device's reports only)."""
         return torch.cuda.Stream(self.device)
 
     def Event(self) -> torch.cuda.Event:  # noqa: N802
@@ -98,6 +102,11 @@ class CudaAccelerator:
         torch.cuda.set_device(self.device)
         torch.cuda.set_stream(stream)
 
+    def release_storage(self, tensor: torch.Tensor) -> None:
+        """Give the memory of ``tensor``'s storage back to the caching allocator (it waits
+        for the streams ``record_stream`` named)."""
+        tensor.untyped_storage().resize_(0)
+
     def record_stream(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
         tensor.record_stream(stream)
 
@@ -112,6 +121,18 @@ class CudaAccelerator:
 
     host_writes = host_reads
 
+    def register_host_memory(self, slab: torch.Tensor) -> None:
+        """Page-lock ``slab`` (host memory) for the device's copies: what the driver alone can
+        do, so the one call no simulation runs (the box's tests cover it). Raises MemoryError
+        where the driver refuses."""
+        status = int(torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), slab.nbytes, 0))
+        if status != 0:
+            raise MemoryError(f"cudaHostRegister could not pin {slab.nbytes} bytes of host "
+                              f"memory (CUDA error {status}); lower dram.budget")
+
+    def unregister_host_memory(self, slab: torch.Tensor) -> None:
+        torch.cuda.cudart().cudaHostUnregister(slab.data_ptr())
+
 
 class CpuAccelerator:
     """The CPU playing the device: every operator completes before the next, so there is
@@ -119,17 +140,23 @@ class CpuAccelerator:
     name = "cpu"
     has_streams = False
 
-    def Stream(self):  # noqa: N802
+    def Stream(self, name: str = ""):  # noqa: N802
         raise TypeError("the CPU has no streams (has_streams is False)")
 
-    Event = Stream  # noqa: N815
-    current_stream = Stream
+    def Event(self):  # noqa: N802
+        raise TypeError("the CPU has no events (has_streams is False)")
+
+    def current_stream(self):
+        raise TypeError("the CPU has no streams (has_streams is False)")
 
     def stream(self, stream):
         return contextlib.nullcontext()
 
     def set_stream(self, stream) -> None:
         pass
+
+    def release_storage(self, tensor: torch.Tensor) -> None:
+        tensor.untyped_storage().resize_(0)
 
     def record_stream(self, tensor: torch.Tensor, stream) -> None:
         pass
@@ -144,6 +171,19 @@ class CpuAccelerator:
         pass
 
     host_writes = host_reads
+
+    def register_host_memory(self, slab: torch.Tensor) -> None:
+        pass  # the device's memory is the host's
+
+    unregister_host_memory = register_host_memory
+
+
+def host_device() -> Accelerator:
+    """What pins host memory where no engine says: CUDA's current device where there is CUDA
+    (a tool that copies to it: ``tiered node``, the benchmarks), else the plain CPU."""
+    if torch.cuda.is_available():
+        return CudaAccelerator(torch.device("cuda", torch.cuda.current_device()))
+    return CpuAccelerator()
 
 
 def accelerator_for(device: torch.device) -> Accelerator:

@@ -24,6 +24,11 @@ Two more of CUDA's rules hold here:
 - Waiting on an event that was never recorded does not wait on a GPU (it completes at once);
   here it is an error, since no code means that.
 
+An operator whose tensors are all host memory (registered as the DRAM tier's slabs are, or made
+by such an operator) runs on the host, whatever thread's, as a GPU's host runs it at once; work
+a stream is given sees what the host did before (it was queued after). The host sees what a
+stream did only through a synchronize.
+
 Reads and writes are those of each operator's schema: arguments it mutates (``add_``, ``copy_``,
 ``out=``) are writes, other tensor arguments reads, and its results new writes. What no operator
 touches (a native kernel's pointer arithmetic) is declared with ``host_reads``/``host_writes``.
@@ -66,12 +71,29 @@ class Access:
 
 
 @dataclass
-class _Storage:
-    allocated_on: int
+class _Region:
+    """Accesses of one span of a storage's bytes."""
     write: Access | None = None
     reads: list[Access] = field(default_factory=list)
+
+
+@dataclass
+class _Storage:
+    allocated_on: int
+    regions: dict[tuple[int, int], _Region] = field(default_factory=dict)
+    """By the span of bytes accessed (a view's): a slab holds many shards, and a write to one
+    does not touch the others. Older accesses of spans that a later one overlapped stay: the
+    clocks are transitive, so whatever is ordered after the later one is after them too."""
     kept_for: set[int] = field(default_factory=set)
     """Streams named by ``record_stream``: the allocator waits for them before reuse."""
+
+    def overlapping(self, span: tuple[int, int]) -> list[_Region]:
+        return [region for (start, end), region in self.regions.items()
+                if start < span[1] and span[0] < end]
+
+    def accesses(self) -> list[Access]:
+        return [access for region in self.regions.values()
+                for access in [region.write, *region.reads] if access is not None]
 
 
 class SimStream:
@@ -147,7 +169,10 @@ class SimAccelerator:
         self._streams: dict[int, SimStream] = {}
         self.host = SimStream(self, "the host")
         self.default = SimStream(self, "the default stream")
-        self._storages: dict[int, _Storage] = {}
+        self._storages: dict[tuple[int, int], _Storage] = {}
+        self._host_memory: set[tuple[int, int]] = set()
+        """Storages registered as host memory (the DRAM tier's slabs) and what host-only
+        operators made: see [Note: the simulated device's ordering model]."""
         self.errors: list[str] = []
 
     # -- streams, as torch.cuda offers them ---------------------------------------------------
@@ -183,6 +208,25 @@ class SimAccelerator:
             if storage is not None:
                 storage.kept_for.add(stream.id)
 
+    def register_host_memory(self, slab: torch.Tensor) -> None:
+        """``slab`` is host memory (cudaHostRegister's, on a GPU): its allocation, which a
+        tracked thread may have seen as a stream's, was the host's."""
+        with self._lock:
+            self._host_memory.add(_key(slab))
+            storage = self._storages.get(_key(slab))
+            if storage is not None:
+                storage.allocated_on, storage.regions = self.host.id, {}
+
+    def unregister_host_memory(self, slab: torch.Tensor) -> None:
+        with self._lock:
+            self._host_memory.discard(_key(slab))
+
+    def release_storage(self, tensor: torch.Tensor) -> None:
+        """Give ``tensor``'s storage's memory back (``resize_(0)``, as a released unit's): to
+        the caching allocator, checked as a free is (see the note)."""
+        self._freed(_key(tensor))
+        tensor.untyped_storage().resize_(0)
+
     # -- what the engine declares ---------------------------------------------------------------
 
     def host_reads(self, *tensors: torch.Tensor, what: str = "a host read") -> None:
@@ -216,6 +260,8 @@ class SimAccelerator:
     def _access(self, stream: SimStream, writes: list[torch.Tensor],
                 reads: list[torch.Tensor], what: str, results: list[torch.Tensor] = ()) -> None:
         with self._lock:
+            if stream is not self.host:  # the host's work so far is done when it queues this
+                _merge(stream.clock, self.host.clock)
             stream.count += 1
             stream.clock[stream.id] = stream.count
             site = _site(stream, what)
@@ -223,17 +269,19 @@ class SimAccelerator:
             for tensor in results:
                 self._allocated(tensor, stream)
             for tensor in reads:
-                storage = self._storage(tensor, stream)
-                if storage.write is not None and not _ordered(stream, storage.write):
-                    self._report("read", access, "write", storage.write)
-                storage.reads.append(access)
+                storage, span = self._storage(tensor, stream), _span(tensor)
+                for region in storage.overlapping(span):
+                    if region.write is not None and not _ordered(stream, region.write):
+                        self._report("read", access, "write", region.write)
+                storage.regions.setdefault(span, _Region()).reads.append(access)
             for tensor in [*writes, *results]:
-                storage = self._storage(tensor, stream)
-                for earlier in [storage.write, *storage.reads]:
-                    if earlier is not None and not _ordered(stream, earlier):
-                        kind = "write" if earlier is storage.write else "read"
-                        self._report("write", access, kind, earlier)
-                storage.write, storage.reads = access, []
+                storage, span = self._storage(tensor, stream), _span(tensor)
+                for region in storage.overlapping(span):
+                    for earlier in [region.write, *region.reads]:
+                        if earlier is not None and not _ordered(stream, earlier):
+                            kind = "write" if earlier is region.write else "read"
+                            self._report("write", access, kind, earlier)
+                storage.regions[span] = _Region(access)
 
     def _storage(self, tensor: torch.Tensor, stream: SimStream) -> _Storage:
         key = _key(tensor)
@@ -249,22 +297,24 @@ class SimAccelerator:
             self._storages[key] = _Storage(stream.id)
             self._watch(tensor, key)
 
-    def _watch(self, tensor: torch.Tensor, key: int) -> None:
+    def _watch(self, tensor: torch.Tensor, key: tuple[int, int]) -> None:
         weakref.finalize(tensor.untyped_storage(), self._freed, key)
 
-    def _freed(self, key: int) -> None:
-        """The storage's last tensor is gone: its memory is the allocator's again, for the next
-        allocation on the stream that made it (see the note)."""
+    def _freed(self, key: tuple[int, int]) -> None:
+        """The storage's memory is the allocator's again (its last tensor is gone, or it was
+        released), for the next allocation on the stream that made it (see the note)."""
         with self._lock:
-            storage = self._storages.pop(key, None)
+            storage = self._storages.get(key)
             if storage is None:
                 return
+            del self._storages[key]
+            self._host_memory.discard(key)
             owner = self._streams[storage.allocated_on]
             if owner is self.host:  # host memory: not the device allocator's
                 return
-            for earlier in [storage.write, *storage.reads]:
-                if (earlier is not None and earlier.stream != owner.id
-                        and earlier.stream not in storage.kept_for and not _ordered(owner, earlier)):
+            for earlier in storage.accesses():
+                if (earlier.stream != owner.id and earlier.stream not in storage.kept_for
+                        and not _ordered(owner, earlier)):
                     free = _site(self.current_stream(), "the free of its memory")
                     self.errors.append(
                         f"memory went back to the allocator for {owner.name} while "
@@ -290,9 +340,23 @@ def _ordered(stream: SimStream, earlier: Access) -> bool:
     return earlier.stream == stream.id or stream.clock.get(earlier.stream, 0) >= earlier.count
 
 
-def _key(tensor: torch.Tensor) -> int:
-    """A storage's identity: its address (one storage at a time has it)."""
-    return tensor.untyped_storage().data_ptr()
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage ``tensor`` may touch: from its first element to past its last
+    (all between, for a strided view)."""
+    if tensor.numel() == 0:
+        return (0, 0)
+    extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape,
+                                                                     tensor.stride()))
+    start = tensor.storage_offset() * tensor.element_size()
+    return (start, start + extent * tensor.element_size())
+
+
+def _key(tensor: torch.Tensor) -> tuple[int, int]:
+    """A storage's memory: the storage (its ``_cdata``) and its address, which another storage
+    may have by the time a finalizer runs, and which a storage resized by torch itself (no
+    ``release_storage``) leaves for new memory."""
+    storage = tensor.untyped_storage()
+    return storage._cdata, storage.data_ptr()
 
 
 _LIBRARIES = (os.path.dirname(threading.__file__) + os.sep,
@@ -341,6 +405,8 @@ class _Tracking(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
+        if func.is_view:  # a view touches no bytes: its uses do
+            return result
         writes, reads = [], []
         for argument, value in _arguments(func, args, kwargs):
             tensors = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
@@ -348,11 +414,28 @@ class _Tracking(TorchDispatchMode):
             (writes if mutated else reads).extend(tensors)
         # A result in an input's memory (a view, an in-place op's self) is no new memory.
         inputs = {_key(t) for t in [*writes, *reads]}
-        results = [t for t in tree_flatten(result)[0]
-                   if isinstance(t, torch.Tensor) and _key(t) not in inputs]
-        self._sim._access(self._sim.current_stream(), _real(writes), _real(reads), str(func),
-                          _real(results))
+        results = _real([t for t in tree_flatten(result)[0]
+                         if isinstance(t, torch.Tensor) and _key(t) not in inputs])
+        writes, reads = _real(writes), _real(reads)
+        sim = self._sim
+        on_host = bool(writes or reads) and all(_key(t) in sim._host_memory
+                                                for t in [*writes, *reads])
+        if on_host:  # a GPU's host runs it itself, at once, on no stream
+            sim._host_memory.update(_key(t) for t in results)
+        stream = sim.host if on_host else sim.current_stream()
+        sim._access(stream, writes, reads, str(func), results)
+        if (not on_host and func in _COPIES and not _non_blocking(args, kwargs)
+                and any(_key(t) in sim._host_memory for t in [*writes, *reads])):
+            stream.synchronize()  # a blocking copy to or from the host: the host waits for it
         return result
+
+
+_COPIES = (torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default)
+
+
+def _non_blocking(args, kwargs) -> bool:
+    """A copy's ``non_blocking`` (copy_'s third argument, or the keyword)."""
+    return bool(kwargs.get("non_blocking", len(args) > 2 and args[2] is True))
 
 
 def _real(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

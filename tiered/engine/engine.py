@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import checkpoint, export, pretrained
+from ..device import accelerator_for
 from ..errors import PolicyError, TieredError
 from ..manager import TierManager
 from ..node import cached_node_rates
@@ -529,7 +530,7 @@ def _warn_unmatched(result: pretrained.LoadResult, where: str) -> None:
 def _service_source(policy: Policy, device: torch.device,
                     group: ProcessGroup) -> SlabSource | None:
     """The node's service's DRAM, when the environment names one (service/client.py)."""
-    source = slab_source_from_env(group.rank, group.world_size, pin=device.type == "cuda")
+    source = slab_source_from_env(group.rank, group.world_size, accelerator_for(device))
     if source is not None:
         if source.note:
             warnings.warn(f"tiered: {source.note}", stacklevel=3)

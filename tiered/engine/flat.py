@@ -27,6 +27,7 @@ import enum
 
 import torch
 
+from ..device import accelerator_for
 from ..released import ReleasedWeight
 from .collectives import kept_after_failure
 from .units import UnitSpec
@@ -52,9 +53,11 @@ class FlatParam:
         # Born released: shaped like the whole unit over a zero-byte storage. ``set_`` grows
         # the storage to fit the shape, so it is shrunk again at once: left at full size, the
         # units held a whole model's weights on the device until each was first gathered.
+        self._accelerator = accelerator_for(device)
+        """Who takes the storage's memory back at each release (the caching allocator)."""
         self.full = torch.empty(0, dtype=dtype, device=device).set_(
             torch.UntypedStorage(0, device=device), 0, (self.padded_numel,), (1,))
-        self.full.untyped_storage().resize_(0)
+        self._accelerator.release_storage(self.full)
         self.full.requires_grad_()
         self._writer = self.full.data  # see [Note: gathered storage]
         self._storage_bytes = self.padded_numel * dtype.itemsize
@@ -91,7 +94,7 @@ class FlatParam:
 
     def free(self) -> None:
         assert self.residency is Residency.GATHERED, f"unit {self.name} is not gathered"
-        self.full.untyped_storage().resize_(0)
+        self._accelerator.release_storage(self.full)
         self.bind_placeholders()
         self.residency = Residency.RELEASED
 

@@ -92,7 +92,8 @@ class Gatherer:
         """Make ``flat`` usable by the compute stream, gathering it now if needed."""
         self.start(flat)
         event = self._ready.pop(flat.spec.index, None)
-        wait_for(self.streams.accelerator, event, flat.full, on_device=True)  # the compute stream waits, and owns the buffer from here on
+        # The compute stream waits, and owns the buffer from here on.
+        wait_for(self.streams.accelerator, event, flat.full, on_device=True)
 
     def release(self, flat: FlatParam) -> None:
         """Free ``flat``'s gathered weights.

@@ -33,8 +33,15 @@ from ..device import Accelerator, EventLike, StreamLike
 class Streams:
     def __init__(self, accelerator: Accelerator):
         self.accelerator = accelerator
-        self.gather = accelerator.Stream() if accelerator.has_streams else None
-        self.offload = accelerator.Stream() if accelerator.has_streams else None
+        self.gather = accelerator.Stream("the gather stream") if accelerator.has_streams else None
+        self.offload = (accelerator.Stream("the offload stream") if accelerator.has_streams
+                        else None)
+        if accelerator.has_streams:
+            # What initialize queued on the compute stream (the weights it stored in HBM) comes
+            # first: side streams wait on no stream unless told (torch makes them
+            # non-blocking), and the first gather reads those weights.
+            self.gather.wait_stream(accelerator.current_stream())
+            self.offload.wait_stream(accelerator.current_stream())
 
     @contextlib.contextmanager
     def on_gather(self):

@@ -313,7 +313,8 @@ class LocalHost:
         self._sent = 0
         self._lock = threading.Lock()  # backward's threads and the training thread both send
         accelerator = rank_host.setup.accelerator
-        self.device_stream = accelerator.Stream() if accelerator.has_streams else None
+        self.device_stream = (accelerator.Stream("the CPU worker's stream")
+                              if accelerator.has_streams else None)
         """The stream the worker queues its device work on (see _own_stream); None on the
         CPU, where that work is done when its task is."""
         if self.device_stream is not None:

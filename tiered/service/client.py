@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from ..device import Accelerator
 from ..errors import BudgetError, NvmeError
 from . import wire
 from .identity import this_code
@@ -155,16 +156,18 @@ ENGINE_SLOTS = EngineSlots()
 
 class ServiceSlabSource:
     """DRAM slabs (tiers/dram.py's SlabSource) carved from segments the service reserves for
-    this rank: the service's memory, mapped here and, on a GPU, registered with CUDA here."""
+    this rank: the service's memory, mapped here and registered here with the device whose
+    copies use it (on a GPU, with CUDA)."""
 
-    def __init__(self, client: ServiceClient, job: str, rank: int, world: int, pin: bool,
-                 fresh: bool = False, engine: int | None = None):
-        """``fresh``: a state the service kept of the job is freed, never taken over.
+    def __init__(self, client: ServiceClient, job: str, rank: int, world: int,
+                 device: Accelerator, fresh: bool = False, engine: int | None = None):
+        """``device``: as PinnedSlabSource's. ``fresh``: a state the service kept of the job
+        is freed, never taken over.
         ``engine``: this engine's place among the process's open ones; None takes the lowest
         free one (a test that plays several processes names it)."""
         self.client = client
         self.rank = rank
-        self.pin = pin
+        self.device = device
         self._slot = (job, ENGINE_SLOTS.take(job)) if engine is None else None
         try:
             reply, _ = client.request("attach", job=job, rank=rank, world=world, fresh=fresh,
@@ -209,13 +212,11 @@ class ServiceSlabSource:
             slab = map_segment(fds[0], nbytes, populate=bool(reply.get("populate")))
         finally:
             os.close(fds[0])  # the mapping keeps the memory
-        if self.pin:
-            status = torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), nbytes, 0)
-            if int(status) != 0:
-                self.client.request("release", segment=reply["segment"])
-                raise MemoryError(f"cudaHostRegister could not pin the service's segment of "
-                                  f"{nbytes} bytes (CUDA error {int(status)}); lower "
-                                  f"dram.budget")
+        try:
+            self.device.register_host_memory(slab)
+        except MemoryError:
+            self.client.request("release", segment=reply["segment"])
+            raise
         self._segments[slab.data_ptr()] = reply["segment"], nbytes
         return slab
 
@@ -234,8 +235,7 @@ class ServiceSlabSource:
         raise ServiceError("a block outside this rank's segments cannot cross to the service")
 
     def release(self, slab: torch.Tensor) -> None:
-        if self.pin:
-            torch.cuda.cudart().cudaHostUnregister(slab.data_ptr())
+        self.device.unregister_host_memory(slab)
         segment, _ = self._segments.pop(slab.data_ptr())
         if self.client.closed or self.kept is not None:
             # An unclean end (the service keeps it as the job's state), or a kept segment: it
@@ -275,7 +275,8 @@ FRESH_ENV = "TIERED_FRESH"
 """Set to 1: a state the service kept of the job is freed, not taken over (--fresh)."""
 
 
-def slab_source_from_env(rank: int, world: int, pin: bool) -> ServiceSlabSource | None:
+def slab_source_from_env(rank: int, world: int,
+                         device: Accelerator) -> ServiceSlabSource | None:
     """The service's slab source for this rank when the environment names a service (a rank of
     ``tiered-launch``, or a script run by hand with TIERED_SERVICE and TIERED_JOB set), else
     None: the trainer pins its own memory, as a plain ``python train.py`` does."""
@@ -288,7 +289,7 @@ def slab_source_from_env(rank: int, world: int, pin: bool) -> ServiceSlabSource 
                            f"{JOB_ENV}, or run under tiered-launch")
     client = ServiceClient.connect(folder)
     try:
-        return ServiceSlabSource(client, job, rank, world, pin,
+        return ServiceSlabSource(client, job, rank, world, device,
                                  fresh=os.environ.get(FRESH_ENV) == "1")
     except BaseException:
         client.close()

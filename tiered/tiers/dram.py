@@ -15,6 +15,7 @@ from typing import Hashable, Protocol
 
 import torch
 
+from ..device import Accelerator, host_device
 from ..limits import available_memory
 from ..sizes import align_up
 from .usage import TierUsage
@@ -42,7 +43,8 @@ class SlabSource(Protocol):
 
 
 class PinnedSlabSource:
-    """Ordinary host memory, page-locked with ``cudaHostRegister`` when CUDA is present.
+    """Ordinary host memory, registered with the device whose copies read and write it (CUDA
+    page-locks it with ``cudaHostRegister``).
 
     Not ``pin_memory=True``: torch's pinned allocator rounds every request up to a power of two
     and keeps freed blocks cached, so a slab of 1 GiB + 4 KiB would hold 2 GiB until the process
@@ -54,19 +56,16 @@ class PinnedSlabSource:
     to a huge page; its tensor keeps the mapping alive, so the memory goes with the last view.
     """
 
-    def __init__(self, pin: bool | None = None, huge_pages: bool = False):
-        self.pin = torch.cuda.is_available() if pin is None else pin
+    def __init__(self, device: Accelerator | None = None, huge_pages: bool = False):
+        """``device``: the one whose copies use the slabs (None: device.host_device())."""
+        self.device = device or host_device()
         self.huge_pages = huge_pages
         if huge_pages:
             _warn_if_no_huge_pages()
 
     def __call__(self, nbytes: int) -> torch.Tensor:
         slab = self._huge(nbytes) if self.huge_pages else self._plain(nbytes)
-        if self.pin:
-            status = torch.cuda.cudart().cudaHostRegister(slab.data_ptr(), nbytes, 0)
-            if int(status) != 0:
-                raise MemoryError(f"cudaHostRegister could not pin {nbytes} bytes of host memory "
-                                  f"(CUDA error {int(status)}); lower dram.budget")
+        self.device.register_host_memory(slab)
         return slab
 
     @staticmethod
@@ -87,8 +86,7 @@ class PinnedSlabSource:
         return _aligned(torch.frombuffer(mapping, dtype=torch.uint8), nbytes, HUGE_PAGE)
 
     def release(self, slab: torch.Tensor) -> None:
-        if self.pin:
-            torch.cuda.cudart().cudaHostUnregister(slab.data_ptr())
+        self.device.unregister_host_memory(slab)
 
     def close(self, clean: bool) -> None:
         pass  # the memory went with the slabs
