@@ -20,6 +20,7 @@ import torch
 
 from helpers import REPO, clean_env, finish, own_service
 from tiered.cli import main as tiered_cli
+from tiered.device import DEVICE_ENV, simulated_device
 from tiered.engine.reattach import ReattachError
 from tiered.service import service_status
 from tiered.service.client import FRESH_ENV, JOB_ENV, SERVICE_ENV
@@ -67,12 +68,13 @@ class _job:
                 os.environ[key] = value
 
 
-def start_killed(service: str, job: str, out, case: str, point: str,
-                 step: int) -> subprocess.Popen:
-    """The script run as job ``job`` until it dies at ``point`` of ``step``."""
+def start_killed(service: str, job: str, out, case: str, point: str, step: int,
+                 **env: str) -> subprocess.Popen:
+    """The script run as job ``job`` (with ``env`` too) until it dies at ``point`` of
+    ``step``."""
     return subprocess.Popen(
         [sys.executable, str(SCRIPT), str(out), case, point, str(step)], cwd=REPO, text=True,
-        env=clean_env(**{SERVICE_ENV: service, JOB_ENV: job}), stdout=subprocess.PIPE,
+        env=clean_env(**{SERVICE_ENV: service, JOB_ENV: job}, **env), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE)
 
 
@@ -203,6 +205,23 @@ def test_a_trainer_killed_anywhere_goes_on_exactly_from_the_kept_state(where, se
     assert_same_run(resumed, references(case), first=held["resumable_step"] + 1)
     # A clean end frees what was kept at once.
     assert job not in [j["name"] for j in service_status(service)["jobs"]]
+
+
+def test_a_trainer_on_the_simulated_device_killed_in_its_delayed_update_goes_on_exactly(
+        service, references, tmp_path, monkeypatch):
+    """A GPU's branches (TIERED_DEVICE=sim: streams, events, the update through the service)
+    killed and reattached; the relaunch tracked by the simulator, every access ordered."""
+    case, point, step, kept = POINTS["delayed update, during it"]
+    job = "killed-on-the-simulated-device"
+    run = start_killed(service, job, tmp_path / "killed.pt", case, point, step,
+                       **{DEVICE_ENV: "sim"})
+    assert finish(run, scaled(KILLED_SECONDS)).returncode == -9
+    held = kept_job(service, job)
+    assert held["resumable_step"] in kept
+    monkeypatch.setenv(DEVICE_ENV, "sim")
+    with _job(service, job), simulated_device().tracking():
+        resumed = train(str(tmp_path / "resumed.pt"), case)
+    assert_same_run(resumed, references(case), first=held["resumable_step"] + 1)
 
 
 def test_a_relaunch_with_another_policy_is_refused_by_name_and_fresh_starts_over(

@@ -27,6 +27,7 @@ from distributed import run_ranks
 from helpers import (CONFIGS, REPO, assert_same, clean_env, finish, train_reference,
                      write_policy)
 from helpers_delayed import assert_matches, reference
+from helpers_hf import arguments, assert_close_states, dataset, llama, train_plain
 from helpers_delayed import train_engine as train_delayed
 from helpers_models import OPTIM, assert_parity, make_model, run_engine, train_torch
 from helpers_placement import SUB_GROUP, mixed_budgets
@@ -34,6 +35,7 @@ from tiered.device import DEVICE_ENV, simulated_device
 from tiered.device.sim import OrderingError
 from tiered.engine import gather as gather_module
 from tiered.engine.streams import Streams
+from tiered.integrations.transformers import TieredTrainer
 from tiered.policy import Policy
 from tiered.service.paths import RUNTIME_ENV
 
@@ -153,3 +155,21 @@ def test_a_gradient_let_go_while_the_offload_stream_copies_it_is_found(tmp_path,
                                             "stream while the offload stream may still use it"):
         with simulated_device().tracking():
             train("cpu", str(tmp_path))
+
+
+def test_the_hugging_face_trainer_on_the_simulated_device_trains_as_plain_trainer(
+        tmp_path, monkeypatch):
+    """TieredTrainer with gradient checkpointing (a unit's gather waited on again in its
+    recomputation) on the simulated device, tracked, against plain Trainer."""
+    data = dataset()
+    args = dict(gradient_checkpointing=True, max_steps=3)
+    expected, _ = train_plain(llama(), arguments(tmp_path / "plain", **args), data)
+    monkeypatch.setenv(DEVICE_ENV, "sim")
+    with simulated_device().tracking():
+        trainer = TieredTrainer(model=llama(), args=arguments(tmp_path / "tiered", **args),
+                                train_dataset=data, policy={"device": "cpu"})
+        trainer.train()
+        got = trainer.engine.full_state_dict()
+        trainer.engine.close()
+    assert trainer.engine.runtime.streams.gather is not None
+    assert_close_states(got, expected)

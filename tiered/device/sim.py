@@ -286,8 +286,9 @@ class SimAccelerator:
     def _storage(self, tensor: torch.Tensor, stream: SimStream) -> _Storage:
         key = _key(tensor)
         storage = self._storages.get(key)
-        if storage is None:  # made before tracking began, or by the host: the first user's
-            storage = self._storages[key] = _Storage(stream.id)
+        if storage is None:  # made before tracking began: the host's or its first user's
+            owner = self.host if key in self._host_memory else stream
+            storage = self._storages[key] = _Storage(owner.id)
             self._watch(tensor, key)
         return storage
 
