@@ -71,14 +71,6 @@ def _leg(rank: int, world: int, folder: str, cfg: dict, load: str | None, steps:
         engine.close()
 
 
-def run(world: int, folder: str, cfg: dict, load: str | None = None, steps: tuple = (0, 5),
-        save: str | None = None, final: str = "final") -> None:
-    if world == 1:
-        _leg(0, 1, folder, cfg, load, steps, save, final)
-    else:
-        run_ranks(world, _leg, folder, cfg, load, steps, save, final)
-
-
 def joined(folder: str, prefix: str, world: int) -> tuple[dict, dict]:
     """Every state of every parameter (name, kind) over the ranks, and full_state_dict."""
     parts = [torch.load(os.path.join(folder, f"{prefix}{rank}.pt")) for rank in range(world)]
@@ -137,34 +129,88 @@ TILED = {
 }
 
 
-def run_chain(legs: list, folder: str) -> None:
-    """Train two steps, then each further leg loads the last save (checked against what was
-    saved) and trains one step; with fp32 throughout, the end must be a run that never
-    stopped. Unit sizes here are not multiples of 2 or 3: each leg pads the last shard."""
-    run(legs[0][0], folder, legs[0][1], None, (0, 2), "a")
-    for index, (tag, steps) in enumerate(zip("abc", [(2, 3), (3, 4), (4, 5)])):
-        saved_world, (world, cfg) = legs[index][0], legs[index + 1]
-        run(world, folder, cfg, tag, steps, "bc"[index] if index < 2 else None)
+CHAINED = {**CHAINS, **TILED}
+
+
+def _fp32(legs: list) -> bool:
+    return all(cfg.get("dtype", "fp32") == "fp32" for _, cfg in legs)
+
+
+def _legs(rank: int, world: int, legs: list) -> None:
+    """Legs of several chains at this world size, one after another in these processes."""
+    for leg in legs:
+        _leg(rank, world, *leg)
+
+
+def run_chains(chains: dict[str, list], root: str) -> None:
+    """Each chain (in a folder of its own under ``root``) trains two steps, then each further
+    leg loads the last save and trains one step; with fp32 throughout, a run that never
+    stopped follows. Unit sizes here are not multiples of 2 or 3: each leg pads the last shard.
+
+    The chains are independent of each other, so whenever each chain's next leg is ready,
+    those of one world size run together: one after another in the same rank processes (or
+    here, at one rank), each leg an engine of its own. A rank process's start (importing
+    dynamo for the CPU worker) costs seconds on the CI machine, a leg's own work a fraction of
+    one: all eight chains take three starts of rank processes, not nineteen."""
+    queues = {}
+    for name, legs in chains.items():
+        folder = os.path.join(root, name)
+        os.makedirs(folder)
+        queue = [(legs[0][0], (folder, legs[0][1], None, (0, 2), "a", "final"))]
+        for index, (tag, steps) in enumerate(zip("abc", [(2, 3), (3, 4), (4, 5)])):
+            world, cfg = legs[index + 1]
+            save = "bc"[index] if index < 2 else None
+            queue.append((world, (folder, cfg, tag, steps, save, "final")))
+        if _fp32(legs):
+            queue.append((1, (folder, legs[0][1], None, (0, 5), None, "continued")))
+        queues[name] = queue
+    while any(queues.values()):
+        ready = [queue[0][0] for queue in queues.values() if queue]
+        # One rank first (no process to start), else the world size most chains wait for.
+        world = 1 if 1 in ready else max(sorted(set(ready)), key=ready.count)
+        legs = [queue.pop(0)[1] for queue in queues.values() if queue and queue[0][0] == world]
+        if world == 1:
+            _legs(0, 1, legs)
+        else:
+            run_ranks(world, _legs, legs)
+
+
+def check_chain(legs: list, folder: str) -> None:
+    """Every leg's loaded states are what the leg before saved; with fp32 throughout, the end
+    is the run that never stopped."""
+    for index, tag in enumerate("abc"):
+        (saved_world, saved_cfg), (world, cfg) = legs[index], legs[index + 1]
         assert_loaded_as_saved(folder, tag, saved_world, world,
-                               "tiling" not in legs[index][1] and "tiling" not in cfg)
-    if all(cfg.get("dtype", "fp32") == "fp32" for _, cfg in legs):
-        run(1, folder, legs[0][1], final="continued")
+                               "tiling" not in saved_cfg and "tiling" not in cfg)
+    if _fp32(legs):
         assert_parity(torch.load(os.path.join(folder, "final.pt")),
                       torch.load(os.path.join(folder, "continued.pt")))
 
 
+@pytest.fixture(scope="module")
+def chained(request, tmp_path_factory) -> str:
+    """The folder of each chain that this session's selected tests here check, every one of
+    them run (run_chains)."""
+    names = {item.callspec.params["chain"] for item in request.session.items
+             if getattr(item, "module", None) is request.module and hasattr(item, "callspec")
+             and "chain" in item.callspec.params}
+    root = str(tmp_path_factory.mktemp("chains"))
+    run_chains({name: legs for name, legs in CHAINED.items() if name in names}, root)
+    return root
+
+
 @pytest.mark.parametrize("chain", CHAINS)
-def test_a_chain_of_resharded_loads_keeps_every_state_and_trains_on(chain, tmp_path):
-    run_chain(CHAINS[chain], str(tmp_path))
+def test_a_chain_of_resharded_loads_keeps_every_state_and_trains_on(chain, chained):
+    check_chain(CHAINS[chain], os.path.join(chained, chain))
 
 
 @pytest.mark.parametrize("chain", TILED)
-def test_a_checkpoint_loads_into_tiles_cut_otherwise(chain, tmp_path):
+def test_a_checkpoint_loads_into_tiles_cut_otherwise(chain, chained):
     # README: a load may be under another policy, with the model cut into other units. The
     # tiles' parameters were mapped by name, so "blocks.0.qkv.tiles.0.weight" of 512 elements
     # was refused as "another model" (1024 elements under the load's limit), and a tiled
     # checkpoint could not load untiled (or at another compute dtype) at all.
-    run_chain(TILED[chain], str(tmp_path))
+    check_chain(TILED[chain], os.path.join(chained, chain))
 
 
 def test_a_hand_tiled_layer_loads_into_the_untiled_layer_by_its_recorded_cut(tmp_path):

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -58,7 +59,63 @@ def file_bytes(path: Path) -> bytes:
 # -- checkpoints and resume ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory):
+def launched(request, tmp_path_factory):
+    """The launches of the example that the selected tests here check (through ``resumed`` and
+    ``lora_exported``), each started as soon as the run it resumes or imports from has ended,
+    side by side with all the others: on the CI machine a launch is mostly its processes'
+    starts (importing torch and tiered), one core's work at a time. Yields the folder they
+    write under and each run's future (CompletedProcess)."""
+    wanted = {name for item in request.session.items
+              if getattr(item, "module", None) is request.module
+              for name in getattr(item, "fixturenames", ())}
+    root = tmp_path_factory.mktemp("launched")
+    runs: dict[str, Future] = {}
+    pool = ThreadPoolExecutor(max_workers=8)
+
+    def after(needs: tuple, then):
+        for need in needs:
+            runs[need].result()
+        return then()
+
+    def run(name: str, *args, needs: tuple = (), env: dict[str, str] | None = None) -> None:
+        runs[name] = pool.submit(after, needs, lambda: finish_ok(launch(*args, env=env)))
+
+    try:
+        if "resumed" in wanted:  # (see resumed)
+            resume = root / "resume"
+            (resume / "nvme").mkdir(parents=True)
+            run("whole2", "--nproc-per-node", 2, "--policy", CONFIGS / "gpu.yaml", EXAMPLE,
+                *SMALL, "--steps", 20, "--save-pretrained", resume / "whole2",
+                env=clean_env(TIERED_TRACE=str(resume / "trace.json")))
+            run("whole1", "--policy", CONFIGS / "cpu.yaml", EXAMPLE, *SMALL, "--steps", 20,
+                "--save-pretrained", resume / "whole1")
+            run("part", "--nproc-per-node", 2, "--nvme", resume / "nvme", "--policy",
+                CONFIGS / "nvme.yaml", EXAMPLE, *SMALL, "--steps", 7, "--checkpoint",
+                resume / "ck", "--save-every", 7)
+            runs["copied"] = pool.submit(after, ("part",), lambda: shutil.copytree(
+                resume / "ck", resume / "ck-other"))
+            run("same", "--nproc-per-node", 2, "--policy", CONFIGS / "gpu.yaml", EXAMPLE,
+                *SMALL, "--steps", 20, "--checkpoint", resume / "ck", "--resume",
+                "--save-pretrained", resume / "same", needs=("copied",))
+            run("other", "--policy", CONFIGS / "cpu.yaml", EXAMPLE, *SMALL, "--steps", 20,
+                "--checkpoint", resume / "ck-other", "--resume", "--save-every", 5,
+                "--save-pretrained", resume / "other", needs=("copied",))
+        if "lora_exported" in wanted:  # (see lora_exported)
+            lora = root / "lora"
+            (lora / "nvme").mkdir(parents=True)
+            run("lora", "--nproc-per-node", 2, "--nvme", lora / "nvme", "--policy",
+                CONFIGS / "nvme.yaml", EXAMPLE, *SMALL, "--steps", 5, "--lora", 4,
+                "--save-pretrained", lora / "a")
+            run("lora-again", "--policy", CONFIGS / "cpu.yaml", EXAMPLE, *SMALL, "--steps", 0,
+                "--lora", 4, "--init-from", lora / "a", "--save-pretrained", lora / "b",
+                needs=("lora",))
+        yield root, runs
+    finally:
+        pool.shutdown(wait=True)  # each run ends within finish_ok's timeout
+
+
+@pytest.fixture(scope="module")
+def resumed(launched):
     """Five runs of the example (same data and seed), ending at step 20 but for part:
     whole2  configs/gpu.yaml, 2 ranks, uninterrupted (and TIERED_TRACE set)
     whole1  configs/cpu.yaml, 1 rank, uninterrupted
@@ -66,32 +123,9 @@ def resumed(tmp_path_factory):
     same    configs/gpu.yaml, 2 ranks, --resume to 20 (another policy, same world size)
     other   configs/cpu.yaml, 1 rank, --resume to 20 with --save-every 5 (another world size)
     """
-    root = tmp_path_factory.mktemp("resume")
-    nvme = root / "nvme"
-    nvme.mkdir()
-    trace = root / "trace.json"
-    runs = {
-        "whole2": launch("--nproc-per-node", 2, "--policy", CONFIGS / "gpu.yaml", EXAMPLE,
-                         *SMALL, "--steps", 20, "--save-pretrained", root / "whole2",
-                         env=clean_env(TIERED_TRACE=str(trace))),
-        "whole1": launch("--policy", CONFIGS / "cpu.yaml", EXAMPLE, *SMALL, "--steps", 20,
-                         "--save-pretrained", root / "whole1"),
-        "part": launch("--nproc-per-node", 2, "--nvme", nvme, "--policy", CONFIGS / "nvme.yaml",
-                       EXAMPLE, *SMALL, "--steps", 7, "--checkpoint", root / "ck",
-                       "--save-every", 7),
-    }
-    done = {name: finish_ok(process) for name, process in runs.items()}
-    shutil.copytree(root / "ck", root / "ck-other")
-    runs = {
-        "same": launch("--nproc-per-node", 2, "--policy", CONFIGS / "gpu.yaml", EXAMPLE, *SMALL,
-                       "--steps", 20, "--checkpoint", root / "ck", "--resume",
-                       "--save-pretrained", root / "same"),
-        "other": launch("--policy", CONFIGS / "cpu.yaml", EXAMPLE, *SMALL, "--steps", 20,
-                        "--checkpoint", root / "ck-other", "--resume", "--save-every", 5,
-                        "--save-pretrained", root / "other"),
-    }
-    done.update({name: finish_ok(process) for name, process in runs.items()})
-    return root, nvme, done
+    root, runs = launched
+    done = {name: runs[name].result() for name in ("whole2", "whole1", "part", "same", "other")}
+    return root / "resume", root / "resume" / "nvme", done
 
 
 def test_resume_under_another_policy_continues_bit_for_bit(resumed):
@@ -132,22 +166,22 @@ def test_tiered_trace_from_a_launched_two_rank_run_is_a_chrome_trace_per_rank(re
         assert {"compute", "cpu", "setup"} <= {e["cat"] for e in events}
 
 
-def test_lora_export_at_two_ranks_imports_at_one_rank_unchanged(tmp_path):
-    """--lora then --save-pretrained (NVMe, 2 ranks), then --init-from with --lora at 1 rank
-    under configs/cpu.yaml and no step: exported again, the same bytes (adapters included)."""
-    nvme = tmp_path / "nvme"
-    nvme.mkdir()
-    first = finish_ok(launch("--nproc-per-node", 2, "--nvme", nvme, "--policy",
-                             CONFIGS / "nvme.yaml", EXAMPLE, *SMALL, "--steps", 5, "--lora", 4,
-                             "--save-pretrained", tmp_path / "a"))
+@pytest.fixture(scope="module")
+def lora_exported(launched):
+    """--lora then --save-pretrained (NVMe, 2 ranks) into a/, then --init-from a/ with --lora
+    at 1 rank under configs/cpu.yaml and no step, saved again into b/."""
+    root, runs = launched
+    return root / "lora", runs["lora"].result(), runs["lora-again"].result()
+
+
+def test_lora_export_at_two_ranks_imports_at_one_rank_unchanged(lora_exported):
+    """Exported again, the same bytes (adapters included)."""
+    folder, first, again = lora_exported
     assert re.search(r"\(0\.\d+ M trained\)", first.stdout), first.stdout
-    again = finish_ok(launch("--policy", CONFIGS / "cpu.yaml", EXAMPLE, *SMALL, "--steps", 0,
-                             "--lora", 4, "--init-from", tmp_path / "a",
-                             "--save-pretrained", tmp_path / "b"))
     assert "warning" not in again.stderr.lower(), again.stderr  # the adapters were there too
-    assert file_bytes(tmp_path / "a" / "model.safetensors") == \
-        file_bytes(tmp_path / "b" / "model.safetensors")
-    assert os.listdir(nvme) == []
+    assert file_bytes(folder / "a" / "model.safetensors") == \
+        file_bytes(folder / "b" / "model.safetensors")
+    assert os.listdir(folder / "nvme") == []
 
 
 # -- an interrupted run ----------------------------------------------------------------------
