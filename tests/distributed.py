@@ -39,12 +39,13 @@ def run_ranks(world_size: int, fn, *args) -> None:
     """``fn(rank, world_size, *args)`` on each rank; raises if any rank fails. ``fn`` must be
     importable (a module-level function) and report results through files.
 
-    Ranks fork from a server process that imported torch and tiered once (multiprocessing's
-    forkserver), instead of each importing them anew (spawn: 2-4 s a rank on the CI machine,
-    two thirds of a multi-rank test). The server itself runs no torch work, so no thread pool
-    or process group is forked into a rank."""
+    Ranks fork from a server process that imported torch, torch._dynamo (which the CPU worker
+    imports: 5 s a rank here) and tiered once (multiprocessing's forkserver), instead of each
+    importing them anew (spawn: 2-4 s a rank on the CI machine, two thirds of a multi-rank
+    test). The server itself runs no torch work (importing dynamo starts no thread), so no
+    thread pool or process group is forked into a rank."""
     mp.start_processes(_entry, args=(world_size, _free_port(), dict(os.environ), fn, args),
                        nprocs=world_size, join=True, start_method="forkserver")
 
 
-mp.set_forkserver_preload(["torch", "tiered", "distributed"])
+mp.set_forkserver_preload(["torch", "torch._dynamo", "tiered", "distributed"])
