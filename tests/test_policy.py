@@ -16,6 +16,7 @@ import yaml
 from torch import nn
 
 import tiered
+from tiered.cli import main as tiered_cli
 from tiered.policy import (POLICY_ENV, ComputeDtype, NvmePolicy, OptimizerPolicy, ParamsPolicy,
                            Policy, Tier, TracePolicy, resolve)
 from tiered.sizes import parse_size
@@ -590,3 +591,29 @@ def test_a_reserve_without_tier_auto_is_refused_by_name():
     setting that silently does nothing."""
     message = policy_error({"hbm": {"reserve": "1GiB"}})
     assert "hbm.reserve" in message and "tier: auto" in message
+
+
+def test_every_error_of_a_file_is_reported_at_once_with_the_nearest_key(tmp_path):
+    """A user fixes a policy in one pass, not one error a run: each unknown key, with the
+    allowed key nearest to it, and each value that does not parse, a line each, in file order;
+    exit 2 from ``tiered check-policy``."""
+    path = write(tmp_path / "typos.yaml", "optimzer: {lr: 1e-3}\nparams: {tier: dramm}\n"
+                                          "dram: {budget: lots, spil: nvme}\n")
+    with pytest.raises(tiered.PolicyError) as info:
+        resolve(str(path))
+    lines = str(info.value).splitlines()
+    assert lines[0] == "4 errors:"
+    assert lines[1].startswith(f"{path}: unknown key 'optimzer'; did you mean 'optimizer'? "
+                               f"allowed here: compute_dtype, device, params")
+    assert lines[2] == f"{path}: params.tier is 'dramm'; allowed: hbm | dram | nvme | auto"
+    assert lines[3].startswith(f"{path}: dram.budget: expected a byte size")
+    assert lines[4] == (f"{path}: unknown key 'dram.spil'; did you mean 'spill'? allowed here: "
+                        f"budget, spill, huge_pages")
+    assert tiered_cli(["check-policy", str(path)]) == 2
+
+
+def test_an_unknown_key_with_nothing_near_lists_what_is_allowed(tmp_path):
+    path = write(tmp_path / "far.yaml", "optimizer: {zzzz: 1}\n")
+    with pytest.raises(tiered.PolicyError, match=r"unknown key 'optimizer.zzzz'; allowed here: "
+                                                 r"tier, lr, betas"):
+        resolve(str(path))

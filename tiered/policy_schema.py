@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import enum
 import typing
 from typing import Any, Mapping
@@ -69,24 +70,43 @@ def merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, An
 
 def build(cls, data: Any, key_path: str, source: str):
     """An instance of the section class ``cls`` from the mapping ``data`` found at ``key_path`` of
-    ``source``: unknown keys, values that do not parse and the class's own checks are each a
-    PolicyError naming the source and the key."""
+    ``source``: unknown keys (with the nearest allowed one), values that do not parse and the
+    class's own checks are each a PolicyError naming the source and the key, every one found
+    raised at once, a line each (a user fixes them all in one pass, not one a run)."""
     if not isinstance(data, Mapping):
         raise PolicyError(f"{source}: {key_path or 'the top level'} must be a mapping, got {data!r}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = [k for k in data if k not in fields]
-    if unknown:
-        shown = f"{key_path}.{unknown[0]}" if key_path else str(unknown[0])
-        raise PolicyError(f"{source}: unknown key {shown!r}; allowed here: {', '.join(fields)}")
-    values = {}
+    errors, values = [], {}
     for name, value in data.items():
-        f = fields[name]
-        child_path = f"{key_path}.{name}" if key_path else name
-        values[name] = _convert(f, value, child_path, source)
+        child_path = f"{key_path}.{name}" if key_path else str(name)
+        if name not in fields:
+            near = difflib.get_close_matches(str(name), fields, n=1)
+            hint = f" did you mean {near[0]!r}?" if near else ""
+            errors.append(f"{source}: unknown key {child_path!r};{hint} allowed here: "
+                          f"{', '.join(fields)}")
+            continue
+        try:
+            values[name] = _convert(fields[name], value, child_path, source)
+        except _Errors as e:
+            errors.extend(e.lines)
+        except PolicyError as e:
+            errors.append(str(e))
+    if len(errors) > 1 and not key_path:
+        raise PolicyError(f"{len(errors)} errors:\n" + "\n".join(errors))
+    if errors:
+        raise _Errors(errors)
     try:
         return cls(**values)
     except (ValueError, TypeError) as e:
         raise PolicyError(f"{source}: {key_path + ': ' if key_path else ''}{e}") from None
+
+
+class _Errors(PolicyError):
+    """What a section found, a line each: its enclosing sections add theirs."""
+
+    def __init__(self, lines: list[str]):
+        super().__init__("\n".join(lines))
+        self.lines = lines
 
 
 def _convert(f: dataclasses.Field, value: Any, key_path: str, source: str):
