@@ -146,8 +146,13 @@ def test_a_hangup_or_ctrl_c_stops_the_ranks_with_one_line(stopped, name):
     # The launcher's lines: its own, and torch's log (whose lines about the stop it drops).
     said = [line for line in run.result.stderr.splitlines()
             if line.startswith("tiered-launch") or TORCH_LOG_LINE.match(line + "\n")]
-    assert said == [f"tiered-launch: stopped by {name}; the ranks were stopped with it"], \
+    # Its job's name at start; after the stop, until when the service keeps the job and the
+    # command that goes on from it (tests/test_user_flows.py checks that command).
+    assert len(said) == 3 and re.fullmatch(r"tiered-launch: job job-[0-9a-f]{8}", said[0]), \
         run.result.stderr[-3000:]
+    assert said[1] == f"tiered-launch: stopped by {name}; the ranks were stopped with it"
+    assert said[2].startswith(f"tiered-launch: the node's service keeps job {said[0][19:]} "
+                              f"until "), said[2]
     assert run.alive == []
     assert left_behind(run.nvme) == []
 

@@ -22,6 +22,7 @@ import torch
 
 from helpers import (CONFIGS, EXAMPLE, REPO, SMALL, clean_env, finish, train_reference,
                      write_policy)
+from tiered.launch import _job_name, _parser
 from tiered.launch import main as tiered_launch
 from tiered.liveness import is_held
 from tiered.policy import Policy
@@ -257,3 +258,16 @@ def test_a_rank_the_services_pool_cannot_hold_is_refused_in_one_line(folder, tmp
     assert len(refusal) == 1, run.stderr
     assert "the service's DRAM pool cannot hold" in refusal[0]
     assert "start the service with a larger --dram, or lower dram.budget" in refusal[0]
+
+
+def test_the_launchers_of_a_multi_node_job_name_it_alike():
+    """Without --job or a rendezvous id, each node's launcher derives the same name from the
+    rendezvous endpoint and the script; one node's is new each time."""
+    def name(*flags: str) -> str:
+        return _job_name(_parser().parse_args([*flags, "train.py"]))
+    nodes = [name("--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", "host:29400")
+             for rank in (0, 1)]
+    assert nodes[0] == nodes[1] and re.fullmatch(r"job-[0-9a-f]{8}", nodes[0])
+    assert name("--nnodes", "2", "--rdzv-endpoint", "other:29400") != nodes[0]
+    assert name("--rdzv-id", "run-7") == "run-7"
+    assert name() != name()

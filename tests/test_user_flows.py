@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -353,3 +354,18 @@ def test_bench_io_labels_the_single_stream_with_the_request_it_made(tmp_path):
     assert parse_size(label_size) == single["block_size"], single
     assert single["label"] in result.stdout
     assert os.listdir(tmp_path) == []
+
+
+def test_an_interrupted_launcher_names_its_job_and_the_command_that_goes_on_from_it(
+        interrupted):
+    """At start the launcher names the job; stopped, it says until when the node's service
+    keeps it and the command that goes on from it: the same, with its --job (a relaunch of a
+    kept job: tests/test_reattach.py)."""
+    _, _, _, _, _, result = interrupted
+    job = re.search(r"^tiered-launch: job (job-[0-9a-f]{8})$", result.stderr, re.M)
+    assert job, result.stderr[-3000:]
+    keeps = re.search(rf"^tiered-launch: the node's service keeps job {job[1]} until "
+                      rf"\d\d:\d\d:\d\d; go on from it with: (.*)$", result.stderr, re.M)
+    assert keeps, result.stderr[-3000:]
+    assert shlex.split(keeps[1]) == ["tiered-launch", "--job", job[1],
+                                     *map(str, result.args[3:])]

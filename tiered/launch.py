@@ -18,13 +18,16 @@ tiered-launch exits 128 + the signal with one line saying so.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import re
 import secrets
+import shlex
 import signal
 import sys
+import time
 
 from .engine.engine import LAUNCHED_ENV
 from .errors import NvmeError, TieredError, UsageError
@@ -231,7 +234,25 @@ def main(argv: list[str] | None = None) -> int:
         raise
     if hold is not None:
         hold.end(clean=code == 0)
+        if code - 128 in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            _say_how_to_go_on(hold.job, sys.argv[1:] if argv is None else argv)
     return code
+
+
+def _say_how_to_go_on(job: str, argv: list[str]) -> None:
+    """After a stop: until when the node's service keeps the job, and the command that goes on
+    from it (the same, with its --job)."""
+    from .service import service_status
+
+    try:
+        keep = service_status()["keep_seconds"]
+    except TieredError:  # the service is gone: nothing of the job is kept
+        return
+    if "--job" not in argv and not any(arg.startswith("--job=") for arg in argv):
+        argv = ["--job", job, *argv]
+    until = time.strftime("%H:%M:%S", time.localtime(time.time() + keep))
+    print(f"tiered-launch: the node's service keeps job {job} until {until}; go on from it "
+          f"with: {shlex.join(['tiered-launch', *argv])}", file=sys.stderr)
 
 
 def _hold_job_at_the_service(args):
@@ -240,7 +261,7 @@ def _hold_job_at_the_service(args):
     from .service import JobHold, ensure_service, service_paths
     from .service.client import JOB_ENV, SERVICE_ENV
 
-    job = args.job or (args.rdzv_id if args.rdzv_id != "none" else f"job-{secrets.token_hex(4)}")
+    job = args.job or _job_name(args)
     folder = service_paths().folder
     _, started = ensure_service(folder, keep_seconds=args.keep_failed, until_idle=True)
     if not started and args.keep_failed is not None:
@@ -250,11 +271,24 @@ def _hold_job_at_the_service(args):
     one_node = args.nnodes in ("1", "1:1")  # else the world size is known once they meet
     world = _ranks_per_node(args.nproc_per_node) if one_node else None
     hold = JobHold(folder, job, fresh=args.fresh, world=world)
+    print(f"tiered-launch: job {job}", file=sys.stderr)
     if hold.note:
         print(f"tiered-launch: {hold.note}", file=sys.stderr)
     os.environ[SERVICE_ENV] = folder
     os.environ[JOB_ENV] = job
     return hold
+
+
+def _job_name(args) -> str:
+    """A job's name where --job gives none: the rendezvous id; else, on several nodes, one
+    every node derives alike (from the rendezvous endpoint and the script), so that their
+    launchers hold one job; on one node, a new one."""
+    if args.rdzv_id != "none":
+        return args.rdzv_id
+    if args.nnodes not in ("1", "1:1"):
+        shared = f"{args.rdzv_endpoint}\0{os.path.basename(args.training_script)}"
+        return f"job-{hashlib.sha256(shared.encode()).hexdigest()[:8]}"
+    return f"job-{secrets.token_hex(4)}"
 
 
 def _run(parser, args, policy: Policy, ranks: int) -> int:

@@ -130,6 +130,7 @@ class JobHold:
                  world: int | None = None):
         """``fresh``: a state the service kept of a failed run of ``job`` is freed, not taken
         over by this run's ranks; ``world``: its ranks, where known."""
+        self.job = job
         self.client = ServiceClient.connect(folder)
         try:
             reply, _ = self.client.request("hold", job=job, fresh=fresh, world=world,
