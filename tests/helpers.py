@@ -192,8 +192,8 @@ def write_policy(path: Path, base: str | None = None, **overrides) -> Path:
 
 
 def train_reference(policy: Policy) -> dict[str, torch.Tensor]:
-    """What the ranks of tests/scripts/launch_train.py together must compute: the same model, the whole batch, one process,
-    torch.optim.AdamW with the policy's settings."""
+    """What the ranks of tests/scripts/launch_train.py together must compute: the same model,
+    the whole batch, one process, torch.optim.AdamW with the policy's settings."""
     sys.path.insert(0, str(REPO / "tests" / "scripts"))
     try:
         import launch_train as spec

@@ -3,6 +3,7 @@ TrainingArguments of the parity runs, and the plain Trainer's side of them; for 
 DPOTrainer, a few preferences and the same arguments as a DPOConfig."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 transformers = __import__("pytest").importorskip("transformers")
@@ -30,7 +31,7 @@ def llama(**overrides) -> "transformers.LlamaForCausalLM":
 
 def lora(model):
     """``model`` with LoRA adapters on its attention's q and v (seeded draws)."""
-    peft = __import__("pytest").importorskip("peft")
+    peft = pytest.importorskip("peft")
     torch.manual_seed(1)
     return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8,
                                                       target_modules=["q_proj", "v_proj"]))

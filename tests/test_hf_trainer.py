@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from helpers_hf import (STEPS, arguments, assert_close_states, config, dataset, llama, step_logs,
-                        train_plain)
+from helpers_hf import (STEPS, arguments, assert_close_states, config, dataset, llama, lora,
+                        step_logs, train_plain)
 
 transformers = pytest.importorskip("transformers")
 
@@ -304,13 +304,6 @@ def test_trainer_arguments_it_cannot_honour_are_refused(tmp_path):
 
 
 # -- peft ------------------------------------------------------------------------------------------
-
-def lora(model):
-    peft = pytest.importorskip("peft")
-    torch.manual_seed(1)  # the adapters' draws
-    return peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8,
-                                                      target_modules=["q_proj", "v_proj"]))
-
 
 def test_lora_trains_as_plain_peft_and_saves_an_adapter_peft_loads(tmp_path):
     from peft import PeftModel
