@@ -1,13 +1,17 @@
 """trl's DPOTrainer through TieredTrainerMixin: the policy and its frozen reference model each in
 an engine of its own train as plain DPOTrainer does (the same losses, rewards and weights), in
 one process and under tiered-launch, where the node's service holds the two engines of the
-process as two jobs; what the engines cannot give a reference is refused by name."""
+process as two jobs; what the engines cannot give a reference is refused by name.
+
+The launch, mostly its processes' starts (importing torch, transformers, trl and tiered), runs
+beside the tests in this process (``launched``)."""
 from __future__ import annotations
 
 import json
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -31,6 +35,28 @@ less the reference's, so a reference computed wrongly shows here first."""
 
 class TieredDPOTrainer(TieredTrainerMixin, trl.DPOTrainer):
     pass
+
+
+LAUNCHED = "test_under_the_launcher_the_service_holds_the_two_engines_as_two_jobs"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def launched(request, tmp_path_factory):
+    """Where that test is selected, its launch, started as this module's first test starts and
+    waited for in a thread (as the test waited, with its timeout of 180 s): its folder and its
+    future (CompletedProcess)."""
+    if not any(getattr(item, "module", None) is request.module and item.name == LAUNCHED
+               for item in request.session.items):
+        yield None
+        return
+    out = tmp_path_factory.mktemp("dpo-launch") / "out"
+    out.mkdir()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tiered.launch", "--policy", str(CONFIGS / "cpu.yaml"),
+         "--job", "dpo", str(REPO / "tests" / "scripts" / "hf_dpo.py"), str(out)],
+        cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with ThreadPoolExecutor(max_workers=1) as pool:  # (its exit waits for the run)
+        yield out, pool.submit(finish, process, 180)
 
 
 def train_plain(model, args, **kwargs):
@@ -133,17 +159,12 @@ def test_what_the_engines_cannot_give_a_reference_is_refused_by_name(tmp_path, g
         assert all(p.requires_grad and torch.isfinite(p).all() for p in reference.parameters())
 
 
-def test_under_the_launcher_the_service_holds_the_two_engines_as_two_jobs(tmp_path):
+def test_under_the_launcher_the_service_holds_the_two_engines_as_two_jobs(tmp_path, launched):
     """One rank of tiered-launch (configs/cpu.yaml, fp32 from the arguments): the policy's and
     the reference's engines are jobs ``dpo`` and ``dpo#1`` at the node's service, and train as
     plain DPOTrainer in one process does."""
-    out = tmp_path / "out"
-    out.mkdir()
-    run = finish(subprocess.Popen(
-        [sys.executable, "-m", "tiered.launch", "--policy", str(CONFIGS / "cpu.yaml"),
-         "--job", "dpo", str(REPO / "tests" / "scripts" / "hf_dpo.py"), str(out)],
-        cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
-        timeout=180)
+    out, run = launched
+    run = run.result()
     assert run.returncode == 0, run.stderr[-3000:]
     seen = json.loads((out / "run.json").read_text())
     assert seen["jobs"] == ["dpo", "dpo#1"]

@@ -4,6 +4,10 @@ repository root, real policy files, real NVMe folders, real ranks over gloo on t
 Bad input must stop before any rank starts (exit 2, a one-line ``tiered-launch: error:`` naming
 the file, key or path, no traceback, nothing created under the NVMe path); a budget that cannot
 fit must fail inside ``tiered.initialize`` in the rank; a good run must train and clean up.
+
+A launch is mostly its processes' starts (importing torch and tiered), one core's work at a time:
+the selected tests' launches run side by side (``launched``), each test's in a folder of its own,
+but for the failing rank's, whose time is checked and which runs with nothing beside it.
 """
 from __future__ import annotations
 
@@ -12,7 +16,9 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -21,6 +27,8 @@ import torch
 from helpers import REPO, finish, left_behind, train_reference, write_policy
 from tiered.engine.engine import LAUNCHED_ENV
 from tiered.policy import POLICY_ENV, Policy
+from tiered.service import JobHold, ensure_service
+from tiered.service.paths import RUNTIME_ENV
 
 SCRIPTS = REPO / "tests" / "scripts"
 
@@ -55,46 +63,173 @@ def nvme(tmp_path) -> Path:
     return folder
 
 
+# -- the launches, side by side ------------------------------------------------------------------
+
+AT_ONCE = 6
+"""The launches ``launched`` runs at once: on 2 cores, more only wait for a core (and finish all
+together, late), fewer leave one idle while a launch waits on its ranks' rendezvous."""
+
+
+def beside(arguments, service: bool = True):
+    """Mark a test whose launch is ``tiered-launch arguments(where, **params)`` (``where``: a
+    folder of the test's own, with an empty ``nvme`` folder in it, as tmp_path and the nvme
+    fixture were; ``params``: the test's parameters): ``launched`` runs it beside the other
+    selected tests' launches. ``service``: it gets as far as holding its job at the node's
+    service (refused input does not)."""
+    def mark(test):
+        test.launch_arguments, test.launch_holds = arguments, service
+        return test
+    return mark
+
+
+class Launched:
+    """Each launch started by ``launched``: its future (CompletedProcess), by test name or key."""
+
+    def __init__(self):
+        self.runs: dict = {}
+        self.folders: dict[str, Path] = {}
+        """Each test's folder (``where``), by test name."""
+        self.hold: JobHold | None = None
+        self._settling = threading.Lock()
+
+    def settle(self) -> None:
+        """Wait until every launch has ended; then let go of the session's service."""
+        with self._settling:
+            for run in self.runs.values():
+                run.exception()
+            if self.hold is not None:
+                self.hold.end(clean=True)
+                self.hold = None
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory):
+    """The launches of the selected tests here (``beside``, and ``refused``'s commands), AT_ONCE
+    at a time, each started and waited for in a thread of its own.
+
+    Those that get to the node's service share the session's (as the tests' launches always
+    did); a launcher finds it running, or starts one that exits once its jobs are gone. A job of
+    this process holds it meanwhile: run side by side, a launcher must not find the service as it
+    exits because the jobs of the others it was serving have just ended."""
+    items = [item for item in request.session.items
+             if getattr(item, "module", None) is request.module]
+    marked = [item for item in items
+              if hasattr(getattr(item, "function", None), "launch_arguments")]
+    flags = any("refused" in getattr(item, "fixturenames", ()) for item in items)
+    root = tmp_path_factory.mktemp("launched")
+    done = Launched()
+    pool = ThreadPoolExecutor(max_workers=AT_ONCE)
+    try:
+        # (torchrun refuses the bad flags after the launcher has held its job)
+        if flags or any(item.function.launch_holds for item in marked):
+            folder = os.environ[RUNTIME_ENV]
+            ensure_service(folder, until_idle=True)  # as a launcher would start it
+            done.hold = JobHold(folder, f"test-launch-{os.getpid()}")
+        # The longer launches (those that start ranks) first, the refused ones after them.
+        for number, item in enumerate(sorted(marked, key=lambda item: not
+                                             item.function.launch_holds)):
+            where = root / str(number)
+            (where / "nvme").mkdir(parents=True)
+            params = item.callspec.params if hasattr(item, "callspec") else {}
+            arguments = item.function.launch_arguments(where, **params)
+            done.folders[item.name] = where
+            done.runs[item.name] = pool.submit(launch, *arguments)
+        if flags:
+            folder = request.getfixturevalue("flags_folder")
+            for key, command in refused_commands(folder).items():
+                done.runs[key] = pool.submit(lambda command: finish(start(*command)), command)
+        threading.Thread(target=done.settle, daemon=True).start()
+        yield done
+    finally:
+        pool.shutdown(wait=True)  # each launch ends within its timeout
+        done.settle()
+
+
+@pytest.fixture
+def ran(request, launched) -> tuple[Path, subprocess.CompletedProcess]:
+    """This test's folder (``where``) and its launch (``beside``)."""
+    return launched.folders[request.node.name], launched.runs[request.node.name].result()
+
+
+@pytest.fixture
+def alone(launched):
+    """No launch of the other tests runs beside this one."""
+    launched.settle()
+
+
 # -- bad input: refused before any rank starts ---------------------------------------------------
 
-def test_malformed_yaml_policy_is_refused(tmp_path, nvme):
-    policy = tmp_path / "bad.yaml"
+def malformed_yaml(where: Path):
+    policy = where / "bad.yaml"
     policy.write_text("compute_dtype: bf16\nparams: {tier: nvme\noptimizer: {tier: nvme}\n")
-    result = launch("--nvme", nvme, "--policy", policy, SCRIPTS / "launch_train.py", tmp_path)
+    return "--nvme", where / "nvme", "--policy", policy, SCRIPTS / "launch_train.py", where
+
+
+@beside(malformed_yaml, service=False)
+def test_malformed_yaml_policy_is_refused(ran):
+    tmp_path, result = ran
+    nvme, policy = tmp_path / "nvme", tmp_path / "bad.yaml"
     assert_refused(result, str(policy), "malformed YAML at line")
     assert os.listdir(nvme) == []
 
 
-def test_unknown_policy_key_is_refused(tmp_path, nvme):
-    policy = write_policy(tmp_path / "typo.yaml", "nvme", optimizer={"lrr": 1e-3})
-    result = launch("--nvme", nvme, "--policy", policy, SCRIPTS / "launch_train.py", tmp_path)
+def unknown_key(where: Path):
+    policy = write_policy(where / "typo.yaml", "nvme", optimizer={"lrr": 1e-3})
+    return "--nvme", where / "nvme", "--policy", policy, SCRIPTS / "launch_train.py", where
+
+
+@beside(unknown_key, service=False)
+def test_unknown_policy_key_is_refused(ran):
+    tmp_path, result = ran
+    nvme, policy = tmp_path / "nvme", tmp_path / "typo.yaml"
     assert_refused(result, str(policy), "optimizer.lrr", "allowed here: tier, lr")
     assert os.listdir(nvme) == []
 
 
-def test_bad_tier_is_refused(tmp_path, nvme):
-    policy = write_policy(tmp_path / "tier.yaml", "nvme", params={"tier": "ssd"})
-    result = launch("--nvme", nvme, "--policy", policy, SCRIPTS / "launch_train.py", tmp_path)
+def bad_tier(where: Path):
+    policy = write_policy(where / "tier.yaml", "nvme", params={"tier": "ssd"})
+    return "--nvme", where / "nvme", "--policy", policy, SCRIPTS / "launch_train.py", where
+
+
+@beside(bad_tier, service=False)
+def test_bad_tier_is_refused(ran):
+    tmp_path, result = ran
+    nvme, policy = tmp_path / "nvme", tmp_path / "tier.yaml"
     assert_refused(result, str(policy), "params.tier", "'ssd'", "hbm | dram | nvme")
     assert os.listdir(nvme) == []
 
 
-def test_missing_nvme_folder_is_refused(tmp_path):
+def missing_nvme(where: Path):
+    return ("--nvme", where / "no-such-nvme", "--policy", "configs/nvme.yaml",
+            SCRIPTS / "launch_train.py", where)
+
+
+@beside(missing_nvme, service=False)
+def test_missing_nvme_folder_is_refused(ran):
+    tmp_path, result = ran
     missing = tmp_path / "no-such-nvme"
-    result = launch("--nvme", missing, "--policy", "configs/nvme.yaml",
-                    SCRIPTS / "launch_train.py", tmp_path)
     assert_refused(result, f"NVMe path {missing} does not exist")
     assert not missing.exists()
 
 
-def test_nvme_policy_without_a_path_is_refused(tmp_path):
-    result = launch("--policy", "configs/nvme.yaml", SCRIPTS / "launch_train.py", tmp_path)
+def no_nvme_path(where: Path):
+    return "--policy", "configs/nvme.yaml", SCRIPTS / "launch_train.py", where
+
+
+@beside(no_nvme_path, service=False)
+def test_nvme_policy_without_a_path_is_refused(ran):
+    _, result = ran
     assert_refused(result, "configs/nvme.yaml", "nvme.path is required", "--nvme")
 
 
-def test_missing_training_script_is_refused(tmp_path, nvme):
-    script = tmp_path / "no_such_train.py"
-    result = launch("--nvme", nvme, "--policy", "configs/nvme.yaml", script)
+def missing_script(where: Path):
+    return "--nvme", where / "nvme", "--policy", "configs/nvme.yaml", where / "no_such_train.py"
+
+
+@beside(missing_script, service=False)
+def test_missing_training_script_is_refused(ran):
+    tmp_path, result = ran
+    nvme, script = tmp_path / "nvme", tmp_path / "no_such_train.py"
     assert_refused(result, f"training script {script} does not exist")
     assert os.listdir(nvme) == []
 
@@ -121,16 +256,21 @@ def flags_folder(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("flags")
 
 
-@pytest.fixture(scope="module")
-def refused(flags_folder) -> dict[tuple[str, str], subprocess.CompletedProcess]:
-    """The command line of each bad flag above (by flag and value), run side by side: each
-    spends a second or more starting Python and torch, mostly on one core."""
+def refused_commands(flags_folder: Path) -> dict[tuple[str, str], tuple]:
+    """The command line of each bad flag above (by flag and value): ``start``'s arguments."""
     commands = {(flag, value): ("tiered.launch", flag, value, SCRIPTS / "launch_train.py",
                                 flags_folder) for flag, value, _ in BAD_LAUNCH_FLAGS}
     commands.update({(flag, "0"): ("tiered.cli", "bench-io", "--nvme", flags_folder, flag, "0")
                      for flag in BENCH_SIZE_FLAGS})
-    started = {key: start(*command) for key, command in commands.items()}
-    return {key: finish(process) for key, process in started.items()}
+    return commands
+
+
+@pytest.fixture(scope="module")
+def refused(launched, flags_folder) -> dict[tuple[str, str], subprocess.CompletedProcess]:
+    """What each bad flag's command line (refused_commands) did, run side by side with the
+    other launches (``launched``): each spends a second or more starting Python and torch,
+    mostly on one core."""
+    return {key: launched.runs[key].result() for key in refused_commands(flags_folder)}
 
 
 @pytest.mark.parametrize("flag, value, fragment", BAD_LAUNCH_FLAGS,
@@ -156,11 +296,16 @@ def test_bench_io_refuses_a_size_of_zero(refused, flags_folder, flag):
     assert os.listdir(flags_folder) == []
 
 
-def test_nvme_path_of_a_policy_without_nvme_is_warned_of_and_the_run_goes_on(tmp_path):
-    missing = tmp_path / "no-such-nvme"
-    script = tmp_path / "hello.py"
+def nvme_not_used(where: Path):
+    script = where / "hello.py"
     script.write_text("print('the script ran')\n")
-    result = launch("--nvme", missing, "--policy", "configs/cpu.yaml", script)
+    return "--nvme", where / "no-such-nvme", "--policy", "configs/cpu.yaml", script
+
+
+@beside(nvme_not_used)
+def test_nvme_path_of_a_policy_without_nvme_is_warned_of_and_the_run_goes_on(ran):
+    tmp_path, result = ran
+    missing = tmp_path / "no-such-nvme"
     assert result.returncode == 0, result.stderr
     assert "the script ran" in result.stdout
     warnings = [line for line in result.stderr.splitlines() if "warning" in line]
@@ -172,16 +317,22 @@ def test_nvme_path_of_a_policy_without_nvme_is_warned_of_and_the_run_goes_on(tmp
 
 # -- a budget that cannot fit: BudgetError in the rank ---------------------------------------------
 
+def tight_budget(where: Path, base: str, tier: str, budget: dict):
+    policy = write_policy(where / "tight.yaml", base, compute_dtype="fp32", **budget)
+    out = where / "out"
+    out.mkdir()
+    return "--nvme", where / "nvme", "--policy", policy, SCRIPTS / "launch_train.py", out
+
+
 @pytest.mark.parametrize("base, tier, budget", [
     ("cpu", "dram", {"dram": {"budget": 4096}}),
     ("nvme", "dram", {"dram": {"budget": 4096}}),
     ("nvme", "nvme", {"nvme": {"budget": "8KiB"}}),
 ], ids=["cpu-dram", "nvme-dram", "nvme-nvme"])
-def test_budget_that_cannot_fit_fails_in_initialize(tmp_path, nvme, base, tier, budget):
-    policy = write_policy(tmp_path / "tight.yaml", base, compute_dtype="fp32", **budget)
-    out = tmp_path / "out"
-    out.mkdir()
-    result = launch("--nvme", nvme, "--policy", policy, SCRIPTS / "launch_train.py", out)
+@beside(tight_budget)
+def test_budget_that_cannot_fit_fails_in_initialize(ran, base, tier, budget):
+    tmp_path, result = ran
+    nvme, policy, out = tmp_path / "nvme", tmp_path / "tight.yaml", tmp_path / "out"
     assert result.returncode != 0
     # The rank's refusal in one line, no traceback: BudgetError from tiered.initialize.
     assert "Traceback" not in result.stderr, result.stderr
@@ -201,18 +352,24 @@ def test_budget_that_cannot_fit_fails_in_initialize(tmp_path, nvme, base, tier, 
 
 # -- good runs -----------------------------------------------------------------------------------
 
-def test_two_ranks_on_cpu_train_to_equal_weights_and_clean_up(tmp_path, nvme):
+def two_ranks(where: Path):
     # fp32 so a single-process torch run is a reference to 1e-5. eps of the order of the
     # gradients breaks Adam's invariance to the gradient's scale, so a sum over ranks instead
     # of the mean would show; the other non-defaults show that the launcher's policy reached the
     # optimizer (each alone moves some weight by > 5e-3, against 2.4e-7 of rounding measured).
-    policy_file = write_policy(tmp_path / "train.yaml", "nvme", compute_dtype="fp32", device="cpu",
+    policy_file = write_policy(where / "train.yaml", "nvme", compute_dtype="fp32", device="cpu",
                                optimizer={"lr": 1e-2, "betas": [0.8, 0.99], "eps": 1e-3,
                                           "weight_decay": 0.1})
-    out = tmp_path / "out"
+    out = where / "out"
     out.mkdir()
-    result = launch("--nproc-per-node", 2, "--nvme", nvme, "--policy", policy_file,
-                    SCRIPTS / "launch_train.py", out)
+    return ("--nproc-per-node", 2, "--nvme", where / "nvme", "--policy", policy_file,
+            SCRIPTS / "launch_train.py", out)
+
+
+@beside(two_ranks)
+def test_two_ranks_on_cpu_train_to_equal_weights_and_clean_up(ran):
+    tmp_path, result = ran
+    nvme, policy_file, out = tmp_path / "nvme", tmp_path / "train.yaml", tmp_path / "out"
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
 
@@ -245,7 +402,8 @@ def test_two_ranks_on_cpu_train_to_equal_weights_and_clean_up(tmp_path, nvme):
     assert os.listdir(nvme) == []  # both ranks' run folders removed at a clean exit
 
 
-def test_failing_rank_stops_the_others_and_no_nvme_folder_is_left_but_the_kept_jobs(nvme):
+def test_failing_rank_stops_the_others_and_no_nvme_folder_is_left_but_the_kept_jobs(alone, nvme):
+    # Alone: its time is checked.
     start = time.monotonic()
     result = launch("--nproc-per-node", 2, "--nvme", nvme, "--policy", "configs/nvme.yaml",
                     SCRIPTS / "launch_fail_rank1.py")
@@ -259,9 +417,15 @@ def test_failing_rank_stops_the_others_and_no_nvme_folder_is_left_but_the_kept_j
     assert left_behind(nvme) == []
 
 
-def test_ranks_that_end_while_their_update_runs_exit_cleanly(nvme):
+def exit_after_step(where: Path):
+    return "--nproc-per-node", "2", SCRIPTS / "exit_after_step.py", where / "nvme"
+
+
+@beside(exit_after_step)
+def test_ranks_that_end_while_their_update_runs_exit_cleanly(ran):
     """Each rank's worker finishes its update, all-reduce of the norm included, before the
     process group goes at exit; then the NVMe folders go."""
-    result = launch("--nproc-per-node", "2", SCRIPTS / "exit_after_step.py", nvme)
+    tmp_path, result = ran
+    nvme = tmp_path / "nvme"
     assert result.returncode == 0, result.stderr[-3000:]
     assert os.listdir(nvme) == []
