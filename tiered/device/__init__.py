@@ -74,8 +74,6 @@ class Accelerator(Protocol):
     def record_stream(self, tensor: torch.Tensor, stream: StreamLike) -> None: ...
     def synchronize(self) -> None: ...
     def max_memory_allocated(self) -> int | None: ...
-    def host_reads(self, *tensors: torch.Tensor, what: str = "a host read") -> None: ...
-    def host_writes(self, *tensors: torch.Tensor, what: str = "a host write") -> None: ...
     def register_host_memory(self, slab: torch.Tensor) -> None: ...
     def unregister_host_memory(self, slab: torch.Tensor) -> None: ...
 
@@ -136,11 +134,6 @@ class CudaAccelerator:
     def max_memory_allocated(self) -> int:
         return torch.cuda.max_memory_allocated(self.device)
 
-    def host_reads(self, *tensors: torch.Tensor, what: str = "a host read") -> None:
-        pass  # the sanitizer of the box's check sees a GPU's accesses itself
-
-    host_writes = host_reads
-
     def register_host_memory(self, slab: torch.Tensor) -> None:
         """Page-lock ``slab`` (host memory) for the device's copies: what the driver alone can
         do, so the one call no simulation runs (the box's tests cover it). Raises MemoryError
@@ -186,11 +179,6 @@ class CpuAccelerator:
 
     def max_memory_allocated(self) -> None:
         return None
-
-    def host_reads(self, *tensors: torch.Tensor, what: str = "a host read") -> None:
-        pass
-
-    host_writes = host_reads
 
     def register_host_memory(self, slab: torch.Tensor) -> None:
         pass  # the device's memory is the host's
