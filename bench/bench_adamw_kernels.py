@@ -26,10 +26,10 @@ import time
 
 import torch
 
+from tiered.core.report import format_table
 from tiered.optim import compact
 from tiered.optim.adamw import AdamWHyper, OnePassAdamW, _one_pass_scalars, adamw_step
 from tiered.optim.workers import CpuWorker, optimizer_threads
-from tiered.report import format_table
 
 HYPER = AdamWHyper(1e-4, 0.9, 0.95, 1e-8, 0.1)
 

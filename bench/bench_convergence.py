@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(REPO, "examples"))
 
 from gpt import GPT, next_token_loss  # noqa: E402
 
-from tiered.report import format_table  # noqa: E402
+from tiered.core.report import format_table  # noqa: E402
 
 OPTIM = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 HELD_OUT = 0.05
@@ -123,7 +123,7 @@ def run(mode: str, args, train: list, held_out: list) -> dict:
 
 
 def _delayed(model: GPT, optimizer: torch.optim.Optimizer, warmup: int):
-    """Plain PyTorch under the delayed update's rule (tiered.policy.DelayedUpdatePolicy): after
+    """Plain PyTorch under the delayed update's rule (tiered.policy.config.DelayedUpdatePolicy): after
     ``warmup`` ordinary steps, step t's gradient is taken at the weights from before step t-1
     and applied to those after it. The forward runs a copy holding the weights it is due."""
     compute = copy.deepcopy(model)

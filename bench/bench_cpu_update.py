@@ -23,9 +23,9 @@ import time
 
 import torch
 
+from tiered.core.report import format_table
 from tiered.optim.adamw import AdamWHyper, OnePassAdamW
 from tiered.optim.workers import CpuWorker, optimizer_threads
-from tiered.report import format_table
 from tiered.tiers.dram import PinnedSlabSource, huge_page_bytes
 
 BYTES_PER_PARAM = 28

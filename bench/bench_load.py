@@ -35,8 +35,9 @@ from bench_offload import REPO, build_model  # the benchmark GPT (examples/ on t
 
 def write_weights(args, folder: str) -> int:
     """Write the model's weights as sharded safetensors (via tiered's export); returns bytes."""
-    import tiered
     import torch
+
+    import tiered
 
     with tiered.init(compute_dtype="fp32", device="cpu"):
         model = build_model(args)

@@ -234,7 +234,7 @@ def _measure(args, model, step, batch: int, flops_per_token: int) -> dict:
 
 
 def table(results: list[dict], baselines: list[str]) -> str:
-    from tiered.report import format_table  # here: the parent process imports no torch before
+    from tiered.core.report import format_table  # here: the parent process imports no torch before
 
     io = any("nvme_GB_per_step" in r for r in results)
     # The step the plan predicted from the node's rates and the last step's measured compute

@@ -35,8 +35,9 @@ JOB = "bench-reattach"
 
 
 def train_and_die(args) -> None:
-    import tiered
     import torch
+
+    import tiered
 
     with tiered.init(os.path.join(REPO, "configs", "cpu.yaml")):
         model = build_model(args)
@@ -61,7 +62,7 @@ def resume(args) -> None:
     if args.mode.startswith("checkpoint"):
         engine.load_checkpoint(args.dir)
     seconds = time.perf_counter() - start
-    head = [engine.manager.load(flat.spec.index, tiered.plan.StateKind.MASTER)[:4096].clone()
+    head = [engine.manager.load(flat.spec.index, tiered.placement.plan.StateKind.MASTER)[:4096].clone()
             for flat in engine.runtime.flats]
     print(json.dumps({"mode": args.mode, "seconds": seconds, "reattached": engine.reattached,
                       "steps_taken": optimizer.steps_taken,

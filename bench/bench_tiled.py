@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import tiered
-from tiered.sizes import format_size, parse_size
+from tiered.core.sizes import format_size, parse_size
 
 
 def time_fwd_bwd(layer: nn.Module, x: torch.Tensor, repeats: int = 20) -> float:

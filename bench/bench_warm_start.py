@@ -29,8 +29,9 @@ SPANS = {"allocate": "allocate tiers", "build": "build unit"}
 
 
 def start_up(args) -> None:
-    import tiered
     import torch
+
+    import tiered
 
     with tiered.init(os.path.join(REPO, "configs", "cpu.yaml")):
         model = build_model(args)

@@ -48,7 +48,7 @@ stage kernels 45 "${pytest[@]}" tests/test_kernels_isa.py -k "not two_ranks"
 stage sanitizer 60 env TORCH_CUDA_SANITIZER=1 "${pytest[@]}" tests/test_gpu.py \
     -k "fp32_matches_pytorch or bf16_matches_autocast"
 mkdir -p "$out/nvme"
-stage node 40 python3 -m tiered.cli node --json --remeasure --nvme "$out/nvme"
+stage node 40 python3 -m tiered.launch.cli node --json --remeasure --nvme "$out/nvme"
 step() {  # step NAME SECONDS MODE: one mode's step time at batch 8 (--warmup 3: see +dpu)
     # GPU_CHECK_MODEL (e.g. "--layers 2 --dim 256 --seq 128"): a smaller model, for a dry run
     # of this script on a CPU machine.

@@ -46,7 +46,7 @@ tiled)  # issue 5: throughput against nn.Linear, and a layer larger than a 2 GiB
         | tee -a "$out/tiled.log" ;;
 io)  # issue 4: the engine at its defaults against the sweep on this disk
     mkdir -p "$nvme"
-    python -m tiered.cli bench-io --nvme "$nvme" --size 4GiB --sweep-size 1GiB --repeats 3 2>&1 \
+    python -m tiered.launch.cli bench-io --nvme "$nvme" --size 4GiB --sweep-size 1GiB --repeats 3 2>&1 \
         | tee "$out/io.log" ;;
 nvme)  # issue 4: ZeRO-Infinity's placement (params and optimizer on NVMe), 2.78 B, batch 8; and
     # issue 18: the same with the files and the update in the node's service
@@ -103,8 +103,8 @@ auto)  # issue 20: tier: auto, batch 8: the 2.78 B GPT against the GPU-resident 
     # against FSDP2's CPU offload, one invocation each; first this node's rates, which the plan
     # in each result's "plan" reads (the predicted step against the measured one).
     mkdir -p "$nvme"  # the rates without the drive are those the engines below read
-    python -m tiered.cli node --json > "$out/node.json"
-    python -m tiered.cli node --nvme "$nvme" --json | tee "$out/node_nvme.json"
+    python -m tiered.launch.cli node --json > "$out/node.json"
+    python -m tiered.launch.cli node --nvme "$nvme" --json | tee "$out/node_nvme.json"
     python bench/bench_offload.py --batches 8 --steps 7 --warmup 3 --out "$out/auto.json" \
         --modes gpu,tiered:cpu+dpu,tiered:auto,tiered:auto+dpu 2>&1 \
         | grep -v -e Warning -e _conversion | tee "$out/auto.log"
@@ -116,7 +116,7 @@ auto)  # issue 20: tier: auto, batch 8: the 2.78 B GPT against the GPU-resident 
 replan)  # issue 20: the re-plan after step 1. The 6.5 B GPT at batch 2 under auto.yaml with the
     # default reserve (a quarter of the budget, 20 GiB) keeps 17 units on the device; its
     # activations (8 GiB) leave room for 19, which the first step measures and moves.
-    python -m tiered.cli node --json > "$out/node.json"
+    python -m tiered.launch.cli node --json > "$out/node.json"
     python bench/bench_offload.py --layers 32 --dim 4096 --batches 2 --steps 6 --warmup 3 \
         --out "$out/replan.json" --modes tiered:auto+dpu 2>&1 \
         | grep -v -e Warning -e _conversion | tee "$out/replan.log" ;;

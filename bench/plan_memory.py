@@ -14,7 +14,6 @@ import argparse
 import os
 
 import torch
-
 from bench_offload import build_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -22,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def plan_row(label: str, model, policy) -> list[str]:
     from tiered.engine.build import flat_units, memory_plan
-    from tiered.policy import Tier
+    from tiered.policy.config import Tier
 
     flats = flat_units(model, policy, 0, 1, torch.device("cpu"))
     plan = memory_plan(policy, torch.device("cpu"), flats)
@@ -33,8 +32,8 @@ def plan_row(label: str, model, policy) -> list[str]:
 
 
 def main() -> None:
-    from tiered.policy import resolve
-    from tiered.report import format_table
+    from tiered.core.report import format_table
+    from tiered.policy.config import resolve
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=32)

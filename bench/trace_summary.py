@@ -17,7 +17,7 @@ import json
 import statistics
 from collections import defaultdict
 
-from tiered.report import format_table
+from tiered.core.report import format_table
 
 
 def covered_us(spans: list[tuple[float, float]]) -> float:

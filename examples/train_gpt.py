@@ -20,8 +20,9 @@ import sys
 import time
 from typing import NoReturn
 
-import tiered  # first: it quiets torch's warning about a missing numpy
 import torch
+
+import tiered  # first: it quiets torch's warning about a missing numpy
 from tiered.checkpoint import check_folder
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

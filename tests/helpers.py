@@ -16,11 +16,10 @@ import torch
 import yaml
 
 import tiered
-
 from tiered.engine.engine import LAUNCHED_ENV
-from tiered.tiers.aio import inject_faults
-from tiered.policy import POLICY_ENV, Policy
+from tiered.policy.config import POLICY_ENV, Policy
 from tiered.service.client import JOB_ENV, SERVICE_ENV
+from tiered.tiers.aio import inject_faults
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"

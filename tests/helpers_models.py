@@ -10,12 +10,12 @@ from __future__ import annotations
 from fnmatch import fnmatchcase
 
 import torch
+from gpt import GPT, LoRALinear, add_lora, next_token_loss
 from torch import nn
 
 import tiered
-from gpt import GPT, LoRALinear, add_lora, next_token_loss
 from tiered.optim.compact import FIRST_MOMENT, SECOND_MOMENT, read_moment
-from tiered.plan import StateKind
+from tiered.placement.plan import StateKind
 
 CODE_MAPS = {StateKind.EXP_AVG: FIRST_MOMENT, StateKind.EXP_AVG_SQ: SECOND_MOMENT}
 

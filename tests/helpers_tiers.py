@@ -6,12 +6,11 @@ import re
 
 import torch
 
+from tiered.core.sizes import align_up
 from tiered.device import CpuAccelerator
-from tiered.plan import StateKind
-from tiered.sizes import align_up
+from tiered.placement.plan import StateKind
 from tiered.tiers import DramTier, PinnedSlabSource
 from tiered.tiers.dram import BLOCK_ALIGN
-
 
 BLOCK = 4096
 EXTENT_NAME = re.compile(r"extent-\d{5}\.bin")

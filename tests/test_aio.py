@@ -15,13 +15,13 @@ import time
 
 import pytest
 import torch
+from gpt import GPT, next_token_loss
 
 import tiered
+from tiered.core.liveness import LOCK_NAME
+from tiered.core.sizes import align_up
 from tiered.device import CpuAccelerator
-from tiered.liveness import LOCK_NAME
-from gpt import GPT, next_token_loss
-from tiered.plan import OPTIMIZER_STATES, StateKind
-from tiered.sizes import align_up
+from tiered.placement.plan import OPTIMIZER_STATES, StateKind
 from tiered.tiers import DramTier, NvmeTier, PinnedSlabSource
 from tiered.tiers.aio import IoEngine, IoQueue, IoSettings, host_buffer, inject_faults
 from tiered.tiers.nvme import SPARE_EXTENTS
@@ -526,7 +526,7 @@ def test_a_failed_write_in_optimizer_step_keeps_the_last_good_state(tmp_path):
 # -- tiered bench-io ------------------------------------------------------------------------------
 
 def bench_io_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tiered.cli", "bench-io", *args],
+    return subprocess.run([sys.executable, "-m", "tiered.launch.cli", "bench-io", *args],
                           capture_output=True, text=True, timeout=300)
 
 

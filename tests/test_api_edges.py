@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
+from gpt import GPT, next_token_loss
+from helpers_models import SEQ, VOCAB, Block, Stack, batch, make_gpt, vectors
 from torch import nn
 
 import tiered
-from gpt import GPT, next_token_loss
-from helpers_models import SEQ, VOCAB, Block, Stack, batch, make_gpt, vectors
 from tiered.engine.flat import Residency
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

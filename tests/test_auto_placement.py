@@ -9,18 +9,17 @@ import os
 
 import pytest
 import torch
+from distributed import run_ranks
+from gpt import next_token_loss
+from helpers import REPO
+from helpers_delayed import assert_matches, reference, train_engine as train_delayed
+from helpers_models import OPTIM, assert_parity, make_model, run_engine, token_batches, train_torch
+from helpers_placement import AUTO, SUB_GROUP, auto_policy, mixed_budgets, placed
 
 import tiered
-from distributed import run_ranks
-from helpers import REPO
-from helpers_delayed import assert_matches, reference
-from helpers_delayed import train_engine as train_delayed
-from helpers_models import (OPTIM, assert_parity, make_model, run_engine, token_batches,
-                            train_torch)
-from helpers_placement import AUTO, SUB_GROUP, auto_policy, mixed_budgets, placed
-from gpt import next_token_loss
-from tiered.plan import OPTIMIZER_STATES, StateKind
-from tiered.policy import Policy
+from tiered.placement.plan import OPTIMIZER_STATES, StateKind
+from tiered.policy.config import Policy
+
 
 def mixed_engine(nvme: str, world: int = 1, **optimizer):
     engine, opt = tiered.initialize(

@@ -33,10 +33,10 @@ import os
 
 import pytest
 import torch
+from gpt import GPT, next_token_loss
 
 import tiered
-from gpt import GPT, next_token_loss
-from tiered.plan import StateKind
+from tiered.placement.plan import StateKind
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_YAML = os.path.join(REPO, "configs", "cpu.yaml")

@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import tiered
 from tiered.engine.build import flat_units, memory_plan
-from tiered.policy import Policy, Tier
+from tiered.policy.config import Policy, Tier
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_YAML = os.path.join(REPO, "configs", "cpu.yaml")

@@ -18,14 +18,14 @@ import os
 
 import pytest
 import torch
-from torch import nn
-
-from tiered.device import CpuAccelerator
-import tiered
 from distributed import run_ranks
 from gpt import GPT, add_lora, next_token_loss
-from tiered.policy import Policy, Tier
-from tiered.sizes import parse_size
+from torch import nn
+
+import tiered
+from tiered.core.sizes import parse_size
+from tiered.device import CpuAccelerator
+from tiered.policy.config import Policy, Tier
 from tiered.tiers import PinnedSlabSource
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -10,13 +10,13 @@ import time
 
 import pytest
 import torch
-
-import tiered
 from distributed import run_ranks
 from gpt import next_token_loss
 from helpers import REPO, mounted
 from helpers_checkpoint import engine_for, train
 from helpers_models import OPTIM, assert_parity, ddp_gradients, make_model, token_batches
+
+import tiered
 
 SCENARIOS = [(policy, delayed) for policy in ("cpu", "nvme") for delayed in (False, True)]
 
@@ -328,7 +328,7 @@ def test_writer_copies_non_contiguous_tensors_whole(tmp_path):
 
 
 def test_a_write_that_fails_between_pieces_keeps_the_old_version(tmp_path):
-    from tiered.plan import StateKind
+    from tiered.placement.plan import StateKind
 
     engine, _ = tiered.initialize(
         make_model(), "configs/nvme.yaml", compute_dtype="fp32", device="cpu",

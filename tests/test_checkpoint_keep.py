@@ -4,7 +4,6 @@ refused, and ``save_checkpoint(keep_last=N)`` removes the older ones, at one ran
 Real files on disk, a tiny model."""
 from __future__ import annotations
 
-import json
 import os
 import runpy
 import shutil
@@ -15,11 +14,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-import tiered
 from distributed import run_ranks
 from helpers import EXAMPLE, REPO, SMALL, assert_same, refused
 from helpers_checkpoint import small_engine, train_small
+
+import tiered
 
 LOCK = ".owner.lock"
 RANK0 = "rank00000.safetensors"

@@ -8,8 +8,8 @@ from __future__ import annotations
 import threading
 
 import pytest
-
 from helpers import dead_pid
+
 from tiered.service.commits import NotCommitted, StepCommits
 from tiered.service.jobs import Registry
 

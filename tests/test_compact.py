@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-
 from helpers import same_bits
+
 from tiered.optim import compact, native
 from tiered.optim.adamw import AdamWHyper, _one_pass_scalars
 from tiered.optim.compact import FIRST_MOMENT, QBLOCK, SECOND_MOMENT, Run

@@ -10,22 +10,22 @@ from fnmatch import fnmatchcase
 
 import pytest
 import torch
-
-import tiered
 from distributed import run_ranks
 from gpt import GPT, add_lora, next_token_loss
 from helpers import update_failing_with
 from helpers_models import (BATCH, CODE_MAPS, MICRO, OPTIM, assert_parity, batches, lora_model,
                             make_model, run_engine, shard_states, states_by_name, token_batches)
-from tiered.errors import PolicyError
-from tiered.moments_layout import packed_nbytes
+
+import tiered
+from tiered.core.errors import PolicyError
+from tiered.core.sizes import align_up
 from tiered.optim.adamw import AdamWHyper, _one_pass_scalars
 from tiered.optim.compact import (SECOND_MOMENT, Run, dequantize, quantize_into, random_bits,
                                   read_moment, reference_step, stream_key)
-from tiered.plan import StateKind
-from tiered.policy import Tier
-from tiered.sizes import align_up
+from tiered.placement.plan import StateKind
+from tiered.policy.config import Tier
 from tiered.tiers.dram import BLOCK_ALIGN
+from tiered.tiers.moments import packed_nbytes
 
 HYPER = AdamWHyper(OPTIM["lr"], *OPTIM["betas"], OPTIM["eps"], OPTIM["weight_decay"])
 MOMENTS = {"bf16": torch.bfloat16, "int8": torch.uint8}

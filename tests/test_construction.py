@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import tiered
-from tiered.engine.units import find_units
+from tiered.placement.units import find_units
 
 CPU_FP32 = dict(device="cpu", compute_dtype="fp32")
 

@@ -8,10 +8,10 @@ import copy
 
 import pytest
 import torch
-
 from gpt import GPT, next_token_loss
 from helpers_models import (SEQ, VOCAB, assert_parity, batch, fp32_engine, make_gpt,
                             reference_optimizer)
+
 from tiered.engine import hooks
 from tiered.engine.flat import Residency
 

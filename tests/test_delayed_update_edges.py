@@ -10,11 +10,11 @@ import time
 
 import pytest
 import torch
-
-import tiered
 from gpt import next_token_loss
 from helpers import REPO, run_with_deadline
 from helpers_models import GROUPS, OPTIM, SCHEDULES, make_model, token_batches, torch_groups
+
+import tiered
 from tiered.optim.stepper import UnitStepper
 
 STEPS = 7

@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-
 from helpers import CONFIGS, REPO, clean_env, finish
 from helpers_hf import (STEPS, assert_close_states, dpo_arguments, llama, lora, preferences,
                         step_logs)
@@ -23,8 +22,9 @@ from helpers_hf import (STEPS, assert_close_states, dpo_arguments, llama, lora, 
 trl = pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
-import tiered  # noqa: E402
 from finetune_hf import char_tokenizer  # noqa: E402  (examples/)
+
+import tiered  # noqa: E402
 from tiered.integrations.transformers import TieredTrainerMixin  # noqa: E402
 
 CPU = {"device": "cpu"}
@@ -52,7 +52,7 @@ def launched(request, tmp_path_factory):
     out = tmp_path_factory.mktemp("dpo-launch") / "out"
     out.mkdir()
     process = subprocess.Popen(
-        [sys.executable, "-m", "tiered.launch", "--policy", str(CONFIGS / "cpu.yaml"),
+        [sys.executable, "-m", "tiered.launch.launcher", "--policy", str(CONFIGS / "cpu.yaml"),
          "--job", "dpo", str(REPO / "tests" / "scripts" / "hf_dpo.py"), str(out)],
         cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     with ThreadPoolExecutor(max_workers=1) as pool:  # (its exit waits for the run)

@@ -8,12 +8,12 @@ import time
 
 import pytest
 import torch
-
-import tiered
 from gpt import next_token_loss
 from helpers import REPO, run_with_deadline
 from helpers_delayed import assert_matches, reference, train_engine
 from helpers_models import make_model, token_batches
+
+import tiered
 from tiered.optim.stepper import UnitStepper
 
 

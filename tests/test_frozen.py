@@ -9,8 +9,6 @@ import os
 
 import pytest
 import torch
-
-import tiered
 from distributed import run_ranks
 from gpt import GPT
 from helpers import REPO
@@ -18,6 +16,8 @@ from helpers_frozen import (assert_same_states, engine_for, frozen_model, is_fro
                             torch_changing_midway, train, train_reference)
 from helpers_models import (MICRO, OPTIM, assert_parity, assert_parity_on_host, batches,
                             torch_groups, train_torch)
+
+import tiered
 from tiered.engine.flat import Residency
 
 

@@ -8,13 +8,13 @@ import threading
 
 import pytest
 import torch
-
-import tiered
 from gpt import GPT, next_token_loss
 from helpers import REPO, run_with_deadline
 from helpers_models import OPTIM, SEQ, VOCAB, assert_parity, token_batches
-from tiered.errors import BudgetError
-from tiered.plan import GRAD_LANDING_SLOTS
+
+import tiered
+from tiered.core.errors import BudgetError
+from tiered.placement.plan import GRAD_LANDING_SLOTS
 
 
 def make_gpt() -> GPT:

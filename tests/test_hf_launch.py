@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import CONFIGS, REPO, clean_env, finish, left_behind
 from helpers_hf import arguments, assert_close_states, dataset, llama, train_plain
 
@@ -31,7 +30,7 @@ def launched(tmp_path: Path) -> subprocess.Popen:
     nvme.mkdir()
     out.mkdir()
     return subprocess.Popen(
-        [sys.executable, "-m", "tiered.launch", "--nvme", str(nvme), "--policy",
+        [sys.executable, "-m", "tiered.launch.launcher", "--nvme", str(nvme), "--policy",
          str(CONFIGS / "nvme.yaml"), "--nproc-per-node", "2",
          str(REPO / "tests" / "scripts" / "hf_train.py"), str(out)],
         cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

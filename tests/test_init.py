@@ -9,10 +9,10 @@ import sys
 
 import pytest
 import torch
+from gpt import GPT
 from torch import nn
 
 import tiered
-from gpt import GPT
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_FP32 = dict(device="cpu", compute_dtype="fp32")
@@ -141,7 +141,7 @@ def test_device_bytes_count_every_parameter_materialized_with_a_unit():
     units.split_large the head is a unit owning only the bias, but building it materializes the
     head module's every parameter, the tied weight too, and both are counted."""
     from tiered.engine.init import Materializer
-    from tiered.engine.units import find_units
+    from tiered.placement.units import find_units
 
     class Tied(nn.Module):
         def __init__(self):

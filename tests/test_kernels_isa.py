@@ -18,8 +18,8 @@ import sys
 
 import pytest
 import torch
-
 from helpers import REPO, clean_env, same_bits
+
 from tiered.optim import compact, native
 from tiered.optim.adamw import AdamWHyper, _one_pass_scalars
 from tiered.optim.compact import QBLOCK, Run

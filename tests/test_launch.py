@@ -1,4 +1,4 @@
-"""``tiered-launch`` as a user runs it: a real subprocess (``python -m tiered.launch``) from the
+"""``tiered-launch`` as a user runs it: a real subprocess (``python -m tiered.launch.launcher``) from the
 repository root, real policy files, real NVMe folders, real ranks over gloo on the CPU.
 
 Bad input must stop before any rank starts (exit 2, a one-line ``tiered-launch: error:`` naming
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import REPO, finish, left_behind, train_reference, write_policy
+
 from tiered.engine.engine import LAUNCHED_ENV
-from tiered.policy import POLICY_ENV, Policy
+from tiered.policy.config import POLICY_ENV, Policy
 from tiered.service import JobHold, ensure_service
 from tiered.service.paths import RUNTIME_ENV
 
@@ -43,7 +43,7 @@ def start(module: str, *args: str) -> subprocess.Popen:
 
 
 def launch(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return finish(start("tiered.launch", *args), timeout)
+    return finish(start("tiered.launch.launcher", *args), timeout)
 
 
 def assert_refused(result: subprocess.CompletedProcess, *fragments: str) -> None:
@@ -258,9 +258,9 @@ def flags_folder(tmp_path_factory) -> Path:
 
 def refused_commands(flags_folder: Path) -> dict[tuple[str, str], tuple]:
     """The command line of each bad flag above (by flag and value): ``start``'s arguments."""
-    commands = {(flag, value): ("tiered.launch", flag, value, SCRIPTS / "launch_train.py",
+    commands = {(flag, value): ("tiered.launch.launcher", flag, value, SCRIPTS / "launch_train.py",
                                 flags_folder) for flag, value, _ in BAD_LAUNCH_FLAGS}
-    commands.update({(flag, "0"): ("tiered.cli", "bench-io", "--nvme", flags_folder, flag, "0")
+    commands.update({(flag, "0"): ("tiered.launch.cli", "bench-io", "--nvme", flags_folder, flag, "0")
                      for flag in BENCH_SIZE_FLAGS})
     return commands
 

@@ -22,11 +22,11 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-
-import tiered
 from gpt import next_token_loss
 from helpers import CONFIGS, EXAMPLE, REPO, SMALL, clean_env, finish, left_behind
 from helpers_models import OPTIM, make_model, token_batches
+
+import tiered
 
 TORCH_LOG_LINE = re.compile(r"^[DIWEF]\d{4} \d\d:\d\d:\d\d\.\d+ .*\n", re.MULTILINE)
 STOPS = ("SIGKILL", "SIGHUP", "SIGINT")
@@ -82,7 +82,7 @@ def stopped(tmp_path_factory) -> dict[str, Stopped]:
         # Files, not pipes: ranks left running must not block on a pipe no one reads.
         with open(root / "stdout", "w") as out, open(root / "stderr", "w") as err:
             process = subprocess.Popen(
-                [sys.executable, "-m", "tiered.launch", "--nproc-per-node", "2", "--nvme",
+                [sys.executable, "-m", "tiered.launch.launcher", "--nproc-per-node", "2", "--nvme",
                  str(root / "nvme"), "--policy", str(CONFIGS / "nvme.yaml"), EXAMPLE, *SMALL,
                  "--steps", "1000000"],
                 cwd=REPO, env=clean_env(), stdout=out, stderr=err, start_new_session=True,
@@ -261,7 +261,7 @@ def test_a_hangup_ignored_with_nohup_stops_nothing(tmp_path):
     out = tmp_path / "stdout"
     with open(out, "w") as stdout:
         process = subprocess.Popen(
-            [sys.executable, "-m", "tiered.launch", script], cwd=REPO, env=clean_env(),
+            [sys.executable, "-m", "tiered.launch.launcher", script], cwd=REPO, env=clean_env(),
             stdout=stdout, stderr=subprocess.PIPE, text=True, start_new_session=True,
             preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))  # as nohup does
     try:

@@ -7,12 +7,12 @@ import os
 import psutil
 import pytest
 import torch
-
-import tiered
 from distributed import run_ranks
 from gpt import GPT
+
+import tiered
+from tiered.core.limits import available_memory, usable_cores
 from tiered.engine.collectives import ProcessGroup
-from tiered.limits import available_memory, usable_cores
 from tiered.tiers.nvme import free_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-from tiered.liveness import (LOCK_NAME, MAKING_PREFIX, HeldElsewhere, OwnerLock,
-                             describe_owner, is_held, make_owned_folder)
+from tiered.core.liveness import (LOCK_NAME, MAKING_PREFIX, HeldElsewhere, OwnerLock,
+                                  describe_owner, is_held, make_owned_folder)
 
 HOLD = """
 import sys, time
-from tiered.liveness import OwnerLock
+from tiered.core.liveness import OwnerLock
 lock = OwnerLock(sys.argv[1], "a test holder")
 print("held", flush=True)
 time.sleep(120)

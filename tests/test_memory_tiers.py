@@ -8,15 +8,13 @@ import warnings
 
 import pytest
 import torch
-
-from tiered.device import CpuAccelerator
-import tiered
-from tiered.sizes import align_up, format_size
-from tiered.tiers import DramTier, HbmTier, PinnedSlabSource
-from tiered.tiers import dram as dram_module
-
 from gpt import GPT
 from helpers_tiers import BLOCK, dram_blocks
+
+import tiered
+from tiered.core.sizes import align_up, format_size
+from tiered.device import CpuAccelerator
+from tiered.tiers import DramTier, HbmTier, PinnedSlabSource, dram as dram_module
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,7 +69,7 @@ def test_hbm_default_budget_is_the_device_capacity():
 
 @pytest.mark.parametrize("ranks", [1, 4])
 def test_dram_default_budget_is_this_ranks_share_of_the_available_memory(ranks):
-    from tiered.limits import available_memory
+    from tiered.core.limits import available_memory
 
     before = available_memory()
     budget = DramTier(None, ranks=ranks).usage.budget
@@ -239,10 +237,10 @@ def test_a_plan_is_adopted_over_the_blocks_its_descriptors_name_and_refused_with
     DRAM state and staging buffer lies (descriptors); a manager that adopts the plan over
     blocks found by those descriptors computes on the very same memory, and one missing a
     block, or given a smaller one, is refused naming it."""
-    from tiered.errors import TieredError
-    from tiered.manager import TierManager
-    from tiered.plan import Buffer, MemoryPlan, StateKind
-    from tiered.policy import Policy, Tier
+    from tiered.core.errors import TieredError
+    from tiered.placement.manager import TierManager
+    from tiered.placement.plan import Buffer, MemoryPlan, StateKind
+    from tiered.policy.config import Policy, Tier
 
     cpu = torch.device("cpu")
     plan = MemoryPlan(shards={

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import tiered
+from tiered.engine.loss_scale import LossScaler
 from tiered.optim.adamw import AdamWHyper, OnePassAdamW, adamw_step
-from tiered.optim.loss_scale import LossScaler
-from tiered.policy import LossScalePolicy
+from tiered.policy.config import LossScalePolicy
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

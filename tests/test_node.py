@@ -1,4 +1,4 @@
-"""The node's rates (tiered/node.py): measured here, cached per machine and library versions,
+"""The node's rates (tiered/planning/node.py): measured here, cached per machine and library versions,
 measured again when asked or when the cache is another machine's or unreadable."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from tiered import cli
-from tiered.node import node_rates
+from tiered.launch import cli
+from tiered.planning.node import node_rates
 
 SMALL = dict(cpu_params=1 << 16, nvme_bytes=4 << 20)
 

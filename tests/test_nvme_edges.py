@@ -19,14 +19,14 @@ import time
 
 import pytest
 import torch
-from torch import nn
-
-from tiered.device import CpuAccelerator
-import tiered
 from gpt import GPT, next_token_loss
 from helpers import run_with_deadline
-from tiered.plan import StateKind
-from tiered.policy import Tier
+from torch import nn
+
+import tiered
+from tiered.device import CpuAccelerator
+from tiered.placement.plan import StateKind
+from tiered.policy.config import Tier
 from tiered.tiers import DramTier, NvmeTier, PinnedSlabSource
 from tiered.tiers.aio import IoSettings, inject_faults
 

@@ -10,18 +10,17 @@ from collections import Counter
 
 import pytest
 import torch
-from torch import nn
-
-import tiered
-from tiered.liveness import LOCK_NAME
-from tiered.plan import StateKind
-from tiered.sizes import align_up
-from tiered.tiers import NvmeShard
-from tiered.tiers.nvme import SPARE_EXTENTS, free_bytes, nvme_bytes
-
 from gpt import GPT
 from helpers import mounted
 from helpers_tiers import BLOCK, EXTENT_NAME
+from torch import nn
+
+import tiered
+from tiered.core.liveness import LOCK_NAME
+from tiered.core.sizes import align_up
+from tiered.placement.plan import StateKind
+from tiered.tiers import NvmeShard
+from tiered.tiers.nvme import SPARE_EXTENTS, free_bytes, nvme_bytes
 
 NVME_YAML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                          "nvme.yaml")

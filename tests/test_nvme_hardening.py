@@ -17,13 +17,13 @@ import warnings
 
 import pytest
 import torch
+from helpers import dead_pid, mounted
 from torch import nn
 
 import tiered
-from helpers import dead_pid, mounted
+from tiered.core.liveness import LOCK_NAME, MAKING_PREFIX
+from tiered.core.sizes import format_size
 from tiered.engine.engine import LAUNCHED_ENV
-from tiered.liveness import LOCK_NAME, MAKING_PREFIX
-from tiered.sizes import format_size
 from tiered.tiers import NvmeTier
 from tiered.tiers.aio import IoSettings
 

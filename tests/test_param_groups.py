@@ -8,13 +8,13 @@ from fnmatch import fnmatchcase
 
 import pytest
 import torch
-
-import tiered
 from distributed import run_ranks
 from gpt import next_token_loss
 from helpers import REPO, rewrite_manifest
 from helpers_models import (GROUPS, MICRO, OPTIM, SCHEDULES, assert_parity, assert_parity_on_host,
                             batches, make_model, run_engine, torch_groups, train_torch)
+
+import tiered
 
 
 def engine_with_groups(policy: str, nvme: str, groups=GROUPS, device="cpu", **optimizer):
@@ -164,8 +164,8 @@ def test_resume_restores_every_groups_hyperparameters(tmp_path):
 @pytest.mark.parametrize("world", [1, 2, 3, 5])
 def test_shard_ranges_cover_each_shard_with_each_elements_group(world):
     from tiered.engine.flat import FlatParam
-    from tiered.engine.units import find_units
     from tiered.optim.groups import group_of, shard_ranges
+    from tiered.placement.units import find_units
 
     groups = tiered.Policy.from_dict({"optimizer": {"param_groups": GROUPS}}).optimizer.param_groups
     specs = find_units(make_model(), None, split_large=True)

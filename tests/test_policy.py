@@ -16,10 +16,10 @@ import yaml
 from torch import nn
 
 import tiered
-from tiered.cli import main as tiered_cli
-from tiered.policy import (POLICY_ENV, ComputeDtype, NvmePolicy, OptimizerPolicy, ParamsPolicy,
-                           Policy, Tier, TracePolicy, resolve)
-from tiered.sizes import parse_size
+from tiered.core.sizes import parse_size
+from tiered.launch.cli import main as tiered_cli
+from tiered.policy.config import (POLICY_ENV, ComputeDtype, NvmePolicy, OptimizerPolicy,
+                                  ParamsPolicy, Policy, Tier, TracePolicy, resolve)
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"

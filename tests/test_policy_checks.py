@@ -16,7 +16,7 @@ import yaml
 from torch import nn
 
 import tiered
-from tiered.policy import POLICY_ENV, Policy, Tier
+from tiered.policy.config import POLICY_ENV, Policy, Tier
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -59,7 +59,7 @@ def test_a_plan_past_the_memory_is_refused_naming_it():
 
 def check_policy(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != POLICY_ENV}
-    return subprocess.run([sys.executable, "-m", "tiered.cli", "check-policy", *args], cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "tiered.launch.cli", "check-policy", *args], cwd=cwd,
                           env=env, capture_output=True, text=True, timeout=120)
 
 

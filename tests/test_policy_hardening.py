@@ -15,13 +15,13 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
+from helpers import mounted
 from torch import nn
 
 import tiered
-from tiered.launch import policy_from_args
-from helpers import mounted
-from tiered.policy import POLICY_ENV, Policy
-from tiered.sizes import format_size, parse_size
+from tiered.core.sizes import format_size, parse_size
+from tiered.launch.launcher import policy_from_args
+from tiered.policy.config import POLICY_ENV, Policy
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -33,7 +33,7 @@ def start_check_policy(*args: str, home: Path | None = None) -> subprocess.Popen
     env["CUDA_VISIBLE_DEVICES"] = ""  # no GPU, whatever this machine has
     if home is not None:
         env["HOME"] = str(home)
-    return subprocess.Popen([sys.executable, "-m", "tiered.cli", "check-policy", *args],
+    return subprocess.Popen([sys.executable, "-m", "tiered.launch.cli", "check-policy", *args],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 

@@ -17,11 +17,11 @@ import time
 
 import pytest
 import torch
-
 from helpers import REPO, clean_env, finish, own_service
-from tiered.cli import main as tiered_cli
+
 from tiered.device import DEVICE_ENV, simulated_device
 from tiered.engine.reattach import ReattachError
+from tiered.launch.cli import main as tiered_cli
 from tiered.service import service_status
 from tiered.service.client import FRESH_ENV, JOB_ENV, SERVICE_ENV
 from tiered.service.paths import RUNTIME_ENV
@@ -252,7 +252,7 @@ def test_a_relaunch_with_another_policy_is_refused_by_name_and_fresh_starts_over
 
 
 def launch(runtime: str, job: str, out, *args: str, restarts: int = 0):
-    command = [sys.executable, "-m", "tiered.launch", "--nproc-per-node", "2", "--job", job,
+    command = [sys.executable, "-m", "tiered.launch.launcher", "--nproc-per-node", "2", "--job", job,
                "--max-restarts", str(restarts), "--keep-failed", "120", str(SCRIPT), str(out),
                *args]
     return finish(subprocess.Popen(command, cwd=REPO, text=True, stdout=subprocess.PIPE,
@@ -265,7 +265,7 @@ def test_a_torchrun_restart_reattaches_and_ends_as_an_uninterrupted_run(tmp_path
     """--max-restarts 1: rank 1 is killed in backward while rank 0 may have sent its update, so
     no rank runs that step (the commit barrier); torchrun restarts both, the launcher holding
     the job throughout, and the new ranks take its state over from the step before (their
-    rendezvous store is new: see tiered/launch.py on TORCH_DISABLE_SHARE_RDZV_TCP_STORE)."""
+    rendezvous store is new: see tiered/launch/launcher.py on TORCH_DISABLE_SHARE_RDZV_TCP_STORE)."""
     runtime = str(tmp_path / "service")
     reference = launch(runtime, "reference", tmp_path / "reference.pt", "plain")
     assert reference.returncode == 0, reference.stderr

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 import tiered
-from tiered.policy import POLICY_ENV
-from tiered.timeline import TRACE_ENV
+from tiered.core.timeline import TRACE_ENV
+from tiered.policy.config import POLICY_ENV
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_YAML = os.path.join(REPO, "configs", "cpu.yaml")

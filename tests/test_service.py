@@ -20,17 +20,16 @@ import time
 import psutil
 import pytest
 
-from tiered.cli import main as tiered
+from tiered.core.errors import BudgetError
+from tiered.core.sizes import format_size
 from tiered.device import CpuAccelerator
-from tiered.errors import BudgetError
-from tiered.sizes import format_size
+from tiered.launch.cli import main as tiered
 from tiered.service import (ServiceClient, ServiceError, ServiceSlabSource, service_paths,
-                            service_status, start_service, stop_service)
-from tiered.service import wire
-from tiered.service.remote_nvme import ServiceNvme
-from tiered.tiers.aio import IoSettings
+                            service_status, start_service, stop_service, wire)
 from tiered.service.identity import this_code
 from tiered.service.paths import RUNTIME_ENV
+from tiered.service.remote_nvme import ServiceNvme
+from tiered.tiers.aio import IoSettings
 
 
 @pytest.fixture

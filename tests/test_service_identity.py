@@ -11,9 +11,9 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers import REPO, clean_env, own_service
-from tiered.cli import main as tiered
+
+from tiered.launch.cli import main as tiered
 from tiered.service.identity import this_code
 from tiered.service.paths import RUNTIME_ENV
 
@@ -46,7 +46,7 @@ def other_installation(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("other")
     shutil.copytree(REPO / "tiered", root / "tiered",
                     ignore=shutil.ignore_patterns("__pycache__"))
-    with open(root / "tiered" / "sizes.py", "a") as f:
+    with open(root / "tiered" / "core" / "sizes.py", "a") as f:
         f.write("\n# another installation's change\n")
     return str(root)
 

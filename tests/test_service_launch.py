@@ -24,15 +24,13 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from helpers import CONFIGS, EXAMPLE, REPO, SMALL, clean_env, finish, train_reference, write_policy
 
-from helpers import (CONFIGS, EXAMPLE, REPO, SMALL, clean_env, finish, train_reference,
-                     write_policy)
-from tiered.launch import _job_name, _parser
-from tiered.launch import main as tiered_launch
-from tiered.liveness import is_held
-from tiered.policy import Policy
-from tiered.service import (JobHold, ServiceError, running_service, service_paths,
-                            service_status, start_service, stop_service)
+from tiered.core.liveness import is_held
+from tiered.launch.launcher import _job_name, _parser, main as tiered_launch
+from tiered.policy.config import Policy
+from tiered.service import (JobHold, ServiceError, running_service, service_paths, service_status,
+                            start_service, stop_service)
 from tiered.service.paths import RUNTIME_ENV
 
 SCRIPTS = REPO / "tests" / "scripts"
@@ -48,7 +46,7 @@ def folder(tmp_path):
 
 
 def launch(folder: str, *args, timeout: float = 180, **popen) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tiered.launch", *map(str, args)], cwd=REPO,
+    return subprocess.Popen([sys.executable, "-m", "tiered.launch.launcher", *map(str, args)], cwd=REPO,
                             env=clean_env(**{RUNTIME_ENV: folder}), text=True, **popen)
 
 

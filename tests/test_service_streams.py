@@ -18,13 +18,11 @@ import os
 
 import pytest
 import torch
+from helpers import CONFIGS, assert_same, own_service
+from helpers_delayed import assert_matches, reference, train_engine as train_delayed
+from helpers_models import OPTIM, assert_parity, make_model, run_engine, token_batches, train_torch
 
 import tiered
-from helpers import CONFIGS, assert_same, own_service
-from helpers_delayed import assert_matches, reference
-from helpers_delayed import train_engine as train_delayed
-from helpers_models import (OPTIM, assert_parity, make_model, run_engine, token_batches,
-                            train_torch)
 from tiered.device import DEVICE_ENV
 from tiered.device.sim import OrderingError, SimAccelerator
 from tiered.engine.streams import Streams

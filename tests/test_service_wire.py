@@ -18,8 +18,7 @@ import psutil
 import pytest
 
 from tiered.service import (ServiceClient, ServiceError, service_paths, service_status,
-                            start_service, stop_service)
-from tiered.service import wire
+                            start_service, stop_service, wire)
 from tiered.service.client import REFUSED_SECONDS
 from tiered.service.paths import ServicePaths
 

@@ -11,9 +11,9 @@ import gc
 import pytest
 import torch
 
+from tiered.core.errors import PolicyError
 from tiered.device import DEVICE_ENV, CpuAccelerator, accelerator_for
 from tiered.device.sim import OrderingError, SimAccelerator
-from tiered.errors import PolicyError
 
 
 @pytest.fixture

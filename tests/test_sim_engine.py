@@ -21,22 +21,20 @@ import sys
 
 import pytest
 import torch
-
-import tiered
 from distributed import run_ranks
-from helpers import (CONFIGS, REPO, assert_same, clean_env, finish, train_reference,
-                     write_policy)
-from helpers_delayed import assert_matches, reference
+from helpers import CONFIGS, REPO, assert_same, clean_env, finish, train_reference, write_policy
+from helpers_delayed import assert_matches, reference, train_engine as train_delayed
 from helpers_hf import arguments, assert_close_states, dataset, llama, train_plain
-from helpers_delayed import train_engine as train_delayed
 from helpers_models import OPTIM, assert_parity, make_model, run_engine, train_torch
 from helpers_placement import SUB_GROUP, mixed_budgets
+
+import tiered
 from tiered.device import DEVICE_ENV, simulated_device
 from tiered.device.sim import OrderingError
 from tiered.engine import gather as gather_module
 from tiered.engine.streams import Streams
 from tiered.integrations.transformers import TieredTrainer
-from tiered.policy import Policy
+from tiered.policy.config import Policy
 from tiered.service.paths import RUNTIME_ENV
 
 CASES = {
@@ -131,7 +129,7 @@ def test_ranks_of_tiered_launch_on_the_simulated_device_train_through_the_servic
     out.mkdir()
     policy = write_policy(tmp_path / "fp32.yaml", "cpu", compute_dtype="fp32", device="cpu")
     run = finish(subprocess.Popen(
-        [sys.executable, "-m", "tiered.launch", "--nproc-per-node", "2", "--job", "sim",
+        [sys.executable, "-m", "tiered.launch.launcher", "--nproc-per-node", "2", "--job", "sim",
          "--policy", str(policy), str(REPO / "tests" / "scripts" / "launch_train.py"), str(out)],
         cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env=clean_env(**{RUNTIME_ENV: str(tmp_path / "service"), DEVICE_ENV: "sim"})),

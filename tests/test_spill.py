@@ -6,13 +6,13 @@ import os
 
 import pytest
 import torch
-
-import tiered
 from gpt import GPT
 from helpers_models import assert_parity, reference_optimizer, train_both
-from tiered.moments_layout import PACKED, piece_granule
-from tiered.plan import StateKind, build_plan
-from tiered.policy import Policy, Tier
+
+import tiered
+from tiered.placement.plan import StateKind, build_plan
+from tiered.policy.config import Policy, Tier
+from tiered.tiers.moments import PACKED, piece_granule
 from tiered.tiers.nvme import SPARE_EXTENTS, nvme_bytes
 
 

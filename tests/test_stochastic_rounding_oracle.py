@@ -20,7 +20,7 @@ from torch import nn
 
 import tiered
 from tiered.optim import compact, native
-from tiered.plan import StateKind
+from tiered.placement.plan import StateKind
 
 WIDTH = 1024
 """One Linear(WIDTH, WIDTH): N = 2^20 weights, in one unit."""

@@ -10,14 +10,14 @@ import time
 
 import pytest
 import torch
+from gpt import GPT, add_lora, next_token_loss
+from helpers import update_failing_with
 from torch import nn
 
 import tiered
-from gpt import GPT, add_lora, next_token_loss
-from helpers import update_failing_with
 from tiered.engine.build import flat_units, memory_plan
-from tiered.plan import StateKind
-from tiered.policy import resolve
+from tiered.placement.plan import StateKind
+from tiered.policy.config import resolve
 from tiered.tiers import aio
 from tiered.tiers.aio import inject_faults
 

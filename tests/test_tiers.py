@@ -15,17 +15,15 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-
-import tiered
-from tiered.liveness import LOCK_NAME
-from tiered.sizes import align_up, format_size
-from tiered.tiers import NvmeTier
-from tiered.tiers.aio import IoSettings, inject_faults
-from tiered.tiers.nvme import SPARE_EXTENTS, check_nvme_path, free_bytes, nvme_bytes
-
 from helpers import mounted
 from helpers_tiers import BLOCK, EXTENT_NAME, dram_blocks
 
+import tiered
+from tiered.core.liveness import LOCK_NAME
+from tiered.core.sizes import align_up, format_size
+from tiered.tiers import NvmeTier
+from tiered.tiers.aio import IoSettings, inject_faults
+from tiered.tiers.nvme import SPARE_EXTENTS, check_nvme_path, free_bytes, nvme_bytes
 
 # -- helpers ------------------------------------------------------------------------------------
 

@@ -5,12 +5,12 @@ import copy
 
 import pytest
 import torch
+from helpers_models import assert_parity
 from torch import nn
 
 import tiered
-from helpers_models import assert_parity
 from tiered.ops.tiled_linear import tile_shape
-from tiered.policy import Policy, Tier
+from tiered.policy.config import Policy, Tier
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -9,14 +9,14 @@ import tracemalloc
 import psutil
 import pytest
 import torch
+from distributed import run_ranks
+from gpt import GPT, next_token_loss
 from torch import nn
 
 import tiered
-from distributed import run_ranks
-from gpt import GPT, next_token_loss
-from tiered.limits import usable_cores
+from tiered.core.limits import usable_cores
+from tiered.core.timeline import Timeline
 from tiered.ops.tiled_linear import TiledLinear, tile_large_linears
-from tiered.timeline import Timeline
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -157,7 +157,7 @@ def test_ranks_sharing_a_nodes_cores_split_them_between_their_workers(tmp_path):
 # --- the timeline -----------------------------------------------------------------------------
 
 def _traced_bytes(snapshot: tracemalloc.Snapshot) -> int:
-    timeline_file = tiered.timeline.__file__
+    timeline_file = tiered.core.timeline.__file__
     return sum(stat.size for stat in snapshot.filter_traces(
         [tracemalloc.Filter(True, timeline_file)]).statistics("filename"))
 

@@ -1,5 +1,5 @@
 """``tiered``'s help and ``tiered bench-io``'s output, as a user sees them: real subprocesses of
-``python -m tiered.cli``."""
+``python -m tiered.launch.cli``."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tiered.policy import POLICY_ENV
+from tiered.policy.config import POLICY_ENV
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_BENCH = ["--size", "4MiB", "--sweep-size", "1MiB", "--repeats", "1"]
@@ -21,7 +21,7 @@ RST_MARKUP = re.compile(r"``|:(func|class|meth|mod|attr):`|::$", re.MULTILINE)
 
 def tiered(*args: str, **run) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != POLICY_ENV}
-    return subprocess.run([sys.executable, "-m", "tiered.cli", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "tiered.launch.cli", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120, **run)
 
 
@@ -53,7 +53,7 @@ def test_bench_io_prints_a_table_and_json_only_when_asked(tmp_path):
 @pytest.mark.skipif(shutil.which("jq") is None, reason="needs jq")
 def test_bench_io_json_pipes_into_jq(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != POLICY_ENV}
-    bench = subprocess.Popen([sys.executable, "-m", "tiered.cli", "bench-io", "--nvme",
+    bench = subprocess.Popen([sys.executable, "-m", "tiered.launch.cli", "bench-io", "--nvme",
                               str(tmp_path), *TINY_BENCH, "--json"], cwd=REPO, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     jq = subprocess.run(["jq", "-r", ".single_stream.label"], stdin=bench.stdout,

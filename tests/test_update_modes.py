@@ -1,4 +1,4 @@
-"""The optimizer's update modes ([Note: update modes] in tiered/optim/optimizer.py): which mode
+"""The optimizer's update modes ([Note: update modes] in tiered/engine/optimizer.py): which mode
 each ``step()`` runs in, how a run moves between them, and that a checkpoint restores it."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import os
 
 import pytest
 import torch
+from gpt import GPT, next_token_loss
 
 import tiered
-from gpt import GPT, next_token_loss
 from tiered.optim import UpdateMode
 
 CPU_YAML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from helpers import CONFIGS, EXAMPLE, REPO, SMALL, clean_env, finish, left_behind
-from tiered.sizes import parse_size
+
+from tiered.core.sizes import parse_size
 
 LOSS_LINE = re.compile(r"^step\s+(\d+)\s+loss (\S+)", re.MULTILINE)
 
@@ -38,8 +38,8 @@ def start(args: list, env: dict[str, str] | None = None, **popen) -> subprocess.
 
 
 def launch(*args, env: dict[str, str] | None = None, **popen) -> subprocess.Popen:
-    """``tiered-launch args`` (as ``python -m tiered.launch``)."""
-    return start(["-m", "tiered.launch", *args], env, **popen)
+    """``tiered-launch args`` (as ``python -m tiered.launch.launcher``)."""
+    return start(["-m", "tiered.launch.launcher", *args], env, **popen)
 
 
 def finish_ok(process: subprocess.Popen) -> subprocess.CompletedProcess:
@@ -302,7 +302,7 @@ def test_example_refuses_conflicting_or_out_of_range_flags(bad_flag_runs, case):
 # -- tiered check-policy and bench-io --------------------------------------------------------
 
 def cli(*args, cwd: Path = REPO) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "tiered.cli", *map(str, args)], cwd=cwd,
+    return subprocess.Popen([sys.executable, "-m", "tiered.launch.cli", *map(str, args)], cwd=cwd,
                             env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
@@ -310,7 +310,7 @@ def cli(*args, cwd: Path = REPO) -> subprocess.Popen:
 def test_check_policy_prints_every_config_as_a_policy_that_checks_to_itself(tmp_path):
     """``tiered check-policy`` on each file of configs/ (nvme.yaml with --nvme): its output,
     read back as a policy file the way the commands read one, resolves to what it printed."""
-    from tiered.launch import policy_from_args
+    from tiered.launch.launcher import policy_from_args
 
     (tmp_path / "nv").mkdir()
     files = sorted(CONFIGS.glob("*.yaml"))

@@ -5,17 +5,18 @@
 """
 import warnings
 
-__version__ = "0.1.0"  # first: modules imported below read it
-
 # torch warns at import when numpy is absent; tiered never uses numpy, so the warning is noise.
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 from .checkpoint import CheckpointError
+from .core.errors import BudgetError, NvmeError, PolicyError, TieredError
+from .core.version import __version__
 from .engine import TieredEngine, init, initialize
-from .errors import BudgetError, NvmeError, PolicyError, TieredError
+from .engine.optimizer import TieredAdamW
 from .ops import TiledLinear
-from .optim import TieredAdamW, UpdateMode
-from .policy import Policy
+from .optim import UpdateMode
+from .policy.config import Policy
 
 __all__ = ["BudgetError", "CheckpointError", "NvmeError", "Policy", "PolicyError", "TieredAdamW",
-           "TieredEngine", "TieredError", "TiledLinear", "UpdateMode", "init", "initialize"]
+           "TieredEngine", "TieredError", "TiledLinear", "UpdateMode", "__version__", "init",
+           "initialize"]

@@ -11,12 +11,12 @@ import shutil
 import struct
 
 import torch
+from gpt import GPT, next_token_loss
+from helpers import assert_same
 from torch import nn
 
 import tiered
-from tiered.limits import usable_cores
-from gpt import GPT, next_token_loss
-from helpers import assert_same
+from tiered.core.limits import usable_cores
 
 VOCAB, DIM, SEQ, ROWS = 64, 32, 16, 4
 INDEX = "model.safetensors.index.json"

@@ -7,8 +7,9 @@ import os
 import resource
 import sys
 
-import tiered
 import torch
+
+import tiered
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
                                 "examples"))

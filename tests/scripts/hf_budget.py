@@ -16,9 +16,9 @@ import threading
 import time
 
 import psutil
+import torch
 
 import tiered  # noqa: F401
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from helpers_hf import arguments, llama, step_logs  # noqa: E402

@@ -12,9 +12,10 @@ import os
 import sys
 import time
 
-import tiered  # first: it quiets torch's warning about a missing numpy
 import torch
 import torch.distributed as dist
+
+import tiered  # first: it quiets torch's warning about a missing numpy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples"))

@@ -18,10 +18,11 @@ import os
 import signal
 import sys
 
-import tiered  # first: it quiets torch's warning about a missing numpy
 import torch
 import torch.distributed as dist
 from torch import nn
+
+import tiered  # first: it quiets torch's warning about a missing numpy
 
 VOCAB, DIM, SEQ, BATCH, MICRO, STEPS = 32, 32, 8, 4, 2, 5
 CASES = {

@@ -56,16 +56,16 @@ import warnings
 
 import torch
 
-from .. import __version__
-from ..plan import OPTIMIZER_STATES, StateKind
+from ..core.version import __version__
+from ..placement.plan import OPTIMIZER_STATES, StateKind
 from . import layout
 from .agreement import all_or_raise
 from .folder import check_folder, claim, release_folders
 from .format import CheckpointError, Entry, Reader, Writer, file_digest
 from .latest import LATEST, MANIFEST, check_inside, check_tag, chosen_tag, complete_tags
 from .manifest import FORMAT_VERSION, check_rank_file, intact_steps, rank_file, read_manifest
-from .pretrained import (RNG_STATES, extra_states, persistent_buffers, rng_states,
-                         set_rng_states, store_model_state)
+from .pretrained import (RNG_STATES, extra_states, persistent_buffers, rng_states, set_rng_states,
+                         store_model_state)
 from .retention import check_keep_last, remove_older
 
 __all__ = ["save", "load", "release_folders"]  # release_folders: for engine.close

@@ -24,7 +24,7 @@ import warnings
 import weakref
 from dataclasses import dataclass, field
 
-from ..liveness import LOCK_NAME, HeldElsewhere, OwnerLock, make_owned_folder
+from ..core.liveness import LOCK_NAME, HeldElsewhere, OwnerLock, make_owned_folder
 from .format import CheckpointError
 from .latest import LATEST, MANIFEST
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import TieredError
+from ..core.errors import TieredError
 from ..tiers.aio import host_buffer
 
 DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",

@@ -23,12 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.units import ParamSpec
-from ..moments_layout import PACKED, QBLOCK, QBLOCK_BYTES, packed_nbytes
 from ..ops.tiled_linear import LinearTile
 from ..optim.compact import (FIRST_MOMENT, SECOND_MOMENT, CodeMap, dequantize, quantize_into,
                              random_bits)
-from ..plan import StateKind
+from ..placement.plan import StateKind
+from ..placement.units import ParamSpec
+from ..tiers.moments import PACKED, QBLOCK, QBLOCK_BYTES, packed_nbytes
 from .format import CheckpointError, Reader
 
 
@@ -316,7 +316,7 @@ class Read:
     """Where the elements of one state of one unit's new shard come from."""
 
     dtype: torch.dtype
-    """What the state is held in (PACKED: 8-bit moments, moments_layout.py)."""
+    """What the state is held in (PACKED: 8-bit moments, tiers/moments.py)."""
     numel: int
     """Parameters of the shard."""
     pieces: tuple[tuple[Reader, str, int, int, int], ...]

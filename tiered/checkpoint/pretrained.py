@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..errors import TieredError
+from ..core.errors import TieredError
 from ..ops.tiled_linear import TiledLinear, layer_of_tile, tiled_layers
 from .format import DTYPES, CheckpointError
 from .sources import WeightSource, open_source

@@ -35,7 +35,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..errors import PolicyError
+from ..core.errors import PolicyError
 from .sim import SimAccelerator
 
 DEVICE_ENV = "TIERED_DEVICE"

@@ -46,7 +46,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..errors import TieredError
+from ..core.errors import TieredError
+
 
 class OrderingError(TieredError):
     """What would race on a GPU; the message names both sites."""

@@ -7,25 +7,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from ..core.timeline import Timeline
 from ..device import accelerator_for
-from ..manager import TierManager
-from ..optim import TieredAdamW
 from ..optim.adamw import OnePassAdamW
 from ..optim.groups import GroupRange
 from ..optim.host import HostSetup, LocalHost, RankHost
-from ..optim.loss_scale import LossScaler
-from ..optim.optimizer import UpdateBook
 from ..optim.workers import CpuWorker
-from ..plan import StateKind, state_dtype
-from ..policy import ComputeDtype, Policy, Tier
+from ..placement.manager import TierManager
+from ..placement.plan import StateKind, state_dtype
+from ..policy.config import ComputeDtype, Policy, Tier
 from ..service.client import ServiceSlabSource
 from ..service.hostwire import HostRequest
 from ..service.remote import RemoteHost
-from ..timeline import Timeline
 from .buffers import GradientBuffers
 from .collectives import ProcessGroup
 from .context import EngineContext, TrainerEvents
 from .flat import FlatParam
+from .loss_scale import LossScaler
+from .optimizer import TieredAdamW, UpdateBook
 from .pending import PendingWeights
 from .runtime import UnitRuntime
 from .streams import Streams

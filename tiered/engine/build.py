@@ -10,14 +10,14 @@ from torch import nn
 
 from ..checkpoint import pretrained
 from ..checkpoint.pretrained import PretrainedWeights
-from ..errors import BudgetError, TieredError
-from ..manager import TierManager
-from ..plan import MemoryPlan, build_plan, by_module, unit_state_kinds
-from ..policy import Policy
+from ..core.errors import BudgetError, TieredError
+from ..placement.manager import TierManager
+from ..placement.plan import MemoryPlan, build_plan, by_module, unit_state_kinds
+from ..placement.units import UnitSpec, find_units, module_groups
+from ..policy.config import Policy
 from .collectives import ProcessGroup
 from .flat import FlatParam
 from .init import Materializer
-from .units import UnitSpec, find_units, module_groups
 
 
 def flat_units(model: nn.Module, policy: Policy, rank: int, world_size: int,

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..manager import TierManager
+from ..core.timeline import Timeline
 from ..optim.host import LocalHost
-from ..optim.optimizer import UpdateBook
 from ..optim.workers import CpuWorker
-from ..policy import Policy
-from ..timeline import Timeline
+from ..placement.manager import TierManager
+from ..policy.config import Policy
 from .buffers import GradientBuffers
 from .collectives import ProcessGroup
 from .flat import FlatParam
+from .optimizer import UpdateBook
 from .pending import PendingWeights
 from .streams import Streams
 

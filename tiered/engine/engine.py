@@ -14,24 +14,22 @@ import torch
 from torch import nn
 
 from ..checkpoint import checkpoint, export, pretrained
+from ..core.errors import PolicyError, TieredError
+from ..core.timeline import Timeline
 from ..device import accelerator_for
-from ..errors import PolicyError, TieredError
-from ..manager import TierManager
-from ..node import cached_node_rates
 from ..ops.tiled_linear import merge_tiles, tile_large_linears, tiled_layers, untile
-from ..optim import TieredAdamW
 from ..optim.adamw import one_pass_for
 from ..optim.groups import shard_ranges
-from ..optim.loss_scale import LossScaler
 from ..optim.workers import CpuWorker, optimizer_threads
-from ..plan import grad_dtypes, state_kinds
-from ..plan_report import PlanReport, plan_report
-from ..planner import hbm_reserve, place_units
-from ..policy import Device, Policy, Tier, resolve
+from ..placement.manager import TierManager
+from ..placement.plan import grad_dtypes, state_kinds
+from ..planning.node import cached_node_rates
+from ..planning.planner import hbm_reserve, place_units
+from ..planning.report import PlanReport, plan_report
+from ..policy.config import Device, Policy, Tier, resolve
 from ..service.client import ServiceSlabSource, slab_source_from_env
 from ..service.remote_nvme import ServiceNvme
 from ..tiers import NvmeTier, SlabSource
-from ..timeline import Timeline
 from . import process_exit, reattach
 from .assemble import InService, assemble, host_request, hostable_in_service
 from .build import (bend_to_fit, building_bytes, built_together, drop_parameters, flat_units,
@@ -39,6 +37,8 @@ from .build import (bend_to_fit, building_bytes, built_together, drop_parameters
 from .collectives import ProcessGroup
 from .hooks import UnitHooks
 from .init import Materializer, init_context_of
+from .loss_scale import LossScaler
+from .optimizer import TieredAdamW
 from .runtime import UnitRuntime
 
 LAUNCHED_ENV = "TIERED_LAUNCHED"

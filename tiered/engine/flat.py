@@ -28,9 +28,9 @@ import enum
 import torch
 
 from ..device import accelerator_for
-from ..released import ReleasedWeight
+from ..placement.units import UnitSpec
 from .collectives import kept_after_failure
-from .units import UnitSpec
+from .released import ReleasedWeight
 
 
 class Residency(enum.Enum):

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from ..plan import StateKind
-from ..policy import Tier
 from ..device import wait_for
+from ..placement.plan import StateKind
+from ..policy.config import Tier
 from .context import EngineContext
 from .flat import FlatParam, Residency
 from .pending import PendingWeights

@@ -55,7 +55,7 @@ import torch
 
 from ..optim.arrival import LastBackward
 from ..optim.commands import GradientIn, ZeroGrad
-from ..plan import StateKind, reduce_dtype, state_dtype
+from ..placement.plan import StateKind, reduce_dtype, state_dtype
 from .buffers import InFlight
 from .context import EngineContext
 from .flat import FlatParam

@@ -53,7 +53,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from ..errors import TieredError
+from ..core.errors import TieredError
 from .flat import FlatParam
 from .runtime import UnitRuntime
 

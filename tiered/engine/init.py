@@ -31,9 +31,9 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..errors import TieredError
-from ..policy import Policy, resolve
-from .units import ParamSpec, UnitSpec
+from ..core.errors import TieredError
+from ..placement.units import ParamSpec, UnitSpec
+from ..policy.config import Policy, resolve
 
 _built_under: "weakref.WeakKeyDictionary[nn.Module, init]" = weakref.WeakKeyDictionary()
 # The module that first registered each meta parameter: in eager construction its init gives a

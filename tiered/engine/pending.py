@@ -5,8 +5,8 @@ import threading
 from collections import Counter
 from typing import Iterable
 
+from ..core.timeline import Timeline
 from ..optim.workers import CpuWorker
-from ..timeline import Timeline
 
 
 class PendingWeights:

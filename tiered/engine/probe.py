@@ -12,10 +12,9 @@ import time
 
 import torch
 
-from ..activations import SavedBytes
-from ..plan_report import StepMeasurement
-from ..timeline import mark_now
-
+from ..core.timeline import mark_now
+from ..planning.activations import SavedBytes
+from ..planning.report import StepMeasurement
 
 SPANS_PER_UNIT = 64
 """A step with more spans than this per unit (32 forward-backward passes or more: backwards

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..manager import TierManager
-from ..timeline import Timeline
+from ..core.timeline import Timeline
+from ..placement.manager import TierManager
 from .pending import PendingWeights
 
 

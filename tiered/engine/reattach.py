@@ -20,7 +20,7 @@ from torch import nn
 from ..checkpoint.format import DTYPES, NAMES
 from ..checkpoint.pretrained import (EXTRA_STATE, extra_states, persistent_buffers, rng_states,
                                      set_rng_states, store_model_state)
-from ..errors import TieredError
+from ..core.errors import TieredError
 from ..tiers.aio import host_buffer
 
 RECORD_BYTES = 512 << 10

@@ -28,12 +28,12 @@ from __future__ import annotations
 import logging
 import warnings
 
-from ..node import cached_node_rates
-from ..plan import StateKind
-from ..plan_report import StepMeasurement, step_terms
-from ..planner import MEASURED_MARGIN_SHARE, replanned_units
-from ..policy import Tier
-from ..sizes import format_size
+from ..core.sizes import format_size
+from ..placement.plan import StateKind
+from ..planning.node import cached_node_rates
+from ..planning.planner import MEASURED_MARGIN_SHARE, replanned_units
+from ..planning.report import StepMeasurement, step_terms
+from ..policy.config import Tier
 from .build import forward_order
 from .context import EngineContext
 

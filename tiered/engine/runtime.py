@@ -11,20 +11,20 @@ from typing import Callable
 
 import torch
 
-from ..errors import TieredError
+from ..core.errors import TieredError
 from ..optim.adamw import AdamWHyper
 from ..optim.arrival import LastBackward
-from ..plan import StateKind, prefetch_limit
-from ..policy import ComputeDtype, Tier
-from ..prefetch import Prefetcher
+from ..placement.plan import StateKind, prefetch_limit
+from ..placement.units import module_groups
+from ..policy.config import ComputeDtype, Tier
 from .context import EngineContext
 from .flat import FlatParam
 from .gather import Gatherer
 from .gradients import GradientPath
+from .prefetch import Prefetcher
 from .probe import StepProbe
 from .readahead import ReadAhead
 from .replan import Replan
-from .units import module_groups
 
 
 class UnitRuntime:

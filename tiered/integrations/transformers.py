@@ -50,12 +50,12 @@ except ImportError as error:  # pragma: no cover - the message is the point
 from ..checkpoint.folder import release_folder
 from ..checkpoint.pretrained import listing
 from ..checkpoint.sources import RenamedSource, SafetensorsSource
+from ..core.errors import TieredError
 from ..engine import initialize
 from ..engine.engine import TieredEngine
-from ..engine.init import init_context_of, peft_base_of
-from ..errors import TieredError
+from ..engine.init import init, init_context_of, peft_base_of
 from ..optim.groups import group_of
-from ..policy import Policy, resolve
+from ..policy.config import Policy, resolve
 
 ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused")
 """``TrainingArguments.optim`` values that mean ``torch.optim.AdamW``, which the engine runs."""
@@ -78,7 +78,6 @@ def load_model(path: str, cls: Any = None, *, policy=None, **kwargs) -> nn.Modul
     ``cls``: the model class (default ``AutoModelForCausalLM``); ``policy``: as for
     ``tiered.init``; ``kwargs`` go to ``cls.from_config`` (``dtype``/``torch_dtype``,
     ``attn_implementation``, ``trust_remote_code``, ...)."""
-    from ..engine.init import init
 
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise TieredError(f"{path}: no config.json; load_model reads a checkpoint folder as "

@@ -6,7 +6,7 @@ AdamW keeps 12 bytes per trained parameter beside the weights (fp32 master, two 
 - ``moments: bf16``: 2 bytes each, stochastically rounded. To nearest, a second moment would
   never move: its step at beta2 = 0.999 is 0.1% of it, under half of bf16's 0.8% spacing.
 - ``moments: int8``: a byte each, plus an fp32 scale per block of 256 (260 bytes a block: its
-  codes, then its scale; moments_layout.py). A code is a tiny float, 3 mantissa bits and 4 exponent
+  codes, then its scale; tiers/moments.py). A code is a tiny float, 3 mantissa bits and 4 exponent
   bits for the first moment (with a sign) or 5 for the second (which spans the square of the
   gradients' range), scaled so that the block's largest finite magnitude is the map's largest
   code. Each step of a code is 1/8 to 1/16 of its value, and rounding to it is stochastic too,
@@ -40,7 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..moments_layout import QBLOCK, QBLOCK_BYTES, packed_nbytes, stored_span
+from ..tiers.moments import QBLOCK, QBLOCK_BYTES, packed_nbytes, stored_span
+from .native import native_compact_step
 
 MASK32 = 0xFFFFFFFF
 
@@ -274,7 +275,6 @@ def compact_step(master: torch.Tensor | None, weights_in: torch.Tensor, grad: to
                if t is not None]
     kernel = None
     if grad.device.type == "cpu" and all(t.is_contiguous() for t in tensors):
-        from .native import native_compact_step
         kernel = native_compact_step(grad.dtype, weights_out.dtype, master is not None,
                                      exp_avg.dtype)
     if kernel is None:

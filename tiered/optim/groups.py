@@ -12,9 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
-from ..errors import PolicyError
-from ..policy import ParamGroupPolicy
-
+from ..core.errors import PolicyError
+from ..policy.config import ParamGroupPolicy
 
 FROZEN = None
 """The group of frozen parameters (``requires_grad=False``): never stepped. Not a number, so

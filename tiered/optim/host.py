@@ -16,10 +16,10 @@ from functools import partial
 
 import torch
 
+from ..core.timeline import Timeline
 from ..device import Accelerator, StreamLike, wait_for
-from ..manager import TierManager, typed
-from ..policy import OptimizerPolicy
-from ..timeline import Timeline
+from ..placement.manager import TierManager, typed
+from ..policy.config import OptimizerPolicy
 from .adamw import OnePassAdamW
 from .arrival import LastBackward
 from .commands import Command, GradientIn, HostEvents, Update, UpdateMode, ZeroGrad

@@ -30,6 +30,8 @@ from typing import Callable
 
 import torch
 
+from ..core.version import cache_folder
+
 SOURCES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
                 for name in ("adamw_one_pass.c", "adamw_compact.c"))
 HEADERS = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "adamw_kernel.h"),)
@@ -165,7 +167,6 @@ def _library(isa: str) -> ctypes.CDLL | None:
 def build(isa: str) -> str:
     """The path of the library built for ``isa`` (INSTRUCTION_SETS), building it once per
     machine and compiler; whether this CPU could run it is not asked (see runs_here)."""
-    from ..node import cache_folder  # the rates' cache, one folder per user
 
     compiler = shutil.which(os.environ.get("CC") or "gcc") or shutil.which("cc")
     if compiler is None:

@@ -15,11 +15,11 @@ from typing import Callable
 
 import torch
 
+from ..core.timeline import Timeline
 from ..device import Accelerator
-from ..manager import TierManager
-from ..plan import OPTIMIZER_STATES, StateKind
-from ..policy import MasterDtype, MomentsDtype, OptimizerPolicy
-from ..timeline import Timeline
+from ..placement.manager import TierManager
+from ..placement.plan import OPTIMIZER_STATES, StateKind
+from ..policy.config import MasterDtype, MomentsDtype, OptimizerPolicy
 from .adamw import AdamWHyper, OnePassAdamW, _one_pass_scalars, adamw_step
 from .compact import Run, compact_step, stream_key
 from .groups import FROZEN, GroupRange

@@ -3,7 +3,7 @@
 [Note: state stream]
 A unit's master weights (where it has them) and Adam moments on NVMe are cut into pieces of at
 most ``optimizer.sub_group_size`` parameters, each starting where every state's file has a
-4 KiB block (and, for packed 8-bit moments, a block of codes: moments_layout.piece_granule).
+4 KiB block (and, for packed 8-bit moments, a block of codes: tiers/moments.py's piece_granule).
 Pieces go round three sets of pinned staging buffers: while piece i is stepped in set i % 3,
 piece i+1 is being read into the next set and piece i-1 written back from the previous one.
 Before a set is read into again, the writes from it (piece i-2) must have finished. A unit's
@@ -19,12 +19,12 @@ from typing import Callable
 
 import torch
 
-from ..manager import TierManager
-from ..moments_layout import piece_granule, stored_span
-from ..plan import OPTIMIZER_STATES, STAGING_SETS, StateKind
-from ..sizes import align_up, even_pieces
+from ..core.sizes import align_up, even_pieces
+from ..placement.manager import TierManager
+from ..placement.plan import OPTIMIZER_STATES, STAGING_SETS, StateKind
 from ..tiers.aio import Transfer
 from ..tiers.dram import BLOCK_ALIGN
+from ..tiers.moments import piece_granule, stored_span
 from ..tiers.nvme import VersionGroup
 
 
@@ -46,7 +46,7 @@ def unit_pieces(unit: int, numel: int, most: int, granule: int) -> list[Piece]:
     """A unit's ``numel`` parameters in as few pieces of at most ``most`` as there can be, of
     nearly equal size: a remainder of a few elements would be a pipeline stage of its own (and
     a shape the compiled kernel has not seen). Pieces start on multiples of ``granule``, where
-    each state's file has a 4 KiB block, as O_DIRECT needs (moments_layout.piece_granule)."""
+    each state's file has a 4 KiB block, as O_DIRECT needs (tiers/moments.py's piece_granule)."""
     pieces = even_pieces(numel, most, granule)
     return [Piece(unit, start, count, k == len(pieces) - 1)
             for k, (start, count) in enumerate(pieces)]

@@ -16,8 +16,8 @@ from typing import Callable
 
 import torch
 
-from ..errors import TieredError
-from ..limits import usable_cores
+from ..core.errors import TieredError
+from ..core.limits import usable_cores
 
 
 def optimizer_threads(requested: int | None, drives_gpu: bool, ranks_on_node: int) -> int:

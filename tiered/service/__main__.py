@@ -7,8 +7,8 @@ import logging
 import os
 import sys
 
-from ..errors import TieredError
-from ..sizes import parse_size
+from ..core.errors import TieredError
+from ..core.sizes import parse_size
 from ..tiers.dram import default_budget
 from .paths import default_folder, service_paths
 from .server import KEEP_SECONDS, ServiceConfig, TierService, parse_cores, run, serve

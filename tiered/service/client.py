@@ -16,8 +16,8 @@ import time
 
 import torch
 
+from ..core.errors import BudgetError, NvmeError
 from ..device import Accelerator
-from ..errors import BudgetError, NvmeError
 from . import wire
 from .identity import this_code
 from .paths import ServiceError, ServicePaths, service_paths

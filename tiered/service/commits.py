@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import threading
 
-from ..errors import TieredError
+from ..core.errors import TieredError
 
 
 class NotCommitted(TieredError):

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from ..liveness import is_held
+from ..core.liveness import is_held
 from .client import ServiceClient
 from .identity import this_code
 from .paths import ServiceError, service_paths

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from ..errors import BudgetError, NvmeError, TieredError
+from ..core.errors import BudgetError, NvmeError, TieredError
 from ..tiers.aio import IoQueue, IoSettings, Transfer
 from ..tiers.nvme import NextVersion, NvmeShard, NvmeTier, extent_bytes
 from . import wire

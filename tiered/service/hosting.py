@@ -25,16 +25,16 @@ from typing import Callable
 
 import torch
 
+from ..core.errors import TieredError
+from ..core.timeline import timed
 from ..device import CpuAccelerator
-from ..errors import TieredError
-from ..manager import TierManager
 from ..optim.adamw import one_pass_for
 from ..optim.commands import StepArrived, Update
 from ..optim.host import HostSetup, RankHost
 from ..optim.workers import CpuWorker
-from ..plan import StateKind, grad_dtypes, state_dtype
-from ..policy import ComputeDtype
-from ..timeline import timed
+from ..placement.manager import TierManager
+from ..placement.plan import StateKind, grad_dtypes, state_dtype
+from ..policy.config import ComputeDtype
 from .commits import NotCommitted, StepCommits
 from .cores import CorePool
 from .files import RankFiles

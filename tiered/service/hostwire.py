@@ -12,11 +12,10 @@ import torch
 
 from ..optim.adamw import AdamWHyper
 from ..optim.arrival import LastBackward
-from ..optim.commands import (Command, GradientIn, StepArrived, Update, UpdateMode,
-                              ZeroGrad)
+from ..optim.commands import Command, GradientIn, StepArrived, Update, UpdateMode, ZeroGrad
 from ..optim.groups import GroupRange
-from ..plan import Buffer, MemoryPlan, StateKind
-from ..policy import Policy, Tier
+from ..placement.plan import Buffer, MemoryPlan, StateKind
+from ..policy.config import Policy, Tier
 
 DTYPES = {str(dtype).removeprefix("torch."): dtype
           for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.uint8)}

@@ -14,7 +14,7 @@ import hashlib
 import os
 from dataclasses import asdict, dataclass
 
-from .. import __version__
+from ..core.version import __version__
 
 SOURCE_SUFFIXES = (".py", ".c", ".h")
 """What a change of the code is: the files that are run or compiled, not caches."""

@@ -43,15 +43,14 @@ import enum
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import psutil
 
-from ..errors import BudgetError, TieredError
-from ..sizes import format_size
+from ..core.errors import BudgetError, TieredError
+from ..core.sizes import format_size
 from .commits import StepCommits
-if TYPE_CHECKING:
-    from .files import RankFiles
+from .files import RankFiles
 from .segments import SpareSegments, create_segment
 
 SETTLE_SECONDS = 600.0
@@ -97,7 +96,7 @@ class Rank:
     host_running: bool = False
     final: dict | None = None
     """What its host left when it ended (RankHost.final_state): unit steps, the last update."""
-    files: "RankFiles | None" = None
+    files: RankFiles | None = None
     """Its NVMe files, where its plan has shards on NVMe (see [Note: NVMe in the service])."""
     files_open: bool = False
     """A trainer's file stream is open on them (its transfers may still move)."""
@@ -416,7 +415,7 @@ class Registry:
             return segment
 
     def host_started(self, name: str, rank: int, pid: int, ids: list[int], request: dict
-                     ) -> tuple[list[Segment], "RankFiles | None", int, StepCommits, int]:
+                     ) -> tuple[list[Segment], RankFiles | None, int, StepCommits, int]:
         """The rank's host starts here (service/hosting.py) over its segments ``ids`` and its
         NVMe files, asked for ``request`` (what a relaunch must match); returns the segments,
         the files, the job's world size, its commits and the round the host belongs to.
@@ -440,7 +439,7 @@ class Registry:
                     job.commits.new_round())
 
     def files_opened(self, name: str, rank: int, pid: int,
-                     make: Callable[[], "RankFiles"]) -> tuple["RankFiles", bool]:
+                     make: Callable[[], RankFiles]) -> tuple[RankFiles, bool]:
         """The rank's trainer ``pid`` opens its file stream: returns the rank's files and
         whether they are a kept state's (a reattached rank's), else new ones ``make`` made."""
         with self._lock:

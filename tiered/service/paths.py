@@ -13,7 +13,7 @@ import os
 import stat
 from dataclasses import dataclass
 
-from ..errors import TieredError
+from ..core.errors import TieredError
 
 RUNTIME_ENV = "TIERED_RUNTIME_DIR"
 SOCKET_NAME = "service.sock"

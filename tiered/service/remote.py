@@ -15,9 +15,9 @@ import socket
 import threading
 from typing import Callable
 
-from ..errors import TieredError
+from ..core.errors import TieredError
+from ..core.timeline import Timeline
 from ..optim.commands import Command, GradientIn, HostEvents
-from ..timeline import Timeline
 from . import wire
 from .client import ServiceClient
 from .hostwire import HostRequest, command_to_wire

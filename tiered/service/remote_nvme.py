@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from ..sizes import format_size
+from ..core.sizes import format_size
 from ..tiers.aio import IoSettings
 from ..tiers.nvme import check_nvme_path, extent_bytes, free_bytes, live_runs_hint
 from ..tiers.usage import TierUsage

@@ -20,8 +20,8 @@ from typing import Callable
 
 import torch
 
-from ..errors import BudgetError, TieredError
-from ..sizes import format_size
+from ..core.errors import BudgetError, TieredError
+from ..core.sizes import format_size
 
 
 def create_segment(nbytes: int, name: str) -> int:

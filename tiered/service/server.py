@@ -28,15 +28,15 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .. import __version__
-from ..errors import BudgetError, TieredError
-from ..limits import usable_cores
-from ..liveness import HeldElsewhere, OwnerLock
+from ..core.errors import BudgetError, TieredError
+from ..core.limits import usable_cores
+from ..core.liveness import HeldElsewhere, OwnerLock
+from ..core.version import __version__
 from ..tiers.aio import IoQueue, IoSettings
 from ..tiers.nvme import check_nvme_path, remove_dead_runs
 from . import wire
-from .files import FileStream, RankFiles
 from .cores import CorePool
+from .files import FileStream, RankFiles
 from .hosting import HostedRank, HostSeat, JobNorm
 from .hostwire import COMMAND_OPS, HostRequest, command_from_wire
 from .identity import mismatch, this_code

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from ..sizes import format_size
+from ..core.sizes import format_size
 
 
 def status_table(status: dict) -> str:

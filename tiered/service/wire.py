@@ -19,7 +19,7 @@ import os
 import socket
 import struct
 
-from ..errors import TieredError
+from ..core.errors import TieredError
 
 MAGIC = b"TIER"
 VERSION = 1

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from ..errors import NvmeError
+from ..core.errors import NvmeError
 
 _fault: Callable[[str, str, int, int], int | None] | None = None
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..report import format_table
-from ..sizes import align_up, format_size
+from ..core.report import format_table
+from ..core.sizes import align_up, format_size
 from .aio import IoEngine, IoSettings, host_buffer
 from .dram import BLOCK_ALIGN, PinnedSlabSource
 from .nvme import Extent, check_nvme_path

@@ -15,9 +15,9 @@ from typing import Hashable, Protocol
 
 import torch
 
+from ..core.limits import available_memory
+from ..core.sizes import align_up
 from ..device import Accelerator, host_device
-from ..limits import available_memory
-from ..sizes import align_up
 from .usage import TierUsage
 
 BLOCK_ALIGN = 4096

@@ -40,10 +40,10 @@ import weakref
 
 import torch
 
-from ..errors import NvmeError
-from ..liveness import LOCK_NAME, MAKING_PREFIX, HeldElsewhere, OwnerLock, describe_owner, \
-    is_held, make_owned_folder
-from ..sizes import align_up, format_size
+from ..core.errors import NvmeError
+from ..core.liveness import (LOCK_NAME, MAKING_PREFIX, HeldElsewhere, OwnerLock, describe_owner,
+                             is_held, make_owned_folder)
+from ..core.sizes import align_up, format_size
 from .aio import Countdown, IoEngine, IoQueue, IoSettings, Transfer, host_buffer
 from .dram import BLOCK_ALIGN
 from .usage import TierUsage

@@ -4,8 +4,8 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from ..errors import BudgetError
-from ..sizes import format_size
+from ..core.errors import BudgetError
+from ..core.sizes import format_size
 
 
 @dataclass

@@ -26,10 +26,16 @@ from dataclasses import dataclass
 
 import torch
 
-from . import __version__
-from .limits import available_memory, usable_cores
-from .report import format_table
-from .sizes import format_size
+from ..core.limits import available_memory, usable_cores
+from ..core.report import format_table
+from ..core.sizes import align_up, format_size
+from ..core.version import __version__, cache_folder
+from ..optim.adamw import AdamWHyper, OnePassAdamW
+from ..policy.config import NvmePolicy
+from ..tiers import bench_io
+from ..tiers.aio import IoSettings
+from ..tiers.dram import BLOCK_ALIGN, PinnedSlabSource
+from ..tiers.nvme import check_nvme_path
 
 CPU_PARAMS = 1 << 23
 """Parameters of the CPU AdamW measurement (8 Mi: 128 MiB of fp32 states, past any cache)."""
@@ -132,13 +138,6 @@ def _cache_file(machine: str) -> str:
                         f"node-{hashlib.sha256(machine.encode()).hexdigest()[:16]}.json")
 
 
-def cache_folder() -> str:
-    folder = os.environ.get("TIERED_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tiered")
-    os.makedirs(folder, exist_ok=True)
-    return folder
-
-
 def _machine(threads: int, nvme_path: str | None) -> str:
     """What the rates depend on, as text: the cache's key."""
     cpu = platform.processor() or platform.machine()
@@ -194,7 +193,6 @@ def _adamw_seconds(params: int, device: str, synchronize=lambda: None) -> float:
 def _cpu_adamw(params: int, threads: int) -> tuple[float, float]:
     """Parameters a second of torch's fused AdamW (fp32) and of the one-pass kernel (bf16
     gradient and weights), with ``threads`` threads."""
-    from .optim.adamw import AdamWHyper, OnePassAdamW
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -244,12 +242,6 @@ def _copies(nbytes: int) -> tuple[float, float, float]:
 def _nvme(path: str, nbytes: int) -> tuple[float, float]:
     """The I/O engine's write and read GB/s at its default settings, as ``tiered bench-io``
     measures them, in a folder of its own under ``path``, removed afterwards."""
-    from .policy import NvmePolicy
-    from .sizes import align_up
-    from .tiers import bench_io
-    from .tiers.aio import IoSettings
-    from .tiers.dram import BLOCK_ALIGN, PinnedSlabSource
-    from .tiers.nvme import check_nvme_path
 
     check_nvme_path(path)
     folder = os.path.join(path, f"tiered-node-{secrets.token_hex(3)}")

@@ -151,7 +151,7 @@ def _ordering_checked():
 def _is_budget_refusal(error: BaseException) -> bool:
     """Whether ``error`` is tiered's BudgetError, known by name (importing tiered here would
     import torch before the script could set what torch reads at import)."""
-    return any(kind.__module__ == "tiered.errors" and kind.__name__ == "BudgetError"
+    return any(kind.__module__ == "tiered.core.errors" and kind.__name__ == "BudgetError"
                for kind in type(error).__mro__)
 
 

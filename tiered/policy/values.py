@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 
-from .sizes import parse_size
+from ..core.sizes import parse_size
 
 
 def as_number(value: object, expected: str = "a number") -> float:

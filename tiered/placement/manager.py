@@ -16,17 +16,17 @@ from typing import Callable
 
 import torch
 
-from .device import accelerator_for
-from .errors import BudgetError, TieredError
-from .limits import memory_bound
-from .moments_layout import PACKED, QBLOCK_BYTES
+from ..core.errors import BudgetError, TieredError
+from ..core.limits import memory_bound
+from ..core.sizes import align_up, even_pieces, format_size
+from ..device import accelerator_for
+from ..policy.config import Device, Policy, Tier
+from ..tiers import DramTier, HbmTier, NvmeShard, NvmeTier, PinnedSlabSource, SlabSource
+from ..tiers.aio import IoSettings
+from ..tiers.dram import BLOCK_ALIGN, default_budget
+from ..tiers.moments import PACKED, QBLOCK_BYTES
+from ..tiers.nvme import free_bytes
 from .plan import Buffer, MemoryPlan, StateKind
-from .policy import Device, Policy, Tier
-from .tiers import DramTier, HbmTier, NvmeShard, NvmeTier, PinnedSlabSource, SlabSource
-from .sizes import align_up, even_pieces, format_size
-from .tiers.aio import IoSettings
-from .tiers.dram import BLOCK_ALIGN, default_budget
-from .tiers.nvme import free_bytes
 
 
 @dataclass
@@ -52,7 +52,7 @@ def typed(block: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
 def _granule(dtype: torch.dtype) -> int:
     """Elements of ``dtype`` a piece of a state starts on a multiple of: a 4 KiB block of its
     extent (O_DIRECT), and for packed 8-bit moments also a block of codes, so that each piece
-    can be decoded alone (moments_layout.py)."""
+    can be decoded alone (tiers/moments.py)."""
     granule = BLOCK_ALIGN // dtype.itemsize
     return math.lcm(granule, QBLOCK_BYTES) if dtype is PACKED else granule
 

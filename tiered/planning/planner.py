@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .plan import MemoryPlan, StateKind
-from .policy import Policy, Tier
+from ..placement.plan import MemoryPlan, StateKind
+from ..policy.config import Policy, Tier
 
 RESERVE_SHARE = 4
 """With a null ``hbm.reserve``, a quarter of the HBM budget is left free."""

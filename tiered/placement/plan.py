@@ -7,18 +7,17 @@ with needed versus available bytes for every tier at once.
 from __future__ import annotations
 
 import dataclasses
-
 import enum
 from dataclasses import dataclass
 
 import torch
 
-from .errors import BudgetError
-from .moments_layout import stored_numel
-from .policy import GradsPolicy, MasterDtype, Policy, Tier
-from .sizes import align_up, format_size
-from .tiers.dram import BLOCK_ALIGN
-from .tiers.nvme import nvme_bytes
+from ..core.errors import BudgetError
+from ..core.sizes import align_up, format_size
+from ..policy.config import GradsPolicy, MasterDtype, Policy, Tier
+from ..tiers.dram import BLOCK_ALIGN
+from ..tiers.moments import stored_numel
+from ..tiers.nvme import nvme_bytes
 
 
 class StateKind(enum.Enum):
@@ -92,7 +91,7 @@ def state_dtype(policy: Policy, kind: StateKind) -> torch.dtype:
     them, except with ``accumulation_steps: 1``: no second backward can add to a step's
     gradient there (it is refused), so they stay compact, in the compute dtype, saving 2 bytes
     per parameter of the grads tier under bf16 or fp16 (see [Note: gradient states]). Moments
-    are ``optimizer.moments``' (uint8 for packed 8-bit ones: moments_layout.py)."""
+    are ``optimizer.moments``' (uint8 for packed 8-bit ones: tiers/moments.py)."""
     compute = policy.compute_dtype.torch_dtype
     if kind in (StateKind.PARAM, StateKind.PARAM_NEXT):
         return compute

@@ -15,7 +15,7 @@ node's rates cached by ``tiered node``. Its device memory is the HBM budget, 7/8
 memory shared by the ranks the DRAM budget, as ``initialize`` takes them (on a CPU device the
 two tiers split that RAM, as there); the drive's space is
 not known, so NVMe bytes are shown without a budget. The prediction reads the same rates
-(plan_report.py).
+(planning/report.py).
 
 With ``--batch B --seq S`` the model's forward runs on fake tensors on B sequences of S token
 ids (a Hugging Face model with them as labels too, so its loss counts) and what autograd keeps
@@ -37,15 +37,15 @@ import sys
 import torch
 from torch import nn
 
-from .activations import forward_activations
-from .engine.build import flat_units, forward_order, memory_plan
-from .errors import TieredError, UsageError
-from .manager import dram_beside_hbm, split_shared_ram
-from .node import NodeRates
-from .plan import MemoryPlan
-from .plan_report import BatchFit, PlanReport, plan_report
-from .planner import MEASURED_MARGIN_SHARE, hbm_reserve, place_units, replanned_units
-from .policy import Device, Policy, Tier
+from ..core.errors import TieredError, UsageError
+from ..engine.build import flat_units, forward_order, memory_plan
+from ..placement.manager import dram_beside_hbm, split_shared_ram
+from ..placement.plan import MemoryPlan
+from ..planning.activations import forward_activations
+from ..planning.node import NodeRates
+from ..planning.planner import MEASURED_MARGIN_SHARE, hbm_reserve, place_units, replanned_units
+from ..planning.report import BatchFit, PlanReport, plan_report
+from ..policy.config import Device, Policy, Tier
 
 
 def model_on_meta(spec: str, lora: int | None = None, checkpointing: bool = False) -> nn.Module:

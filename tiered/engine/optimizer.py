@@ -7,13 +7,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import TieredError
-from ..policy import Policy
-from ..released import ReleasedWeight
-from .adamw import AdamWHyper
-from .arrival import LastBackward
-from .commands import StepArrived, Update, UpdateMode
+from ..core.errors import TieredError
+from ..optim.adamw import AdamWHyper
+from ..optim.arrival import LastBackward
+from ..optim.commands import StepArrived, Update, UpdateMode
+from ..policy.config import Policy
 from .loss_scale import LossScaler
+from .released import ReleasedWeight
 
 
 @dataclass

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .errors import TieredError
+from ..core.errors import TieredError
 
 _METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.stride,
              torch.Tensor.element_size, torch.Tensor.is_floating_point, torch.Tensor.__repr__,

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..errors import PolicyError
+from ..core.errors import PolicyError
 from ..ops.tiled_linear import LinearTile
 
 

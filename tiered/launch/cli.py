@@ -17,19 +17,30 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
 
 import yaml
 
-from . import __version__
-from .errors import TieredError, UsageError
-from .launch import policy_from_args, warn_if_nvme_unused
+from ..core.errors import TieredError, UsageError
+from ..core.sizes import parse_size
+from ..core.version import __version__
+from ..placement.manager import this_machine
+from ..planning.node import cached_node_rates, node_rates
+from ..policy.config import resolve
+from ..service import service_paths, service_status, start_service, stop_service
+from ..service.__main__ import main as run_service
+from ..service.server import parse_cores
+from ..service.status import status_table
+from ..tiers import bench_io
+from ..tiers.aio import IoSettings
+from .launcher import policy_from_args, warn_if_nvme_unused
+from .plan_model import batch_activations, model_on_meta, plan_model, planned_on_gpu, read_node
 
 
 def _check_policy(args) -> int:
-    from .manager import this_machine
-
     # A quoted "~/x" reaches no shell that would expand it (policy_from_args makes it absolute).
     nvme = os.path.expanduser(args.nvme) if args.nvme else None
     try:
@@ -50,7 +61,6 @@ def _check_policy(args) -> int:
 def _positive_size(flag: str, value: str) -> int:
     """A size flag's bytes, which must be > 0: the benchmark refused 0 only at its temporary
     file ("cannot reserve 0 B"), naming the file and not the flag."""
-    from .sizes import parse_size
 
     try:
         size = parse_size(value)
@@ -62,11 +72,6 @@ def _positive_size(flag: str, value: str) -> int:
 
 
 def _bench_io(args) -> int:
-    import json
-
-    from .tiers import bench_io
-    from .tiers.aio import IoSettings
-
     try:
         policy = policy_from_args(args.policy, args.nvme)
         size = _positive_size("--size", args.size)
@@ -86,11 +91,6 @@ def _bench_io(args) -> int:
 
 
 def _node(args) -> int:
-    import dataclasses
-    import json
-
-    from .node import node_rates
-
     try:
         nvme = os.path.abspath(os.path.expanduser(args.nvme)) if args.nvme else None
         rates = node_rates(nvme, remeasure=args.remeasure)
@@ -102,13 +102,6 @@ def _node(args) -> int:
 
 
 def _plan(args) -> int:
-    import json
-
-    from .node import cached_node_rates
-    from .plan_model import (batch_activations, model_on_meta, plan_model, planned_on_gpu,
-                             read_node)
-    from .policy import resolve
-
     try:
         for flag, value in (("--ranks", args.ranks), ("--batch", args.batch), ("--seq", args.seq),
                             ("--lora", args.lora)):
@@ -137,10 +130,6 @@ def _plan(args) -> int:
 
 
 def _daemon_start(args) -> int:
-    from .service import service_paths, start_service
-    from .service.__main__ import main as run_service
-    from .service.server import parse_cores
-
     try:
         dram = _positive_size("--dram", args.dram) if args.dram is not None else None
         if args.keep_failed is not None and not args.keep_failed >= 0:
@@ -163,11 +152,6 @@ def _daemon_start(args) -> int:
 
 
 def _daemon_status(args) -> int:
-    import json
-
-    from .service import service_status
-    from .service.status import status_table
-
     try:
         status = service_status()
     except TieredError as e:
@@ -178,8 +162,6 @@ def _daemon_status(args) -> int:
 
 
 def _daemon_stop(args) -> int:
-    from .service import service_paths, stop_service
-
     try:
         pid = stop_service()
     except TieredError as e:

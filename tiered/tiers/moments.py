@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from .tiers.dram import BLOCK_ALIGN
+from .dram import BLOCK_ALIGN
 
 QBLOCK = 256
 """Parameters per scale of an 8-bit moment."""

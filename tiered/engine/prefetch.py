@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterator
 
-from .policy import PrefetchPolicy
+from ..policy.config import PrefetchPolicy
 
 
 class Prefetcher:

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from ..policy import LossScalePolicy
+from ..policy.config import LossScalePolicy
 
 
 def _fp32(value: float) -> float:

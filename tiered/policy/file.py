@@ -12,7 +12,7 @@ import yaml
 from yaml.constructor import ConstructorError
 from yaml.nodes import MappingNode, SequenceNode
 
-from .errors import PolicyError
+from ..core.errors import PolicyError
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 

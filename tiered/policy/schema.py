@@ -12,7 +12,7 @@ import enum
 import typing
 from typing import Any, Mapping
 
-from .errors import PolicyError
+from ..core.errors import PolicyError
 
 
 def _structured_kind(hint: Any) -> type | None:

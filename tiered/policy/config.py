@@ -3,7 +3,7 @@
 A policy is data: which tier holds each piece of training state, the optimizer's settings and the
 tiers' budgets. Mechanism (tiers, engine, optimizer) reads a frozen :class:`Policy` and never a
 dict. Every error names the source file, the key path and what is allowed. The sections are
-here; the generic building and checking of a section tree is policy_schema.py's.
+here; the generic building and checking of a section tree is policy/schema.py's.
 """
 from __future__ import annotations
 
@@ -16,14 +16,13 @@ from typing import Any, Mapping
 
 import torch
 
-from .errors import PolicyError
-from .moments_layout import PACKED, piece_granule
-from .policy_values import (as_betas, as_bool, as_class_names, as_norm_bound, as_number,
-                            as_path, as_size_or_none, as_whole_number, keep_path_as_string,
-                            optional, parsed_by)
-from .policy_schema import build, merge, plain_value_in, plain_value_message
-from .policy_yaml import read_yaml
-from .sizes import parse_size
+from ..core.errors import PolicyError
+from ..core.sizes import parse_size
+from ..tiers.moments import PACKED, piece_granule
+from .file import read_yaml
+from .schema import build, merge, plain_value_in, plain_value_message
+from .values import (as_betas, as_bool, as_class_names, as_norm_bound, as_number, as_path,
+                     as_size_or_none, as_whole_number, keep_path_as_string, optional, parsed_by)
 
 POLICY_ENV = "TIERED_POLICY_JSON"
 """Environment variable through which ``tiered-launch`` hands the resolved policy to each rank."""
@@ -61,7 +60,7 @@ class MomentsDtype(str, enum.Enum):
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        """What the tiers hold a moment in (int8: packed codes and scales, moments_layout)."""
+        """What the tiers hold a moment in (int8: packed codes and scales, tiers/moments.py)."""
         return {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": PACKED}[self.value]
 
 

@@ -29,12 +29,14 @@ import signal
 import sys
 import time
 
-from .engine.engine import LAUNCHED_ENV
-from .errors import NvmeError, TieredError, UsageError
-from .limits import usable_cores
-from .policy import POLICY_ENV, Policy, resolve
+from ..core.errors import NvmeError, TieredError, UsageError
+from ..core.limits import usable_cores
+from ..engine.engine import LAUNCHED_ENV
+from ..policy.config import POLICY_ENV, Policy, resolve
+from ..service import JobHold, ensure_service, service_paths, service_status
+from ..service.client import JOB_ENV, SERVICE_ENV
+from ..tiers.nvme import check_nvme_path
 from .rank_entry import LAUNCHER_PID_ENV
-from .tiers.nvme import check_nvme_path
 
 NPROC_ALLOWED = "a number >= 1, or auto, cpu, gpu or xpu for one rank per device"
 RANK_ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank_entry.py")
@@ -242,7 +244,6 @@ def main(argv: list[str] | None = None) -> int:
 def _say_how_to_go_on(job: str, argv: list[str]) -> None:
     """After a stop: until when the node's service keeps the job, and the command that goes on
     from it (the same, with its --job)."""
-    from .service import service_status
 
     try:
         keep = service_status()["keep_seconds"]
@@ -258,8 +259,6 @@ def _say_how_to_go_on(job: str, argv: list[str]) -> None:
 def _hold_job_at_the_service(args):
     """Find the node's service (start one, which exits once its jobs are gone, when none runs),
     and hold this launch's job there; the ranks learn both from their environment."""
-    from .service import JobHold, ensure_service, service_paths
-    from .service.client import JOB_ENV, SERVICE_ENV
 
     job = args.job or _job_name(args)
     folder = service_paths().folder

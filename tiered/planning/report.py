@@ -25,11 +25,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..core.report import format_table
+from ..core.sizes import format_size
+from ..placement.plan import OPTIMIZER_STATES, MemoryPlan, StateKind, reduce_dtype, state_dtype
+from ..policy.config import ComputeDtype, Policy, Tier
 from .node import NodeRates
-from .plan import OPTIMIZER_STATES, MemoryPlan, StateKind, reduce_dtype, state_dtype
-from .policy import ComputeDtype, Policy, Tier
-from .report import format_table
-from .sizes import format_size
 
 SHOWN_STATES = (StateKind.PARAM, StateKind.GRAD, StateKind.MASTER)
 """One row per kind of state: the moments sit with the master weights (a unit without masters,
