@@ -48,10 +48,11 @@ def format_size(nbytes: int) -> str:
     """``1536 -> '1.50 KiB'``; exact bytes below 1 KiB."""
     if nbytes < 1024:
         return f"{nbytes} B"
+    scaled = float(nbytes)
     for unit in ("KiB", "MiB", "GiB", "TiB"):
-        nbytes /= 1024
-        if nbytes < 1024 or unit == "TiB":
-            return f"{nbytes:.2f} {unit}"
+        scaled /= 1024
+        if scaled < 1024 or unit == "TiB":
+            return f"{scaled:.2f} {unit}"
     raise AssertionError("unreachable")
 
 

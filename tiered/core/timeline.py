@@ -16,6 +16,7 @@ import json
 import os
 import threading
 import time
+from typing import BinaryIO
 
 import torch
 
@@ -37,12 +38,12 @@ class Timeline:
         self._device_spans: list[tuple[str, str, str, torch.cuda.Event, torch.cuda.Event]] = []
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
-        self._file = None
+        self._file: BinaryIO | None = None
         """Open from the first flush to close; ``_end`` is where its events end (_TAIL's
         offset), ``_written`` how many it holds."""
         self._end = self._written = 0
         self._t0 = time.perf_counter_ns()
-        self._reference = None
+        self._reference: torch.cuda.Event | None = None
         if self.enabled and device.type == "cuda":
             # Device times are offsets from this event, placed at the host time it was recorded.
             torch.cuda.synchronize(device)
@@ -117,7 +118,8 @@ class Timeline:
         if not self.enabled:
             return
         self.flush(wait=True)
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
         self.enabled = False
 
     def _read_device_spans(self, wait: bool) -> None:
@@ -125,6 +127,8 @@ class Timeline:
             return
         with self._lock:
             spans, self._device_spans = self._device_spans, []
+        reference = self._reference
+        assert reference is not None  # device spans are recorded only against it
         pending = []
         for span in spans:
             name, category, track, start, end = span
@@ -132,7 +136,7 @@ class Timeline:
                 pending.append(span)
                 continue
             end.synchronize()
-            begin_us = self._reference_us + self._reference.elapsed_time(start) * 1e3
+            begin_us = self._reference_us + reference.elapsed_time(start) * 1e3
             length_us = start.elapsed_time(end) * 1e3
             self._add(name, category, track, int(begin_us * 1e3), int(length_us * 1e3))
         with self._lock:
@@ -147,21 +151,23 @@ class Timeline:
             self._write(events)
 
     def _write(self, events: list[dict]) -> None:
-        if self._file is None:
-            self._file = open(self.path, "wb")
-            self._file.write(_HEAD)
-            self._end = self._file.tell()
+        file = self._file
+        if file is None:
+            assert self.path is not None  # an enabled timeline has one
+            file = self._file = open(self.path, "wb")
+            file.write(_HEAD)
+            self._end = file.tell()
         elif not events:
             return
         body = b",\n".join(json.dumps(event).encode() for event in events)
-        self._file.seek(self._end)
+        file.seek(self._end)
         if body:
-            self._file.write(b",\n" + body if self._written else body)
+            file.write(b",\n" + body if self._written else body)
         self._written += len(events)
-        self._end = self._file.tell()
-        self._file.write(_TAIL)
-        self._file.truncate()
-        self._file.flush()
+        self._end = file.tell()
+        file.write(_TAIL)
+        file.truncate()
+        file.flush()
 
     def _add(self, name: str, category: str, track: str, offset_ns: int, length_ns: int,
              args: dict | None = None) -> None:

@@ -31,51 +31,18 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from typing import Protocol, runtime_checkable
 
 import torch
 
 from ..core.errors import PolicyError
+from .seam import Accelerator, EventLike, StreamLike
 from .sim import SimAccelerator
 
 DEVICE_ENV = "TIERED_DEVICE"
 """``sim``: train on the simulated accelerator (the CPU computes; streams are checked)."""
 
-
-@runtime_checkable
-class StreamLike(Protocol):
-    def wait_event(self, event) -> None: ...
-    def wait_stream(self, other) -> None: ...
-    def synchronize(self) -> None: ...
-
-
-@runtime_checkable
-class EventLike(Protocol):
-    def record(self, stream=None) -> None: ...
-    def query(self) -> bool: ...
-    def synchronize(self) -> None: ...
-    def wait(self, stream=None) -> None: ...
-
-
-class Accelerator(Protocol):
-    """A compute device as the engine uses it."""
-
-    name: str
-    """What ``initialize`` logs: ``cuda``, ``cpu`` or ``simulated``."""
-    has_streams: bool
-    """Whether work runs on streams that must be ordered (CUDA, simulated)."""
-
-    def Stream(self, name: str = "") -> StreamLike: ...  # noqa: N802 (torch.cuda's names)
-    def Event(self) -> EventLike: ...  # noqa: N802
-    def current_stream(self) -> StreamLike: ...
-    def stream(self, stream: StreamLike) -> contextlib.AbstractContextManager: ...
-    def set_stream(self, stream: StreamLike) -> None: ...
-    def release_storage(self, tensor: torch.Tensor) -> None: ...
-    def record_stream(self, tensor: torch.Tensor, stream: StreamLike) -> None: ...
-    def synchronize(self) -> None: ...
-    def max_memory_allocated(self) -> int | None: ...
-    def register_host_memory(self, slab: torch.Tensor) -> None: ...
-    def unregister_host_memory(self, slab: torch.Tensor) -> None: ...
+__all__ = ["Accelerator", "CpuAccelerator", "CudaAccelerator", "EventLike", "StreamLike",
+           "accelerator_for", "host_device", "simulated_device", "wait_for"]
 
 
 def wait_for(accelerator: Accelerator, event: EventLike | None, tensor: torch.Tensor,
@@ -112,21 +79,21 @@ class CudaAccelerator:
     def current_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
 
-    def stream(self, stream: torch.cuda.Stream):
-        return torch.cuda.stream(stream)
+    def stream(self, stream: StreamLike) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(_cuda_stream(stream))
 
-    def set_stream(self, stream: torch.cuda.Stream) -> None:
+    def set_stream(self, stream: StreamLike) -> None:
         """This thread's current device and stream from here on."""
         torch.cuda.set_device(self.device)
-        torch.cuda.set_stream(stream)
+        torch.cuda.set_stream(_cuda_stream(stream))
 
     def release_storage(self, tensor: torch.Tensor) -> None:
         """Give the memory of ``tensor``'s storage back to the caching allocator (it waits
         for the streams ``record_stream`` named)."""
         tensor.untyped_storage().resize_(0)
 
-    def record_stream(self, tensor: torch.Tensor, stream: torch.cuda.Stream) -> None:
-        tensor.record_stream(stream)
+    def record_stream(self, tensor: torch.Tensor, stream: StreamLike) -> None:
+        tensor.record_stream(_cuda_stream(stream))
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -145,6 +112,12 @@ class CudaAccelerator:
 
     def unregister_host_memory(self, slab: torch.Tensor) -> None:
         torch.cuda.cudart().cudaHostUnregister(slab.data_ptr())
+
+
+def _cuda_stream(stream: StreamLike) -> torch.cuda.Stream:
+    """``stream`` as CUDA's: each accelerator takes only the streams it made."""
+    assert isinstance(stream, torch.cuda.Stream), f"not a CUDA stream: {stream!r}"
+    return stream
 
 
 class CpuAccelerator:

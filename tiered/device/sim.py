@@ -41,12 +41,14 @@ import threading
 import traceback
 import weakref
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..core.errors import TieredError
+from .seam import StreamLike
 
 
 class OrderingError(TieredError):
@@ -163,7 +165,7 @@ class SimAccelerator:
     name = "simulated"
     has_streams = True
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._ids = itertools.count()
         self._lock = threading.RLock()
         self._local = threading.local()
@@ -188,12 +190,12 @@ class SimAccelerator:
         return getattr(self._local, "stream", None) or (
             self.default if getattr(self._local, "device_thread", False) else self.host)
 
-    def stream(self, stream: SimStream) -> "_OnStream":
-        return _OnStream(self, stream)
+    def stream(self, stream: StreamLike) -> "_OnStream":
+        return _OnStream(self, _sim_stream(stream))
 
-    def set_stream(self, stream: SimStream) -> None:
+    def set_stream(self, stream: StreamLike) -> None:
         """This thread's current stream from here on (torch.cuda.set_stream)."""
-        self._local.stream = stream
+        self._local.stream = _sim_stream(stream)
 
     def synchronize(self) -> None:
         with self._lock:
@@ -203,7 +205,8 @@ class SimAccelerator:
     def max_memory_allocated(self) -> None:
         return None  # the CPU's allocator keeps no statistics
 
-    def record_stream(self, tensor: torch.Tensor, stream: SimStream) -> None:
+    def record_stream(self, tensor: torch.Tensor, stream: StreamLike) -> None:
+        stream = _sim_stream(stream)
         with self._lock:
             storage = self._storages.get(_key(tensor))
             if storage is not None:
@@ -259,7 +262,8 @@ class SimAccelerator:
             _merge(stream.clock, event.clock)
 
     def _access(self, stream: SimStream, writes: list[torch.Tensor],
-                reads: list[torch.Tensor], what: str, results: list[torch.Tensor] = ()) -> None:
+                reads: list[torch.Tensor], what: str,
+                results: Sequence[torch.Tensor] = ()) -> None:
         with self._lock:
             if stream is not self.host:  # the host's work so far is done when it queues this
                 _merge(stream.clock, self.host.clock)
@@ -332,6 +336,12 @@ class SimAccelerator:
             f"{kind}: {access.site.describe()}\n{earlier_kind}: {earlier.site.describe()}")
 
 
+def _sim_stream(stream: StreamLike) -> SimStream:
+    """``stream`` as the simulator's: each accelerator takes only the streams it made."""
+    assert isinstance(stream, SimStream), f"not a simulated stream: {stream!r}"
+    return stream
+
+
 def _merge(into: dict[int, int], other: dict[int, int]) -> None:
     for stream, count in other.items():
         if into.get(stream, 0) < count:
@@ -350,7 +360,7 @@ def _span(tensor: torch.Tensor) -> tuple[int, int]:
     extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape,
                                                                      tensor.stride()))
     start = tensor.storage_offset() * tensor.element_size()
-    return (start, start + extent * tensor.element_size())
+    return (int(start), int(start + extent * tensor.element_size()))
 
 
 def _key(tensor: torch.Tensor) -> tuple[int, int]:

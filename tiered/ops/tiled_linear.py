@@ -116,7 +116,9 @@ class TiledLinear(nn.Module):
         self._register_load_state_dict_pre_hook(_split_tiles, with_module=True)
 
     def tile(self, i: int, j: int) -> LinearTile:
-        return self.tiles[i * len(self.in_sizes) + j]
+        tile = self.tiles[i * len(self.in_sizes) + j]
+        assert isinstance(tile, LinearTile)
+        return tile
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         outputs = []
@@ -141,7 +143,7 @@ class TiledLinear(nn.Module):
         rows = [torch.cat(tile_weights[i * cols:(i + 1) * cols], dim=1)
                 for i in range(len(self.out_sizes))]
         biases = [tile_biases[i * cols] for i in range(len(self.out_sizes))]
-        bias = None if biases[0] is None else torch.cat(biases)
+        bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
         return torch.cat(rows, dim=0), bias
 
     def block(self, k: int) -> tuple[int, int, int, int]:
@@ -249,7 +251,7 @@ def tile_large_linears(model: nn.Module, max_bytes: int, itemsize: int) -> Repla
     element) by a ``TiledLinear`` whose tiles view its weight; returns what it replaced, for
     :func:`untile`. A layer whose weight is shared with another module (tied embeddings) is left
     whole: tiles cannot share it."""
-    held = {}
+    held: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         held[id(param)] = held.get(id(param), 0) + 1
     replaced = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -125,7 +126,7 @@ class OnePassAdamW:
         """``native``: use the kernel built from C where there is one (False: inductor's, as
         the benchmark compares them)."""
         self._native = native
-        self._compiled = None
+        self._compiled: Callable[..., None] | None = None
         self._failed = False
 
     def warm_up(self, grad_dtype: torch.dtype, weights_dtype: torch.dtype) -> None:

@@ -304,11 +304,13 @@ def _reference_in_chunks(master, weights_in, grad, exp_avg, exp_avg_sq, weights_
     for start in range(0, n, REFERENCE_CHUNK):
         stop = min(start + REFERENCE_CHUNK, n)
         here = slice(start, stop)
-        moments = [state.narrow(0, *stored_span(state.dtype, start, stop - start))
-                   for state in (exp_avg, exp_avg_sq)]
+        first_moment, second_moment = (
+            state.narrow(0, *stored_span(state.dtype, start, stop - start))
+            for state in (exp_avg, exp_avg_sq))
         chunk_runs = [Run(max(run.start, start) - start, min(run.stop, stop) - start,
                           run.scalars)
                       for run in runs if max(run.start, start) < min(run.stop, stop)]
         reference_step(None if master is None else master[here], weights_in[here], grad[here],
-                       *moments, weights_out[here], first + start, chunk_runs, key)
+                       first_moment, second_moment, weights_out[here], first + start,
+                       chunk_runs, key)
 

@@ -53,9 +53,9 @@ def shard_ranges(flats, groups: tuple[ParamGroupPolicy, ...]) -> list[tuple[Grou
         shard_start, shard_stop = flat.shard_range
         offset = 0
         for index, param in enumerate(flat.spec.params):
-            group = group_of(param.names, groups)
-            matched.add(group)  # a group of frozen parameters only is still a right pattern
-            group = group if param.trainable else FROZEN
+            matching = group_of(param.names, groups)
+            matched.add(matching)  # a group of frozen parameters only is still a right pattern
+            group = matching if param.trainable else FROZEN
             last = index == len(flat.spec.params) - 1
             stop = flat.padded_numel if last else offset + param.numel
             start, stop = max(offset, shard_start), min(stop, shard_stop)

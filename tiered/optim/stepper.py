@@ -99,11 +99,11 @@ class UnitStepper:
 
         streamed: list[int] = []
         for unit in [*units, None]:
-            on_nvme = unit is not None and self.manager.nvme_file(unit, StateKind.EXP_AVG)
-            if on_nvme:
+            if unit is not None and self.manager.nvme_file(unit, StateKind.EXP_AVG):
                 streamed.append(unit)
                 continue
             if streamed:
+                assert self.stream is not None  # made where any unit's states are on NVMe
                 self.stream.run(streamed, step_piece, unit_done)
                 streamed = []
             if unit is not None:

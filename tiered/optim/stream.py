@@ -81,14 +81,14 @@ class StateStream:
         pieces = [piece for its_pieces in per_unit for piece in its_pieces]
         reads: dict[int, Transfer] = {}
         writes: dict[int, Transfer] = {}
-        versions: dict[int, list] = {}
+        versions: dict[int, VersionGroup] = {}
 
         def start_read(i: int) -> None:
             slot = i % STAGING_SETS
             if slot in writes:
                 writes.pop(slot).wait()  # the set still holds piece i-3's data on its way out
             piece = pieces[i]
-            reads[i] = Transfer.joined([self.manager.nvme_file(piece.unit, kind).start_read(
+            reads[i] = Transfer.joined([self.manager.nvme_shard(piece.unit, kind).start_read(
                 self._block(kind, slot), *self._span(piece, kind)) for kind in self.kinds])
 
         try:
@@ -100,10 +100,11 @@ class StateStream:
                 reads.pop(i).wait()
                 slot = i % STAGING_SETS
                 views = {kind: self._view(kind, slot, piece) for kind in self.kinds}
-                step_piece(piece, *(views.get(kind) for kind in OPTIMIZER_STATES))
+                step_piece(piece, views.get(StateKind.MASTER), views[StateKind.EXP_AVG],
+                           views[StateKind.EXP_AVG_SQ])
                 if piece.unit not in versions:
                     versions[piece.unit] = VersionGroup(
-                        [self.manager.nvme_file(piece.unit, kind).next_version()
+                        [self.manager.nvme_shard(piece.unit, kind).next_version()
                          for kind in self.kinds])
                 writes[slot] = Transfer.joined(
                     [version.write(self._block(kind, slot), *self._span(piece, kind))

@@ -12,7 +12,7 @@ import queue
 import threading
 import warnings
 from functools import partial
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -144,7 +144,7 @@ def _compile_settings() -> list[tuple[object, dict]]:
         return []
 
 
-def _adopt_compile_settings(settings: list[tuple[object, dict]]) -> None:
+def _adopt_compile_settings(settings: list[tuple[Any, dict]]) -> None:
     """Worker: take the plain settings that differ here (none, where they are per process)."""
     for config, values in settings:
         own = config.get_config_copy()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -42,6 +42,18 @@ class Shard:
     """The storage itself, for HBM and DRAM shards."""
     file: NvmeShard | None = None
     """Its extent, for NVMe shards."""
+
+    @property
+    def memory(self) -> torch.Tensor:
+        """``resident``, where the caller knows the shard is in memory."""
+        assert self.resident is not None, f"unit {self.unit}'s {self.kind.value} is on NVMe"
+        return self.resident
+
+    @property
+    def extent(self) -> NvmeShard:
+        """``file``, where the caller knows the shard is on NVMe."""
+        assert self.file is not None, f"unit {self.unit}'s {self.kind.value} is not on NVMe"
+        return self.file
 
 
 def typed(block: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -130,7 +142,7 @@ class TierManager:
                     self.hbm.usage.budget = self.cpu_ram
             past = budgets_past_the_node(policy, device.type == "cpu", ranks, agree)
             if past:
-                hint = self.nvme.live_runs_hint() if "nvme" in past else ""
+                hint = self.nvme.live_runs_hint() if "nvme" in past and self.nvme else ""
                 raise _refusal(past, hint)
         except BaseException:
             if self.nvme is not None:
@@ -237,8 +249,9 @@ class TierManager:
         process that maps the same segments wraps them as the same states (:meth:`adopt`).
         Asked before any delayed-update swap, so each state is where the plan put it."""
         assert not self._swapped, "descriptors are the plan's, asked before any swap_params"
+        assert self.plan is not None
         return {key: (*locate(self._staging[key[1]] if key[0] == "staging"
-                              else self.shards[key].resident), buf.nbytes)
+                              else self.shards[key].memory), buf.nbytes)
                 for key, buf in _dram_buffers(self.plan).items()}
 
     def _allocate(self, plan: MemoryPlan, zero_moments: bool,
@@ -256,7 +269,7 @@ class TierManager:
             elif buf.tier is Tier.HBM:
                 shard.resident = self.hbm.empty(buf.numel, buf.dtype, buf.label)
             else:
-                shard.file = self.nvme.create(buf.label, buf.nbytes)
+                shard.file = self.nvme_tier.create(buf.label, buf.nbytes)
             if zero_moments and shard.resident is not None and kind in (StateKind.EXP_AVG,
                                                                         StateKind.EXP_AVG_SQ):
                 shard.resident.zero_()
@@ -285,7 +298,7 @@ class TierManager:
         for key, copy in copies.items():
             shard = self.shards[key]
             if shard.file is not None:
-                self.nvme.remove(shard.file)
+                self.nvme_tier.remove(shard.file)
             shard.tier, shard.resident, shard.file = Tier.HBM, copy, None
         self.plan = plan
 
@@ -317,7 +330,7 @@ class TierManager:
             return
         block = self._staging[_staging_name(kind)]
         for start, numel, offset, nbytes in _pieces(shard, block):
-            shard.file.start_read(block, offset, nbytes).wait()
+            shard.extent.start_read(block, offset, nbytes).wait()
             yield start, typed(block, numel, shard.dtype)
 
     def has(self, unit: int, kind: StateKind) -> bool:
@@ -330,6 +343,10 @@ class TierManager:
         shard = self.shards.get((unit, kind))
         return shard.file if shard is not None else None
 
+    def nvme_shard(self, unit: int, kind: StateKind) -> NvmeShard:
+        """The state's extent, which the plan put on NVMe."""
+        return self.shards[(unit, kind)].extent
+
     def staging_block(self, name: str) -> torch.Tensor:
         return self._staging[name]
 
@@ -337,7 +354,7 @@ class TierManager:
         """Read an NVMe weight shard into the staging buffer ``slot`` (one of the read-ahead
         ring "param_in0", "param_in1", ...)."""
         shard = self.shards[(unit, StateKind.PARAM)]
-        shard.file.read_into(self._staging[slot])
+        shard.extent.read_into(self._staging[slot])
         return typed(self._staging[slot], shard.numel, shard.dtype)
 
     def staging_names(self, prefix: str) -> list[str]:
@@ -380,7 +397,7 @@ class TierManager:
     def _write_nvme(self, shard: Shard, block: torch.Tensor, value: torch.Tensor) -> None:
         """Write ``value`` as the shard's next version, piece by piece through ``block``
         (which ``value`` may already be), switching only once all of it is written."""
-        version = shard.file.next_version()
+        version = shard.extent.next_version()
         try:
             for start, numel, offset, nbytes in _pieces(shard, block):
                 staged = typed(block, numel, shard.dtype)
@@ -404,7 +421,7 @@ class TierManager:
         """The unit's grads-tier buffer as ``dtype``: itself when it is allocated in ``dtype``
         (fp32, or compact in the compute dtype), or the first half of an fp32 one viewed as a
         2-byte ``dtype`` (where a pending gradient is kept; see [Note: gradient states])."""
-        grad = self.shards[(unit, StateKind.GRAD)].resident
+        grad = self.shards[(unit, StateKind.GRAD)].memory
         if grad.dtype is dtype:
             return grad
         if grad.dtype is not torch.float32:
@@ -426,7 +443,7 @@ class TierManager:
         moves them)."""
         shard = self.shards[(unit, kind)]
         if self.param_in_place(unit, kind, cpu_only) and not staged:
-            return shard.resident
+            return shard.memory
         return typed(self._staging["param_out"], shard.numel, shard.dtype)
 
     def grad_device(self, unit: int) -> torch.device:
@@ -465,13 +482,20 @@ class TierManager:
         an odd number of times): what another manager over the same memory swaps to agree."""
         return sorted(self._swapped)
 
+    @property
+    def nvme_tier(self) -> NvmeTier:
+        """The NVMe tier, where the caller knows the policy has one."""
+        assert self.nvme is not None, "the policy places nothing on NVMe"
+        return self.nvme
+
     def tier_of(self, unit: int, kind: StateKind) -> Tier:
         return self.shards[(unit, kind)].tier
 
-    def memory_report(self) -> dict[str, dict[str, int | None]]:
+    def memory_report(self) -> dict[str, Mapping[str, int | None]]:
         """Per tier: bytes held now, the most held, and the budget. On a CPU device the hbm
         and dram budgets are two parts of the same RAM (see :meth:`budgets_for`)."""
-        report = {"hbm": self.hbm.usage.report(), "dram": self.dram.usage.report()}
+        report: dict[str, Mapping[str, int | None]] = {"hbm": self.hbm.usage.report(),
+                                                       "dram": self.dram.usage.report()}
         report["nvme"] = (self.nvme.usage.report() if self.nvme is not None
                           else {"current": 0, "peak": 0, "budget": self.policy.nvme.budget})
         return report
@@ -513,7 +537,8 @@ def dram_beside_hbm(room: int, ram: int, hbm_budget: int | None, hbm_needed: int
 
 def _dram_buffers(plan: MemoryPlan) -> dict[tuple, Buffer]:
     """The plan's DRAM states by (unit, kind) and its staging buffers by ("staging", name)."""
-    buffers = {key: buf for key, buf in plan.shards.items() if buf.tier is Tier.DRAM}
+    buffers: dict[tuple, Buffer] = {key: buf for key, buf in plan.shards.items()
+                                    if buf.tier is Tier.DRAM}
     buffers.update({("staging", name): buf for name, buf in plan.staging.items()})
     return buffers
 
@@ -534,19 +559,21 @@ def budgets_past_the_node(policy: Policy, on_cpu: bool, ranks: int = 1,
     ranks = max(1, ranks)
     of_node = f"1/{ranks} (ranks on this node) of " if ranks > 1 else ""
     shares: dict[str, tuple[str, int, int, str]] = {}  # tier: key, budget, share, what sets it
-    memory = None
+    memory_share, memory_bound_by = 0, ""
     if policy.dram.budget is not None or (on_cpu and policy.hbm.budget is not None):
-        available, bound = memory_bound()
-        memory = agree(available // ranks), of_node + bound
+        available, bound = memory_bound()  # once, as ``agree`` is a collective
+        memory_share, memory_bound_by = agree(available // ranks), of_node + bound
     if policy.dram.budget is not None:
-        shares["dram"] = ("dram.budget", policy.dram.budget, *memory)
+        shares["dram"] = ("dram.budget", policy.dram.budget, memory_share, memory_bound_by)
     if on_cpu and policy.hbm.budget is not None:
-        shares["hbm"] = ("hbm.budget", policy.hbm.budget, *memory)
+        shares["hbm"] = ("hbm.budget", policy.hbm.budget, memory_share, memory_bound_by)
         if policy.dram.budget is not None:
             shares["hbm+dram"] = ("hbm.budget + dram.budget (on the CPU device both are its RAM)",
-                                  policy.hbm.budget + policy.dram.budget, *memory)
+                                  policy.hbm.budget + policy.dram.budget, memory_share,
+                                  memory_bound_by)
     if policy.uses_nvme and policy.nvme.budget is not None:
         path = policy.nvme.path
+        assert path is not None  # a policy that uses NVMe names its path
         shares["nvme"] = ("nvme.budget", policy.nvme.budget, agree(free_bytes(path) // ranks),
                           f"{of_node}the free space of the file system of {path}")
     return {tier: (f"{key} {format_size(budget)} is more than this rank may use, "

@@ -154,7 +154,7 @@ def find_units(model: nn.Module, classes: tuple[str, ...] | None,
 
     order = {path: i for i, path in enumerate(modules)}
     specs = [path for path in sorted(candidates, key=order.__getitem__) if path] + [""]
-    units = []
+    units: list[UnitSpec] = []
     for path in specs:
         params = owned[path]
         frozen = [p for p in params if not p.trainable]

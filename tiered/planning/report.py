@@ -85,7 +85,7 @@ class StepTerms:
     def bound(self) -> tuple[str, float]:
         """The term that bounds the step, and its seconds."""
         known = {name: value for name, value in self.named().items() if value is not None}
-        name = max(known, key=known.get)
+        name = max(known, key=lambda term: known[term])
         return name, known[name]
 
 
@@ -273,7 +273,7 @@ def step_terms(plan: MemoryPlan, policy: Policy, world_size: int, rates: NodeRat
     gpu = (device_params / rates.gpu_adamw_params_per_s
            if rates.gpu_adamw_params_per_s else None)
     pcie = None
-    if rates.both_gbps and not on_cpu:
+    if rates.both_gbps and rates.h2d_gbps and rates.d2h_gbps and not on_cpu:
         pcie = max(up / (rates.h2d_gbps * 1e9), down / (rates.d2h_gbps * 1e9),
                    (up + down) / (rates.both_gbps * 1e9))
     nvme = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mmap
 import warnings
-from typing import Hashable, Protocol
+from typing import Hashable, Protocol, TypeVar
 
 import torch
 
@@ -27,6 +27,8 @@ HUGE_PAGE = 2 << 20
 SLAB_BYTES = 1 << 30
 """Blocks are packed into slabs of about this size (a larger block gets a slab of its own)."""
 
+Key = TypeVar("Key", bound=Hashable)
+"""What a reservation names its blocks by."""
 
 class SlabSource(Protocol):
     def __call__(self, nbytes: int) -> torch.Tensor:
@@ -144,7 +146,7 @@ class DramTier:
         """Where the slabs come from (this process's own memory, or a service's)."""
         self._slabs: list[torch.Tensor] = []
 
-    def reserve(self, requests: dict[Hashable, int]) -> dict[Hashable, torch.Tensor]:
+    def reserve(self, requests: dict[Key, int]) -> dict[Key, torch.Tensor]:
         """Pin slabs for all ``requests`` (key -> bytes) at once; return a uint8 block per key.
 
         Blocks are packed first-fit by decreasing size and each slab is cut to what it holds,
@@ -154,9 +156,9 @@ class DramTier:
         sizes = {key: align_up(max(nbytes, 1), BLOCK_ALIGN) for key, nbytes in requests.items()}
         total = sum(sizes.values())
         self.usage.acquire(total, f"{len(sizes)} DRAM blocks")
-        bins: list[list[Hashable]] = []
+        bins: list[list[Key]] = []
         fill: list[int] = []
-        for key in sorted(sizes, key=sizes.get, reverse=True):
+        for key in sorted(sizes, key=lambda key: sizes[key], reverse=True):
             for i, used in enumerate(fill):
                 if used + sizes[key] <= max(SLAB_BYTES, sizes[bins[i][0]]):
                     bins[i].append(key)
