@@ -2,7 +2,7 @@
 
 Each package may import its own modules and those of the layers below it, never one beside or
 above it: so each can be read, tested and hosted (the node's service runs the CPU update outside
-the trainer) without what sits above it. README.md's "The house" draws the same table.
+the trainer) without what sits above it. docs/architecture.md draws the same table.
 """
 from __future__ import annotations
 
