@@ -20,13 +20,13 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "examples"))
 
-from gpt import GPT  # noqa: E402
-
 from tiered.core.report import format_table  # noqa: E402
 from tiered.core.sizes import format_size, parse_size  # noqa: E402
 from tiered.launch.plan_model import plan_model, read_node  # noqa: E402
 from tiered.planning.planner import largest_true  # noqa: E402
 from tiered.policy.config import Policy, Tier  # noqa: E402
+
+from gpt import GPT  # noqa: E402
 
 SETTINGS = [("fp32", "fp32"), ("bf16", "fp32"), ("int8", "fp32"), ("bf16", "bf16"),
             ("int8", "bf16")]

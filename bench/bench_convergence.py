@@ -36,9 +36,9 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "examples"))
 
-from gpt import GPT, next_token_loss  # noqa: E402
-
 from tiered.core.report import format_table  # noqa: E402
+
+from gpt import GPT, next_token_loss  # noqa: E402
 
 OPTIM = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 HELD_OUT = 0.05

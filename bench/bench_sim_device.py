@@ -20,10 +20,10 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "examples"))
 
-from gpt import GPT, next_token_loss  # noqa: E402
-
 import tiered  # noqa: E402
 from tiered.device import DEVICE_ENV, simulated_device  # noqa: E402
+
+from gpt import GPT, next_token_loss  # noqa: E402
 
 
 def run(policy: str, steps: int) -> float:

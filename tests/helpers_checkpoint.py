@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 
 import torch
-from gpt import next_token_loss
-from helpers import REPO
-from helpers_models import BATCH, OPTIM, make_model
 from torch import nn
 
 import tiered
+
+from gpt import next_token_loss
+from helpers import REPO
+from helpers_models import BATCH, OPTIM, make_model
 
 
 def engine_for(policy: str, nvme: str, delayed: bool = False):

@@ -11,11 +11,12 @@ import os
 
 import pytest
 import torch
+
+import tiered
+
 from gpt import next_token_loss
 from helpers import REPO
 from helpers_models import BATCH, OPTIM, ddp_gradients, make_model, token_batches
-
-import tiered
 
 STEPS, WARMUP = 8, 2
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import os
 
 import torch
-from helpers import REPO
-from helpers_models import OPTIM, make_model, run_engine, train_torch
 
 import tiered
+
+from helpers import REPO
+from helpers_models import OPTIM, make_model, run_engine, train_torch
 
 FROZEN = ("emb.weight", "head.weight", "blocks.0.", "blocks.1.fc.bias", "blocks.1.ln1.weight")
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 
 import torch
-from helpers import REPO
-from helpers_models import make_model
 
 from tiered.engine.build import flat_units, forward_order, memory_plan
 from tiered.placement.plan import OPTIMIZER_STATES, StateKind
 from tiered.policy.config import Policy, Tier
+
+from helpers import REPO
+from helpers_models import make_model
 
 AUTO = os.path.join(REPO, "configs", "auto.yaml")
 CPU = torch.device("cpu")

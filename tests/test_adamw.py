@@ -10,11 +10,12 @@ import warnings
 
 import pytest
 import torch
-from helpers import REPO
 
 from tiered.optim import adamw, native
 from tiered.optim.adamw import AdamWHyper, OnePassAdamW, adamw_step
 from tiered.optim.norm import squared_norm
+
+from helpers import REPO
 
 HYPER = AdamWHyper(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
@@ -222,9 +223,9 @@ def test_initialize_compiles_every_variant_the_steps_need(accumulation_steps):
     fp32 gradient sums, the first backward of a step a bf16 gradient; units are views at many
     offsets of a few slabs; a one-element parameter in a param group of its own is stepped as
     a one-element run."""
-    from gpt import GPT, next_token_loss
-
     import tiered
+
+    from gpt import GPT, next_token_loss
 
     torch._dynamo.reset()
     torch.manual_seed(0)

@@ -15,7 +15,6 @@ import time
 
 import pytest
 import torch
-from gpt import GPT, next_token_loss
 
 import tiered
 from tiered.core.liveness import LOCK_NAME
@@ -25,6 +24,8 @@ from tiered.placement.plan import OPTIMIZER_STATES, StateKind
 from tiered.tiers import DramTier, NvmeTier, PinnedSlabSource
 from tiered.tiers.aio import IoEngine, IoQueue, IoSettings, host_buffer, inject_faults
 from tiered.tiers.nvme import SPARE_EXTENTS
+
+from gpt import GPT, next_token_loss
 
 BLOCK = 4096
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -18,12 +18,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
-from gpt import GPT, next_token_loss
-from helpers_models import SEQ, VOCAB, Block, Stack, batch, make_gpt, vectors
 from torch import nn
 
 import tiered
 from tiered.engine.flat import Residency
+
+from gpt import GPT, next_token_loss
+from helpers_models import SEQ, VOCAB, Block, Stack, batch, make_gpt, vectors
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_YAML = os.path.join(REPO, "configs", "cpu.yaml")

@@ -9,16 +9,17 @@ import os
 
 import pytest
 import torch
+
+import tiered
+from tiered.placement.plan import OPTIMIZER_STATES, StateKind
+from tiered.policy.config import Policy
+
 from distributed import run_ranks
 from gpt import next_token_loss
 from helpers import REPO
 from helpers_delayed import assert_matches, reference, train_engine as train_delayed
 from helpers_models import OPTIM, assert_parity, make_model, run_engine, token_batches, train_torch
 from helpers_placement import AUTO, SUB_GROUP, auto_policy, mixed_budgets, placed
-
-import tiered
-from tiered.placement.plan import OPTIMIZER_STATES, StateKind
-from tiered.policy.config import Policy
 
 
 def mixed_engine(nvme: str, world: int = 1, **optimizer):

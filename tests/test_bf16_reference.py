@@ -33,10 +33,11 @@ import os
 
 import pytest
 import torch
-from gpt import GPT, next_token_loss
 
 import tiered
 from tiered.placement.plan import StateKind
+
+from gpt import GPT, next_token_loss
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_YAML = os.path.join(REPO, "configs", "cpu.yaml")

@@ -18,8 +18,6 @@ import os
 
 import pytest
 import torch
-from distributed import run_ranks
-from gpt import GPT, add_lora, next_token_loss
 from torch import nn
 
 import tiered
@@ -27,6 +25,10 @@ from tiered.core.sizes import parse_size
 from tiered.device import CpuAccelerator
 from tiered.policy.config import Policy, Tier
 from tiered.tiers import PinnedSlabSource
+
+from distributed import run_ranks
+from gpt import GPT, add_lora, next_token_loss
+from helpers_models import make_gpt
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB, SEQ = 64, 16
@@ -42,11 +44,6 @@ def block(nbytes: int) -> int:
 
 def shard(numel: int, world: int = 1) -> int:
     return -(-numel // world)
-
-
-def make_gpt(layers: int = 3) -> GPT:
-    torch.manual_seed(0)
-    return GPT(VOCAB, 32, layers, 2, max_seq=SEQ, tied=True)
 
 
 def unit_numels(model: GPT) -> list[tuple[int, bool]]:

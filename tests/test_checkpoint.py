@@ -10,13 +10,14 @@ import time
 
 import pytest
 import torch
+
+import tiered
+
 from distributed import run_ranks
 from gpt import next_token_loss
 from helpers import REPO, mounted
 from helpers_checkpoint import engine_for, train
 from helpers_models import OPTIM, assert_parity, ddp_gradients, make_model, token_batches
-
-import tiered
 
 SCENARIOS = [(policy, delayed) for policy in ("cpu", "nvme") for delayed in (False, True)]
 

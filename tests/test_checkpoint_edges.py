@@ -9,14 +9,15 @@ import sys
 
 import pytest
 import torch
+from torch import nn
+
+import tiered
+
 from distributed import run_ranks
 from gpt import next_token_loss
 from helpers import REPO
 from helpers_checkpoint import gpt_engine, train_gpt
 from helpers_models import OPTIM, token_batches
-from torch import nn
-
-import tiered
 
 
 class Counted(nn.Module):

@@ -15,11 +15,12 @@ import warnings
 from types import SimpleNamespace
 
 import pytest
+
+import tiered
+
 from distributed import run_ranks
 from helpers import assert_same, mounted, refused
 from helpers_checkpoint import small_engine, train_small
-
-import tiered
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(REPO, "tests")

@@ -14,11 +14,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
+import tiered
+
 from distributed import run_ranks
 from helpers import EXAMPLE, REPO, SMALL, assert_same, refused
 from helpers_checkpoint import small_engine, train_small
-
-import tiered
 
 LOCK = ".owner.lock"
 RANK0 = "rank00000.safetensors"

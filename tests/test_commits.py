@@ -8,10 +8,11 @@ from __future__ import annotations
 import threading
 
 import pytest
-from helpers import dead_pid
 
 from tiered.service.commits import NotCommitted, StepCommits
 from tiered.service.jobs import Registry
+
+from helpers import dead_pid
 
 FINAL = {"unit_steps": [1.0], "last_update": None}
 REQUEST = {"plan": {"shards": []}}

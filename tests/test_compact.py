@@ -6,11 +6,12 @@ import math
 
 import pytest
 import torch
-from helpers import same_bits
 
 from tiered.optim import compact, native
 from tiered.optim.adamw import AdamWHyper, _one_pass_scalars
 from tiered.optim.compact import FIRST_MOMENT, QBLOCK, SECOND_MOMENT, Run
+
+from helpers import same_bits
 
 HYPER = AdamWHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 MOMENTS = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}

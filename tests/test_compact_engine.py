@@ -10,11 +10,6 @@ from fnmatch import fnmatchcase
 
 import pytest
 import torch
-from distributed import run_ranks
-from gpt import GPT, add_lora, next_token_loss
-from helpers import update_failing_with
-from helpers_models import (BATCH, CODE_MAPS, MICRO, OPTIM, assert_parity, batches, lora_model,
-                            make_model, run_engine, shard_states, states_by_name, token_batches)
 
 import tiered
 from tiered.core.errors import PolicyError
@@ -26,6 +21,12 @@ from tiered.placement.plan import StateKind
 from tiered.policy.config import Tier
 from tiered.tiers.dram import BLOCK_ALIGN
 from tiered.tiers.moments import packed_nbytes
+
+from distributed import run_ranks
+from gpt import GPT, add_lora, next_token_loss
+from helpers import update_failing_with
+from helpers_models import (BATCH, CODE_MAPS, MICRO, OPTIM, assert_parity, batches, lora_model,
+                            make_model, run_engine, shard_states, states_by_name, token_batches)
 
 HYPER = AdamWHyper(OPTIM["lr"], *OPTIM["betas"], OPTIM["eps"], OPTIM["weight_decay"])
 MOMENTS = {"bf16": torch.bfloat16, "int8": torch.uint8}

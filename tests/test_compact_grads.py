@@ -10,18 +10,19 @@ import os
 
 import pytest
 import torch
-from distributed import run_ranks
-from gpt import next_token_loss
-from helpers import REPO
-from helpers_delayed import WARMUP
-from helpers_models import BATCH, OPTIM, POLICIES, make_gpt, make_model, token_batches, train_step
-from helpers_tiers import dram_block, shard_numels
 from torch import nn
 
 import tiered
 from tiered.engine.build import memory_plan
 from tiered.placement.plan import StateKind
 from tiered.policy.config import ComputeDtype, Policy, Tier
+
+from distributed import run_ranks
+from gpt import next_token_loss
+from helpers import REPO
+from helpers_delayed import WARMUP
+from helpers_models import BATCH, OPTIM, POLICIES, make_gpt, make_model, token_batches, train_step
+from helpers_tiers import dram_block, shard_numels
 
 STEPS = 5
 

@@ -9,12 +9,13 @@ import os
 
 import pytest
 import torch
+
+import tiered
+
 from distributed import run_ranks
 from gpt import next_token_loss
 from helpers_delayed import assert_matches, batches, reference, train_engine
 from helpers_models import OPTIM, make_model
-
-import tiered
 
 
 @pytest.mark.parametrize("policy", ["cpu", "gpu"])

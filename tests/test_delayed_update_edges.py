@@ -10,12 +10,13 @@ import time
 
 import pytest
 import torch
-from gpt import next_token_loss
-from helpers import REPO, run_with_deadline
-from helpers_models import GROUPS, OPTIM, SCHEDULES, make_model, token_batches, torch_groups
 
 import tiered
 from tiered.optim.stepper import UnitStepper
+
+from gpt import next_token_loss
+from helpers import REPO, run_with_deadline
+from helpers_models import GROUPS, OPTIM, SCHEDULES, make_model, token_batches, torch_groups
 
 STEPS = 7
 

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+
 from helpers import CONFIGS, REPO, clean_env, finish
 from helpers_hf import (STEPS, assert_close_states, dpo_arguments, llama, lora, preferences,
                         step_logs)
@@ -22,10 +23,10 @@ from helpers_hf import (STEPS, assert_close_states, dpo_arguments, llama, lora, 
 trl = pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
-from finetune_hf import char_tokenizer  # noqa: E402  (examples/)
-
 import tiered  # noqa: E402
 from tiered.integrations.transformers import TieredTrainerMixin  # noqa: E402
+
+from finetune_hf import char_tokenizer  # noqa: E402  (examples/)
 
 CPU = {"device": "cpu"}
 DPO_METRICS = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected")

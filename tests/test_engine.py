@@ -5,15 +5,16 @@ import copy
 
 import pytest
 import torch
-from gpt import GPT, next_token_loss
-from helpers_models import (SEQ, VOCAB, SkippingGPT, assert_parity, data, fp32_engine,
-                            reference_optimizer, train_both)
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import tiered
 from tiered.engine.flat import Residency
 from tiered.placement.units import find_units
+
+from gpt import GPT, next_token_loss
+from helpers_models import (SEQ, VOCAB, SkippingGPT, assert_parity, data, fp32_engine,
+                            reference_optimizer, train_both)
 
 
 def make_gpt(block=None, **kwargs) -> GPT:

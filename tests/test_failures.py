@@ -8,13 +8,14 @@ import time
 
 import pytest
 import torch
+
+import tiered
+from tiered.optim.stepper import UnitStepper
+
 from gpt import next_token_loss
 from helpers import REPO, run_with_deadline
 from helpers_delayed import assert_matches, reference, train_engine
 from helpers_models import make_model, token_batches
-
-import tiered
-from tiered.optim.stepper import UnitStepper
 
 
 def test_delayed_update_holds_its_rule_when_the_cpu_is_slower_than_backward(monkeypatch, tmp_path):

@@ -9,18 +9,19 @@ import os
 
 import pytest
 import torch
-from gpt import next_token_loss
-from helpers import REPO
-from helpers_frozen import (assert_same_states, engine_for, frozen_model, is_frozen, resumed, train,
-                            train_reference)
-from helpers_models import OPTIM, batches
-from helpers_tiers import dram_bytes
 
 import tiered
 from tiered.engine.build import flat_units, memory_plan
 from tiered.placement.plan import StateKind, state_kinds
 from tiered.policy.config import Policy, Tier
 from tiered.tiers.dram import BLOCK_ALIGN
+
+from gpt import next_token_loss
+from helpers import REPO
+from helpers_frozen import (assert_same_states, engine_for, frozen_model, is_frozen, resumed, train,
+                            train_reference)
+from helpers_models import OPTIM, batches
+from helpers_tiers import dram_bytes
 
 
 @pytest.mark.parametrize("model_dtype, compute_dtype, kept", [

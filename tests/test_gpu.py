@@ -5,10 +5,11 @@ import os
 
 import pytest
 import torch
-from gpt import GPT, next_token_loss
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import tiered
+
+from gpt import GPT, next_token_loss
 
 pytestmark = pytest.mark.gpu
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

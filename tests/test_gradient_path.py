@@ -8,13 +8,14 @@ import threading
 
 import pytest
 import torch
-from gpt import GPT, next_token_loss
-from helpers import REPO, run_with_deadline
-from helpers_models import OPTIM, SEQ, VOCAB, assert_parity, token_batches
 
 import tiered
 from tiered.core.errors import BudgetError
 from tiered.placement.plan import GRAD_LANDING_SLOTS
+
+from gpt import GPT, next_token_loss
+from helpers import REPO, run_with_deadline
+from helpers_models import OPTIM, SEQ, VOCAB, assert_parity, token_batches
 
 
 def make_gpt() -> GPT:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from helpers import CONFIGS, REPO, clean_env, finish, left_behind
 from helpers_hf import arguments, assert_close_states, dataset, llama, train_plain
 

@@ -9,15 +9,16 @@ import os
 
 import pytest
 import torch
+
 from helpers_hf import (STEPS, arguments, assert_close_states, config, dataset, llama, lora,
                         step_logs, train_plain)
 
 transformers = pytest.importorskip("transformers")
 
-from finetune_hf import char_tokenizer, library_text, token_rows  # noqa: E402  (examples/)
-
 import tiered  # noqa: E402
 from tiered.integrations.transformers import TieredTrainer, TieredTrainerMixin, load_model  # noqa: E402
+
+from finetune_hf import char_tokenizer, library_text, token_rows  # noqa: E402  (examples/)
 
 CPU = {"device": "cpu"}
 
@@ -390,8 +391,9 @@ def test_the_example_fine_tunes_lora_adapters_offline(tmp_path, monkeypatch, cap
     """examples/finetune_hf.py at a tiny size (its run through tiered-launch is the README's;
     the launcher's part is tests/test_hf_launch.py's): it makes its base checkpoint, trains LoRA
     adapters on standard-library text, and saves an adapter peft loads onto the base."""
-    import finetune_hf
     from peft import PeftModel
+
+    import finetune_hf
 
     out = tmp_path / "ft"
     monkeypatch.setattr("sys.argv", ["finetune_hf.py", "--out", str(out), "--lora", "4",

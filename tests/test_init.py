@@ -9,10 +9,11 @@ import sys
 
 import pytest
 import torch
-from gpt import GPT
 from torch import nn
 
 import tiered
+
+from gpt import GPT
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_FP32 = dict(device="cpu", compute_dtype="fp32")

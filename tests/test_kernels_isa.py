@@ -18,11 +18,12 @@ import sys
 
 import pytest
 import torch
-from helpers import REPO, clean_env, same_bits
 
 from tiered.optim import compact, native
 from tiered.optim.adamw import AdamWHyper, _one_pass_scalars
 from tiered.optim.compact import QBLOCK, Run
+
+from helpers import REPO, clean_env, same_bits
 
 VECTOR_PATHS = ["avx2", "avx512"]
 """Checked against "portable": the same C loop vectorized for AVX2, and AVX-512's intrinsics."""

@@ -23,12 +23,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, finish, left_behind, train_reference, write_policy
 
 from tiered.engine.engine import LAUNCHED_ENV
 from tiered.policy.config import POLICY_ENV, Policy
 from tiered.service import JobHold, ensure_service
 from tiered.service.paths import RUNTIME_ENV
+
+from helpers import REPO, finish, left_behind, train_reference, write_policy
 
 SCRIPTS = REPO / "tests" / "scripts"
 

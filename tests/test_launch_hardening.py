@@ -22,11 +22,12 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+
+import tiered
+
 from gpt import next_token_loss
 from helpers import CONFIGS, EXAMPLE, REPO, SMALL, clean_env, finish, left_behind
 from helpers_models import OPTIM, make_model, token_batches
-
-import tiered
 
 TORCH_LOG_LINE = re.compile(r"^[DIWEF]\d{4} \d\d:\d\d:\d\d\.\d+ .*\n", re.MULTILINE)
 STOPS = ("SIGKILL", "SIGHUP", "SIGINT")

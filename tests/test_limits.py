@@ -7,13 +7,14 @@ import os
 import psutil
 import pytest
 import torch
-from distributed import run_ranks
-from gpt import GPT
 
 import tiered
 from tiered.core.limits import available_memory, usable_cores
 from tiered.engine.collectives import ProcessGroup
 from tiered.tiers.nvme import free_bytes
+
+from distributed import run_ranks
+from gpt import GPT
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GIB = 1 << 30

@@ -11,16 +11,17 @@ from functools import partial
 
 import pytest
 import torch
+from torch import nn
+
+import tiered
+from tiered.placement.plan import StateKind
+
 from gpt import GPT, Block, add_lora, next_token_loss
 from helpers import REPO, rewrite_manifest
 from helpers_frozen import assert_same_states, frozen_model, resumed, torch_changing_midway, train
 from helpers_models import (OPTIM, RANK, SEQ, VOCAB, assert_parity, assert_parity_on_host, batches,
                             lora_model, make_model, states_by_name, train_torch)
 from helpers_tiers import dram_bytes
-from torch import nn
-
-import tiered
-from tiered.placement.plan import StateKind
 
 
 def engine_for(policy: str, nvme: str, optimizer: dict | None = None, **overrides):

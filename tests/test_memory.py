@@ -5,15 +5,16 @@ import os
 
 import pytest
 import torch
-from gpt import GPT
-from helpers_models import SEQ, make_gpt, train_step
-from helpers_tiers import dram_block, shard_numels
 from torch import nn
 
 import tiered
 from tiered.engine.build import memory_plan
 from tiered.placement.plan import GRAD_LANDING_SLOTS
 from tiered.policy.config import Policy, Tier
+
+from gpt import GPT
+from helpers_models import SEQ, make_gpt, train_step
+from helpers_tiers import dram_block, shard_numels
 
 
 @pytest.mark.parametrize("compute_dtype,itemsize", [("fp32", 4), ("bf16", 2)])

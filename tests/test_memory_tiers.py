@@ -8,13 +8,14 @@ import warnings
 
 import pytest
 import torch
-from gpt import GPT
-from helpers_tiers import BLOCK, dram_blocks
 
 import tiered
 from tiered.core.sizes import align_up, format_size
 from tiered.device import CpuAccelerator
 from tiered.tiers import DramTier, HbmTier, PinnedSlabSource, dram as dram_module
+
+from gpt import GPT
+from helpers_tiers import BLOCK, dram_blocks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -11,12 +11,13 @@ import os
 import pytest
 import torch
 import torch._dynamo
-from distributed import run_ranks
-from helpers import REPO
-from helpers_models import torch_groups
 from torch import nn
 
 import tiered
+
+from distributed import run_ranks
+from helpers import REPO
+from helpers_models import torch_groups
 
 CPU_YAML = os.path.join(REPO, "configs", "cpu.yaml")
 DIM, IN, OUT, ROWS, MICRO, STEPS = 5, 4, 3, 6, 2, 4
@@ -377,9 +378,9 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
 
 
 def _peer_leaves(rank, world, folder):
-    from helpers_models import make_model
-
     from tiered.engine import collectives
+
+    from helpers_models import make_model
 
     engine, _ = tiered.initialize(make_model(), CPU_YAML, compute_dtype="fp32", device="cpu")
     engine.runtime.group.barrier()

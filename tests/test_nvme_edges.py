@@ -19,8 +19,6 @@ import time
 
 import pytest
 import torch
-from gpt import GPT, next_token_loss
-from helpers import run_with_deadline
 from torch import nn
 
 import tiered
@@ -29,6 +27,9 @@ from tiered.placement.plan import StateKind
 from tiered.policy.config import Tier
 from tiered.tiers import DramTier, NvmeTier, PinnedSlabSource
 from tiered.tiers.aio import IoSettings, inject_faults
+
+from gpt import GPT, next_token_loss
+from helpers import run_with_deadline
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK = 4096

@@ -10,9 +10,6 @@ from collections import Counter
 
 import pytest
 import torch
-from gpt import GPT
-from helpers import mounted
-from helpers_tiers import BLOCK, EXTENT_NAME
 from torch import nn
 
 import tiered
@@ -21,6 +18,10 @@ from tiered.core.sizes import align_up
 from tiered.placement.plan import StateKind
 from tiered.tiers import NvmeShard
 from tiered.tiers.nvme import SPARE_EXTENTS, free_bytes, nvme_bytes
+
+from gpt import GPT
+from helpers import mounted
+from helpers_tiers import BLOCK, EXTENT_NAME
 
 NVME_YAML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                          "nvme.yaml")

@@ -17,7 +17,6 @@ import warnings
 
 import pytest
 import torch
-from helpers import dead_pid, mounted
 from torch import nn
 
 import tiered
@@ -26,6 +25,8 @@ from tiered.core.sizes import format_size
 from tiered.engine.engine import LAUNCHED_ENV
 from tiered.tiers import NvmeTier
 from tiered.tiers.aio import IoSettings
+
+from helpers import dead_pid, mounted
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIB = 1 << 20

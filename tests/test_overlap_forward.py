@@ -10,13 +10,14 @@ import time
 
 import pytest
 import torch
-from gpt import next_token_loss
-from helpers import run_with_deadline
-from helpers_models import OPTIM, assert_parity, make_model, token_batches
 from torch import nn
 
 import tiered
 from tiered.optim.stepper import UnitStepper
+
+from gpt import next_token_loss
+from helpers import run_with_deadline
+from helpers_models import OPTIM, assert_parity, make_model, token_batches
 
 HOLD_SECONDS = 0.3
 

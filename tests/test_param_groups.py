@@ -8,13 +8,14 @@ from fnmatch import fnmatchcase
 
 import pytest
 import torch
+
+import tiered
+
 from distributed import run_ranks
 from gpt import next_token_loss
 from helpers import REPO, rewrite_manifest
 from helpers_models import (GROUPS, MICRO, OPTIM, SCHEDULES, assert_parity, assert_parity_on_host,
                             batches, make_model, run_engine, torch_groups, train_torch)
-
-import tiered
 
 
 def engine_with_groups(policy: str, nvme: str, groups=GROUPS, device="cpu", **optimizer):

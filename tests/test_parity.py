@@ -10,13 +10,14 @@ import os
 
 import pytest
 import torch
+
+import tiered
+
 from distributed import run_ranks
 from gpt import next_token_loss
 from helpers import REPO
 from helpers_models import (BATCH, MICRO, OPTIM, POLICIES, STEPS, assert_parity, batches,
                             make_model, train_torch)
-
-import tiered
 
 
 def train_engine(policy: str, rank: int, world: int, nvme: str, max_grad_norm: float | None,

@@ -9,15 +9,16 @@ import os
 import pytest
 import torch
 import yaml
-from helpers import REPO
-from helpers_models import OPTIM, make_model
-from helpers_placement import SUB_GROUP, mixed_budgets, units_per_tier
 
 import tiered
 from tiered.launch.cli import main
 from tiered.placement.plan import StateKind
 from tiered.planning.node import NodeRates
 from tiered.policy.config import Policy
+
+from helpers import REPO
+from helpers_models import OPTIM, make_model
+from helpers_placement import SUB_GROUP, mixed_budgets, units_per_tier
 
 NODE = NodeRates(machine="the planned node", measured_at=0.0, cpu_threads=14,
                  cpu_adamw_params_per_s=4e9, cpu_one_pass_params_per_s=4e9,

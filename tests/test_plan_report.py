@@ -11,10 +11,6 @@ import time
 
 import pytest
 import torch
-from gpt import next_token_loss
-from helpers import REPO
-from helpers_models import OPTIM, lora_model, make_model, token_batches
-from helpers_placement import SUB_GROUP, units_per_tier
 
 import tiered
 from tiered.engine.probe import SPANS_PER_UNIT
@@ -23,6 +19,11 @@ from tiered.planning.node import NodeRates
 from tiered.planning.report import StepTerms, step_terms
 from tiered.policy.config import Tier
 from tiered.tiers.moments import packed_nbytes
+
+from gpt import next_token_loss
+from helpers import REPO
+from helpers_models import OPTIM, lora_model, make_model, token_batches
+from helpers_placement import SUB_GROUP, units_per_tier
 
 RATES = NodeRates(machine="a synthetic node", measured_at=0.0, cpu_threads=2,
                   cpu_adamw_params_per_s=1e6, cpu_one_pass_params_per_s=2e6,

@@ -15,13 +15,14 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from helpers import mounted
 from torch import nn
 
 import tiered
 from tiered.core.sizes import format_size, parse_size
 from tiered.launch.launcher import policy_from_args
 from tiered.policy.config import POLICY_ENV, Policy
+
+from helpers import mounted
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"

@@ -5,10 +5,11 @@ import copy
 
 import pytest
 import torch
-from gpt import GPT, next_token_loss
-from helpers_models import SkippingGPT, assert_parity, reference_optimizer, train_both
 
 import tiered
+
+from gpt import GPT, next_token_loss
+from helpers_models import SkippingGPT, assert_parity, reference_optimizer, train_both
 
 VOCAB, SEQ = 64, 16
 

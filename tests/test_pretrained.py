@@ -11,17 +11,18 @@ import sys
 
 import pytest
 import torch
-from distributed import run_ranks
-from gpt import GPT, add_lora, next_token_loss
-from helpers import REPO
-from helpers_models import (OPTIM, SEQ, VOCAB, assert_parity_on_host, batches, make_model,
-                            run_engine, train_torch)
 from torch import nn
 
 import tiered
 from tiered.checkpoint import sources
 from tiered.engine.init import reset_module
 from tiered.ops.tiled_linear import tile_large_linears
+
+from distributed import run_ranks
+from gpt import GPT, add_lora, next_token_loss
+from helpers import REPO
+from helpers_models import (OPTIM, SEQ, VOCAB, assert_parity_on_host, batches, make_model,
+                            run_engine, train_torch)
 
 
 def pretrained() -> dict[str, torch.Tensor]:

@@ -17,7 +17,6 @@ import time
 
 import pytest
 import torch
-from helpers import REPO, clean_env, finish, own_service
 
 from tiered.device import DEVICE_ENV, simulated_device
 from tiered.engine.reattach import ReattachError
@@ -25,6 +24,8 @@ from tiered.launch.cli import main as tiered_cli
 from tiered.service import service_status
 from tiered.service.client import FRESH_ENV, JOB_ENV, SERVICE_ENV
 from tiered.service.paths import RUNTIME_ENV
+
+from helpers import REPO, clean_env, finish, own_service
 
 SCRIPT = REPO / "tests" / "scripts" / "reattach_train.py"
 sys.path.insert(0, str(SCRIPT.parent))

@@ -9,11 +9,6 @@ import os
 import pytest
 import torch
 import yaml
-from distributed import run_ranks
-from gpt import next_token_loss
-from helpers_models import OPTIM, assert_parity, make_model, token_batches
-from helpers_placement import (AUTO, CPU, SUB_GROUP, auto_policy, mixed_budgets, placed,
-                               replan_budgets, units_per_tier)
 
 import tiered
 from tiered.engine.build import flat_units, forward_order, memory_plan
@@ -22,6 +17,12 @@ from tiered.placement.plan import StateKind
 from tiered.planning.activations import forward_activations
 from tiered.planning.planner import MEASURED_MARGIN_SHARE, replanned_units, units_to_keep
 from tiered.policy.config import Policy, Tier
+
+from distributed import run_ranks
+from gpt import next_token_loss
+from helpers_models import OPTIM, assert_parity, make_model, token_batches
+from helpers_placement import (AUTO, CPU, SUB_GROUP, auto_policy, mixed_budgets, placed,
+                               replan_budgets, units_per_tier)
 
 STEPS = 4
 

@@ -7,15 +7,16 @@ import os
 
 import pytest
 import torch
+from torch import nn
+
+import tiered
+from tiered.ops.tiled_linear import TiledLinear
+
 from distributed import run_ranks
 from gpt import next_token_loss
 from helpers import REPO
 from helpers_models import (OPTIM, assert_parity, lora_model, make_model, states_by_name,
                             token_batches)
-from torch import nn
-
-import tiered
-from tiered.ops.tiled_linear import TiledLinear
 
 STATES = ("master", "exp_avg", "exp_avg_sq")  # fp32 whatever the compute dtype
 GROUPS = [{"match": ["*.bias"], "lr": 3e-2, "weight_decay": 0.0},  # parts of most units

@@ -24,7 +24,6 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from helpers import CONFIGS, EXAMPLE, REPO, SMALL, clean_env, finish, train_reference, write_policy
 
 from tiered.core.liveness import is_held
 from tiered.launch.launcher import _job_name, _parser, main as tiered_launch
@@ -32,6 +31,8 @@ from tiered.policy.config import Policy
 from tiered.service import (JobHold, ServiceError, running_service, service_paths, service_status,
                             start_service, stop_service)
 from tiered.service.paths import RUNTIME_ENV
+
+from helpers import CONFIGS, EXAMPLE, REPO, SMALL, clean_env, finish, train_reference, write_policy
 
 SCRIPTS = REPO / "tests" / "scripts"
 

@@ -14,10 +14,11 @@ import os
 import stat
 
 import pytest
-from helpers import own_service
 
 from tiered.service import service_paths, start_service, stop_service
 from tiered.service.control import running_service
+
+from helpers import own_service
 
 
 @pytest.fixture(scope="module")

@@ -11,16 +11,17 @@ import signal
 
 import pytest
 import torch
-from distributed import run_ranks
-from gpt import next_token_loss
-from helpers import CONFIGS, assert_same, own_service, run_with_deadline
-from helpers_models import OPTIM, assert_parity, make_model, run_engine, token_batches, train_torch
 
 import tiered
 from tiered.launch.cli import main as tiered_cli
 from tiered.service import service_status, start_service, stop_service
 from tiered.service.client import JOB_ENV, SERVICE_ENV
 from tiered.service.paths import RUNTIME_ENV
+
+from distributed import run_ranks
+from gpt import next_token_loss
+from helpers import CONFIGS, assert_same, own_service, run_with_deadline
+from helpers_models import OPTIM, assert_parity, make_model, run_engine, token_batches, train_torch
 
 CASES = {
     "cpu": ("cpu", {}),

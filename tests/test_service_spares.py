@@ -10,12 +10,13 @@ import os
 
 import pytest
 import torch
-from helpers import CONFIGS, assert_same, own_service
-from helpers_models import OPTIM, make_model, run_engine, states_by_name, train_torch
 
 import tiered
 from tiered.service import client, service_status
 from tiered.service.client import JOB_ENV, SERVICE_ENV
+
+from helpers import CONFIGS, assert_same, own_service
+from helpers_models import OPTIM, make_model, run_engine, states_by_name, train_torch
 
 CASES = {  # all with their moments in DRAM, where spares are
     "fp32 moments": {},

@@ -18,9 +18,6 @@ import os
 
 import pytest
 import torch
-from helpers import CONFIGS, assert_same, own_service
-from helpers_delayed import assert_matches, reference, train_engine as train_delayed
-from helpers_models import OPTIM, assert_parity, make_model, run_engine, token_batches, train_torch
 
 import tiered
 from tiered.device import DEVICE_ENV
@@ -29,6 +26,10 @@ from tiered.engine.streams import Streams
 from tiered.optim.workers import CpuWorker
 from tiered.service import service_status
 from tiered.service.client import JOB_ENV, SERVICE_ENV
+
+from helpers import CONFIGS, assert_same, own_service
+from helpers_delayed import assert_matches, reference, train_engine as train_delayed
+from helpers_models import OPTIM, assert_parity, make_model, run_engine, token_batches, train_torch
 
 CASES = {
     "cpu": ("cpu", {}),

@@ -21,12 +21,6 @@ import sys
 
 import pytest
 import torch
-from distributed import run_ranks
-from helpers import CONFIGS, REPO, assert_same, clean_env, finish, train_reference, write_policy
-from helpers_delayed import assert_matches, reference, train_engine as train_delayed
-from helpers_hf import arguments, assert_close_states, dataset, llama, train_plain
-from helpers_models import OPTIM, assert_parity, make_model, run_engine, train_torch
-from helpers_placement import SUB_GROUP, mixed_budgets
 
 import tiered
 from tiered.device import DEVICE_ENV, simulated_device
@@ -36,6 +30,13 @@ from tiered.engine.streams import Streams
 from tiered.integrations.transformers import TieredTrainer
 from tiered.policy.config import Policy
 from tiered.service.paths import RUNTIME_ENV
+
+from distributed import run_ranks
+from helpers import CONFIGS, REPO, assert_same, clean_env, finish, train_reference, write_policy
+from helpers_delayed import assert_matches, reference, train_engine as train_delayed
+from helpers_hf import arguments, assert_close_states, dataset, llama, train_plain
+from helpers_models import OPTIM, assert_parity, make_model, run_engine, train_torch
+from helpers_placement import SUB_GROUP, mixed_budgets
 
 CASES = {
     "cpu": ("cpu", {}),

@@ -6,14 +6,15 @@ import os
 
 import pytest
 import torch
-from gpt import GPT
-from helpers_models import assert_parity, reference_optimizer, train_both
 
 import tiered
 from tiered.placement.plan import StateKind, build_plan
 from tiered.policy.config import Policy, Tier
 from tiered.tiers.moments import PACKED, piece_granule
 from tiered.tiers.nvme import SPARE_EXTENTS, nvme_bytes
+
+from gpt import GPT
+from helpers_models import assert_parity, reference_optimizer, train_both
 
 
 def make_gpt() -> GPT:

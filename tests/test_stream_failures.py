@@ -10,8 +10,6 @@ import time
 
 import pytest
 import torch
-from gpt import GPT, add_lora, next_token_loss
-from helpers import update_failing_with
 from torch import nn
 
 import tiered
@@ -20,6 +18,9 @@ from tiered.placement.plan import StateKind
 from tiered.policy.config import resolve
 from tiered.tiers import aio
 from tiered.tiers.aio import inject_faults
+
+from gpt import GPT, add_lora, next_token_loss
+from helpers import update_failing_with
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NVME = os.path.join(REPO, "configs", "nvme.yaml")

@@ -15,8 +15,6 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from helpers import mounted
-from helpers_tiers import BLOCK, EXTENT_NAME, dram_blocks
 
 import tiered
 from tiered.core.liveness import LOCK_NAME
@@ -24,6 +22,9 @@ from tiered.core.sizes import align_up, format_size
 from tiered.tiers import NvmeTier
 from tiered.tiers.aio import IoSettings, inject_faults
 from tiered.tiers.nvme import SPARE_EXTENTS, check_nvme_path, free_bytes, nvme_bytes
+
+from helpers import mounted
+from helpers_tiers import BLOCK, EXTENT_NAME, dram_blocks
 
 # -- helpers ------------------------------------------------------------------------------------
 

@@ -5,12 +5,13 @@ import copy
 
 import pytest
 import torch
-from helpers_models import assert_parity
 from torch import nn
 
 import tiered
 from tiered.ops.tiled_linear import tile_shape
 from tiered.policy.config import Policy, Tier
+
+from helpers_models import assert_parity
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -9,14 +9,15 @@ import tracemalloc
 import psutil
 import pytest
 import torch
-from distributed import run_ranks
-from gpt import GPT, next_token_loss
 from torch import nn
 
 import tiered
 from tiered.core.limits import usable_cores
 from tiered.core.timeline import Timeline
 from tiered.ops.tiled_linear import TiledLinear, tile_large_linears
+
+from distributed import run_ranks
+from gpt import GPT, next_token_loss
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -9,10 +9,11 @@ import sys
 
 import pytest
 import torch
-from distributed import run_ranks
-from gpt import GPT, next_token_loss
 
 import tiered
+
+from distributed import run_ranks
+from gpt import GPT, next_token_loss
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(REPO, "bench")

@@ -6,10 +6,11 @@ import os
 
 import pytest
 import torch
-from gpt import GPT, next_token_loss
 
 import tiered
 from tiered.optim import UpdateMode
+
+from gpt import GPT, next_token_loss
 
 CPU_YAML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         "configs", "cpu.yaml")

@@ -24,9 +24,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import CONFIGS, EXAMPLE, REPO, SMALL, clean_env, finish, left_behind
 
 from tiered.core.sizes import parse_size
+
+from helpers import CONFIGS, EXAMPLE, REPO, SMALL, clean_env, finish, left_behind
 
 LOSS_LINE = re.compile(r"^step\s+(\d+)\s+loss (\S+)", re.MULTILINE)
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 
 import pytest
-from helpers import assert_same
 from refusals import make_model, new_engine, step
+
+from helpers import assert_same
 
 
 @pytest.fixture(scope="module")

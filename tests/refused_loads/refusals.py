@@ -11,12 +11,13 @@ import shutil
 import struct
 
 import torch
-from gpt import GPT, next_token_loss
-from helpers import assert_same
 from torch import nn
 
 import tiered
 from tiered.core.limits import usable_cores
+
+from gpt import GPT, next_token_loss
+from helpers import assert_same
 
 VOCAB, DIM, SEQ, ROWS = 64, 32, 16, 4
 INDEX = "model.safetensors.index.json"

@@ -14,11 +14,12 @@ import warnings
 
 import pytest
 import torch
-from helpers import assert_same, refused
 from refusals import (DIM, INDEX, LAST_UNIT_KEY, SEQ, copy_of, f32_entries, goes_on_as_never_loaded,
                       good_state, open_files_under, raw, step, write_safetensors)
 
 import tiered
+
+from helpers import assert_same, refused
 
 # --- positive controls: the inputs the refusals below spoil do load --------------------------
 

@@ -12,14 +12,15 @@ import warnings
 
 import pytest
 import torch
-from distributed import run_ranks
-from gpt import next_token_loss
-from helpers import assert_same, refused
 from refusals import (DIM, LAST_UNIT_KEY, SEQ, VOCAB, batch, f32_entries, goes_on_as_never_loaded,
                       good_state, make_model, new_engine, raw, step, write_safetensors)
 from torch import nn
 
 import tiered
+
+from distributed import run_ranks
+from gpt import next_token_loss
+from helpers import assert_same, refused
 
 engine_module = importlib.import_module("tiered.engine.engine")
 

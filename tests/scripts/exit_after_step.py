@@ -7,9 +7,10 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
                                 "examples"))
 import torch  # noqa: E402
-from gpt import GPT, next_token_loss  # noqa: E402
 
 import tiered  # noqa: E402
+
+from gpt import GPT, next_token_loss  # noqa: E402
 
 torch.manual_seed(0)
 engine, optimizer = tiered.initialize(GPT(512, 256, 4, 4), "configs/nvme.yaml", device="cpu",

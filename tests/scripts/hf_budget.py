@@ -21,9 +21,9 @@ import torch
 import tiered  # noqa: F401
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from helpers_hf import arguments, llama, step_logs  # noqa: E402
-
 from tiered.integrations.transformers import TieredTrainer, load_model  # noqa: E402
+
+from helpers_hf import arguments, llama, step_logs  # noqa: E402
 
 folder, nvme, dram, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 tokens = torch.randint(0, 512, (8, 64), generator=torch.Generator().manual_seed(0))

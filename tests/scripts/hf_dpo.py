@@ -16,11 +16,12 @@ import torch
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [TESTS, os.path.join(os.path.dirname(TESTS), "examples")]
-from finetune_hf import char_tokenizer  # noqa: E402
-from helpers_hf import dpo_arguments, llama, preferences, step_logs  # noqa: E402
 from trl import DPOTrainer  # noqa: E402
 
 from tiered.integrations.transformers import TieredTrainerMixin  # noqa: E402
+
+from finetune_hf import char_tokenizer  # noqa: E402
+from helpers_hf import dpo_arguments, llama, preferences, step_logs  # noqa: E402
 
 
 class TieredDPOTrainer(TieredTrainerMixin, DPOTrainer):

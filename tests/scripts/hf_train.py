@@ -15,9 +15,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from helpers_hf import arguments, dataset, llama, step_logs  # noqa: E402
-
 from tiered.integrations.transformers import TieredTrainer  # noqa: E402
+
+from helpers_hf import arguments, dataset, llama, step_logs  # noqa: E402
 
 out = sys.argv[1]
 trainer = TieredTrainer(model=llama(), args=arguments(os.path.join(out, "run")),

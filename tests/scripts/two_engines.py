@@ -19,8 +19,9 @@ import torch.distributed as dist
 import tiered  # first: it quiets torch's warning about a missing numpy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpt import next_token_loss  # noqa: E402 (launch_train put examples/ on the path)
 from launch_train import BATCH, STEPS, build_model, global_batch  # noqa: E402
+
+from gpt import next_token_loss  # noqa: E402 (launch_train put examples/ on the path)
 
 
 def main() -> None:
