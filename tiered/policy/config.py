@@ -19,7 +19,7 @@ import torch
 from ..core.errors import PolicyError
 from ..core.sizes import parse_size
 from ..tiers.moments import PACKED, piece_granule
-from .file import read_yaml
+from .deepspeed import read_policy_file
 from .schema import build, merge, plain_value_in, plain_value_message
 from .values import (as_betas, as_bool, as_class_names, as_norm_bound, as_number, as_path,
                      as_size_or_none, as_whole_number, keep_path_as_string, optional, parsed_by)
@@ -463,7 +463,9 @@ class Policy:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike, overrides: Mapping[str, Any] | None = None) -> "Policy":
-        return _with_overrides(read_yaml(path), str(path), overrides or {})
+        """A YAML policy file, or a DeepSpeed config (``ds_config.json``) translated as
+        policy/deepspeed.py says."""
+        return _with_overrides(read_policy_file(path), str(path), overrides or {})
 
     def to_dict(self) -> dict[str, Any]:
         """The YAML schema form: plain types only, so it round-trips through JSON and YAML."""
