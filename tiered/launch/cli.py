@@ -1,6 +1,9 @@
 """``tiered``: the project's own commands.
 
-    tiered check-policy FILE [--nvme PATH]          validate a policy and print it resolved
+    tiered check-policy FILE [--nvme PATH]          validate a policy (YAML, or a DeepSpeed
+                                                    config) and print it resolved
+    tiered policy from-deepspeed FILE [--nvme PATH]  a DeepSpeed config as a tiered policy:
+                                                    YAML, what became of each key as comments
     tiered bench-io --nvme PATH [--size 4GiB] [--policy FILE] [--json]   NVMe engine bandwidth,
                                                     and a sweep: a table, or JSON with --json
     tiered daemon start [--dram BYTES] [--nvme PATH] [--keep-failed SECONDS] [--cores LIST]
@@ -30,6 +33,8 @@ from ..core.version import __version__
 from ..placement.manager import this_machine
 from ..planning.node import cached_node_rates, node_rates
 from ..policy.config import resolve
+from ..policy.deepspeed import read_deepspeed
+from ..policy.schema import merge
 from ..service import service_paths, service_status, start_service, stop_service
 from ..service.__main__ import main as run_service
 from ..service.server import parse_cores
@@ -53,9 +58,43 @@ def _check_policy(args) -> int:
     notes, refusals = this_machine(policy)
     for refusal in refusals:
         print(f"tiered: warning: {refusal}", file=sys.stderr)
+    deepspeed = read_deepspeed(args.file)
+    if deepspeed is not None:
+        print(deepspeed.comments(), end="")
     print("".join(f"# {note}\n" for note in notes), end="")
     print(yaml.safe_dump(policy.to_dict(), sort_keys=False), end="")
     return 0
+
+
+def _from_deepspeed(args) -> int:
+    nvme = {"nvme": {"path": os.path.abspath(os.path.expanduser(args.nvme))}} if args.nvme else {}
+    try:
+        translation = read_deepspeed(args.file)
+        if translation is None:
+            raise UsageError(f"{args.file} is not a DeepSpeed config (it has none of DeepSpeed's "
+                             f"keys: zero_optimization, bf16, fp16, train_batch_size, ...): a "
+                             f"tiered policy file, which check-policy reads as it is")
+        resolve(args.file, nvme)  # what the policy lacks besides the translation (nvme.path)
+    except TieredError as e:
+        print(f"tiered: error: {e}", file=sys.stderr)
+        return 2
+    print(dataclasses.replace(translation, policy=merge(translation.policy, nvme)).yaml(), end="")
+    return 0
+
+
+def _add_policy(commands) -> None:
+    policy = commands.add_parser(
+        "policy", help="policy files: from-deepspeed",
+        description="Policy files. from-deepspeed: a DeepSpeed config (ds_config.json) as the "
+        "tiered policy it runs as, written as YAML with what became of each DeepSpeed key "
+        "(honoured, ignored and why, left to the training script) as comments.")
+    verbs = policy.add_subparsers(dest="verb", required=True)
+    translate = verbs.add_parser("from-deepspeed", help="a DeepSpeed config as a tiered "
+                                 "policy (YAML on standard output)")
+    translate.add_argument("file", help="DeepSpeed config (JSON)")
+    translate.add_argument("--nvme", default=None, metavar="PATH",
+                           help="sets nvme.path (where the config gives no nvme_path)")
+    translate.set_defaults(run=_from_deepspeed)
 
 
 def _positive_size(flag: str, value: str) -> int:
@@ -215,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         "print the version.")
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("check-policy", help="validate a policy and print it resolved")
-    check.add_argument("file", help="YAML policy file")
+    check.add_argument("file", help="YAML policy file, or a DeepSpeed config")
     check.add_argument("--nvme", default=None, metavar="PATH", help="sets nvme.path")
     check.set_defaults(run=_check_policy)
     bench = commands.add_parser(
@@ -271,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(run=_plan)
     _add_daemon(commands)
+    _add_policy(commands)
     version = commands.add_parser("version", help="print the version")
     version.set_defaults(run=lambda args: print(__version__) or 0)
     args = parser.parse_args(argv)

@@ -33,6 +33,7 @@ from ..core.errors import NvmeError, TieredError, UsageError
 from ..core.limits import usable_cores
 from ..engine.engine import LAUNCHED_ENV
 from ..policy.config import POLICY_ENV, Policy, resolve
+from ..policy.deepspeed import read_deepspeed
 from ..service import JobHold, ensure_service, service_paths, service_status
 from ..service.client import JOB_ENV, SERVICE_ENV
 from ..tiers.nvme import check_nvme_path
@@ -49,7 +50,8 @@ def _parser():
     parser.prog = "tiered-launch"
     parser.description = "Run a training script under torch.distributed.run with a tiered policy."
     parser.add_argument("--policy", default=None, metavar="FILE",
-                        help="YAML offload policy (default: built-in, equal to configs/cpu.yaml)")
+                        help="YAML offload policy, or a DeepSpeed config (default: built-in, "
+                        "equal to configs/cpu.yaml)")
     parser.add_argument("--nvme", default=None, metavar="PATH",
                         help="folder for the NVMe tier; sets nvme.path of the policy")
     parser.add_argument("--job", default=None, metavar="NAME",
@@ -217,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tiered-launch: error: {e}", file=sys.stderr)
         return 2
     warn_if_nvme_unused(policy, args.nvme, "tiered-launch")
+    deepspeed = read_deepspeed(args.policy) if args.policy else None
+    for line in deepspeed.summary() if deepspeed is not None else ():
+        print(f"tiered-launch: note: {line}", file=sys.stderr)
     if not os.path.exists(args.training_script) and not args.module:
         print(f"tiered-launch: error: training script {args.training_script} does not exist",
               file=sys.stderr)
