@@ -56,6 +56,7 @@ from ..engine.engine import TieredEngine
 from ..engine.init import init, init_context_of, peft_base_of
 from ..optim.groups import group_of
 from ..policy.config import Policy, resolve
+from ..policy.deepspeed import mismatches, read_deepspeed
 
 ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused")
 """``TrainingArguments.optim`` values that mean ``torch.optim.AdamW``, which the engine runs."""
@@ -132,7 +133,8 @@ def refusals(args, given: dict[str, Any]) -> list[str]:
         refused.append(f"optim_args={args.optim_args!r}: the engine's AdamW takes its settings "
                        f"from learning_rate, adam_beta1/2, adam_epsilon and weight_decay")
     if args.deepspeed:
-        refused.append("deepspeed=...: tiered is the offload engine here; drop deepspeed")
+        refused.append("deepspeed=...: tiered is the offload engine here; drop deepspeed (give "
+                       "a DeepSpeed config file as policy=, which TieredTrainer reads)")
     if args.fsdp:
         refused.append(f"fsdp={args.fsdp!r}: tiered shards the model itself (ZeRO-3); drop fsdp")
     if args.torch_compile:
@@ -160,6 +162,27 @@ def refusals(args, given: dict[str, Any]) -> list[str]:
         refused.append("peft_config=...: the engine takes the model as it is given; make the "
                        "peft model first (get_peft_model(model, config)) and pass it as model")
     return refused
+
+
+def deepspeed_refusals(args, policy) -> list[str]:
+    """A DeepSpeed config given as the policy: its explicit values that differ from the
+    TrainingArguments, refused as Hugging Face's DeepSpeed integration refuses them (its
+    ``"auto"`` takes theirs, as trainer_policy does)."""
+    translation = read_deepspeed(policy) if isinstance(policy, (str, os.PathLike)) else None
+    if translation is None:
+        return []
+    accumulation = args.gradient_accumulation_steps
+    return mismatches(translation, {
+        "optimizer.params.lr": args.learning_rate,
+        "optimizer.params.betas": [args.adam_beta1, args.adam_beta2],
+        "optimizer.params.eps": args.adam_epsilon,
+        "optimizer.params.weight_decay": args.weight_decay,
+        "gradient_clipping": args.max_grad_norm,
+        "gradient_accumulation_steps": accumulation,
+        "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
+        "train_batch_size": args.world_size * args.per_device_train_batch_size * accumulation,
+        "bf16.enabled": args.bf16,
+        "fp16.enabled": args.fp16})
 
 
 def reference_refusals(args, model: nn.Module, reference: nn.Module | None) -> list[str]:
@@ -210,7 +233,7 @@ class TieredTrainerMixin:
                               f"{model!r}: build it first (load_model(path) for a folder)")
         if args is None:
             args = transformers.TrainingArguments(output_dir="tmp_trainer")
-        refused = refusals(args, kwargs)
+        refused = refusals(args, kwargs) + deepspeed_refusals(args, policy)
         reference = kwargs.get("ref_model")
         if "ref_model" in inspect.signature(super().__init__).parameters:
             refused += reference_refusals(args, model, reference)
