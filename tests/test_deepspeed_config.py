@@ -22,7 +22,7 @@ import yaml
 import tiered
 from tiered.launch.cli import main as tiered_cli
 from tiered.policy.config import ComputeDtype, Policy, Tier, resolve
-from tiered.policy.deepspeed import Fate, mismatches, read_deepspeed
+from tiered.policy.deepspeed import DEEPSPEED_ENV, Fate, mismatches, read_deepspeed
 
 from helpers import REPO, clean_env, finish, same_bits
 from helpers_models import MICRO, OPTIM, assert_parity, make_model, run_engine, train_torch
@@ -357,13 +357,16 @@ def test_tiered_launch_runs_a_script_under_a_deepspeed_config(commands):
 
 # -- TieredTrainer(policy="ds_config.json") ------------------------------------------------------
 
-def test_tiered_trainer_takes_auto_from_its_arguments_and_refuses_values_that_differ(tmp_path):
+def test_tiered_trainer_takes_auto_from_its_arguments_and_refuses_values_that_differ(
+        tmp_path, monkeypatch):
     """As Hugging Face's DeepSpeed integration: "auto" is the TrainingArguments' value, an
-    explicit one must equal it (refused by name before the engine takes the model)."""
+    explicit one must equal it (refused by name before the engine takes the model), whether
+    the config is given to the trainer or to tiered-launch (which names it to the ranks)."""
+    # Here, not at the top: without the optional transformers only this test is skipped.
     pytest.importorskip("transformers")
     from helpers_hf import arguments, llama
 
-    from tiered.integrations.transformers import TieredTrainer
+    from tiered.integrations.transformers import TieredTrainer, deepspeed_refusals
 
     args = arguments(tmp_path, learning_rate=1e-3, per_device_train_batch_size=8,
                      gradient_accumulation_steps=4, max_grad_norm=1.0, weight_decay=0.1,
@@ -373,6 +376,10 @@ def test_tiered_trainer_takes_auto_from_its_arguments_and_refuses_values_that_di
     assert "optimizer.params.lr is 3e-05 in" in str(refused.value)
     assert "but learning_rate is 0.001" in str(refused.value)
     assert "bf16.enabled is true in" in str(refused.value)  # the arguments compute in fp32
+    given = deepspeed_refusals(args, str(DATA / "zero3_offload_cpu.json"))
+    assert deepspeed_refusals(args, None) == []
+    monkeypatch.setenv(DEEPSPEED_ENV, str(DATA / "zero3_offload_cpu.json"))  # as tiered-launch
+    assert deepspeed_refusals(args, None) == given != []
 
     trainer = TieredTrainer(model=llama(), args=args, policy=str(DATA / "hf_zero3_auto.json"))
     try:

@@ -56,7 +56,7 @@ from ..engine.engine import TieredEngine
 from ..engine.init import init, init_context_of, peft_base_of
 from ..optim.groups import group_of
 from ..policy.config import Policy, resolve
-from ..policy.deepspeed import mismatches, read_deepspeed
+from ..policy.deepspeed import DEEPSPEED_ENV, mismatches, read_deepspeed
 
 ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused")
 """``TrainingArguments.optim`` values that mean ``torch.optim.AdamW``, which the engine runs."""
@@ -165,9 +165,11 @@ def refusals(args, given: dict[str, Any]) -> list[str]:
 
 
 def deepspeed_refusals(args, policy) -> list[str]:
-    """A DeepSpeed config given as the policy: its explicit values that differ from the
-    TrainingArguments, refused as Hugging Face's DeepSpeed integration refuses them (its
-    ``"auto"`` takes theirs, as trainer_policy does)."""
+    """A DeepSpeed config given as the policy (or, without one, to tiered-launch): its explicit
+    values that differ from the TrainingArguments, refused as Hugging Face's DeepSpeed
+    integration refuses them (its ``"auto"`` takes theirs, as trainer_policy does)."""
+    if policy is None:
+        policy = os.environ.get(DEEPSPEED_ENV)
     translation = read_deepspeed(policy) if isinstance(policy, (str, os.PathLike)) else None
     if translation is None:
         return []

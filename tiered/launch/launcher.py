@@ -33,7 +33,7 @@ from ..core.errors import NvmeError, TieredError, UsageError
 from ..core.limits import usable_cores
 from ..engine.engine import LAUNCHED_ENV
 from ..policy.config import POLICY_ENV, Policy, resolve
-from ..policy.deepspeed import read_deepspeed
+from ..policy.deepspeed import DEEPSPEED_ENV, read_deepspeed
 from ..service import JobHold, ensure_service, service_paths, service_status
 from ..service.client import JOB_ENV, SERVICE_ENV
 from ..tiers.nvme import check_nvme_path
@@ -222,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     deepspeed = read_deepspeed(args.policy) if args.policy else None
     for line in deepspeed.summary() if deepspeed is not None else ():
         print(f"tiered-launch: note: {line}", file=sys.stderr)
+    if deepspeed is not None:
+        os.environ[DEEPSPEED_ENV] = os.path.abspath(args.policy)
     if not os.path.exists(args.training_script) and not args.module:
         print(f"tiered-launch: error: training script {args.training_script} does not exist",
               file=sys.stderr)

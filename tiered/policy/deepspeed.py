@@ -34,6 +34,10 @@ from ..core.errors import PolicyError
 from .deepspeed_keys import SCRIPT_VALUES, TOP_LEVEL, Fate, Note, Reader, shown
 from .file import read_yaml
 
+DEEPSPEED_ENV = "TIERED_DEEPSPEED_CONFIG"
+"""The DeepSpeed config ``tiered-launch --policy`` named, for the ranks: TieredTrainer holds its
+explicit values to the TrainingArguments, as Hugging Face's integration does."""
+
 TIERED_SECTIONS = ("compute_dtype", "device", "params", "grads", "optimizer", "nvme", "hbm",
                    "dram", "loss_scale", "units", "cpu", "prefetch", "trace", "tiling")
 """A tiered policy's top-level keys in the schema's order, the order a translation is written
