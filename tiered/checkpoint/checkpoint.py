@@ -176,9 +176,9 @@ def _refuse_held_gradients(engine) -> None:
     ``accumulation_steps`` with units already stepped on arrival. Every rank runs the same
     loop, so every rank refuses alike."""
     runtime = engine.runtime
-    if runtime.backwards_since_step > 0 and any(runtime.grads.has_grad):
+    if runtime.step_state.backwards > 0 and any(runtime.grads.has_grad):
         raise CheckpointError(
-            f"save_checkpoint after {runtime.backwards_since_step} backward(s) whose gradients "
+            f"save_checkpoint after {runtime.step_state.backwards} backward(s) whose gradients "
             f"wait for optimizer.step(): gradients are not saved; save after optimizer.step() "
             f"(or after zero_grad())")
 
@@ -328,6 +328,7 @@ def load(engine, directory: str, tag: str | None) -> str:
     finally:
         for reader in readers.values():
             reader.close()
+    assert tag is not None  # chosen in the try, or all_or_raise raised
     return tag
 
 
@@ -501,7 +502,10 @@ def _load_states(engine, manifest: dict, reads: dict[tuple[int, StateKind], layo
             manager.store(unit, StateKind.PARAM_NEXT, masters)
             swapping.add(unit)
         else:
-            values = masters if masters is not None else weights_read.fetch()
+            if masters is None:
+                assert weights_read is not None, f"unit {unit}: no weights to load"
+                masters = weights_read.fetch()
+            values = masters
             for kind in (StateKind.PARAM, StateKind.PARAM_NEXT):
                 if manager.has(unit, kind):
                     manager.store(unit, kind, values)

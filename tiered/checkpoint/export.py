@@ -16,6 +16,7 @@ import json
 import os
 import re
 import warnings
+from typing import Any
 
 import torch
 from torch import nn
@@ -90,10 +91,10 @@ def _write_configs(model: nn.Module, directory: str) -> None:
     """A Hugging Face model's ``config.json`` and, for one that generates, its
     ``generation_config.json``: without them ``from_pretrained`` of the folder built the
     default config of the class (a 7 B Llama for a tiny one)."""
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     if callable(getattr(config, "save_pretrained", None)):
         config.save_pretrained(directory)
-    generation = getattr(model, "generation_config", None)
+    generation: Any = getattr(model, "generation_config", None)
     can_generate = getattr(model, "can_generate", None)
     if (callable(getattr(generation, "save_pretrained", None)) and callable(can_generate)
             and can_generate()):
@@ -104,7 +105,7 @@ def _tile_names(engine, tiled: dict[str, TiledLinear]) -> dict[str, set[str]]:
     """Per tiled layer, the names of its tiles' parameters: the layer is written once all
     have been gathered (its tiles' weights and biases may be in different units: a frozen
     weight and a trained bias are split apart, units.py)."""
-    names = {prefix: set() for prefix in tiled}
+    names: dict[str, set[str]] = {prefix: set() for prefix in tiled}
     for flat in engine.runtime.flats:
         for spec in flat.spec.params:
             for name in spec.names:
@@ -154,7 +155,8 @@ def _ready(waiting: dict[str, torch.Tensor], tiled: dict[str, TiledLinear],
 
 def _assign(plan: list[Entry], max_shard_bytes: int) -> dict[str, str]:
     """Entry name -> file name, filling files up to ``max_shard_bytes`` in write order."""
-    groups, size = [[]], 0
+    groups: list[list[str]] = [[]]
+    size = 0
     for entry in plan:
         if groups[-1] and size + entry.nbytes > max_shard_bytes:
             groups.append([])

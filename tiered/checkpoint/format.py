@@ -56,7 +56,8 @@ class Writer:
 
     def __init__(self, path: str, entries: list[Entry], metadata: dict[str, str] | None = None):
         self.path = path
-        header, offset = {}, 0
+        header: dict[str, object] = {}
+        offset = 0
         for entry in entries:
             if entry.dtype not in DTYPES:  # before the file is created
                 raise CheckpointError(f"{path}: {entry.name} is {entry.dtype}, which the "

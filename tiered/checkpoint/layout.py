@@ -105,7 +105,10 @@ def _model_grids(flats) -> dict[str, _Grid]:
     grids = {}
     for layer, by_index in tiles.items():
         shapes = [by_index[k].shape for k in range(len(by_index))]
-        width, columns = by_index[0].holders[0][0].fan_in, 0
+        layer_module = by_index[0].holders[0][0]
+        assert isinstance(layer_module, LinearTile)
+        width = layer_module.fan_in
+        columns = 0
         while columns < len(shapes) and sum(shape[1] for shape in shapes[:columns]) < width:
             columns += 1
         grids[layer] = _Grid(tuple(shape[0] for shape in shapes[::columns]),
@@ -229,13 +232,13 @@ def segments(flats, saved_units: list[dict],
     ``saved_tiles``: the saving engine's tile_grids (checkpoints written before they were
     recorded have none: see _unrecorded_grids)."""
     if not all("params" in unit for unit in saved_units):  # formats 1 and 2
-        ours = [(f.spec.path, f.numel) for f in flats]
-        saved = [(u["path"], u["numel"]) for u in saved_units]
-        if saved == ours:
+        engine_units = [(f.spec.path, f.numel) for f in flats]
+        saved_units_numel = [(u["path"], u["numel"]) for u in saved_units]
+        if saved_units_numel == engine_units:
             return [[Segment(0, f.numel, i, 0)] for i, f in enumerate(flats)]
         differ = next((f"unit {i}: saved {s}, engine {o}" for i, (s, o) in
-                       enumerate(zip(saved, ours)) if s != o),
-                      f"{len(saved)} units saved, {len(ours)} in the engine")
+                       enumerate(zip(saved_units_numel, engine_units)) if s != o),
+                      f"{len(saved_units_numel)} units saved, {len(engine_units)} in the engine")
         raise CheckpointError(
             f"the checkpoint is of another model: {differ} (path, elements); checkpoints "
             f"before format 3 load only into the units they were saved from (a partly frozen "
@@ -293,6 +296,7 @@ def _source(kind: StateKind, weights_alone: bool, pending: bool, has: _Saved) ->
     the saved masters where there are any). ``pending``: a delayed update had written the
     saved unit's next weights, so its current ones were saved beside the masters (else the
     masters are its current weights)."""
+    wanted: tuple[str, ...]
     if kind is StateKind.PARAM and pending and not weights_alone:
         wanted = ("param",)
     elif kind in (StateKind.PARAM, StateKind.MASTER):
@@ -360,6 +364,7 @@ class Read:
         values = dataclasses.replace(self, dtype=torch.float32).fetch()
         # Rounded as every step rounds, with a stream of its own (key 0, no step has it).
         rounding = random_bits(torch.arange(self.numel), 0) >> 24
+        assert self.code_map is not None  # a packed moment's read has its code map
         quantize_into(out, values, self.code_map, rounding)
         return out
 
@@ -368,6 +373,7 @@ class Read:
         first, stop = start // QBLOCK, -(-(start + count) // QBLOCK)
         codes = torch.empty((stop - first) * QBLOCK_BYTES, dtype=PACKED)
         reader.read(name, codes, start=first * QBLOCK_BYTES)
+        assert self.code_map is not None
         values = dequantize(codes, (stop - first) * QBLOCK, self.code_map)
         return values[start - first * QBLOCK:start - first * QBLOCK + count]
 

@@ -93,14 +93,14 @@ def check_manifest(path: str, manifest) -> None:
     units = top.list("units")
     for index, unit in enumerate(units):
         _check_unit(_Fields(path, f"units[{index}]", unit), world)
-    for index, name in enumerate(top.list("frozen", required=False) or []):
+    for index, name in enumerate(top.list("frozen", required=False)):
         top.text_at(f"frozen[{index}]", name)
     _check_tiles(top)
     top.object("extra_states", required=False)
     _check_optimizer(top.field("optimizer", top.object("optimizer")), len(units))
     policy = top.field("policy", top.object("policy"))
     optimizer = policy.field("optimizer", policy.object("optimizer"))
-    for index, group in enumerate(optimizer.list("param_groups", required=False) or []):
+    for index, group in enumerate(optimizer.list("param_groups", required=False)):
         matches = optimizer.field(f"param_groups[{index}]", group).list("match")
         for at, pattern in enumerate(matches):
             optimizer.text_at(f"param_groups[{index}].match[{at}]", pattern)
@@ -140,7 +140,7 @@ def _check_optimizer(state: "_Fields", units: int) -> None:
     state.integer("skipped_steps")
     state.number("last_grad_norm", none=True, finite=False)  # inf or nan after an overflow
     _check_hyper(state.field("hyper", state.object("hyper")))
-    for index, hyper in enumerate(state.list("group_hypers", required=False) or []):
+    for index, hyper in enumerate(state.list("group_hypers", required=False)):
         _check_hyper(state.field(f"group_hypers[{index}]", hyper))
     steps = state.list("unit_steps")
     if len(steps) != units:
@@ -255,10 +255,11 @@ class _Fields:
             self.refuse(key, value, "a string")
         return value
 
-    def list(self, key: str, required: bool = True) -> list | None:
+    def list(self, key: str, required: bool = True) -> list:
+        """The list at ``key``; an absent one that is not ``required`` is empty."""
         value = self._get(key, required)
         if key not in self.value:
-            return None
+            return []
         if not isinstance(value, list):
             self.refuse(key, value, "a JSON list")
         return value

@@ -109,6 +109,7 @@ def store_model_state(model: nn.Module, values: dict[str, object]) -> None:
         if key.endswith(EXTRA_STATE):
             extra_state_module(model, key).set_extra_state(value)
         else:
+            assert isinstance(value, torch.Tensor), f"{key} is a buffer, not {type(value)}"
             buffers[key].copy_(value)
 
 
@@ -173,7 +174,8 @@ class PretrainedWeights:
         tiled = tiled_layers(model)
         self.places: dict[str, Place] = {}
         """Parameter (its first name) -> where the source holds it."""
-        expected, missing = set(), []
+        expected: set[str] = set()
+        missing: list[str] = []
         for flat in flats:
             for spec in flat.spec.params:
                 candidates = _candidates(spec.names, spec.shape, tiled)
@@ -303,7 +305,7 @@ def open_weights(weights, flats, model: nn.Module, state_dict_keys: list[str], s
         matched = None
         if source is not None:
             source.close()
-    if not group.agree(failure is None):
+    if not group.agree(failure is None) or matched is None:
         if matched is not None:
             matched.close()
         raise failure or CheckpointError("another rank cannot use the weights; nothing loaded")

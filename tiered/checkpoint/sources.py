@@ -46,7 +46,8 @@ class WeightSource(Protocol):
 class StateDictSource:
     def __init__(self, state_dict: Mapping[str, torch.Tensor]):
         self.where = "the state dict"
-        self._values, self.objects = {}, {}
+        self._values: dict[str, torch.Tensor] = {}
+        self.objects: dict[str, object] = {}
         for name, value in state_dict.items():
             if isinstance(value, torch.Tensor):
                 self._values[name] = value.detach()
@@ -65,9 +66,10 @@ class StateDictSource:
         if value.is_contiguous():
             flat = value.view(-1)
         else:
-            flat = self._copies.get(name)
-            if flat is None:
-                flat = self._copies[name] = value.reshape(-1)
+            copy = self._copies.get(name)
+            if copy is None:
+                copy = self._copies[name] = value.reshape(-1)
+            flat = copy
         return flat[start:start + count].cpu()
 
     def close(self) -> None:
@@ -83,7 +85,8 @@ class SafetensorsSource:
         self.where = path
         self._readers: list[Reader] = []
         self._owner: dict[str, Reader] = {}
-        self.tensors, self.objects = {}, {}
+        self.tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self.objects: dict[str, object] = {}
         try:
             for file in _files(path):
                 reader = Reader(file)
