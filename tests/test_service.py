@@ -24,8 +24,8 @@ from tiered.core.errors import BudgetError
 from tiered.core.sizes import format_size
 from tiered.device import CpuAccelerator
 from tiered.launch.cli import main as tiered
-from tiered.service import (ServiceClient, ServiceError, ServiceSlabSource, service_paths,
-                            service_status, start_service, stop_service, wire)
+from tiered.service import (Channel, ServiceError, ServiceSlabSource, service_paths, service_status,
+                            start_service, stop_service, wire)
 from tiered.service.identity import this_code
 from tiered.service.paths import RUNTIME_ENV
 from tiered.service.remote_nvme import ServiceNvme
@@ -68,7 +68,7 @@ def own_service(folder):
 
 def attached(folder: str, job: str, rank: int = 0, world: int = 1) -> ServiceSlabSource:
     """A rank attached as a trainer process of its own would (its first engine)."""
-    return ServiceSlabSource(ServiceClient.connect(folder), job, rank, world, CpuAccelerator(),
+    return ServiceSlabSource(Channel.connect(folder), job, rank, world, CpuAccelerator(),
                              engine=0)
 
 
@@ -517,7 +517,7 @@ def test_a_stop_frees_every_job_and_removes_the_socket(own_service):
     assert not os.path.exists(service_paths(folder).socket)
     psutil.Process(pid).wait(timeout=10)
     with pytest.raises(ServiceError, match="no tiered service runs"):
-        ServiceClient.connect(folder)
+        Channel.connect(folder)
     running.client.close()
 
 

@@ -11,22 +11,23 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, clean_env, own_service
 
 from tiered.launch.cli import main as tiered
 from tiered.service.identity import this_code
 from tiered.service.paths import RUNTIME_ENV
 
+from helpers import REPO, clean_env, own_service
+
 TRY = """
 import sys
 from tiered.device import CpuAccelerator
-from tiered.service import JobHold, ServiceClient, ServiceError, ServiceSlabSource
+from tiered.service import JobHold, Channel, ServiceError, ServiceSlabSource
 folder, what = sys.argv[1], sys.argv[2]
 try:
     if what == "hold":
         JobHold(folder, "other-code").end(clean=True)
     else:
-        ServiceSlabSource(ServiceClient.connect(folder), "other-code", 0, 1,
+        ServiceSlabSource(Channel.connect(folder), "other-code", 0, 1,
                           CpuAccelerator()).close(True)
 except ServiceError as e:
     print(e)

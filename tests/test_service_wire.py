@@ -17,9 +17,9 @@ import time
 import psutil
 import pytest
 
-from tiered.service import (ServiceClient, ServiceError, service_paths, service_status,
-                            start_service, stop_service, wire)
-from tiered.service.client import REFUSED_SECONDS
+from tiered.service import (Channel, ServiceError, service_paths, service_status, start_service,
+                            stop_service, wire)
+from tiered.service.channel import REFUSED_SECONDS
 from tiered.service.paths import ServicePaths
 
 
@@ -149,7 +149,8 @@ class FullBacklog:
                     message, _ = wire.receive(conn)
                 except wire.Closed:
                     continue
-                wire.send(conn, {"op": "reply", "ok": True, "answered": message["op"]})
+                wire.send(conn, {"op": "reply", "id": message["id"], "ok": True,
+                                  "answered": message["op"]})
 
     def close(self) -> None:
         self._stop.set()
@@ -172,7 +173,7 @@ def test_a_client_that_meets_a_full_backlog_connects_once_there_is_room(full_bac
         raw(full_backlog.paths.socket)
     full_backlog.drain_after(0.3)
     began = time.monotonic()
-    client = ServiceClient(full_backlog.paths, timeout=5.0)
+    client = Channel(full_backlog.paths, timeout=5.0)
     try:
         assert 0.25 < time.monotonic() - began < 3.0
         reply, _ = client.request("hello")
@@ -185,7 +186,7 @@ def test_a_backlog_that_stays_full_fails_within_the_clients_timeout(full_backlog
     began = time.monotonic()
     with pytest.raises(ServiceError, match="took no connection within 0.4 s: its backlog "
                                            "stayed full"):
-        ServiceClient(full_backlog.paths, timeout=0.4)
+        Channel(full_backlog.paths, timeout=0.4)
     assert 0.4 <= time.monotonic() - began < 2.0
 
 
@@ -195,7 +196,7 @@ def test_a_missing_socket_fails_at_once_and_a_dead_services_socket_soon(tmp_path
     paths = ServicePaths(str(folder))
     began = time.monotonic()
     with pytest.raises(ServiceError, match="no tiered service runs in"):
-        ServiceClient(paths, timeout=5.0)
+        Channel(paths, timeout=5.0)
     assert time.monotonic() - began < 0.1
     # A socket file nothing listens on, as a killed service leaves: refused (ECONNREFUSED),
     # tried again only briefly, however long the client would wait for a reply.
@@ -203,5 +204,5 @@ def test_a_missing_socket_fails_at_once_and_a_dead_services_socket_soon(tmp_path
         dead.bind(paths.socket)
         began = time.monotonic()
         with pytest.raises(ServiceError, match="no tiered service runs in"):
-            ServiceClient(paths, timeout=5.0)
+            Channel(paths, timeout=5.0)
         assert time.monotonic() - began < REFUSED_SECONDS + 0.5

@@ -38,7 +38,8 @@ PR_SET_PDEATHSIG = 1
 """From <linux/prctl.h>."""
 MODES = ("script", "module", "program")
 TRACEBACK_ENV = "TIERED_TRACEBACK"
-"""Set to 1: a rank refused for its budget shows its traceback, not one line."""
+"""Set to 1: a rank refused for its budget, or whose service died, shows its traceback, not one
+line."""
 
 _stopped_by: int | None = None
 """The first stop signal the rank got while its script ran (see _on_stop_signal)."""
@@ -128,10 +129,11 @@ def main(argv: list[str]) -> None:
     except BaseException as error:
         if _stopped_by is not None:
             sys.exit(128 + _stopped_by)
-        if not _is_budget_refusal(error) or os.environ.get(TRACEBACK_ENV) == "1":
+        if not _said_in_one_line(error) or os.environ.get(TRACEBACK_ENV) == "1":
             raise
-        # What does not fit is the user's to change (a budget, the service's pool), and the
-        # message says what and how: the stack of initialize() would only bury it.
+        # What does not fit is the user's to change (a budget, the service's pool), and a
+        # service that died is no bug of the script's: the message says what and how, and the
+        # stack would only bury it.
         print(f"tiered rank {os.environ.get('RANK', '?')}: error: {error} ({TRACEBACK_ENV}=1 "
               f"shows where)", file=sys.stderr)
         sys.exit(1)
@@ -148,10 +150,16 @@ def _ordering_checked():
     return simulated_device().tracking()
 
 
-def _is_budget_refusal(error: BaseException) -> bool:
-    """Whether ``error`` is tiered's BudgetError, known by name (importing tiered here would
+ONE_LINE_ERRORS = {("tiered.core.errors", "BudgetError"),
+                   ("tiered.service.channel", "ServiceLost")}
+"""tiered's errors a rank reports in one line: a refusal for its budget, and the loss of the
+node's service (which names the service's socket and pid)."""
+
+
+def _said_in_one_line(error: BaseException) -> bool:
+    """Whether ``error`` is one of ONE_LINE_ERRORS, known by name (importing tiered here would
     import torch before the script could set what torch reads at import)."""
-    return any(kind.__module__ == "tiered.core.errors" and kind.__name__ == "BudgetError"
+    return any((kind.__module__, kind.__name__) in ONE_LINE_ERRORS
                for kind in type(error).__mro__)
 
 

@@ -5,12 +5,13 @@ while after its trainers are gone.
 Not called ``daemon``: python-daemon owns that import name. ``daemon/`` at the top of the
 repository holds what runs it as a system service.
 """
-from .client import ServiceClient, ServiceSlabSource
+from .channel import Channel, ServiceLost
+from .client import ServiceSlabSource
 from .control import (JobHold, ensure_service, running_service, service_status, start_service,
                       stop_service)
 from .paths import ServiceError, service_paths
 from .server import ServiceConfig, TierService
 
-__all__ = ["JobHold", "ServiceClient", "ServiceConfig", "ServiceError", "ServiceSlabSource",
-           "TierService", "ensure_service", "running_service", "service_paths", "service_status",
-           "start_service", "stop_service"]
+__all__ = ["Channel", "JobHold", "ServiceConfig", "ServiceError", "ServiceLost",
+           "ServiceSlabSource", "TierService", "ensure_service", "running_service",
+           "service_paths", "service_status", "start_service", "stop_service"]

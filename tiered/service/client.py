@@ -1,5 +1,5 @@
-"""The service's clients: a connection that asks and is answered, and the DRAM slab source a
-training rank takes its pinned memory from.
+"""The DRAM slab source a training rank takes its pinned memory from, over its channel to the
+node's service (channel.py).
 
 A rank attaches once, as (job, rank, world), and keeps its connection for the engine's life:
 the connection is how the service knows the trainer lives. ``close(clean=True)`` (from
@@ -10,125 +10,15 @@ the keep time (jobs.py, [Note: job lifecycle]).
 from __future__ import annotations
 
 import os
-import socket
 import threading
-import time
 
 import torch
 
-from ..core.errors import BudgetError, NvmeError
 from ..device import Accelerator
-from . import wire
+from .channel import Channel
 from .identity import this_code
-from .paths import ServiceError, ServicePaths, service_paths
+from .paths import ServiceError
 from .segments import map_segment
-
-REPLY_SECONDS = 600.0
-"""How long a request may wait for its reply: reserving a segment of many GiB zeroes every page
-(about 10 s per 100 GiB), and a service that does not answer in this long is stuck."""
-
-
-REFUSED_SECONDS = 0.5
-"""How long a socket that nothing listens on is tried again: a service between binding its
-socket and listening on it is ready within microseconds; a killed one's socket never is."""
-
-
-class ServiceClient:
-    def __init__(self, paths: ServicePaths, timeout: float = REPLY_SECONDS):
-        self.paths = paths
-        self._sock = self._connected(paths, timeout)
-        self._lock = threading.Lock()  # one request, one reply: never interleaved
-
-    @staticmethod
-    def _connected(paths: ServicePaths, timeout: float) -> socket.socket:
-        """A socket connected to the service, tried again with a growing pause while the
-        service cannot take it yet: a full backlog for up to ``timeout``, a socket nothing
-        listens on for up to REFUSED_SECONDS. A missing socket fails at once."""
-        start = time.monotonic()
-        pause = 0.001
-        while True:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(timeout)
-            try:
-                sock.connect(paths.socket)
-                return sock
-            except OSError as e:
-                sock.close()
-                if isinstance(e, BlockingIOError):
-                    # A full backlog: a burst of connections outran the service's accepts, and
-                    # the kernel refuses a socket with a timeout at once (EAGAIN), unqueued.
-                    patience = timeout
-                elif isinstance(e, ConnectionRefusedError):
-                    patience = min(timeout, REFUSED_SECONDS)
-                else:
-                    patience = 0.0
-                left = patience - (time.monotonic() - start)
-                if left > 0:
-                    time.sleep(min(pause, left))
-                    pause = min(2 * pause, 0.05)
-                    continue
-                if isinstance(e, BlockingIOError):
-                    raise ServiceError(f"the tiered service at {paths.socket} took no connection "
-                                       f"within {timeout:g} s: its backlog stayed full"
-                                       ) from None
-                if isinstance(e, (FileNotFoundError, ConnectionRefusedError)):
-                    raise ServiceError(f"no tiered service runs in {paths.folder} (start one "
-                                       f"with 'tiered daemon start', or train without one: "
-                                       f"tiered-launch --no-daemon)") from None
-                raise ServiceError(f"cannot reach the tiered service at {paths.socket}: "
-                                   f"{e.strerror}") from None
-
-    @classmethod
-    def connect(cls, folder: str | None = None,
-                timeout: float = REPLY_SECONDS) -> "ServiceClient":
-        return cls(service_paths(folder), timeout)
-
-    def request(self, op: str, **fields) -> tuple[dict, list[int]]:
-        """Send a request and wait for its reply; raises ServiceError (BudgetError for a pool
-        too small) with the service's words when it refuses."""
-        with self._lock:
-            try:
-                wire.send(self._sock, {"op": op, **fields})
-                reply, fds = wire.receive(self._sock)
-            except wire.WireError as e:
-                raise ServiceError(f"the tiered service at {self.paths.socket} did not answer "
-                                   f"{op!r}: {e}") from None
-            except OSError as e:
-                raise ServiceError(f"the tiered service at {self.paths.socket} did not answer "
-                                   f"{op!r}: {e}") from None
-        if not reply.get("ok"):
-            for fd in fds:
-                os.close(fd)
-            raise refusal(reply, f"the tiered service refused {op!r}")
-        return reply, fds
-
-    @property
-    def closed(self) -> bool:
-        return self._sock.fileno() < 0
-
-    @property
-    def socket(self) -> socket.socket:
-        """The connection itself, for a stream that follows a request (a rank's host)."""
-        return self._sock
-
-    def close(self) -> None:
-        self._sock.close()
-
-
-def refusal(reply: dict, what: str) -> Exception:
-    """The error a refused request's reply carries: a BudgetError with its shortfalls for a pool
-    too small, an NvmeError with its file and offset for a failed transfer, else a ServiceError
-    saying ``what`` with the service's words."""
-    error = str(reply.get("error", "no reason given"))
-    kind = reply.get("kind")
-    if kind == "budget":
-        return BudgetError(error, {tier: tuple(pair) for tier, pair
-                                   in (reply.get("shortfalls") or {}).items()})
-    if kind == "nvme":
-        return NvmeError(error, errno=reply.get("errno"), path=reply.get("path"),
-                         offset=reply.get("offset"), size=reply.get("size"))
-    return ServiceError(f"{what}: {error}")
-
 
 class EngineSlots:
     """Which engines of this process are open at the service, per job: each is its own job
@@ -159,7 +49,7 @@ class ServiceSlabSource:
     this rank: the service's memory, mapped here and registered here with the device whose
     copies use it (on a GPU, with CUDA)."""
 
-    def __init__(self, client: ServiceClient, job: str, rank: int, world: int,
+    def __init__(self, client: Channel, job: str, rank: int, world: int,
                  device: Accelerator, fresh: bool = False, engine: int | None = None):
         """``device``: as PinnedSlabSource's. ``fresh``: a state the service kept of the job
         is freed, never taken over.
@@ -287,7 +177,7 @@ def slab_source_from_env(rank: int, world: int,
     if not job:
         raise ServiceError(f"{SERVICE_ENV} names a service but no job names this run: set "
                            f"{JOB_ENV}, or run under tiered-launch")
-    client = ServiceClient.connect(folder)
+    client = Channel.connect(folder)
     try:
         return ServiceSlabSource(client, job, rank, world, device,
                                  fresh=os.environ.get(FRESH_ENV) == "1")

@@ -12,7 +12,7 @@ import sys
 import time
 
 from ..core.liveness import is_held
-from .client import ServiceClient
+from .channel import Channel
 from .identity import this_code
 from .paths import ServiceError, service_paths
 
@@ -27,7 +27,7 @@ PROBE_SECONDS = 10.0
 def running_service(folder: str | None = None) -> dict | None:
     """The ``hello`` of the service running in ``folder``, or None when none answers."""
     try:
-        client = ServiceClient.connect(folder, PROBE_SECONDS)
+        client = Channel.connect(folder, PROBE_SECONDS)
     except ServiceError:
         return None
     try:
@@ -96,7 +96,7 @@ def stop_service(folder: str | None = None, wait: float = 30.0) -> int | None:
     hello = running_service(paths.folder)
     if hello is None:
         return None
-    client = ServiceClient(paths)
+    client = Channel(paths)
     try:
         client.request("stop")
     finally:
@@ -111,13 +111,13 @@ def stop_service(folder: str | None = None, wait: float = 30.0) -> int | None:
 
 
 def service_status(folder: str | None = None) -> dict:
-    client = ServiceClient.connect(folder, PROBE_SECONDS)
+    client = Channel.connect(folder, PROBE_SECONDS)
     try:
         reply, _ = client.request("status")
     finally:
         client.close()
-    reply.pop("ok", None)
-    reply.pop("op", None)
+    for key in ("op", "id", "ok"):  # the channel's, not the status's
+        reply.pop(key, None)
     return reply
 
 
@@ -131,7 +131,7 @@ class JobHold:
         """``fresh``: a state the service kept of a failed run of ``job`` is freed, not taken
         over by this run's ranks; ``world``: its ranks, where known."""
         self.job = job
-        self.client = ServiceClient.connect(folder)
+        self.client = Channel.connect(folder)
         try:
             reply, _ = self.client.request("hold", job=job, fresh=fresh, world=world,
                                            code=this_code().to_wire())

@@ -22,20 +22,15 @@ its versions not committed are abandoned: a shard never switches to a version ha
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
 from typing import Callable
 
 import torch
 
-from ..core.errors import BudgetError, NvmeError, TieredError
+from ..core.errors import NvmeError, TieredError
 from ..tiers.aio import IoQueue, IoSettings, Transfer
 from ..tiers.nvme import NextVersion, NvmeShard, NvmeTier, extent_bytes
-from . import wire
 from .segments import SegmentViews
-
-log = logging.getLogger("tiered.service")
-
+from .wire import refusal_fields
 
 class RankFiles:
     """One rank's NVMe tier in the service: its extents and shards, and the segments its
@@ -111,78 +106,42 @@ class AdoptedFiles:
 
 class FileStream:
     """The requests of one trainer's NVMe tier, on its own connection (remote_nvme.py speaks the
-    other end): each answered with ``{"op": "done", "id": ...}`` once it is carried out, a
-    transfer's from the I/O thread that finished it, so that many move at once."""
+    other end), routed here by the service's table (FILE_OPS): each answered once it is carried
+    out, a transfer's from the I/O thread that finished it, so that many move at once."""
 
-    def __init__(self, files: RankFiles, kept: bool, send: Callable[[dict], None]):
+    def __init__(self, files: RankFiles, kept: bool, reply: Callable[[int, dict], None],
+                 refuse: Callable[..., None]):
+        """``reply(call, fields)`` answers a call, ``refuse(call, error, **fields)`` refuses it
+        (the conversation's: conversation.py)."""
         self._files = files
         self._kept = kept
         """The rank's shards are a kept state's: ``create`` hands them out again in order."""
         self._created = 0
-        self._send = send
+        self._reply = reply
+        self._refuse = refuse
         self._versions: dict[int, NextVersion] = {}
         self._next_version = 0
         self._transfers: list[Transfer] = []
 
-    def serve(self, conn) -> int | None:
-        """Answer requests until the trainer goes, or asks to end (the id of its request is
-        returned, to be answered once the rank's files count as closed); then settle what it
-        left (see the Note)."""
-        try:
-            while True:
-                try:
-                    message, fds = wire.receive(conn)
-                except wire.Closed:
-                    return None
-                except wire.WireError as e:
-                    log.warning("a malformed NVMe request (%s); the rank's file stream ends", e)
-                    return None
-                for fd in fds:
-                    os.close(fd)
-                if message["op"] == "end":
-                    return message.get("id")
-                self._answer(message)
-        finally:
-            for transfer in self._transfers:
-                transfer.settle()
-            for version in self._versions.values():
-                version.abandon()
-                with contextlib.suppress(NvmeError):
-                    version.wait()
-            self._versions.clear()
+    def settle(self) -> None:
+        """The trainer went, or ended its stream: what it left settles (see the Note)."""
+        for transfer in self._transfers:
+            transfer.settle()
+        for version in self._versions.values():
+            version.abandon()
+            with contextlib.suppress(NvmeError):
+                version.wait()
+        self._versions.clear()
 
-    def _answer(self, message: dict) -> None:
-        request = message.get("id")
-        try:
-            op = message["op"]
-            handler = getattr(self, f"_{op}", None) if op in FILE_OPS else None
-            if handler is None:
-                raise TieredError(f"unknown NVMe request {op!r}")
-            handler(request, message)
-        except BudgetError as e:
-            self._fail(request, e, kind="budget", shortfalls=e.shortfalls)
-        except Exception as e:  # a request's failure is its answer, not the stream's end
-            self._fail(request, e)
-
-    def _done(self, request, **fields) -> None:
-        with contextlib.suppress(OSError):  # a trainer that is gone is told nothing
-            self._send({"op": "done", "id": request, **fields})
-
-    def _fail(self, request, error: BaseException, **fields) -> None:
-        if isinstance(error, NvmeError):
-            fields.update(errno=error.errno, path=error.path, offset=error.offset,
-                          size=error.size, kind="nvme")
-        self._done(request, error=str(error), **fields)
-
-    def _answer_when(self, request, transfer: Transfer) -> None:
+    def _answer_when(self, call: int, transfer: Transfer) -> None:
         self._transfers = [t for t in self._transfers if not t.done()]
         self._transfers.append(transfer)
 
         def finished(failure: BaseException | None) -> None:
             if failure is None:
-                self._done(request)
+                self._reply(call, {})
             else:
-                self._fail(request, failure)
+                self._refuse(call, str(failure), **refusal_fields(failure))
         transfer.on_done(finished)
 
     def _block(self, message: dict, nbytes_there: int) -> torch.Tensor:
@@ -196,7 +155,7 @@ class FileStream:
 
     # -- the requests --------------------------------------------------------------------------
 
-    def _create(self, request, message: dict) -> None:
+    def create(self, message: dict) -> tuple[dict, list[int]]:
         what, nbytes = str(message["what"]), int(message["nbytes"])
         if self._kept:
             shard = self._files.kept_shard(self._created, what, nbytes)
@@ -206,36 +165,37 @@ class FileStream:
             shard = tier.create(what, nbytes)
             self._files.shards.append(shard)
         self._created += 1
-        self._done(request, shard=self._created - 1, path=shard.path,
-                   held=self._files.tier.usage.current)
+        return {"shard": self._created - 1, "path": shard.path,
+                "held": self._files.tier.usage.current}, []
 
-    def _read(self, request, message: dict) -> None:
+    def read(self, message: dict) -> None:
         shard = self._files.shard(int(message["shard"]))
         block = self._block(message, shard.nbytes)
-        self._answer_when(request, shard.start_read(block, int(message["offset"]),
+        self._answer_when(message["id"], shard.start_read(block, int(message["offset"]),
                                                     block.numel()))
 
-    def _moved(self, request, message: dict) -> None:
-        self._done(request, moved=self._files.tier.bytes_moved())
+    def moved(self, message: dict) -> tuple[dict, list[int]]:
+        return {"moved": self._files.tier.bytes_moved()}, []
 
-    def _version(self, request, message: dict) -> None:
+    def version(self, message: dict) -> tuple[dict, list[int]]:
         number, self._next_version = self._next_version, self._next_version + 1
         self._versions[number] = self._files.shard(int(message["shard"])).next_version()
-        self._done(request, version=number)
+        return {"version": number}, []
 
-    def _write(self, request, message: dict) -> None:
+    def write(self, message: dict) -> None:
         version = self._version_of(message)
         block = self._block(message, version.nbytes)
-        self._answer_when(request, version.write(block, int(message["offset"]), block.numel()))
+        self._answer_when(message["id"], version.write(block, int(message["offset"]),
+                                                       block.numel()))
 
-    def _commit(self, request, message: dict) -> None:
+    def commit(self, message: dict) -> tuple[dict, list[int]]:
         version = self._version_of(message, take=True)
         if message.get("abandon"):
             version.abandon()
         else:
             version.commit()
-        version.wait()  # a failed write is this request's answer (_answer)
-        self._done(request)
+        version.wait()  # a failed write is this request's answer (the service's dispatch)
+        return {}, []
 
     def _version_of(self, message: dict, take: bool = False) -> NextVersion:
         number = int(message["version"])
@@ -245,4 +205,7 @@ class FileStream:
         return version
 
 
-FILE_OPS = ("create", "read", "version", "write", "commit", "moved")
+FILE_OPS = {"create": FileStream.create, "read": FileStream.read,
+            "version": FileStream.version, "write": FileStream.write,
+            "commit": FileStream.commit, "moved": FileStream.moved}
+"""A rank's NVMe tier's requests, routed by the service's table (server.ROUTES)."""

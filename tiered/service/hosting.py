@@ -38,7 +38,7 @@ from ..policy.config import ComputeDtype
 from .commits import NotCommitted, StepCommits
 from .cores import CorePool
 from .files import RankFiles
-from .hostwire import HostRequest
+from .hostwire import EventSender, HostRequest, Span, span_to_wire
 from .jobs import Segment
 from .segments import SegmentViews
 
@@ -135,37 +135,8 @@ class _SpanSender:
 
     def _forward(self, name: str, category: str, track: str, start_ns: int, duration_ns: int,
                  args: dict | None) -> None:
-        self._send({"op": "span", "name": name, "category": category,
-                    "track": f"service {track}", "start_ns": start_ns,
-                    "duration_ns": duration_ns, "args": args})
-
-
-class _WireEvents:
-    """HostEvents as messages to the trainer."""
-
-    def __init__(self, send: Callable[[dict], None]):
-        self._send = send
-
-    def gradient_taken(self, unit: int, ticket: int, landing: str | None) -> None:
-        self._send({"op": "gradient_taken", "unit": unit, "ticket": ticket, "landing": landing})
-
-    def buffers_held(self, units: list[int]) -> None:
-        self._send({"op": "buffers_held", "units": list(units)})
-
-    def buffers_read(self, units: list[int]) -> None:
-        self._send({"op": "buffers_read", "units": list(units)})
-
-    def weights_written(self, units: list[int]) -> None:
-        self._send({"op": "weights_written", "units": list(units)})
-
-    def update_norm(self, number: int, norm: float | None) -> None:
-        self._send({"op": "update_norm", "number": number, "norm": norm})
-
-    def update_wrote(self, number: int, unit: int) -> None:
-        self._send({"op": "update_wrote", "number": number, "unit": unit})
-
-    def update_done(self, number: int, overflowed: bool) -> None:
-        self._send({"op": "update_done", "number": number, "overflowed": overflowed})
+        self._send(span_to_wire(Span(name, category, f"service {track}", start_ns, duration_ns,
+                                     args)))
 
 
 class HostedRank:
@@ -207,7 +178,7 @@ class HostedRank:
                 max_grad_norm=policy.optimizer.max_grad_norm,
                 fp16=policy.compute_dtype is ComputeDtype.FP16,
                 timeline=_SpanSender(tell, request.traced), accelerator=CpuAccelerator()),
-                _WireEvents(tell))
+                EventSender(tell))
         except BaseException:
             self.close()
             raise
@@ -259,13 +230,14 @@ class HostedRank:
         with contextlib.suppress(TieredError):
             self.worker.drain()
 
-    def after_queued(self, message: dict) -> None:
-        """Send ``message`` once every command sent before it has run (a trainer's drain)."""
-        self.worker.submit(partial(self._send, message))
+    def after_queued(self, answer: Callable[[], None]) -> None:
+        """Call ``answer`` (a reply to the trainer) once every command sent before it has run:
+        a drain's, or one that reads what they wrote."""
+        self.worker.submit(answer)
 
-    def unit_steps(self, request: int) -> None:
-        self.worker.submit(lambda: self._send({"op": "unit_steps", "request": request, "steps": [
-            float(step) for step in self.host.stepper.steps]}))
+    def unit_steps(self) -> list[float]:
+        """Each unit's AdamW step count (on the worker: after what was sent before)."""
+        return [float(step) for step in self.host.stepper.steps]
 
     def set_unit_steps(self, steps: list[float]) -> None:
         def fill() -> None:

@@ -2,27 +2,22 @@
 values (wire.py carries them), so that the node's service can run the host a trainer would run
 in a thread of its own (optim/host.py).
 
-Nothing here is a tensor: memory is named by what it is (a unit's state, a staging buffer), and
-both sides find it in the segments they share (see ServicePlan)."""
+The commands' messages are their dataclasses' fields and the events' the parameters of
+HostEvents' methods, both through codec.py: a command or an event is declared once, in
+optim/commands.py. Nothing here is a tensor: memory is named by what it is (a unit's state, a
+staging buffer), and both sides find it in the segments they share."""
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
+from typing import Any, Callable
 
-import torch
-
-from ..optim.adamw import AdamWHyper
-from ..optim.arrival import LastBackward
-from ..optim.commands import Command, GradientIn, StepArrived, Update, UpdateMode, ZeroGrad
+from ..optim.commands import Command, GradientIn, HostEvents, StepArrived, Update, ZeroGrad
 from ..optim.groups import GroupRange
 from ..placement.plan import Buffer, MemoryPlan, StateKind
 from ..policy.config import Policy, Tier
-
-DTYPES = {str(dtype).removeprefix("torch."): dtype
-          for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.uint8)}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+from .codec import (DTYPES, decode, dtype_name, encode, fields_from_wire, fields_to_wire,
+                    op_name, parameter_types)
 
 
 def _buffer(buffer: Buffer) -> list:
@@ -113,62 +108,82 @@ def _unblock_key(value: list) -> tuple:
     return ("staging", str(second)) if first == "staging" else (int(first), StateKind(second))
 
 
-def _hyper(hyper: AdamWHyper) -> list:
-    return [hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay]
-
-
-def _last(last: LastBackward | None) -> dict | None:
-    if last is None:
-        return None
-    return {"step_units": last.step_units,
-            "forward_rank": [[unit, place] for unit, place in last.forward_rank.items()],
-            "hypers": None if last.hypers is None else [_hyper(h) for h in last.hypers]}
-
-
-def _unlast(value: dict | None) -> LastBackward | None:
-    if value is None:
-        return None
-    hypers = value["hypers"]
-    return LastBackward(bool(value["step_units"]),
-                        {int(unit): int(place) for unit, place in value["forward_rank"]},
-                        None if hypers is None else tuple(AdamWHyper(*h) for h in hypers))
+COMMANDS: dict[str, type] = {op_name(kind): kind
+                             for kind in (GradientIn, ZeroGrad, Update, StepArrived)}
+"""What the training side sends its host, by the ``op`` of its message."""
+IN_PROCESS_ONLY = frozenset({"ready", "tensor"})
+"""GradientIn's fields that never cross: the copy's CUDA event (the trainer's sender waits for
+it before sending: remote.py) and a gradient no shared buffer holds."""
 
 
 def command_to_wire(command: Command) -> dict:
     """A command as a message; a gradient no named buffer holds cannot cross (the remote host's
     plan lands every gradient in one)."""
-    if isinstance(command, GradientIn):
-        assert command.tensor is None, "a gradient outside the shared buffers cannot cross"
-        return {"op": "gradient_in", "unit": command.unit, "dtype": dtype_name(command.dtype),
-                "numel": command.numel, "first": command.first, "landing": command.landing,
-                "last": _last(command.last), "ticket": command.ticket}
-    if isinstance(command, ZeroGrad):
-        return {"op": "zero_grad", "set_to_none": command.set_to_none}
-    if isinstance(command, Update):
-        return {"op": "update", "number": command.number, "step": command.step,
-                "units": list(command.units),
-                "hypers": [_hyper(h) for h in command.hypers],
-                "loss_scale": command.loss_scale, "mode": command.mode.value}
-    assert isinstance(command, StepArrived)
-    return {"op": "step_arrived", "last": _last(command.last), "step": command.step}
+    assert getattr(command, "tensor", None) is None, \
+        "a gradient outside the shared buffers cannot cross"
+    return {"op": op_name(type(command)), **fields_to_wire(command, IN_PROCESS_ONLY)}
 
 
-def command_from_wire(value: dict) -> Command:
-    op = value["op"]
-    if op == "gradient_in":
-        return GradientIn(int(value["unit"]), DTYPES[value["dtype"]], int(value["numel"]),
-                          bool(value["first"]), value["landing"], _unlast(value["last"]),
-                          int(value["ticket"]))
-    if op == "zero_grad":
-        return ZeroGrad(bool(value["set_to_none"]))
-    if op == "update":
-        return Update(int(value["number"]), int(value["step"]),
-                      tuple(int(u) for u in value["units"]),
-                      tuple(AdamWHyper(*h) for h in value["hypers"]),
-                      float(value["loss_scale"]), UpdateMode(value["mode"]))
-    if op == "step_arrived":
-        return StepArrived(_unlast(value["last"]), int(value["step"]))
-    raise ValueError(f"unknown host command {op!r}")
+def command_from_wire(message: dict) -> Command:
+    """The command a message carries; ValueError naming what is wrong in it."""
+    kind = COMMANDS.get(message["op"])
+    if kind is None:
+        raise ValueError(f"unknown host command {message['op']!r}")
+    return fields_from_wire(kind, message, IN_PROCESS_ONLY)
 
 
-COMMAND_OPS = ("gradient_in", "zero_grad", "update", "step_arrived")
+EVENTS: dict[str, Callable] = {name: method for name, method
+                               in inspect.getmembers(HostEvents, inspect.isfunction)
+                               if not name.startswith("_")}
+"""What a host tells the training side: HostEvents' methods, by name (an event's ``op``)."""
+
+
+class EventSender:
+    """HostEvents whose every call is sent as a message (the host's end in the service): an
+    event's fields are its method's parameters, by name."""
+
+    def __init__(self, send: Callable[[dict], None]):
+        self._send = send
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        if name not in EVENTS:
+            raise AttributeError(name)
+        signature = inspect.signature(EVENTS[name])
+        kinds = parameter_types(EVENTS[name])
+
+        def send(*args, **kwargs) -> None:
+            given = signature.bind(None, *args, **kwargs).arguments
+            self._send({"op": name, **{key: encode(given[key], kind)
+                                        for key, kind in kinds.items()}})
+        return send
+
+
+@dataclass(frozen=True)
+class Span:
+    """A span the host timed in the service, for the trainer's timeline (Timeline.record)."""
+
+    name: str
+    category: str
+    track: str
+    start_ns: int
+    duration_ns: int
+    args: dict[str, Any] | None
+
+
+def span_to_wire(span: Span) -> dict:
+    return {"op": op_name(Span), **fields_to_wire(span)}
+
+
+def span_from_wire(message: dict) -> Span:
+    return fields_from_wire(Span, message)
+
+
+def deliver(message: dict, events: HostEvents) -> None:
+    """Call the method of ``events`` an event's message names, with its fields (the trainer's
+    end); ValueError for a message that is no event."""
+    method = EVENTS.get(message["op"])
+    if method is None:
+        raise ValueError(f"unknown host event {message['op']!r}")
+    kinds = parameter_types(method)
+    getattr(events, message["op"])(**{key: decode(message.get(key), kind, key)
+                                       for key, kind in kinds.items()})

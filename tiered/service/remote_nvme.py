@@ -3,17 +3,17 @@ NVMe in the service]): the face of tiers/nvme.py's NvmeTier that TierManager use
 write a request on a connection of its own. Blocks are named by where they lie in the rank's
 segments (the DRAM tier's slabs are the service's memory), so no byte crosses the socket.
 
-Requests carry an id and are answered in the order they finish, not the order sent: the
-read-ahead ring's reads and a checkpoint's writes move at once, as they do in-process.
+Requests are calls on the rank's channel (channel.py), answered in the order they finish, not the
+order sent: the read-ahead ring's reads and a checkpoint's writes move at once, as they do
+in-process.
 """
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
-import socket
 import threading
 import warnings
+from concurrent.futures import Future, wait
 
 import torch
 
@@ -21,28 +21,9 @@ from ..core.sizes import format_size
 from ..tiers.aio import IoSettings
 from ..tiers.nvme import check_nvme_path, extent_bytes, free_bytes, live_runs_hint
 from ..tiers.usage import TierUsage
-from . import wire
-from .client import ServiceClient, ServiceSlabSource, refusal
+from .channel import Channel
+from .client import ServiceSlabSource
 from .paths import ServiceError
-
-
-class _Answer:
-    """One request's answer, once it comes."""
-
-    def __init__(self, op: str):
-        self.op = op
-        self._came = threading.Event()
-        self._reply: dict | None = None
-
-    def settle(self, reply: dict) -> None:
-        self._reply = reply
-        self._came.set()
-
-    def wait(self) -> dict:
-        self._came.wait()
-        if "error" in self._reply:
-            raise refusal(self._reply, f"the tiered service could not {self.op} on NVMe")
-        return self._reply
 
 
 class ServiceNvme:
@@ -56,13 +37,13 @@ class ServiceNvme:
         check_nvme_path(root)  # named here, in the trainer's words
         self.root = root
         self._source = source
-        self._client = ServiceClient.connect(source.client.paths.folder)
+        self._channel = Channel.connect(source.client.paths.folder)
         try:
-            reply, _ = self._client.request("files", job=source.job, rank=rank, root=root,
-                                            block_size=io.block_size,
-                                            queue_depth=io.queue_depth)
+            reply, _ = self._channel.request("files", job=source.job, rank=rank, root=root,
+                                             block_size=io.block_size,
+                                             queue_depth=io.queue_depth)
         except BaseException:
-            self._client.close()
+            self._channel.close()
             raise
         self.run_dir: str = reply["folder"]
         for folder, freed in reply["removed"]:
@@ -72,48 +53,35 @@ class ServiceNvme:
         # and them.
         self.usage = TierUsage("nvme", free_bytes(root) // max(1, ranks) + reply["held"]
                                if budget is None else budget)
-        self._ids = itertools.count()
-        self._answers: dict[int, _Answer] = {}
+        self._unanswered: set[Future] = set()
+        """Requests sent and not yet answered (close waits for their bytes to have moved)."""
         self._lock = threading.Lock()
-        self._sending = threading.Lock()
-        self._gone: str | None = None
-        self._sock: socket.socket = self._client.socket
-        self._sock.settimeout(None)
-        self._reader = threading.Thread(target=self._read, name="tiered-nvme-answers",
-                                        daemon=True)
-        self._reader.start()
 
     def create(self, what: str, nbytes: int) -> "RemoteShard":
         """A shard state of ``nbytes`` with its size's spares, made by the service (or, for a
         kept state, the kept one the plan makes next)."""
-        reply = self.call("create", what=what, nbytes=nbytes, budget=self.usage.budget).wait()
+        reply, _ = self.call("create", what=what, nbytes=nbytes,
+                             budget=self.usage.budget).result()
         self.usage.follow(int(reply["held"]))
         return RemoteShard(self, int(reply["shard"]), extent_bytes(nbytes), str(reply["path"]))
 
-    def call(self, op: str, **fields) -> _Answer:
-        answer = _Answer(op)
+    def call(self, op: str, **fields) -> Future:
+        """Request ``op`` of the rank's files; the future is its reply's fields."""
+        answer = self._channel.call(op, **fields)
         with self._lock:
-            if self._gone is not None:
-                raise ServiceError(f"the node's service is gone ({self._gone}): NVMe {op} "
-                                   f"cannot run")
-            number = next(self._ids)
-            self._answers[number] = answer
-        try:
-            # Not under the answers' lock: the reader takes it to hand answers out, and a send
-            # may wait for the service to read, which may wait for this side to read.
-            with self._sending:
-                wire.send(self._sock, {"op": op, "id": number, **fields})
-        except OSError as e:
-            with self._lock:
-                self._answers.pop(number, None)
-            raise ServiceError(f"the node's service is gone ({e}): NVMe {op} cannot "
-                               f"run") from None
+            self._unanswered.add(answer)
+        answer.add_done_callback(self._answered)
         return answer
+
+    def _answered(self, answer: Future) -> None:
+        with self._lock:
+            self._unanswered.discard(answer)
 
     def bytes_moved(self) -> dict[str, int]:
         """Bytes the service read and wrote for this rank so far: the trainer's transfers and
         its host's (NvmeTier.bytes_moved)."""
-        return {verb: int(n) for verb, n in self.call("moved").wait()["moved"].items()}
+        reply, _ = self.call("moved").result()
+        return {verb: int(n) for verb, n in reply["moved"].items()}
 
     def place(self, block: torch.Tensor, nbytes: int) -> dict:
         """Where the first ``nbytes`` of ``block`` lie in the rank's segments, for a request."""
@@ -128,46 +96,22 @@ class ServiceNvme:
         go), then end the stream and wait until the service has (a clean end that follows frees
         the job at once): the files stay the job's."""
         with self._lock:
-            waiting = list(self._answers.values())
-        for answer in waiting:
-            answer._came.wait()
+            unanswered = set(self._unanswered)
+        wait(unanswered)
         with contextlib.suppress(ServiceError):  # a service that is gone ended it already
-            self.call("end").wait()
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._client.close()
-        self._reader.join()
+            self.call("end_files").result()
+        self._channel.close()
         self.usage.follow(0)
-
-    def _read(self) -> None:
-        while True:
-            try:
-                message, fds = wire.receive(self._sock)
-            except (wire.WireError, OSError) as e:
-                with self._lock:
-                    self._gone = str(e)
-                    waiting, self._answers = self._answers, {}
-                for answer in waiting.values():
-                    answer.settle({"error": f"the node's service is gone ({e})"})
-                return
-            for fd in fds:
-                os.close(fd)
-            with self._lock:
-                answer = self._answers.pop(message.get("id"), None)
-            if answer is not None:
-                answer.settle(message)
 
 
 class RemoteTransfer:
     """A read or write the service carries out; :meth:`wait` raises its failure."""
 
-    def __init__(self, answer: _Answer):
+    def __init__(self, answer: Future):
         self._answer = answer
 
     def wait(self) -> None:
-        self._answer.wait()
+        self._answer.result()
 
 
 class RemoteShard:
@@ -189,7 +133,7 @@ class RemoteShard:
         self.start_read(block).wait()
 
     def next_version(self) -> "RemoteVersion":
-        reply = self._tier.call("version", shard=self.number).wait()
+        reply, _ = self._tier.call("version", shard=self.number).result()
         return RemoteVersion(self._tier, int(reply["version"]), self.nbytes)
 
 
@@ -200,7 +144,7 @@ class RemoteVersion:
         self._tier = tier
         self._number = number
         self._nbytes = nbytes
-        self._settled: _Answer | None = None
+        self._settled: Future | None = None
 
     def write(self, block: torch.Tensor, offset: int = 0,
               nbytes: int | None = None) -> RemoteTransfer:
@@ -218,4 +162,4 @@ class RemoteVersion:
             self._settled = self._tier.call("commit", version=self._number, abandon=True)
 
     def wait(self) -> None:
-        self._settled.wait()
+        self._settled.result()

@@ -27,8 +27,10 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from functools import partial
+from typing import Callable
 
-from ..core.errors import BudgetError, TieredError
+from ..core.errors import TieredError
 from ..core.limits import usable_cores
 from ..core.liveness import HeldElsewhere, OwnerLock
 from ..core.version import __version__
@@ -36,9 +38,10 @@ from ..tiers.aio import IoQueue, IoSettings
 from ..tiers.nvme import check_nvme_path, remove_dead_runs
 from . import wire
 from .cores import CorePool
-from .files import FileStream, RankFiles
+from .files import FILE_OPS, FileStream, RankFiles
 from .hosting import HostedRank, HostSeat, JobNorm
-from .hostwire import COMMAND_OPS, HostRequest, command_from_wire
+from .conversation import Answer, Conversation, Phase, Route, checked
+from .hostwire import COMMANDS, HostRequest, command_from_wire
 from .identity import mismatch, this_code
 from .jobs import RefusedError, Registry
 from .paths import ServiceError, service_paths
@@ -157,45 +160,35 @@ class TierService:
     # -- one connection --------------------------------------------------------------------
 
     def _serve_client(self, conn: socket.socket) -> None:
-        client = _Client(conn)
+        client = Conversation(conn)
         try:
             pid, uid, _ = wire.peer_credentials(conn)
             client.pid = pid
             if uid not in (os.getuid(), 0):
                 log.warning("refused pid %d of uid %d: not this service's user", pid, uid)
-                client.reply_error(f"uid {uid} may not use the tiered service of uid "
-                                   f"{os.getuid()}")
+                client.reply_error(None, f"uid {uid} may not use the tiered service of uid "
+                                         f"{os.getuid()}")
                 return
-            while not self._stopping.is_set():
+            while not self._stopping.is_set() and not client.over:
                 try:
                     message, fds = wire.receive(conn)
                 except wire.Closed:
                     return
                 except wire.WireError as e:
                     log.warning("pid %d sent a malformed message (%s); dropped", pid, e)
-                    client.reply_error(str(e))
+                    if client.phase is Phase.CONTROL:  # a stream's end is its channel's word
+                        client.reply_error(None, str(e))
                     return
                 for fd in fds:  # no request of ours sends descriptors to the service
                     os.close(fd)
-                self._answer(client, message)
-                if client.hosted is not None:
-                    self._host_stream(client)
-                    return
-                if client.files is not None:
-                    ended = client.files[2].serve(conn)
-                    job, rank, _ = client.files
-                    client.files = None
-                    self.registry.files_closed(job, rank)
-                    if ended is not None:  # the trainer closes: its job may be freed now
-                        client.send({"op": "done", "id": ended})
-                    return
+                self._dispatch(client, message)
         except OSError as e:  # the peer went mid-reply, or the socket failed
             log.info("pid %s: connection ended (%s)", client.pid, e)
         finally:
             if client.hosted is not None:
                 self._end_host(client)
             if client.files is not None:
-                self.registry.files_closed(*client.files[:2])
+                self._end_files(client)
             if client.attached is not None:
                 job, rank = client.attached
                 self.registry.detach(job, rank, clean=False)
@@ -206,21 +199,30 @@ class TierService:
                          client.holds)
             conn.close()
 
-    def _answer(self, client: "_Client", message: dict) -> None:
-        op = message["op"]
-        handler = getattr(self, f"_op_{op}", None)
-        if handler is None:
-            client.reply_error(f"unknown request {op!r}; this service answers "
-                               f"{', '.join(sorted(OPS))}")
-            return
+    def _dispatch(self, client: Conversation, message: dict) -> None:
+        """Run the route of ``message``'s op (see [Note: one dispatch table]); a call is
+        answered with its reply or why it was refused, a post that fails ends the
+        conversation."""
+        op, call = message["op"], message.get("id")
+        route = ROUTES.get(op)
+        if route is not None and route.phase is not client.phase:
+            route = None
         try:
-            reply, fds = handler(client, message)
-        except BudgetError as e:
-            client.reply_error(str(e), kind="budget", shortfalls=e.shortfalls)
-        except TieredError as e:  # a refusal, a field of the wrong type
-            client.reply_error(str(e))
-        else:
-            client.reply({"ok": True, **reply}, fds)
+            if route is None:
+                raise RefusedError(f"unknown {client.phase.value} {op!r}; this service "
+                                   f"answers {', '.join(ops_of(client.phase))}")
+            answer = route.handle(self, client, message)
+        except Exception as e:  # a refusal, a field of the wrong type, a failed transfer
+            if not isinstance(e, (TieredError, KeyError, TypeError, ValueError)):
+                log.exception("pid %s: %r failed", client.pid, op)
+            if route is None or route.call:
+                client.reply_error(call, str(e), **wire.refusal_fields(e))
+            else:  # a command the host never ran: nothing after it can run
+                client.send({"op": "failed", "error": f"the service refused {op!r}: {e}"})
+                client.over = True
+            return
+        if answer is not None:
+            client.reply(call, *answer)
 
     def _op_hello(self, client, message):
         return {"pid": os.getpid(), "version": __version__, "folder": self.paths.folder,
@@ -262,10 +264,10 @@ class TierService:
             raise RefusedError("this connection holds or is a rank already; one connection "
                                "per rank")
         _refuse_other_code(message)
-        job = _field(message, "job", str)
-        rank, world = _field(message, "rank", int), _field(message, "world", int)
+        job = checked(message, "job", str)
+        rank, world = checked(message, "rank", int), checked(message, "world", int)
         fresh = bool(message.get("fresh", False))
-        engine = _field(message, "engine", int) if "engine" in message else 0
+        engine = checked(message, "engine", int) if "engine" in message else 0
         job, note, kept = self.registry.attach(job, rank, world, client.pid, fresh, engine)
         client.attached = (job, rank)
         log.info("job %s rank %d/%d attached (pid %s)%s", job, rank, world, client.pid,
@@ -275,23 +277,23 @@ class TierService:
     def _op_map(self, client, message):
         """A kept segment of the rank, to map again (a reattached trainer: jobs.py)."""
         job, rank = client.rank_of("map")
-        segment = self.registry.segment(job, rank, _field(message, "segment", int))
+        segment = self.registry.segment(job, rank, checked(message, "segment", int))
         return {"segment": segment.id, "nbytes": segment.nbytes, "populate": True}, [segment.fd]
 
     def _op_reserve(self, client, message):
         job, rank = client.rank_of("reserve")
-        segment = self.registry.reserve(job, rank, _field(message, "nbytes", int))
+        segment = self.registry.reserve(job, rank, checked(message, "nbytes", int))
         return ({"segment": segment.id, "nbytes": segment.nbytes, "populate": segment.touched},
                 [segment.fd])
 
     def _op_release(self, client, message):
         job, rank = client.rank_of("release")
-        self.registry.release(job, rank, _field(message, "segment", int))
+        self.registry.release(job, rank, checked(message, "segment", int))
         return {}, []
 
     def _op_detach(self, client, message):
         job, rank = client.rank_of("detach")
-        clean = _field(message, "clean", bool)
+        clean = checked(message, "clean", bool)
         self.registry.detach(job, rank, clean)
         client.attached = None
         log.info("job %s rank %d detached (%s)", job, rank, "clean end" if clean else "failed")
@@ -301,10 +303,10 @@ class TierService:
         if client.attached is not None or client.holds is not None:
             raise RefusedError("this connection holds or is a rank already")
         _refuse_other_code(message)
-        job = _field(message, "job", str)
+        job = checked(message, "job", str)
         world = message.get("world")
         note = self.registry.hold(job, client.pid, bool(message.get("fresh", False)),
-                                  None if world is None else _field(message, "world", int))
+                                  None if world is None else checked(message, "world", int))
         client.holds = job
         log.info("job %s held by its launcher (pid %s)", job, client.pid)
         return {"note": note}, []
@@ -313,7 +315,7 @@ class TierService:
         if client.holds is None:
             raise RefusedError("'unhold' needs a held job: send 'hold' first")
         job, client.holds = client.holds, None
-        clean = _field(message, "clean", bool)
+        clean = checked(message, "clean", bool)
         self.registry.unhold(job, client.pid, clean)
         log.info("job %s %s (its launcher says)", job,
                  "ended cleanly; freed once nothing of it is attached" if clean else "failed")
@@ -326,7 +328,7 @@ class TierService:
         if client.attached is not None or client.holds is not None:
             raise RefusedError("this connection holds or is a rank already; a host needs one "
                                "of its own")
-        job, rank = _field(message, "job", str), _field(message, "rank", int)
+        job, rank = checked(message, "job", str), checked(message, "rank", int)
         try:
             request = HostRequest.from_wire(message["request"])
         except (KeyError, TypeError, ValueError) as e:
@@ -360,9 +362,10 @@ class TierService:
         if client.attached is not None or client.holds is not None:
             raise RefusedError("this connection holds or is a rank already; a rank's files "
                                "need a connection of their own")
-        job, rank = _field(message, "job", str), _field(message, "rank", int)
-        root = _field(message, "root", str)
-        block_size, depth = _field(message, "block_size", int), _field(message, "queue_depth", int)
+        job, rank = checked(message, "job", str), checked(message, "rank", int)
+        root = checked(message, "root", str)
+        block_size = checked(message, "block_size", int)
+        depth = checked(message, "queue_depth", int)
         if not os.path.isabs(root) or block_size < 4096 or block_size % 4096 or not (
                 1 <= depth <= 1024):
             raise RefusedError(f"NVMe files need an absolute root, a block size that is a "
@@ -382,58 +385,64 @@ class TierService:
                 self.io_queue = IoQueue(depth)
         files, kept = self.registry.files_opened(job, rank, client.pid, lambda: RankFiles(
             root, rank, IoSettings(block_size, depth), segment_of, self.io_queue))
-        client.files = (job, rank, FileStream(files, kept, client.send))
+        client.files = (job, rank, FileStream(files, kept, client.reply, client.reply_error))
         log.info("job %s rank %d: its NVMe files are %s%s", job, rank, files.tier.run_dir,
                  " (kept)" if kept else "")
         return {"folder": files.tier.run_dir, "kept": kept, "held": files.tier.usage.current,
                 "removed": [] if kept else [list(pair) for pair in files.tier.removed]}, []
 
-    def _host_stream(self, client: "_Client") -> None:
-        """A hosted rank's commands, in the order they come, until the trainer goes."""
-        _, hosted = client.hosted
-        while not self._stopping.is_set():
-            try:
-                message, fds = wire.receive(client.conn)
-            except wire.Closed:
-                return
-            except wire.WireError as e:
-                log.warning("pid %s: a malformed host message (%s); its host stops", client.pid,
-                            e)
-                return
-            for fd in fds:
-                os.close(fd)
-            op = message["op"]
-            try:
-                if op in COMMAND_OPS:
-                    hosted.run(int(message["n"]), command_from_wire(message))
-                elif op == "drain":
-                    hosted.after_queued({"op": "drained", "request": int(message["request"])})
-                elif op == "unit_steps":
-                    hosted.unit_steps(int(message["request"]))
-                elif op == "set_unit_steps":
-                    hosted.set_unit_steps([float(v) for v in message["steps"]])
-                elif op == "restored":
-                    hosted.restored()
-                elif op == "params_swapped":
-                    hosted.params_swapped([int(unit) for unit in message["units"]])
-                elif op == "step_record":
-                    hosted.step_record(int(message["step"]), dict(message["record"]))
-                elif op == "end":  # the trainer closes: its host ends before it detaches
-                    # What it sent runs first, its last step's update too once every rank's
-                    # record of it is in (a rank ending right after step() is no crash); it
-                    # sends no record from here on (see [Note: reattach]).
-                    hosted.commits.ending(hosted.rank)
-                    hosted.run_queued()
-                    self._end_host(client)
-                    client.send({"op": "ended", "request": int(message["request"])})
-                    return
-                else:
-                    raise ValueError(f"unknown host message {op!r}")
-            except (KeyError, TypeError, ValueError, TieredError) as e:
-                client.send({"op": "failed", "error": f"the service refused {op!r}: {e}"})
-                return
+    # -- a hosted rank's conversation (see [Note: hosted ranks]) -----------------------------
 
-    def _end_host(self, client: "_Client") -> None:
+    def _host_command(self, client, message):
+        client.hosted[1].run(checked(message, "sequence", int), command_from_wire(message))
+
+    def _host_drain(self, client, message):
+        client.hosted[1].after_queued(partial(client.reply, message["id"], {}))
+
+    def _host_unit_steps(self, client, message):
+        hosted = client.hosted[1]
+        hosted.after_queued(lambda: client.reply(message["id"], {"steps": hosted.unit_steps()}))
+
+    def _host_set_unit_steps(self, client, message):
+        client.hosted[1].set_unit_steps([float(v) for v in checked(message, "steps", list)])
+
+    def _host_restored(self, client, message):
+        client.hosted[1].restored()
+
+    def _host_params_swapped(self, client, message):
+        client.hosted[1].params_swapped([int(unit) for unit in checked(message, "units", list)])
+
+    def _host_step_record(self, client, message):
+        client.hosted[1].step_record(checked(message, "step", int),
+                                     dict(checked(message, "record", dict)))
+
+    def _host_end(self, client, message):
+        """The trainer closes: its host ends before it detaches. What it sent runs first, its
+        last step's update too once every rank's record of it is in (a rank ending right after
+        step() is no crash); it sends no record from here on (see [Note: reattach])."""
+        hosted = client.hosted[1]
+        hosted.commits.ending(hosted.rank)
+        hosted.run_queued()
+        self._end_host(client)
+        client.over = True
+        return {}, []
+
+    # -- a rank's NVMe files' conversation (see [Note: NVMe in the service]) ------------------
+
+    def _files_end(self, client, message):
+        """The trainer closes its NVMe tier: answered once the rank's files count as closed,
+        so that a clean end that follows frees the job at once."""
+        self._end_files(client)
+        client.over = True
+        return {}, []
+
+    def _end_files(self, client: Conversation) -> None:
+        job, rank, stream = client.files
+        client.files = None
+        stream.settle()
+        self.registry.files_closed(job, rank)
+
+    def _end_host(self, client: Conversation) -> None:
         job, hosted = client.hosted
         client.hosted = None
         self._hosted.pop((job, hosted.rank), None)
@@ -446,7 +455,34 @@ class TierService:
         self.registry.host_ended(job, hosted.rank, hosted.final_state())
 
 
-OPS = sorted(name[len("_op_"):] for name in vars(TierService) if name.startswith("_op_"))
+def _on_files(method: Callable[[FileStream, dict], Answer | None]
+              ) -> Callable[[TierService, Conversation, dict], Answer | None]:
+    """A route to the connection's file stream."""
+    return lambda service, client, message: method(client.files[2], message)
+
+
+ROUTES: dict[str, Route] = {
+    # what any client asks
+    **{name[len("_op_"):]: Route(Phase.CONTROL, method) for name, method
+       in vars(TierService).items() if name.startswith("_op_")},
+    # a hosted rank's commands (posts, run in the order sent) and calls
+    **{op: Route(Phase.HOST, TierService._host_command, call=False) for op in COMMANDS},
+    "drain": Route(Phase.HOST, TierService._host_drain),
+    "unit_steps": Route(Phase.HOST, TierService._host_unit_steps),
+    "set_unit_steps": Route(Phase.HOST, TierService._host_set_unit_steps, call=False),
+    "restored": Route(Phase.HOST, TierService._host_restored, call=False),
+    "params_swapped": Route(Phase.HOST, TierService._host_params_swapped, call=False),
+    "step_record": Route(Phase.HOST, TierService._host_step_record, call=False),
+    "end_host": Route(Phase.HOST, TierService._host_end),
+    # a rank's NVMe tier's transfers (each answered once it is carried out)
+    **{op: Route(Phase.FILES, _on_files(method)) for op, method in FILE_OPS.items()},
+    "end_files": Route(Phase.FILES, TierService._files_end),
+}
+"""Every op any connection may send, and in which phase (see [Note: one dispatch table])."""
+
+
+def ops_of(phase: Phase) -> list[str]:
+    return sorted(op for op, route in ROUTES.items() if route.phase is phase)
 
 
 def parse_cores(text: str) -> tuple[int, ...]:
@@ -471,54 +507,6 @@ def _refuse_other_code(message: dict) -> None:
     why = mismatch(message.get("code"))
     if why is not None:
         raise RefusedError(why)
-
-
-class _BadField(TieredError):
-    pass
-
-
-def _field(message: dict, key: str, kind: type):
-    value = message.get(key)
-    # bool is an int in Python; a rank of True is no rank.
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise _BadField(f"request {message['op']!r} needs {key!r} as {kind.__name__}, got "
-                        f"{value!r}")
-    return value
-
-
-class _Client:
-    """One connection: who is at the other end, and which rank of which job it attached as."""
-
-    def __init__(self, conn: socket.socket):
-        self.conn = conn
-        self.pid: int | None = None
-        self.attached: tuple[str, int] | None = None
-        """(job, rank) once attached, until a detach."""
-        self.hosted: tuple[str, HostedRank] | None = None
-        """The job and the rank's host this connection runs (service/hosting.py)."""
-        self.files: tuple[str, int, FileStream] | None = None
-        """The job, rank and file stream of the NVMe files this connection serves."""
-        self._sending = threading.Lock()  # a host's events and this thread's replies
-        self.holds: str | None = None
-        """The job this connection's launcher holds, until it lets go."""
-
-    def rank_of(self, op: str) -> tuple[str, int]:
-        if self.attached is None:
-            raise RefusedError(f"{op!r} needs an attached rank: send 'attach' first")
-        return self.attached
-
-    def reply(self, message: dict, fds: list[int] = ()) -> None:
-        self.send({"op": "reply", **message}, fds)
-
-    def send(self, message: dict, fds: list[int] = ()) -> None:
-        with self._sending:
-            wire.send(self.conn, message, fds)
-
-    def reply_error(self, error: str, **extra) -> None:
-        try:
-            self.reply({"ok": False, "error": error, **extra})
-        except OSError:  # the peer is gone already; nothing to tell
-            pass
 
 
 def run(config: ServiceConfig) -> int:

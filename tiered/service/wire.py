@@ -19,11 +19,13 @@ import os
 import socket
 import struct
 
-from ..core.errors import TieredError
+from ..core.errors import BudgetError, NvmeError, TieredError
+from .paths import ServiceError
 
 MAGIC = b"TIER"
-VERSION = 1
-"""Bumped whenever a message changes meaning; each side refuses another version by name."""
+VERSION = 2
+"""Bumped whenever a message changes meaning; each side refuses another version by name (2:
+every call and its reply carry one ``id``, channel.py)."""
 HEADER = struct.Struct("<4sHI")
 MAX_BODY = 1 << 20
 """A status of many jobs fits many times over; anything longer is refused unread."""
@@ -125,3 +127,29 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     """(pid, uid, gid) of the process at the other end, as the kernel saw it connect."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return struct.unpack("3i", creds)
+
+
+def refusal_fields(error: Exception) -> dict:
+    """What a refused call's reply carries besides the words, for the client to raise the same
+    error (:func:`refusal`)."""
+    if isinstance(error, BudgetError):
+        return {"kind": "budget", "shortfalls": error.shortfalls}
+    if isinstance(error, NvmeError):
+        return {"kind": "nvme", "errno": error.errno, "path": error.path,
+                "offset": error.offset, "size": error.size}
+    return {}
+
+
+def refusal(reply: dict, what: str) -> Exception:
+    """The error a refused call's reply carries: a BudgetError with its shortfalls for a pool
+    too small, an NvmeError with its file and offset for a failed transfer, else a ServiceError
+    saying ``what`` with the service's words."""
+    error = str(reply.get("error", "no reason given"))
+    kind = reply.get("kind")
+    if kind == "budget":
+        return BudgetError(error, {tier: tuple(pair) for tier, pair
+                                   in (reply.get("shortfalls") or {}).items()})
+    if kind == "nvme":
+        return NvmeError(error, errno=reply.get("errno"), path=reply.get("path"),
+                         offset=reply.get("offset"), size=reply.get("size"))
+    return ServiceError(f"{what}: {error}")

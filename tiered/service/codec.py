@@ -1,0 +1,131 @@
+"""Values as JSON and back, derived from their declared types: a dataclass's fields
+(``dataclasses.fields``) or a method's parameters, so that a command or an event is written once,
+as its dataclass or its Protocol method, and both ends of the wire follow it.
+
+The types a message may hold: ``int``, ``float``, ``bool``, ``str``, ``None`` in a union with
+one of the others, an enum (by value), ``torch.dtype`` (by name), a dataclass of these (an
+object of its fields), ``list``, ``tuple`` and ``dict`` of these (a dict as a list of pairs:
+JSON keys are strings only), and ``Any``, a JSON value passed as it is. Decoding checks every
+value against its type and raises ValueError naming the field that is wrong: a peer's message
+is data, never trusted.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import inspect
+import re
+import types
+import typing
+from typing import Any, Callable
+
+import torch
+
+DTYPES = {str(dtype).removeprefix("torch."): dtype
+          for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.uint8)}
+"""The dtypes that cross: what a gradient or a buffer may hold."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def op_name(kind: type) -> str:
+    """A message's ``op`` for a dataclass: its name in snake case (``GradientIn``:
+    ``gradient_in``)."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", kind.__name__).lower()
+
+
+@functools.lru_cache(maxsize=None)
+def field_types(kind: type) -> dict[str, Any]:
+    """A dataclass's fields and their types, in declaration order."""
+    hints = typing.get_type_hints(kind)
+    return {field.name: hints[field.name] for field in dataclasses.fields(kind)}
+
+
+@functools.lru_cache(maxsize=None)
+def parameter_types(method: Callable) -> dict[str, Any]:
+    """A method's parameters (past ``self``) and their types, in order."""
+    hints = typing.get_type_hints(method)
+    return {name: hints[name] for name in list(inspect.signature(method).parameters)[1:]}
+
+
+def fields_to_wire(value: Any, skip: frozenset[str] = frozenset()) -> dict:
+    """A dataclass's fields (but ``skip``) as a JSON object."""
+    return {name: encode(getattr(value, name), kind)
+            for name, kind in field_types(type(value)).items() if name not in skip}
+
+
+def fields_from_wire(kind: type, message: dict, skip: frozenset[str] = frozenset()) -> Any:
+    """The dataclass ``kind`` made from a message's fields (those in ``skip`` take their
+    defaults)."""
+    return kind(**{name: decode(message.get(name), hint, name)
+                   for name, hint in field_types(kind).items() if name not in skip})
+
+
+def encode(value: Any, kind: Any) -> Any:
+    if value is None or kind is Any:
+        return value
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        return encode(value, _not_none(kind))
+    if origin in (list, tuple):
+        return [encode(item, args[0]) for item in value]
+    if origin is dict:
+        return [[encode(key, args[0]), encode(item, args[1])] for key, item in value.items()]
+    if kind is torch.dtype:
+        return dtype_name(value)
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return value.value
+    if dataclasses.is_dataclass(kind):
+        return fields_to_wire(value)
+    if kind in (int, float, bool, str):
+        return value
+    raise TypeError(f"no wire form for {kind!r}")
+
+
+def decode(value: Any, kind: Any, name: str) -> Any:
+    """``value`` as a ``kind``; ``name`` says where it is, in an error."""
+    if kind is Any:  # a JSON value its reader checks (a timeline span's arguments)
+        return value
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):
+        return None if value is None else decode(value, _not_none(kind), name)
+    if origin in (list, tuple):
+        items = [decode(item, args[0], f"{name}[{i}]") for i, item in enumerate(_list(value, name))]
+        return items if origin is list else tuple(items)
+    if origin is dict:
+        pairs = [_list(pair, f"{name}[{i}]") for i, pair in enumerate(_list(value, name))]
+        if any(len(pair) != 2 for pair in pairs):
+            raise ValueError(f"{name} is not a list of pairs: {value!r}")
+        return {decode(key, args[0], f"{name} key"): decode(item, args[1], f"{name}[{key!r}]")
+                for key, item in pairs}
+    if kind is torch.dtype:
+        if value not in DTYPES:
+            raise ValueError(f"{name} is no dtype that crosses: {value!r}")
+        return DTYPES[value]
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return kind(value)  # ValueError naming the value
+    if dataclasses.is_dataclass(kind):
+        if not isinstance(value, dict):
+            raise ValueError(f"{name} is not an object: {value!r}")
+        return kind(**{field: decode(value.get(field), hint, f"{name}.{field}")
+                       for field, hint in field_types(kind).items()})
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)  # JSON writes 1.0 as 1 in some encoders
+    # bool is an int in Python; a unit of True is no unit.
+    if kind in (int, float, bool, str) and type(value) is kind:
+        return value
+    raise ValueError(f"{name} should be {getattr(kind, '__name__', kind)}, got {value!r}")
+
+
+def _not_none(kind: Any) -> Any:
+    (inner,) = [arg for arg in typing.get_args(kind) if arg is not type(None)]
+    return inner
+
+
+def _list(value: Any, name: str) -> list:
+    if not isinstance(value, list):
+        raise ValueError(f"{name} is not a list: {value!r}")
+    return value
