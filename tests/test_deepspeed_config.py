@@ -197,9 +197,10 @@ def test_every_refusal_of_a_file_is_reported_at_once(tmp_path):
                                                                 "pin_memroy": True}},
         "optimizer": {"type": "Lamb"}, "gradient_clipping": -1, "train_batch_size": "lots"})
     lines = message.splitlines()
-    assert lines[0] == "4 errors:", message
+    assert lines[0] == "5 errors:", message
     assert "stage is 2" in lines[1] and "did you mean 'pin_memory'?" in lines[2]
     assert "'Lamb'" in lines[3] and "gradient_clipping is -1" in lines[4]
+    assert "train_batch_size is 'lots': expected a whole number" in lines[5]
 
 
 def test_explicit_values_that_differ_from_the_trainers_are_refused_auto_ones_are_not():
@@ -347,8 +348,8 @@ def test_tiered_launch_runs_a_script_under_a_deepspeed_config(commands):
     assert "Traceback" not in result.stderr
     notes = [line for line in result.stderr.splitlines() if "tiered-launch: note:" in line]
     assert notes[0] == ("tiered-launch: note: train_micro_batch_size_per_gpu: 4: the batch is "
-                        "the script's data loader's (TieredTrainer: TrainingArguments' "
-                        "per_device_train_batch_size, which it must equal)")
+                        "the script's data loader's (TieredTrainer's must equal it: "
+                        "per_device_train_batch_size)")
     assert "a DeepSpeed config, 12 keys honoured, 4 ignored" in notes[-1]
     seen = json.loads((commands["where"] / "out" / "rank0.json").read_text())
     good = commands["where"] / "ds_config.json"

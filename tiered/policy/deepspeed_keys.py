@@ -167,15 +167,6 @@ def _ignored(why: str) -> Callable:
     return lambda reader, key, value: reader.note(key, value, Fate.IGNORED, why)
 
 
-def _script(why: str) -> Callable:
-    """A value the training script gives (recorded for the comparison with its own)."""
-    def handle(reader: Reader, key: str, value: Any) -> None:
-        if value != AUTO and key in SCRIPT_VALUES:
-            reader.script_values[key] = value
-        reader.note(key, value, Fate.SCRIPT, _auto_note(key) if value == AUTO else why)
-    return handle
-
-
 def _auto_note(key: str) -> str:
     return (f"TieredTrainer takes TrainingArguments' {SCRIPT_VALUES[key]}, as Hugging Face's "
             f"integration fills \"auto\"; elsewhere tiered's default, or what the script "
@@ -558,8 +549,17 @@ def _scheduler(reader: Reader, key: str, value: Any) -> None:
                 "lr_scheduler_type and warmup)")
 
 
-BATCH = ("the batch is the script's data loader's (TieredTrainer: TrainingArguments' "
-         "per_device_train_batch_size, which it must equal)")
+def _batch(reader: Reader, key: str, value: Any) -> None:
+    """A batch size: no policy holds one (recorded for TieredTrainer's comparison)."""
+    if value == AUTO:
+        _auto(reader, key, value)
+        return
+    if reader.parse(key, value, _positive(as_whole_number)) is not _INVALID:
+        reader.script_values[key] = value
+        reader.note(key, value, Fate.SCRIPT, f"the batch is the script's data loader's "
+                    f"(TieredTrainer's must equal it: {SCRIPT_VALUES[key]})")
+
+
 MONITOR = "DeepSpeed's monitor: tiered writes none (Trainer: report_to)"
 
 TOP_LEVEL = {
@@ -575,8 +575,8 @@ TOP_LEVEL = {
         "optimizer.accumulation_steps", _positive(as_whole_number),
         "backward calls per optimizer.step(); the script divides the loss by them, as "
         "DeepSpeed's engine.backward did"),
-    "train_batch_size": _script(BATCH),
-    "train_micro_batch_size_per_gpu": _script(BATCH),
+    "train_batch_size": _batch,
+    "train_micro_batch_size_per_gpu": _batch,
     "steps_per_print": _ignored("tiered prints no step log: the script's own (Trainer: "
                                 "logging_steps)"),
     "wall_clock_breakdown": _ignored("tiered's timeline of every phase is trace.path (or "
