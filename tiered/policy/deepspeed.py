@@ -18,6 +18,8 @@ scaling, a key it does not know) is refused by name, every refusal at once, as s
 a YAML's errors. A key the file leaves out takes DeepSpeed's default where that changes the math
 (fp32 without bf16 or fp16, no offload: the GPU, fp16's loss_scale_window 1000) and tiered's own
 where it is only speed or memory (aio.queue_depth, sub_group_size).
+How each key is read is deepspeed_keys.py's, a table per section; here a file is recognized,
+translated, written as YAML and its values compared with a training script's.
 """
 from __future__ import annotations
 
