@@ -183,6 +183,7 @@ def test_bf16_master_weights_and_optimizer_states_are_the_compact_states(tmp_pat
      "mean 'stage3_prefetch_bucket_size'?"),
     ({"pipeline": {"stages": 2}}, "DeepSpeed key 'pipeline' is not one tiered reads; allowed "
      "here: zero_optimization, aio"),
+    ({"params": {"tier": "nvme"}}, "'params' is a tiered policy key, in a DeepSpeed config"),
 ])
 def test_what_tiered_does_not_offer_is_refused_by_name(change, fragment, tmp_path):
     data = {"zero_optimization": {"stage": 3}, **change}

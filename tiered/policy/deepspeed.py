@@ -122,7 +122,14 @@ def translate(data: Mapping[str, Any], source: str) -> Translation:
     """The tiered policy of the DeepSpeed config ``data`` read from ``source``; a PolicyError
     with every refusal of the file, a line each, naming the key and what is allowed."""
     reader = Reader(source, data)
-    reader.section(data, "", TOP_LEVEL)
+    # A tiered key in a DeepSpeed config is a mix of the two, said as such (not as a DeepSpeed
+    # key tiered does not know); "optimizer" is both's.
+    mixed = [key for key in data if key in TIERED_SECTIONS and key != "optimizer"]
+    for key in mixed:
+        reader.refuse(repr(key), "is a tiered policy key, in a DeepSpeed config: a policy file "
+                      "is one or the other (tiered policy from-deepspeed writes this one's "
+                      "policy as YAML, to add tiered keys to)")
+    reader.section({k: v for k, v in data.items() if k not in mixed}, "", TOP_LEVEL)
     reader.defaults()
     if reader.errors:
         lines = reader.errors
