@@ -10,12 +10,13 @@ from __future__ import annotations
 from fnmatch import fnmatchcase
 
 import torch
-from gpt import GPT, LoRALinear, add_lora, next_token_loss
 from torch import nn
 
 import tiered
-from tiered.optim.compact import FIRST_MOMENT, SECOND_MOMENT, read_moment
+from tiered.tiers.moments import FIRST_MOMENT, SECOND_MOMENT, format_of
 from tiered.placement.plan import StateKind
+
+from gpt import GPT, LoRALinear, add_lora, next_token_loss
 
 CODE_MAPS = {StateKind.EXP_AVG: FIRST_MOMENT, StateKind.EXP_AVG_SQ: SECOND_MOMENT}
 
@@ -194,7 +195,7 @@ def shard_states(engine, kinds=CHECKPOINTED) -> dict[tuple[int, StateKind], torc
                 values = torch.empty(shard.numel, dtype=shard.dtype)
                 engine.manager.copy_out(flat.spec.index, kind, values)
                 if kind in CODE_MAPS:
-                    values = read_moment(values, flat.shard_numel, CODE_MAPS[kind])
+                    values = format_of(values.dtype).decode(values, flat.shard_numel, CODE_MAPS[kind])
                 out[(flat.spec.index, kind)] = values.float()
     return out
 
@@ -259,6 +260,19 @@ def train_both(engine, optimizer, reference, ref_optimizer, steps: int,
         next_token_loss(reference(idx), idx).backward()
         optimizer.step(), ref_optimizer.step()
         optimizer.zero_grad(set_to_none), ref_optimizer.zero_grad(set_to_none)
+
+
+class CheckpointedGPT(GPT):
+    """The GPT with each block under activation checkpointing (non-reentrant by default,
+    PyTorch's recommended mode)."""
+
+    use_reentrant = False
+
+    def forward(self, idx):
+        x = self.emb(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.use_reentrant)
+        return self.head(self.ln(x))
 
 
 class SkippingGPT(GPT):

@@ -8,12 +8,13 @@ import copy
 
 import pytest
 import torch
-from gpt import GPT, next_token_loss
-from helpers_models import (SEQ, VOCAB, assert_parity, batch, fp32_engine, make_gpt,
-                            reference_optimizer)
 
 from tiered.engine import hooks
 from tiered.engine.flat import Residency
+
+from gpt import GPT, next_token_loss
+from helpers_models import (SEQ, VOCAB, CheckpointedGPT, assert_parity, batch, fp32_engine,
+                            make_gpt, reference_optimizer)
 
 
 def train_step(models, optimizers, idx) -> None:
@@ -48,16 +49,6 @@ def test_a_forward_without_backward_then_a_step_computes_on_the_new_weights(poli
     train_step(models, optimizers, batch(3))
     assert_parity(engine.full_state_dict(), reference.state_dict())
     engine.close()
-
-
-class CheckpointedGPT(GPT):
-    """Each block under non-reentrant activation checkpointing (PyTorch's recommended mode)."""
-
-    def forward(self, idx):
-        x = self.emb(idx) + self.pos[: idx.shape[1]]
-        for block in self.blocks:
-            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
-        return self.head(self.ln(x))
 
 
 @pytest.mark.skipif(hooks._top_saved_hooks is None,

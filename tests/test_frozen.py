@@ -9,16 +9,16 @@ import os
 
 import pytest
 import torch
-from distributed import run_ranks
-from gpt import GPT
-from helpers import REPO
-from helpers_frozen import (assert_same_states, engine_for, frozen_model, is_frozen, resumed,
-                            torch_changing_midway, train, train_reference)
-from helpers_models import (MICRO, OPTIM, assert_parity, assert_parity_on_host, batches,
-                            torch_groups, train_torch)
 
 import tiered
 from tiered.engine.flat import Residency
+
+from distributed import run_ranks
+from helpers import REPO
+from helpers_frozen import (assert_same_states, engine_for, frozen_model, is_frozen, resumed,
+                            torch_changing_midway, train, train_reference)
+from helpers_models import (MICRO, OPTIM, CheckpointedGPT, assert_parity, assert_parity_on_host,
+                            batches, torch_groups, train_torch)
 
 
 @pytest.mark.parametrize("accumulation_steps", [None, MICRO])
@@ -105,18 +105,6 @@ def test_a_unit_with_nothing_to_train_is_released_after_its_backward(tmp_path):
     assert "blocks.0" not in gathered_at  # no gradient of its own
     assert list(gathered_at)[-1] == "<root>"
     assert "blocks.0" not in gathered_at["<root>"]
-
-
-class CheckpointedGPT(GPT):
-    """The GPT with each block under activation checkpointing."""
-
-    use_reentrant = False
-
-    def forward(self, idx):
-        x = self.emb(idx) + self.pos[: idx.shape[1]]
-        for block in self.blocks:
-            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.use_reentrant)
-        return self.head(self.ln(x))
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])

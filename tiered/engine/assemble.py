@@ -27,6 +27,7 @@ from .loss_scale import LossScaler
 from .optimizer import TieredAdamW, UpdateBook
 from .pending import PendingWeights
 from .runtime import UnitRuntime
+from .step_state import StepState
 from .streams import Streams
 
 
@@ -81,8 +82,9 @@ def assemble(flats: list[FlatParam], manager: TierManager, group: ProcessGroup,
             optimizer=policy.optimizer, norm_group=group.on_host(),
             max_grad_norm=policy.optimizer.max_grad_norm, fp16=scaler is not None,
             timeline=timeline, accelerator=accelerator), events))
+    step_state = StepState(policy.optimizer.accumulation_steps, loss_scaled=scaler is not None)
     runtime = UnitRuntime(EngineContext(flats, manager, group, policy, worker, streams,
-                                        timeline, link, buffers, pending))
+                                        timeline, link, buffers, pending, step_state))
     return runtime, TieredAdamW(runtime, policy, scaler, book), scaler
 
 

@@ -18,6 +18,7 @@ from .collectives import ProcessGroup
 from .flat import FlatParam
 from .optimizer import UpdateBook
 from .pending import PendingWeights
+from .step_state import StepState
 from .streams import Streams
 
 
@@ -41,6 +42,8 @@ class EngineContext:
     """What the training side knows of the grads-tier buffers (gradients.py)."""
     pending: PendingWeights
     """Units whose new weights an update is still writing."""
+    step_state: StepState
+    """Where the step stands (see [Note: step phases]): every part asks it."""
 
 
 class TrainerEvents:

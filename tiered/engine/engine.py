@@ -62,12 +62,11 @@ class TieredEngine:
         self.scaler = scaler
         self.state_dict_keys = state_dict_keys
         """The names of the original ``model.state_dict()``, in its order."""
-        self._scaled_backward = False
         self._closed = False
         self._half_loaded: str | None = None
         """Why the tiers hold a mix of loaded and older states (see :meth:`replacing_states`)."""
         self._hooks = UnitHooks(module, runtime, policy.compute_dtype.torch_dtype,
-                                on_backward_start=self._check_backward)
+                                on_backward_start=self._start_backward)
         self._finalizer = weakref.finalize(self, _shut_down, runtime)
         process_exit.shut_down_at_exit(self)
         # The model has no parameters left: its own zero_grad(), state_dict() and
@@ -134,7 +133,7 @@ class TieredEngine:
         try:
             self.scaled_loss(loss).backward(**kwargs)
         finally:
-            self._scaled_backward = False
+            self.runtime.step_state.scaled_backward_over()
 
     def scaled_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the loss scale under fp16 compute, for a caller that runs the backward
@@ -143,15 +142,13 @@ class TieredEngine:
         self._refuse_if_closed()
         if self.scaler is None:
             return loss
-        self._scaled_backward = True
-        self.optimizer.note_loss_scale(self.scaler.scale)
+        self.runtime.step_state.loss_scale_noted(self.scaler.scale)
         return loss.float() * self.scaler.scale
 
-    def _check_backward(self) -> None:
-        scaled, self._scaled_backward = self._scaled_backward, False  # one backward's word
-        if self.scaler is not None and not scaled:
-            raise TieredError("compute_dtype fp16 needs engine.backward(loss) instead of "
-                              "loss.backward(), so that the loss is scaled")
+    def _start_backward(self) -> None:
+        """The first gradient of a backward (hooks.py): counted towards the step, with the
+        optimizer's hyperparameters as they are now for the units it steps on arrival."""
+        self.runtime.start_backward(self.optimizer.hypers)
 
     def train(self, mode: bool = True) -> "TieredEngine":
         self.module.train(mode)

@@ -56,22 +56,22 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from ..core.errors import TieredError
 from .flat import FlatParam
 from .runtime import UnitRuntime
-
-
-def _in_backward_pass() -> bool:
-    return torch._C._current_graph_task_id() != -1
+from .step_state import BACKWARD_PHASES, Phase
 
 
 class UnitHooks:
+    """The hooks move the step's phase (runtime.step_state, see [Note: step phases]) and ask it
+    where the step stands; what they keep themselves is per unit or per call."""
+
     def __init__(self, model: nn.Module, runtime: UnitRuntime, compute_dtype: torch.dtype,
                  on_backward_start: Callable[[], None]):
         self.runtime = runtime
+        self.state = runtime.step_state
         self.compute_dtype = compute_dtype
         self.on_backward_start = on_backward_start
-        self._in_backward = False
-        self._counted = False
-        """Whether the backward running has given a unit a gradient (see _count_backward)."""
+        """Called at the first gradient of a backward: the engine counts it (runtime)."""
         self._used_in_backward: set[int] = set()
+        """Units the backward running has needed once (per unit: a later use only gathers)."""
         self._started: dict[int, object] = {}
         """Timeline marks of the units computing now (forward, or backward since first use)."""
         self._saved_hooks: list[torch.autograd.graph.saved_tensors_hooks] = []
@@ -90,11 +90,10 @@ class UnitHooks:
         their trainable half's gradient (see [Note: frozen units])."""
         self._whole_forward = [flat for flat in runtime.flats if flat.spec.whole_forward]
         self._model = model
-        self._forward_depth = 0
-        """Model forwards running (outside backward): one, or more where the model's forward
-        calls the model; also counted when entered below it ([Note: entering the model below
-        its root])."""
         self._inner_skipped: list[bool] = []
+        """Per call of the inner entry running: whether its pre-hook left the forward to the
+        model's own hooks, for its post-hook to do the same (a call record, not a phase)."""
+        self.state.watch(self._phase_moved)
         self._handles = [model.register_forward_hook(self._end_forward, always_call=True)]
         self._end_forward_id = self._handles[0].id
         self._post_forward_ids: list[int] = []
@@ -129,7 +128,7 @@ class UnitHooks:
         left (torch runs ``always_call`` hooks for an Exception only: a KeyboardInterrupt)."""
         while self._saved_hooks:
             self._saved_hooks.pop().__exit__(None, None, None)
-        self._forward_depth = 0
+        self.state.abandon_forward()
         self._counter = None
         self._inner_skipped.clear()
 
@@ -141,11 +140,10 @@ class UnitHooks:
     def _start_forward(self, module, args, kwargs):
         """Model pre-hook: recover from a backward that raised, gather the units the whole
         forward may read, and cast floating inputs to the compute dtype, as the weights have."""
-        if self._in_backward and not _in_backward_pass():
-            self._end_backward()  # a backward that raised never reached its end callback
         module._forward_hooks.move_to_end(self._end_forward_id)  # after the user's
-        if not _in_backward_pass():
-            if self._forward_depth == 0 and torch.is_grad_enabled():
+        if not self.state.autograd_running():
+            # Ends a backward that raised before its end callback (StepState.recover) first.
+            if self.state.start_forward() and torch.is_grad_enabled():
                 self.runtime.probe.forward_started()
                 # Outermost: what any part of the forward keeps for backward passes through it
                 # (a unit's own hooks hand it what is not the unit's weights, see [Note: outer
@@ -156,7 +154,6 @@ class UnitHooks:
                 counting = torch.autograd.graph.saved_tensors_hooks(*self._counter)
                 counting.__enter__()
                 self._saved_hooks.append(counting)
-            self._forward_depth += 1
             for flat in self._whole_forward:
                 self.runtime.use(flat)
                 flat.bind_views()
@@ -168,7 +165,7 @@ class UnitHooks:
     def _enter_inner(self, module, args, kwargs):
         """Pre-hook of the inner entry: when it runs outside the model's forward, the model's
         forward starts here (its pre-hook, its own units' pre-hooks)."""
-        skip = self._forward_depth > 0 or _in_backward_pass()
+        skip = self.state.forward_depth > 0 or self.state.autograd_running()
         self._inner_skipped.append(skip)
         if skip:
             return None
@@ -188,15 +185,16 @@ class UnitHooks:
     def _end_forward(self, module, args, output) -> None:
         """Model post-hook: release what the whole forward held; a forward without grad has no
         backward to wait for."""
-        if _in_backward_pass() or self._forward_depth == 0:
+        if self.state.autograd_running() or self.state.forward_depth == 0:
             return
-        self._forward_depth -= 1
-        if self._forward_depth == 0 and self._counter is not None:  # pushed first, popped last
+        ends = not torch.is_grad_enabled() or _no_backward_from(output)
+        outermost = self.state.end_forward(backward_may_follow=not ends)
+        if outermost and self._counter is not None:  # pushed first, popped last
             self._saved_hooks.pop().__exit__(None, None, None)
             self._counter = None
         for flat in self._whole_forward:
             self.runtime.done(flat)
-        if not torch.is_grad_enabled() or _no_backward_from(output):
+        if ends:
             self.runtime.end_iteration()
 
     def _pre_forward(self, flat: FlatParam, module, args, kwargs) -> None:
@@ -211,12 +209,12 @@ class UnitHooks:
                                                          partial(self._unpack, outer))
         hooks.__enter__()
         self._saved_hooks.append(hooks)
-        if _in_backward_pass():
+        if self.state.autograd_running():
             # A forward recomputed inside backward (activation checkpointing). Reentrant
             # checkpointing recomputes here, in the outer backward, then runs the block's
             # backward as a nested one: the end callback must be queued now, on the outer
             # backward, or the nested one's end would end the iteration mid-backward.
-            self._enter_backward()
+            self.state.start_recompute()
             self._use_in_backward(flat)
             flat.bind_views()
         elif not flat.spec.whole_forward:
@@ -237,7 +235,9 @@ class UnitHooks:
         self._span(flat, "forward")
         # A forward recomputed inside backward keeps its unit; a whole-forward unit is released
         # at the end of the model's forward.
-        if not _in_backward_pass() and not flat.spec.whole_forward:
+        if self.state.phase is Phase.RECOMPUTE:
+            self.state.end_recompute()
+        elif not flat.spec.whole_forward:
             if _checkpoints_inside(module):
                 self._gather_before_backward(flat, output)
             self.runtime.done(flat)
@@ -257,7 +257,7 @@ class UnitHooks:
                 outputs, partial(self._before_backward, flat), mode="any"))
 
     def _before_backward(self, flat: FlatParam, grad) -> None:
-        self._enter_backward()
+        self.state.enter_backward()
         self._use_in_backward(flat)
         with torch.enable_grad():  # off in a backward hook: the recomputation's views must
             flat.bind_views()      # reach ``full``, for its gradient
@@ -265,7 +265,7 @@ class UnitHooks:
     def _pack(self, outer: _SavedHooks | None, tensor: torch.Tensor):
         flat = self.runtime.owner_of(tensor)
         if flat is not None:
-            return _UnitView(flat, tensor, self.runtime.weights_epoch)
+            return _UnitView(flat, tensor, self.state.weights_epoch)
         return tensor if outer is None else outer[0](tensor)
 
     def _count_saved(self, outer: _SavedHooks | None, tensor: torch.Tensor):
@@ -275,13 +275,13 @@ class UnitHooks:
     def _unpack(self, outer: _SavedHooks | None, packed):
         if isinstance(packed, _UnitView):
             flat = packed.flat
-            if packed.epoch != self.runtime.weights_epoch:
+            if packed.epoch != self.state.weights_epoch:
                 raise TieredError(
                     f"this backward needs weights of unit {flat.name} as its forward read them, "
                     f"but optimizer.step() or a load changed them since; PyTorch "
                     f"refuses this too (a variable modified by an inplace operation): call "
                     f"backward before optimizer.step()")
-            self._enter_backward()
+            self.state.enter_backward()
             self._use_in_backward(flat)
             self._started.setdefault(flat.spec.index, self.runtime.probe.mark())
             if torch.is_grad_enabled():
@@ -302,7 +302,7 @@ class UnitHooks:
             self.runtime.use(flat)
 
     def _post_backward(self, flat: FlatParam, full: torch.Tensor) -> None:
-        self._enter_backward()
+        self.state.enter_backward()
         try:
             self._count_backward()
         except BaseException:
@@ -329,29 +329,25 @@ class UnitHooks:
         self.runtime.timeline.between(f"{what} {flat.name}", "compute", "compute stream",
                                       started, ended)
 
-    def _enter_backward(self) -> None:
-        if self._in_backward or not _in_backward_pass():
-            return
-        self._in_backward = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-
     def _count_backward(self) -> None:
         """The first gradient of an autograd pass: it is a backward of the step. Counted here,
         not where the pass first reads a unit's weights: ``torch.autograd.grad(loss, inputs)``
         (adversarial inputs, gradient penalties) reads them too, but gives no unit a gradient
         and must not use up ``accumulation_steps``."""
-        if self._counted:
-            return
-        self.on_backward_start()  # may refuse (fp16 without engine.backward)
-        self.runtime.start_backward()  # may refuse a backward past accumulation_steps
-        self._counted = True
+        if not self.state.counted:
+            # May refuse (fp16 without engine.backward, a backward past accumulation_steps).
+            self.on_backward_start()
+
+    def _phase_moved(self, before: Phase, after: Phase) -> None:
+        if before in BACKWARD_PHASES and after is Phase.IDLE:
+            self._end_backward()
 
     def _end_backward(self) -> None:
+        """The backward is over (autograd's end callback, or the next forward or step after
+        one that raised): nothing of it stays gathered or hooked."""
         self.runtime.probe.backward_ended()
         self.runtime.end_iteration()
         self._used_in_backward.clear()
-        self._in_backward = False
-        self._counted = False
         for handle in self._input_hooks:
             handle.remove()
         self._input_hooks.clear()

@@ -14,6 +14,7 @@ from ..optim.commands import StepArrived, Update, UpdateMode
 from ..policy.config import Policy
 from .loss_scale import LossScaler
 from .released import ReleasedWeight
+from .step_state import UpdatePhase
 
 
 @dataclass
@@ -149,9 +150,8 @@ class TieredAdamW(torch.optim.Optimizer):
         self.scaler = scaler
         self._delayed = opt.delayed_update
         self._steps_called = 0
-        self._pending: _Update | None = None
         self._grads = runtime.grads
-        runtime.current_hypers = self._hypers
+        self._state = runtime.step_state
         on_host = (not runtime.streams.accelerator.has_streams
                    or self._manager.plan.steps_on_host())
         self._ordinary_mode = (UpdateMode.OVERLAPPED if on_host and scaler is None
@@ -159,11 +159,8 @@ class TieredAdamW(torch.optim.Optimizer):
         """The mode of updates that are not delayed (see [Note: update modes]): overlapped
         where the CPU steps units (under ``tier: auto`` perhaps some of them)."""
         self._last_grad_norm: float | None = None
-        self._grads_loss_scale: float | None = None
-        """The loss scale the gradients held now were computed with (see note_loss_scale)."""
         self.skipped_steps = 0
         """Updates skipped because fp16 gradients overflowed."""
-        self._last_skipped = False
 
     @property
     def max_grad_norm(self) -> float | None:
@@ -183,7 +180,7 @@ class TieredAdamW(torch.optim.Optimizer):
     def last_grad_norm(self) -> float | None:
         """The global gradient norm (unscaled) of the last step's update, when it takes one;
         under the delayed update, of the last finished update."""
-        update = self._pending
+        update = self._state.update
         if update is not None and update.mode is not UpdateMode.DELAYED:
             # A worker that failed before this update was pending never wakes a waiter for it.
             self._worker.raise_if_failed()
@@ -197,7 +194,7 @@ class TieredAdamW(torch.optim.Optimizer):
         """Whether the last finished update was skipped because fp16 gradients overflowed (a
         scheduler then does not step: accelerate's name for it). Under the delayed update,
         the update finished by this step is the previous step's."""
-        return self._last_skipped
+        return self._state.last_update_skipped
 
     @property
     def steps_taken(self) -> int:
@@ -223,8 +220,7 @@ class TieredAdamW(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._grads.zero_grad(set_to_none)  # after any update that reads them
-        # Backwards from here on make the gradients; their loss scale is the scaler's then.
-        self._grads_loss_scale = None
+        self._state.gradients_dropped()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -239,13 +235,21 @@ class TieredAdamW(torch.optim.Optimizer):
                 f"TieredAdamW steps group 0 and the policy's optimizer.param_groups, "
                 f"{self.group_count} in all; it has {len(self.param_groups)}: add groups in the "
                 f"policy, not with add_param_group")
+        self._state.start_step()  # ends a backward that raised before its end callback
+        try:
+            self._take_step()
+        finally:
+            self._state.end_step()
+        return loss
+
+    def _take_step(self) -> None:
         # The loss scale this step's backwards used: finishing the previous update may change it.
         loss_scale = self._loss_scale_of_grads()
         units = [i for i, has in enumerate(self._grads.has_grad) if has]
         mode = self.update_mode
         self._steps_called += 1
         arrived = set(self._runtime.stepped_on_arrival)
-        last = self._runtime.last_backward
+        last = self._state.last_backward
         if arrived:
             self._check_hyper_unchanged(last)
             # An arrival stops stepping once a later backward's gradients queue up behind it
@@ -257,25 +261,24 @@ class TieredAdamW(torch.optim.Optimizer):
             # The worker is still stepping these (their readers wait in PendingWeights), and
             # ran the previous update before them; where units step on arrival (no clipping,
             # fp16 or delayed update) an update leaves nothing to settle, so nothing waits here.
-            self._pending = None
+            self._state.update_let_go()
         else:
             self.synchronize()  # the previous update, and this step's gradients, are all in
-        self._runtime.step_taken(measured=True)
-        self._grads_loss_scale = None  # this step takes the gradients
+        self._runtime.step_taken(measured=True)  # this step takes the gradients
         rest = [i for i in units if i not in arrived]
         sent = None
         if rest:
             overlapped = mode is UpdateMode.OVERLAPPED
             update = self._book.open(self._runtime.forward_order(rest) if overlapped else rest,
                                      loss_scale, mode)
-            self._pending = update
+            self._state.update_sent(update)
             if overlapped:
                 self._runtime.pending_weights.expect(update.units)
             try:
                 self._host.send(Update(update.number, self._steps_called, tuple(update.units),
-                                       self._hypers(), loss_scale, mode))
+                                       self.hypers(), loss_scale, mode))
             except BaseException:
-                self._pending = None
+                self._state.update_let_go()  # never sent
                 self._book.close(update)
                 raise
             sent = update
@@ -283,7 +286,6 @@ class TieredAdamW(torch.optim.Optimizer):
             self._host.step_record(self._steps_called, self._step_record(sent))
         if sent is not None and mode is UpdateMode.BLOCKING:
             self.synchronize()
-        return loss
 
     def synchronize(self) -> None:
         """Finish the queued update; its weights become the ones the next forward gathers."""
@@ -292,9 +294,10 @@ class TieredAdamW(torch.optim.Optimizer):
         # all of it queued once the drain returns. The order is the training thread's to make:
         # a host in the service takes commands, not callables, and never touches the device.
         self._runtime.streams.gather_after(self._host.device_stream)
-        update, self._pending = self._pending, None
+        update = self._state.update
         if update is None:
             return
+        self._state.update_finished(update.overflowed if self.scaler is not None else None)
         self._book.close(update)
         if update.mode is UpdateMode.DELAYED:
             for i in update.written:
@@ -305,33 +308,24 @@ class TieredAdamW(torch.optim.Optimizer):
         if self.scaler is not None:
             self.scaler.update(found_inf=update.overflowed)
             self.skipped_steps += update.overflowed
-            self._last_skipped = update.overflowed
-
-    def note_loss_scale(self, scale: float) -> None:
-        """``engine.backward`` under fp16: its loss is multiplied by ``scale``. The step unscales
-        by the scale the gradients were made with: under the delayed update, step t+1's
-        backward runs before update t decides the scale, and ``synchronize()`` (or
-        ``engine.eval()``, ``full_state_dict()``) between that backward and ``step()`` changes
-        the scaler's. (A later backward into the same gradients at another scale: the step can
-        unscale by one of the two only, as GradScaler could.)"""
-        if self._grads_loss_scale is None:
-            self._grads_loss_scale = scale
 
     def _loss_scale_of_grads(self) -> float:
-        """What the gradients held now are divided by to unscale them (1 without fp16)."""
+        """What the gradients held now are divided by to unscale them (1 without fp16; see
+        StepState.loss_scale_noted)."""
         if self.scaler is None:
             return 1.0
-        return self._grads_loss_scale if self._grads_loss_scale is not None else self.scaler.scale
+        scale = self._state.grads_loss_scale
+        return scale if scale is not None else self.scaler.scale
 
     def checkpoint_state(self) -> dict:
         """The optimizer's state for a checkpoint, with the worker idle. A queued delayed update
         is finished but not made current: what it wrote and found is recorded instead, so a
         resumed run swaps to it at its next step exactly as this one will. An ordinary update
         is finished and made current."""
-        if self._pending is not None and self._pending.mode is not UpdateMode.DELAYED:
+        if self._state.update_phase is UpdatePhase.RUNNING:
             self.synchronize()
         self._worker.drain()
-        pending = self._pending
+        pending = self._state.update
         return {
             **self._counters(),
             "unit_steps": self._host.unit_steps(),
@@ -408,19 +402,17 @@ class TieredAdamW(torch.optim.Optimizer):
         if self.scaler is not None and state["loss_scale"] is not None:
             self.scaler.load_state(state["loss_scale"])
         pending = state["pending"]
-        self._last_skipped = False
-        self._pending = None if pending is None else self._book.restored(
-            pending["written"], pending["norm"], pending["overflowed"], pending["loss_scale"])
+        self._state.update_restored(None if pending is None else self._book.restored(
+            pending["written"], pending["norm"], pending["overflowed"], pending["loss_scale"]))
         self._host.restored()
-        self._runtime.step_taken()
-        self._grads_loss_scale = None  # the load dropped the gradients
+        self._runtime.step_taken()  # the load dropped the gradients
 
-    def _hypers(self) -> tuple[AdamWHyper, ...]:
+    def hypers(self) -> tuple[AdamWHyper, ...]:
         """Each param group's hyperparameters as they are now."""
         return tuple(AdamWHyper.from_group(group) for group in self.param_groups)
 
     def _check_hyper_unchanged(self, last: LastBackward) -> None:
-        if self._hypers() != last.hypers:
+        if self.hypers() != last.hypers:
             warnings.warn(
                 "tiered: param_groups changed after the step's last backward started; the units "
                 "stepped as their gradients arrived (optimizer.accumulation_steps) used the "

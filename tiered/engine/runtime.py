@@ -38,31 +38,22 @@ class UnitRuntime:
         self.worker = context.worker
         self.host = context.host
         self.streams = context.streams
-        self.accumulation_steps = policy.optimizer.accumulation_steps
-        self.backwards_since_step = 0
+        self.step_state = context.step_state
         # Stepping a unit as its gradient arrives needs the step's last backward to be known
         # (accumulation_steps) and no global norm first (clipping, fp16 overflow checks).
         # The delayed update steps at optimizer.step() by design. A host that keeps step
         # records (the service's) steps only committed steps (see [Note: reattach] in
         # service/commits.py), and a step is committed at optimizer.step().
-        self.arrival_allowed = (self.accumulation_steps is not None
+        self.arrival_allowed = (policy.optimizer.accumulation_steps is not None
                                 and policy.optimizer.max_grad_norm is None
                                 and policy.compute_dtype is not ComputeDtype.FP16
                                 and not policy.optimizer.delayed_update.enabled
                                 and not context.host.records_steps)
-        self.last_backward: LastBackward | None = None
-        """Set while the backward running is the step's last (``accumulation_steps`` declares
-        it): each unit's gradient is complete once it arrives, so it can be stepped then, or
-        its norm taken while backward still runs."""
-        self.current_hypers: Callable[[], tuple[AdamWHyper, ...]] | None = None
-        """The optimizer's hyperparameters as they are now, per param group (set by the
-        optimizer)."""
-        self.weights_epoch = 0
-        """Counts the times the weights may have changed (optimizer.step(), a checkpoint's
-        optimizer state restored): a backward refuses weights saved in an earlier epoch."""
         self.stepped_on_arrival: set[int] = set()
         """Units whose gradient came in the backward that steps them on arrival: the worker
-        steps each (the view of the thread running backward, complete once backward returns)."""
+        steps each (the view of the thread running backward, complete once backward returns).
+        Per-unit bookkeeping of the step's last backward (step_state.last_backward), not a
+        phase."""
         self.grads = GradientPath(context)
         self.probe = StepProbe(context.group.device, len(flats))
         """What each step measured (engine.plan_report() shows the last)."""
@@ -122,7 +113,8 @@ class UnitRuntime:
 
     def reduce_grad(self, flat: FlatParam) -> None:
         """The unit's gradient is complete: send it to the grads tier, release the weights."""
-        step_on_arrival = self.last_backward is not None and self.last_backward.step_units
+        last = self.step_state.last_backward
+        step_on_arrival = last is not None and last.step_units
         if step_on_arrival:
             if flat.spec.index in self.stepped_on_arrival:
                 raise TieredError(
@@ -138,7 +130,7 @@ class UnitRuntime:
             # waits.
             self.pending_weights.expect([flat.spec.index])
         try:
-            self.grads.reduce(flat, self.last_backward)
+            self.grads.reduce(flat, last)
         except BaseException:
             if step_on_arrival:  # it will not be stepped now
                 self.stepped_on_arrival.discard(flat.spec.index)
@@ -150,25 +142,18 @@ class UnitRuntime:
         """A unit without a gradient (only frozen parameters) is through its backward."""
         self.gatherer.release(flat)
 
-    def start_backward(self) -> None:
-        """Count a backward towards the next step; the last one before it steps on arrival."""
-        limit = self.accumulation_steps
-        self.backwards_since_step += 1
-        if limit is not None and self.backwards_since_step > limit:
-            raise TieredError(
-                f"backward number {self.backwards_since_step} since the last optimizer.step(), "
-                f"but optimizer.accumulation_steps is {limit}: units were already stepped with "
-                f"the gradients of backward {limit}; set accumulation_steps to the number of "
-                f"backward calls per step (or null)")
+    def start_backward(self, hypers: Callable[[], tuple[AdamWHyper, ...]]) -> None:
+        """Count a backward towards the next step (the step state may refuse it); the last one
+        before it steps on arrival, with ``hypers()`` (the optimizer's, as they are now)."""
+        self.step_state.count_backward()
         self.stepped_on_arrival.clear()
-        self.last_backward = None
-        if self.backwards_since_step == limit:
+        if self.step_state.is_last_backward:
             # The next forward runs as this iteration's did (or as the last complete one, when
             # a forward without grad closed this one).
-            self.last_backward = LastBackward(
+            self.step_state.last_backward = LastBackward(
                 step_units=self.arrival_allowed,
                 forward_rank=_first_needs(self.prefetcher.recorded or self.prefetcher.trace),
-                hypers=self.current_hypers() if self.arrival_allowed else None)
+                hypers=hypers() if self.arrival_allowed else None)
 
     def step_taken(self, measured: bool = False) -> None:
         """``optimizer.step()`` (``measured``: the step just run ends there, see probe.py) or a
@@ -176,8 +161,7 @@ class UnitRuntime:
         and the weights are about to change."""
         if measured:
             self.probe.step_taken()
-        self.backwards_since_step = 0
-        self.last_backward = None
+        self.step_state.step_taken()
         self.stepped_on_arrival.clear()
         self.drop_gathered()
         if measured and self.replan_due and self.probe.last_activations is not None:
@@ -195,7 +179,7 @@ class UnitRuntime:
         with grad enabled whose backward never comes (a metric computed after the backward, a
         forward that raised) leaves the ones the trace kept or prefetched for that backward
         gathered; the next forward would compute on them, not on the new weights."""
-        self.weights_epoch += 1
+        self.step_state.weights_changed()
         self.prefetcher.drop_ahead()
         if self.readahead is not None:
             self.readahead.discard()
