@@ -132,14 +132,17 @@ def test_a_config_without_bf16_or_fp16_computes_in_fp32_and_without_offload_on_t
         "optimizer": {"tier": "hbm"}})
 
 
-def test_adam_is_adamw_and_zero_clipping_is_none_and_a_zero_prefetch_bucket_turns_it_off(
+def test_adam_is_adamw_zero_clipping_none_a_zero_prefetch_bucket_off_and_auto_tiereds_own(
         tmp_path):
     policy = resolve(str(write_json(tmp_path / "ds.json", {
-        "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0},
+        "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 0,
+                              "offload_optimizer": {"device": "nvme", "nvme_path": "/x"},
+                              "sub_group_size": "auto"},
         "optimizer": {"type": "adam", "params": {"adam_w_mode": False, "weight_decay": 0}},
         "gradient_clipping": 0.0})))
     assert policy.optimizer.max_grad_norm is None and policy.optimizer.weight_decay == 0
     assert policy.prefetch.enabled is False
+    assert policy.optimizer.sub_group_size == Policy().optimizer.sub_group_size
 
 
 def test_bf16_master_weights_and_optimizer_states_are_the_compact_states(tmp_path):

@@ -288,6 +288,9 @@ def _sub_group_size(reader: Reader, key: str, value: Any) -> None:
         reader.note(key, value, Fate.IGNORED, "tiered's sub-groups are the pieces optimizer "
                     "states stream from NVMe in; the CPU or GPU update steps each unit whole")
         return
+    if value == AUTO:
+        _auto(reader, key, value)
+        return
     elements = reader.parse(key, value, _positive(as_number))
     if elements is _INVALID:
         return
