@@ -30,15 +30,16 @@ from tiered.core.report import format_table
 from tiered.optim import compact
 from tiered.optim.adamw import AdamWHyper, OnePassAdamW, _one_pass_scalars, adamw_step
 from tiered.optim.workers import CpuWorker, optimizer_threads
+from tiered.tiers.moments import PACKED, QBLOCK_BYTES, stored_numel
 
 HYPER = AdamWHyper(1e-4, 0.9, 0.95, 1e-8, 0.1)
 
 
 COMPACT = {  # name: (fp32 master kept, moments' dtype, bytes of DRAM traffic a parameter)
     "compact: moments bf16": (True, torch.bfloat16, 2 + 8 + 8 + 2),
-    "compact: moments int8": (True, torch.uint8, 2 + 8 + 4 * compact.QBLOCK_BYTES / 256 + 2),
+    "compact: moments int8": (True, torch.uint8, 2 + 8 + 4 * QBLOCK_BYTES / 256 + 2),
     "compact: bf16 + master bf16": (False, torch.bfloat16, 2 + 2 + 8 + 2),
-    "compact: int8 + master bf16": (False, torch.uint8, 2 + 2 + 4 * compact.QBLOCK_BYTES / 256 + 2),
+    "compact: int8 + master bf16": (False, torch.uint8, 2 + 2 + 4 * QBLOCK_BYTES / 256 + 2),
 }
 
 
@@ -49,7 +50,7 @@ def states(numel: int) -> dict[str, torch.Tensor]:
             "grad32": torch.randn(numel) * 1e-2,
             "grad16": (torch.randn(numel) * 1e-2).bfloat16(), "weights": master.bfloat16()}
     for name, (keeps_master, dtype, _) in COMPACT.items():
-        size = compact.packed_nbytes(numel) if dtype is torch.uint8 else numel
+        size = stored_numel(PACKED, numel) if dtype is torch.uint8 else numel
         data[f"{name} master"] = master.clone() if keeps_master else None
         data[f"{name} weights"] = master.bfloat16()
         data[f"{name} exp_avg"] = torch.zeros(size, dtype=dtype)

@@ -195,7 +195,8 @@ def shard_states(engine, kinds=CHECKPOINTED) -> dict[tuple[int, StateKind], torc
                 values = torch.empty(shard.numel, dtype=shard.dtype)
                 engine.manager.copy_out(flat.spec.index, kind, values)
                 if kind in CODE_MAPS:
-                    values = format_of(values.dtype).decode(values, flat.shard_numel, CODE_MAPS[kind])
+                    values = format_of(values.dtype).decode(values, flat.shard_numel,
+                                                            CODE_MAPS[kind])
                 out[(flat.spec.index, kind)] = values.float()
     return out
 

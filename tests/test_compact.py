@@ -9,7 +9,9 @@ import torch
 
 from tiered.optim import compact, native
 from tiered.optim.adamw import AdamWHyper, _one_pass_scalars
-from tiered.optim.compact import FIRST_MOMENT, QBLOCK, SECOND_MOMENT, Run
+from tiered.optim.compact import Run
+from tiered.tiers.moments import (FIRST_MOMENT, INT8, PACKED, QBLOCK, SECOND_MOMENT,
+                                  round_bf16_stochastic, stored_numel)
 
 from helpers import same_bits
 
@@ -29,7 +31,7 @@ VARIANTS += [(g, torch.bfloat16, False, m) for g in (torch.bfloat16, torch.float
 
 def fresh_moments(numel: int, moments: str) -> tuple[torch.Tensor, torch.Tensor]:
     dtype = MOMENTS[moments]
-    size = compact.packed_nbytes(numel) if dtype is torch.uint8 else numel
+    size = stored_numel(PACKED, numel) if dtype is torch.uint8 else numel
     return torch.zeros(size, dtype=dtype), torch.zeros(size, dtype=dtype)
 
 
@@ -91,7 +93,7 @@ def test_a_piece_steps_as_the_same_elements_of_a_whole_shard():
     split_m, split_v = fresh_moments(numel, "int8")
     split = weights.clone()
     cut = 3 * QBLOCK
-    packed_cut = compact.packed_nbytes(cut)
+    packed_cut = stored_numel(PACKED, cut)
     compact.compact_step(None, split[:cut], grad[:cut], split_m[:packed_cut],
                          split_v[:packed_cut], split[:cut], 0, [Run(0, cut, scalars)], 99)
     compact.compact_step(None, split[cut:], grad[cut:], split_m[packed_cut:],
@@ -111,10 +113,10 @@ def test_the_round_trip_error_is_within_one_step_of_the_code_map(code_map):
     if code_map.signed:
         x = x * torch.where(torch.rand(x.shape) < 0.5, -1.0, 1.0)
     x[::97] = 0.0
-    packed = torch.zeros(compact.packed_nbytes(x.numel()), dtype=torch.uint8)
+    packed = torch.zeros(stored_numel(PACKED, x.numel()), dtype=torch.uint8)
     r8 = compact.random_bits(torch.arange(x.numel()), 5) >> 24
-    compact.quantize_into(packed, x, code_map, r8)
-    back = compact.dequantize(packed, x.numel(), code_map)
+    INT8.encode_into(packed, x, code_map, r8)
+    back = INT8.decode(packed, x.numel(), code_map)
     scale = x.view(blocks, QBLOCK).abs().amax(dim=1, keepdim=True) / code_map.largest
     smallest_step = 2.0 ** (-code_map.bias - 2) * scale  # the evenly spaced codes near zero
     # A stochastic rounding lands on one of the two codes around x: within one code's step,
@@ -132,18 +134,18 @@ def test_a_second_moment_rounds_to_zero_only_when_it_is_zero():
     """A v read as 0 beside an m that is not would step its weight by m / eps."""
     x = torch.full((QBLOCK,), 1e-30)
     x[0], x[1] = 1.0, 0.0
-    packed = torch.zeros(compact.packed_nbytes(QBLOCK), dtype=torch.uint8)
-    compact.quantize_into(packed, x, SECOND_MOMENT, torch.zeros(QBLOCK, dtype=torch.int64))
-    back = compact.dequantize(packed, QBLOCK, SECOND_MOMENT)
+    packed = torch.zeros(stored_numel(PACKED, QBLOCK), dtype=torch.uint8)
+    INT8.encode_into(packed, x, SECOND_MOMENT, torch.zeros(QBLOCK, dtype=torch.int64))
+    back = INT8.decode(packed, QBLOCK, SECOND_MOMENT)
     assert back[1] == 0 and bool((back[2:] > 0).all())
 
 
 def test_a_nan_keeps_its_own_code_and_spares_its_block():
     x = torch.linspace(-1, 1, QBLOCK)
     x[5], x[6] = math.nan, math.inf
-    packed = torch.zeros(compact.packed_nbytes(QBLOCK), dtype=torch.uint8)
-    compact.quantize_into(packed, x, FIRST_MOMENT, torch.zeros(QBLOCK, dtype=torch.int64))
-    back = compact.dequantize(packed, QBLOCK, FIRST_MOMENT)
+    packed = torch.zeros(stored_numel(PACKED, QBLOCK), dtype=torch.uint8)
+    INT8.encode_into(packed, x, FIRST_MOMENT, torch.zeros(QBLOCK, dtype=torch.int64))
+    back = INT8.decode(packed, QBLOCK, FIRST_MOMENT)
     assert back[5].isnan() and back[6].isnan()
     rest = torch.cat([back[:5], back[7:]])
     assert bool(rest.isfinite().all())
@@ -163,7 +165,7 @@ def test_stochastic_rounding_of_the_weights_is_unbiased():
     count = 1 << 20
     step = 2.0 ** -8  # bf16's step just below 1
     exact = torch.full((count,), 1.0 - step / 100)
-    rounded = compact.round_bf16_stochastic(exact, compact.random_bits(torch.arange(count), 11)
+    rounded = round_bf16_stochastic(exact, compact.random_bits(torch.arange(count), 11)
                                             & 0xFFFF).float()
     assert set(rounded.unique().tolist()) == {1.0 - step, 1.0}
     assert abs(rounded.mean().item() - exact[0].item()) < five_sigma(step, count, 16)
@@ -177,10 +179,10 @@ def test_stochastic_rounding_of_codes_is_unbiased(code_map):
     count_blocks = 4096
     x = torch.full((count_blocks, QBLOCK), 0.3)
     x[:, 0] = code_map.largest  # a scale of 1: codes are the map's own values
-    packed = torch.zeros(compact.packed_nbytes(x.numel()), dtype=torch.uint8)
+    packed = torch.zeros(stored_numel(PACKED, x.numel()), dtype=torch.uint8)
     r8 = compact.random_bits(torch.arange(x.numel()), 3) >> 24
-    compact.quantize_into(packed, x.view(-1), code_map, r8)
-    back = compact.dequantize(packed, x.numel(), code_map).view(count_blocks, QBLOCK)[:, 1:]
+    INT8.encode_into(packed, x.view(-1), code_map, r8)
+    back = INT8.decode(packed, x.numel(), code_map).view(count_blocks, QBLOCK)[:, 1:]
     below, above = sorted(back.unique().tolist())
     assert below < 0.3 < above
     assert abs(back.mean().item() - 0.3) < five_sigma(above - below, back.numel(), 8)

@@ -15,12 +15,11 @@ import tiered
 from tiered.core.errors import PolicyError
 from tiered.core.sizes import align_up
 from tiered.optim.adamw import AdamWHyper, _one_pass_scalars
-from tiered.optim.compact import (SECOND_MOMENT, Run, dequantize, quantize_into, random_bits,
-                                  read_moment, reference_step, stream_key)
+from tiered.optim.compact import Run, random_bits, reference_step, stream_key
 from tiered.placement.plan import StateKind
 from tiered.policy.config import Tier
 from tiered.tiers.dram import BLOCK_ALIGN
-from tiered.tiers.moments import packed_nbytes
+from tiered.tiers.moments import INT8, PACKED, SECOND_MOMENT, format_of, stored_numel
 
 from distributed import run_ranks
 from gpt import GPT, add_lora, next_token_loss
@@ -59,7 +58,7 @@ def reference_training(units, moments: str, max_grad_norm: float | None = None,
     dtype = MOMENTS[moments]
     states = []
     for (_, padded), params in zip(units, flats):
-        size = packed_nbytes(padded) if dtype is torch.uint8 else padded
+        size = stored_numel(PACKED, padded) if dtype is torch.uint8 else padded
         states.append((torch.zeros(size, dtype=dtype), torch.zeros(size, dtype=dtype)))
     for step, micro_batches in enumerate(batches(), start=1):
         for idx in micro_batches:
@@ -163,9 +162,9 @@ def test_the_plan_holds_the_compact_bytes():
         for kind in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ):
             buffer = plan.shards[(i, kind)]
             assert buffer.dtype is torch.uint8
-            assert buffer.nbytes == align_up(packed_nbytes(flat.shard_numel), BLOCK_ALIGN)
+            assert buffer.nbytes == align_up(stored_numel(PACKED, flat.shard_numel), BLOCK_ALIGN)
     fp32_engine, _ = tiered.initialize(big_model(), policy(compute="bf16"))
-    saved = sum(flat.shard_numel * 4 + 2 * (flat.shard_numel * 4 - packed_nbytes(
+    saved = sum(flat.shard_numel * 4 + 2 * (flat.shard_numel * 4 - stored_numel(PACKED, 
         flat.shard_numel)) for flat in engine.runtime.flats)
     gap = fp32_engine.manager.plan.needed(Tier.DRAM) - plan.needed(Tier.DRAM)
     assert abs(gap - saved) <= 3 * BLOCK_ALIGN * len(engine.runtime.flats)
@@ -244,8 +243,9 @@ def test_a_checkpoint_loads_under_other_state_dtypes_and_trains_on(tmp_path, cap
     # The second moments came across (to their new dtype's precision).
     for i in range(len(engine.runtime.flats)):
         held = engine.manager.load(i, StateKind.EXP_AVG_SQ)
-        values = read_moment(held, engine.runtime.flats[i].shard_numel, SECOND_MOMENT)
-        original = read_moment(moments[i], engine.runtime.flats[i].shard_numel, SECOND_MOMENT)
+        numel = engine.runtime.flats[i].shard_numel
+        values = format_of(held.dtype).decode(held, numel, SECOND_MOMENT)
+        original = format_of(moments[i].dtype).decode(moments[i], numel, SECOND_MOMENT)
         torch.testing.assert_close(values, original, rtol=1 / 8, atol=1e-12)
     after = train_small(engine, optimizer, data[4:])
     engine.close()
@@ -401,9 +401,10 @@ def test_compact_states_reshard_to_another_world_size(saved_world, loaded_world,
                 assert torch.equal(values, was), (unit, kind, rank)
                 continue
             code_map = CODE_MAPS[StateKind(kind)]
-            expected = torch.empty(packed_nbytes(len(values)), dtype=torch.uint8)
-            quantize_into(expected, was, code_map, random_bits(torch.arange(len(values)), 0) >> 24)
-            assert torch.equal(values, dequantize(expected, len(values), code_map)), (unit, kind)
+            expected = torch.empty(stored_numel(PACKED, len(values)), dtype=torch.uint8)
+            rounding = random_bits(torch.arange(len(values)), 0) >> 24
+            INT8.encode_into(expected, was, code_map, rounding)
+            assert torch.equal(values, INT8.decode(expected, len(values), code_map)), (unit, kind)
         assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
 
 

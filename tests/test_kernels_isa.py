@@ -21,7 +21,8 @@ import torch
 
 from tiered.optim import compact, native
 from tiered.optim.adamw import AdamWHyper, _one_pass_scalars
-from tiered.optim.compact import QBLOCK, Run
+from tiered.optim.compact import Run
+from tiered.tiers.moments import PACKED, QBLOCK, stored_numel
 
 from helpers import REPO, clean_env, same_bits
 
@@ -98,7 +99,7 @@ def compact_steps(isa: str, grad_dtype, keeps_master: bool, moments: torch.dtype
     numel, first = 3 * QBLOCK * 4 + 45, QBLOCK
     master = torch.randn(numel, generator=generator)
     weights = master.bfloat16()
-    size = compact.packed_nbytes(numel) if moments is torch.uint8 else numel
+    size = stored_numel(PACKED, numel) if moments is torch.uint8 else numel
     exp_avg, exp_avg_sq = torch.zeros(size, dtype=moments), torch.zeros(size, dtype=moments)
     kept = master.clone() if keeps_master else None
     for number in range(1, 4):

@@ -18,7 +18,7 @@ from tiered.placement.plan import StateKind
 from tiered.planning.node import NodeRates
 from tiered.planning.report import StepTerms, step_terms
 from tiered.policy.config import Tier
-from tiered.tiers.moments import packed_nbytes
+from tiered.tiers.moments import PACKED, stored_numel
 
 from gpt import next_token_loss
 from helpers import REPO
@@ -201,7 +201,7 @@ def test_compact_states_move_their_own_bytes_on_the_drive(tmp_path):
     trained = [f.shard_numel for f in flats if f.has_trainable]
     every = sum(f.shard_numel for f in flats)
     terms = step_terms(engine.manager.plan, engine.policy, 1, RATES, False, 1)
-    states = sum(4 * n + 2 * packed_nbytes(n) for n in trained)
+    states = sum(4 * n + 2 * stored_numel(PACKED, n) for n in trained)
     assert terms.nvme == pytest.approx((4 * every + states) / 4e6
                                        + (2 * sum(trained) + states) / 1e6)
     assert terms.cpu_update == pytest.approx(sum(trained) / 2e6)

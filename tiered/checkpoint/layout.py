@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.tiled_linear import LinearTile
-from ..optim.compact import (FIRST_MOMENT, SECOND_MOMENT, CodeMap, dequantize, quantize_into,
-                             random_bits)
+from ..optim.compact import random_bits
 from ..placement.plan import StateKind
 from ..placement.units import ParamSpec
-from ..tiers.moments import PACKED, QBLOCK, QBLOCK_BYTES, packed_nbytes
+from ..tiers.moments import (FIRST_MOMENT, INT8, PACKED, QBLOCK, QBLOCK_BYTES, SECOND_MOMENT,
+                             CodeMap, stored_numel)
 from .format import CheckpointError, Reader
 
 
@@ -311,8 +311,9 @@ def _source(kind: StateKind, weights_alone: bool, pending: bool, has: _Saved) ->
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """How a state's dtype is named to a user: int8 for packed 8-bit moments."""
-    return "int8" if dtype is PACKED else str(dtype).removeprefix("torch.")
+    """How a state's dtype is named to a user: a moment's format name (int8 for packed codes),
+    else torch's."""
+    return INT8.name if dtype is PACKED else str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -352,10 +353,10 @@ class Read:
         return out
 
     def _fetch_packed(self) -> torch.Tensor:
-        out = torch.zeros(packed_nbytes(self.numel), dtype=PACKED)
+        out = torch.zeros(stored_numel(PACKED, self.numel), dtype=PACKED)
         whole = [(reader, name) for reader, name, at, count, start in self.pieces
                  if (at, count, start) == (0, self.numel, 0)
-                 and reader.entry(name).shape == (packed_nbytes(self.numel),)
+                 and reader.entry(name).shape == (stored_numel(PACKED, self.numel),)
                  and reader.entry(name).dtype is PACKED]
         if whole:  # this shard, saved packed: its bytes
             reader, name = whole[0]
@@ -365,7 +366,7 @@ class Read:
         # Rounded as every step rounds, with a stream of its own (key 0, no step has it).
         rounding = random_bits(torch.arange(self.numel), 0) >> 24
         assert self.code_map is not None  # a packed moment's read has its code map
-        quantize_into(out, values, self.code_map, rounding)
+        INT8.encode_into(out, values, self.code_map, rounding)
         return out
 
     def _decoded(self, reader: Reader, name: str, start: int, count: int) -> torch.Tensor:
@@ -374,7 +375,7 @@ class Read:
         codes = torch.empty((stop - first) * QBLOCK_BYTES, dtype=PACKED)
         reader.read(name, codes, start=first * QBLOCK_BYTES)
         assert self.code_map is not None
-        values = dequantize(codes, (stop - first) * QBLOCK, self.code_map)
+        values = INT8.decode(codes, (stop - first) * QBLOCK, self.code_map)
         return values[start - first * QBLOCK:start - first * QBLOCK + count]
 
 
@@ -382,7 +383,7 @@ def _saved_shape_ok(entry, size: int, source: str) -> bool:
     """Whether a saved state has the shape and dtype its kind may have: weights and masters
     any float (another compute dtype; bf16 masters), moments fp32, bf16 or packed."""
     if entry.dtype is PACKED:
-        return source in ("exp_avg", "exp_avg_sq") and entry.shape == (packed_nbytes(size),)
+        return source in ("exp_avg", "exp_avg_sq") and entry.shape == (stored_numel(PACKED, size),)
     if entry.shape != (size,):
         return False
     if source in ("param", "master"):

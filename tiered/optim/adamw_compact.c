@@ -21,8 +21,9 @@
 
 #include "adamw_kernel.h"
 
-#define QBLOCK 256
-#define QBLOCK_BYTES (QBLOCK + 4)
+#if !defined(QBLOCK) || !defined(QBLOCK_BYTES) || !defined(M_BIAS) || !defined(V_LARGEST)
+#error "the moments' format comes from tiered/tiers/moments.py: build through optim/native.py"
+#endif
 #define CHUNK 4096 /* elements a thread steps before it writes their weights out */
 #define SCALARS 9  /* per run: adamw._one_pass_scalars' 8, then 1 for a frozen run */
 
@@ -79,15 +80,6 @@ static inline float decode(uint32_t code, int bias, int is_signed, uint32_t nan_
                                    (is_signed ? (code & 0x80u) << 24 : 0u));
     return code == nan_code ? NAN : value;
 }
-
-#define M_BIAS 15
-#define M_MAX_CODE 0x7fu
-#define M_NAN 0x80u
-#define M_LARGEST 1.875f
-#define V_BIAS 31
-#define V_MAX_CODE 0xfeu
-#define V_NAN 0xffu
-#define V_LARGEST 1.75f
 
 /* How the moments are kept: fp32, bf16, or 8-bit blocks. */
 #define MOMENTS_f32 0

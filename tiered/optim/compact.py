@@ -1,4 +1,5 @@
-"""Compact optimizer states: the formats, the random stream, and the step in plain PyTorch.
+"""Compact optimizer states: why they round as they do, the random stream, and the step in plain
+PyTorch (the formats themselves, their layout and codes: tiers/moments.py).
 
 [Note: compact states]
 AdamW keeps 12 bytes per trained parameter beside the weights (fp32 master, two fp32 moments).
@@ -40,46 +41,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..tiers.moments import QBLOCK, QBLOCK_BYTES, packed_nbytes, stored_span
-from .native import native_compact_step
-
-MASK32 = 0xFFFFFFFF
-
-
-@dataclass(frozen=True)
-class CodeMap:
-    """An 8-bit float-like code: E exponent bits (bias ``bias``), 3 mantissa bits, perhaps a
-    sign; (8 + M) 2^(E - bias - 3) for E > 0, M 2^(-bias - 2) for E = 0 (evenly spaced down to
-    zero). ``max_code`` is the largest finite magnitude; ``nan_code`` stands for a NaN or
-    infinity."""
-
-    bias: int
-    signed: bool
-    max_code: int
-    nan_code: int
-
-    def values(self) -> torch.Tensor:
-        """Each code's value, as fp32 (exact: small integers times powers of two)."""
-        codes = torch.arange(256)
-        magnitude = codes & 0x7F if self.signed else codes
-        exponent, mantissa = magnitude >> 3, (magnitude & 7).double()
-        value = torch.where(exponent > 0, (8 + mantissa) * torch.exp2(exponent - self.bias - 3.0),
-                            mantissa * 2.0 ** (-self.bias - 2))
-        if self.signed:
-            value = torch.where(codes >= 0x80, -value, value)
-        value[self.nan_code] = float("nan")
-        return value.float()
-
-    @property
-    def largest(self) -> float:
-        """The largest finite value: what a block's largest magnitude becomes."""
-        return self.values()[self.max_code].item()
-
-
-FIRST_MOMENT = CodeMap(bias=15, signed=True, max_code=0x7F, nan_code=0x80)
-"""Signed, 1.875 down to 2^-17 (-0 is the NaN code)."""
-SECOND_MOMENT = CodeMap(bias=31, signed=False, max_code=0xFE, nan_code=0xFF)
-"""Unsigned, 1.75 down to 2^-33."""
+from ..tiers.moments import (FIRST_MOMENT, MASK32, QBLOCK, SECOND_MOMENT, divide, format_of,
+                             round_bf16_nearest, round_bf16_stochastic, stored_span)
+from . import native
 
 
 def stream_key(seed: int, unit: int, step: int) -> int:
@@ -98,84 +62,6 @@ def random_bits(index: torch.Tensor, key: int) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    """The fp32 tensor's bit patterns, as non-negative int64."""
-    return x.view(torch.int32).long() & MASK32
-
-
-def round_bf16_stochastic(x: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
-    """fp32 to bf16, rounded up with probability (dropped bits) / 2^16 by the random 16 bits
-    ``r16`` (8 random bits shifted up: in steps of 1/256); a NaN stays a quiet NaN."""
-    bits = _bits(x)
-    rounded = torch.where(torch.isnan(x), (bits >> 16) | 0x40, (bits + r16) >> 16)
-    return _as_int16(rounded).view(torch.bfloat16)
-
-
-def round_bf16_nearest(x: torch.Tensor) -> torch.Tensor:
-    """fp32 to bf16 to nearest even, as torch's cast, but a NaN kept with its sign and payload,
-    as the kernel does."""
-    bits = _bits(x)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    return _as_int16(torch.where(torch.isnan(x), (bits >> 16) | 0x40, rounded)).view(
-        torch.bfloat16)
-
-
-def _as_int16(values: torch.Tensor) -> torch.Tensor:
-    return (((values & 0xFFFF) ^ 0x8000) - 0x8000).to(torch.int16)
-
-
-def encode(x: torch.Tensor, code_map: CodeMap, r8: torch.Tensor) -> torch.Tensor:
-    """The codes of normalized fp32 values (magnitudes at most ``code_map.largest``, but for
-    rounding), rounded up with a probability in steps of 1/256 by 8 random bits each, as
-    int64."""
-    bias = code_map.bias
-    a = x.abs()
-    smallest_normal = 2.0 ** (1 - bias)
-    # Below the smallest normal code, a + 2^(1-bias) is an fp32 whose top 3 mantissa bits are
-    # the evenly spaced code, its exponent one more than a normal code's offset says.
-    below = a < smallest_normal
-    shifted = _bits(torch.where(below, a + smallest_normal, a))
-    offset = torch.where(below, 128 - bias, 127 - bias) << 3
-    code = (((shifted + (r8 << 12)) >> 20) - offset).clamp(max=code_map.max_code)
-    if code_map.signed:
-        code = torch.where((x < 0) & (code > 0), code | 0x80, code)
-    else:
-        code = torch.where((a > 0) & (code == 0), 1, code)
-    return torch.where(torch.isfinite(x), code, code_map.nan_code)
-
-
-def _blocks(packed: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views of a packed 8-bit moment: its codes (blocks x 256, uint8) and scales (fp32)."""
-    rows = packed[:packed_nbytes(numel)].view(-1, QBLOCK_BYTES)
-    return rows[:, :QBLOCK], rows[:, QBLOCK:].contiguous().view(torch.float32)[:, 0]
-
-
-def dequantize(packed: torch.Tensor, numel: int, code_map: CodeMap) -> torch.Tensor:
-    codes, scales = _blocks(packed, numel)
-    values = code_map.values().to(packed.device)[codes.long()] * scales[:, None]
-    return values.reshape(-1)[:numel]
-
-
-def quantize_into(packed: torch.Tensor, x: torch.Tensor, code_map: CodeMap,
-                  r8: torch.Tensor) -> None:
-    """Write fp32 ``x`` (a whole number of blocks, but for a unit's last) into ``packed``."""
-    numel = x.numel()
-    pad = -numel % QBLOCK
-    blocks = torch.nn.functional.pad(x, (0, pad)).view(-1, QBLOCK)
-    r8 = torch.nn.functional.pad(r8, (0, pad)).view(-1, QBLOCK)
-    finite = torch.where(torch.isfinite(blocks), blocks.abs(), 0.0)
-    largest = finite.amax(dim=1)
-    scales = _divide(largest, torch.tensor(code_map.largest, device=largest.device))
-    inverse = torch.where(scales > 0, (1.0 / scales).clamp(max=torch.finfo(torch.float32).max),
-                          0.0)
-    codes = encode(blocks * inverse[:, None], code_map, r8).to(torch.uint8)
-    rows = packed[:packed_nbytes(numel)].view(-1, QBLOCK_BYTES)
-    last = numel - (rows.shape[0] - 1) * QBLOCK  # a unit's last block may be partial: its
-    rows[:-1, :QBLOCK] = codes[:-1]              # padding keeps what it held
-    rows[-1, :last] = codes[-1, :last]
-    rows[:, QBLOCK:] = scales.view(-1, 1).view(torch.uint8)
-
-
 @dataclass(frozen=True)
 class Run:
     """Elements [start, stop) of a piece, of one param group: stepped with ``scalars``
@@ -184,23 +70,6 @@ class Run:
     start: int
     stop: int
     scalars: torch.Tensor | None
-
-
-def read_moment(state: torch.Tensor, numel: int, code_map: CodeMap) -> torch.Tensor:
-    """A stored moment of ``numel`` elements as fp32."""
-    if state.dtype is torch.uint8:
-        return dequantize(state, numel, code_map)
-    return state[:numel].float()
-
-
-def _write_moment(state: torch.Tensor, x: torch.Tensor, code_map: CodeMap,
-                  r8: torch.Tensor) -> None:
-    if state.dtype is torch.uint8:
-        quantize_into(state, x, code_map, r8)
-    elif state.dtype is torch.bfloat16:
-        state[:x.numel()] = round_bf16_stochastic(x, r8 << 8)
-    else:
-        state[:x.numel()] = x
 
 
 def reference_step(master: torch.Tensor | None, weights_in: torch.Tensor, grad: torch.Tensor,
@@ -214,8 +83,8 @@ def reference_step(master: torch.Tensor | None, weights_in: torch.Tensor, grad: 
     device = grad.device
     index = torch.arange(first, first + n, device=device)
     random = random_bits(index, key)
-    m_old = read_moment(exp_avg, n, FIRST_MOMENT)
-    v_old = read_moment(exp_avg_sq, n, SECOND_MOMENT)
+    m_old = format_of(exp_avg.dtype).decode(exp_avg, n, FIRST_MOMENT)
+    v_old = format_of(exp_avg_sq.dtype).decode(exp_avg_sq, n, SECOND_MOMENT)
     p_old = master[:n] if master is not None else weights_in[:n].float()
     m, v, p = m_old.clone(), v_old.clone(), p_old.clone()
     g_all = grad.float()
@@ -225,28 +94,21 @@ def reference_step(master: torch.Tensor | None, weights_in: torch.Tensor, grad: 
         here = slice(run.start, run.stop)
         decay, beta2, avg_weight, sq_weight, eps, step_size, bias2_sqrt, divisor = (
             run.scalars.to(device).unbind())
-        g = _divide(g_all[here], divisor)
+        g = divide(g_all[here], divisor)
         from_end = bool(avg_weight.abs() >= 0.5)
         lerp_by = -(1.0 - avg_weight) if from_end else avg_weight
         start = g if from_end else m_old[here]
         m[here] = start + lerp_by * (g - m_old[here])
         v[here] = v_old[here] * beta2 + g * (g * sq_weight)
         p[here] = p_old[here] * decay - step_size * m[here] / (
-            _divide(_sqrt(v[here]), bias2_sqrt) + eps)
-    _write_moment(exp_avg, m, FIRST_MOMENT, (random >> 16) & 0xFF)
-    _write_moment(exp_avg_sq, v, SECOND_MOMENT, random >> 24)
+            divide(_sqrt(v[here]), bias2_sqrt) + eps)
+    format_of(exp_avg.dtype).encode_into(exp_avg, m, FIRST_MOMENT, (random >> 16) & 0xFF)
+    format_of(exp_avg_sq.dtype).encode_into(exp_avg_sq, v, SECOND_MOMENT, random >> 24)
     if master is not None:
         master[:n] = p
         weights_out[:n] = round_bf16_nearest(p) if weights_out.dtype is torch.bfloat16 else p
     else:
         weights_out[:n] = round_bf16_stochastic(p, random & 0xFFFF)
-
-
-def _divide(x: torch.Tensor, divisor: torch.Tensor) -> torch.Tensor:
-    """``x / divisor`` divided, as the kernel does: torch multiplies by the reciprocal when the
-    divisor is a one-element tensor or a Python number (on the CPU and on CUDA), which differs
-    in the last bit."""
-    return x / divisor.expand_as(x)
 
 
 def _sqrt(x: torch.Tensor) -> torch.Tensor:
@@ -275,8 +137,8 @@ def compact_step(master: torch.Tensor | None, weights_in: torch.Tensor, grad: to
                if t is not None]
     kernel = None
     if grad.device.type == "cpu" and all(t.is_contiguous() for t in tensors):
-        kernel = native_compact_step(grad.dtype, weights_out.dtype, master is not None,
-                                     exp_avg.dtype)
+        kernel = native.native_compact_step(grad.dtype, weights_out.dtype, master is not None,
+                                            exp_avg.dtype)
     if kernel is None:
         _reference_in_chunks(master, weights_in, grad, exp_avg, exp_avg_sq, weights_out, first,
                              runs, key)

@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from ..core.version import cache_folder
+from ..tiers.moments import kernel_defines
 
 SOURCES = tuple(os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
                 for name in ("adamw_one_pass.c", "adamw_compact.c"))
@@ -177,7 +178,7 @@ def build(isa: str) -> str:
     for source in (*SOURCES, *HEADERS):  # the library's name changes with any of them
         with open(source, "rb") as file:
             sources.append(file.read())
-    flags = (*FLAGS, *INSTRUCTION_SETS[isa])
+    flags = (*FLAGS, *INSTRUCTION_SETS[isa], *kernel_defines())
     key = hashlib.sha256(b"\0".join([*sources, " ".join(flags).encode(), version.encode(),
                                      _cpu().encode()])).hexdigest()[:16]
     folder = os.path.join(cache_folder(), "kernels")

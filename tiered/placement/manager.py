@@ -10,7 +10,6 @@ It knows nothing of modules or autograd, so the per-node daemon can host it late
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -24,7 +23,7 @@ from ..policy.config import Device, Policy, Tier
 from ..tiers import DramTier, HbmTier, NvmeShard, NvmeTier, PinnedSlabSource, SlabSource
 from ..tiers.aio import IoSettings
 from ..tiers.dram import BLOCK_ALIGN, default_budget
-from ..tiers.moments import PACKED, QBLOCK_BYTES
+from ..tiers.moments import stored_granule
 from ..tiers.nvme import free_bytes
 from .plan import Buffer, MemoryPlan, StateKind
 
@@ -61,20 +60,12 @@ def typed(block: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
     return block.view(dtype)[:numel]
 
 
-def _granule(dtype: torch.dtype) -> int:
-    """Elements of ``dtype`` a piece of a state starts on a multiple of: a 4 KiB block of its
-    extent (O_DIRECT), and for packed 8-bit moments also a block of codes, so that each piece
-    can be decoded alone (tiers/moments.py)."""
-    granule = BLOCK_ALIGN // dtype.itemsize
-    return math.lcm(granule, QBLOCK_BYTES) if dtype is PACKED else granule
-
-
 def _pieces(shard: "Shard", block: torch.Tensor):
     """(first element, elements, byte offset, bytes to move) of each piece of an NVMe shard
     that fits ``block``; byte counts round up to whole 4 KiB blocks (the extent has them)."""
     itemsize = shard.dtype.itemsize
     room = block.numel() // itemsize
-    granule = _granule(shard.dtype)
+    granule = stored_granule(shard.dtype)
     most = room if shard.numel <= room else room // granule * granule
     for start, numel in even_pieces(shard.numel, most, granule):
         yield start, numel, start * itemsize, align_up(numel * itemsize, BLOCK_ALIGN)
@@ -323,7 +314,7 @@ class TierManager:
         of codes, for packed 8-bit moments."""
         shard = self.shards[(unit, kind)]
         if shard.resident is not None:
-            granule = _granule(shard.dtype)
+            granule = stored_granule(shard.dtype)
             step = max(granule, max_bytes // shard.dtype.itemsize // granule * granule)
             for start in range(0, shard.numel, step):
                 yield start, shard.resident[start:start + step].cpu()

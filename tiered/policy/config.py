@@ -18,7 +18,7 @@ import torch
 
 from ..core.errors import PolicyError
 from ..core.sizes import parse_size
-from ..tiers.moments import PACKED, piece_granule
+from ..tiers.moments import FORMATS, piece_granule
 from .deepspeed import read_policy_file
 from .schema import build, merge, plain_value_in, plain_value_message
 from .values import (as_betas, as_bool, as_class_names, as_norm_bound, as_number, as_path,
@@ -61,7 +61,7 @@ class MomentsDtype(str, enum.Enum):
     @property
     def torch_dtype(self) -> torch.dtype:
         """What the tiers hold a moment in (int8: packed codes and scales, tiers/moments.py)."""
-        return {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": PACKED}[self.value]
+        return FORMATS[self.value].dtype
 
 
 class MasterDtype(str, enum.Enum):
