@@ -35,7 +35,7 @@ import inspect
 import os
 import warnings
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -210,7 +210,13 @@ def reference_refusals(args, model: nn.Module, reference: nn.Module | None) -> l
     return refused
 
 
-class TieredTrainerMixin:
+if TYPE_CHECKING:  # the mixin's methods read Trainer's attributes; transformers is optional
+    from transformers import Trainer as _TrainerBase
+else:
+    _TrainerBase = object
+
+
+class TieredTrainerMixin(_TrainerBase):
     """Makes a ``transformers.Trainer`` subclass train through a tiered engine (see [Note:
     Trainer over the engine]): ``class MySFT(TieredTrainerMixin, SFTTrainer)``.
 
@@ -321,7 +327,9 @@ class TieredTrainerMixin:
     def _load_best_model(self) -> None:
         """``load_best_model_at_end``: the best checkpoint's weights and states, from the
         engine's own checkpoint (not its export, rounded to the model's dtype)."""
-        self._load_engine_checkpoint(self.state.best_model_checkpoint)
+        best = self.state.best_model_checkpoint
+        assert best is not None, "Trainer loads the best model only once it has one"
+        self._load_engine_checkpoint(best)
 
     def _load_engine_checkpoint(self, folder: str) -> None:
         """The engine's checkpoint in one of Trainer's folders, which it then gives up."""
@@ -353,10 +361,14 @@ class TieredTrainerMixin:
         and ``adapter_config.json``, for ``PeftModel.from_pretrained``). Every rank must call it
         (each gathers its shards); rank 0 writes."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if peft_base_of(self.model) is not None:
+        if output_dir is None:
+            raise TieredError("save_model needs a folder: pass output_dir, or set it in the "
+                              "TrainingArguments")
+        model: Any = self.model  # a PeftModel here, whose save_pretrained takes the adapters
+        if peft_base_of(model) is not None:
             adapters = _trainable_state(self.engine)
-            self.model.save_pretrained(output_dir, state_dict=adapters,
-                                       is_main_process=self.args.should_save)
+            model.save_pretrained(output_dir, state_dict=adapters,
+                                  is_main_process=self.args.should_save)
         else:  # with the config and generation config
             self.engine.save_pretrained(output_dir, dtype=_weights_dtype(self.engine))
         if not self.args.should_save:
@@ -483,7 +495,9 @@ class _EngineLossScale:
         return self.engine.scaled_loss(loss)
 
     def get_scale(self) -> float:
-        return self.engine.scaler.scale
+        scaler = self.engine.scaler
+        assert scaler is not None, "accelerate scales only an fp16 engine's loss"
+        return scaler.scale
 
     def unscale_(self, optimizer) -> None:
         raise TieredError("the engine unscales fp16 gradients inside its update, and clips "
