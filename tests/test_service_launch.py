@@ -217,10 +217,13 @@ def test_a_killed_launchers_job_is_kept_then_freed_and_its_service_exits(alone, 
     it, the job counts as failed and its state is kept for --keep-failed; then the service
     frees it and, having been started for it, exits, leaving no process and no socket. A
     relaunch of the same job at another world size meanwhile is refused, and one with --fresh
-    is told that its kept state was freed. Alone: the relaunches must come within the keep
-    time, and the ranks' exits have taken long on a busy machine."""
+    is told that its kept state was freed. Alone: the ranks' exits have taken long on a busy
+    machine."""
     stdout = open(tmp_path / "stdout", "w+")
-    launcher = launch(folder, "--nproc-per-node", 2, "--job", "killed", "--keep-failed", 8,
+    # Kept 60 s: both relaunches must come within it, and each is a launcher's and a rank's
+    # start (seconds alone, over 8 on a loaded 2-core machine, where the --fresh one then
+    # found the job already freed and had nothing to say). The job is freed by --fresh.
+    launcher = launch(folder, "--nproc-per-node", 2, "--job", "killed", "--keep-failed", 60,
                       "--policy", CONFIGS / "cpu.yaml", EXAMPLE, *SMALL, "--steps", 1_000_000,
                       stdout=stdout, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -242,7 +245,7 @@ def test_a_killed_launchers_job_is_kept_then_freed_and_its_service_exits(alone, 
     job = service_status(folder)["jobs"][0]
     assert (job["name"], job["state"], job["launcher"]) == ("killed", "failed", None)
     assert not any(rank["attached"] for rank in job["ranks"])
-    assert 0 < job["freed_in_seconds"] <= 8
+    assert 0 < job["freed_in_seconds"] <= 60
 
     # Relaunched within the keep time at another world size: refused in one line, nothing
     # freed; with --fresh, a fresh start (tests/test_reattach.py relaunches it as it was).
