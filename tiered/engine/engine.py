@@ -5,7 +5,6 @@ import contextlib
 import logging
 import os
 import sys
-import warnings
 import weakref
 from collections import OrderedDict
 from functools import partial
@@ -14,9 +13,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import checkpoint, export, pretrained
-from ..core.errors import PolicyError, TieredError
-from ..core.timeline import Timeline
-from ..device import accelerator_for
+from ..core.errors import TieredError
 from ..ops.tiled_linear import merge_tiles, tile_large_linears, tiled_layers, untile
 from ..optim.adamw import one_pass_for
 from ..optim.groups import shard_ranges
@@ -26,8 +23,8 @@ from ..placement.plan import grad_dtypes, state_kinds
 from ..planning.node import cached_node_rates
 from ..planning.planner import hbm_reserve, place_units
 from ..planning.report import PlanReport, plan_report
-from ..policy.config import Device, Policy, Tier, resolve
-from ..service.client import ServiceSlabSource, slab_source_from_env
+from ..policy.config import Policy, Tier, resolve
+from ..service.client import ServiceSlabSource
 from ..service.remote_nvme import ServiceNvme
 from ..tiers import NvmeTier, SlabSource
 from . import process_exit, reattach
@@ -40,6 +37,8 @@ from .init import Materializer, init_context_of
 from .loss_scale import LossScaler
 from .optimizer import TieredAdamW
 from .runtime import UnitRuntime
+from .setup import (compute_device, rank_timeline, ranks_on_this_node, service_source,
+                    warn_unmatched)
 
 LAUNCHED_ENV = "TIERED_LAUNCHED"
 """Set by ``tiered-launch`` in each rank's environment."""
@@ -413,10 +412,10 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
         # Before anything is made on disk: a SIGTERM during set-up (torchrun's, when another
         # rank fails) must unwind through the cleanup below, not kill the process past it.
         process_exit.exit_cleanly_on_sigterm()
-    device = _compute_device(policy)
+    device = compute_device(policy)
     process_exit.init_distributed(device)
     group = ProcessGroup.current(device)
-    timeline = _timeline(policy, device, group)
+    timeline = rank_timeline(policy, device, group)
 
     state_dict_keys = list(model.state_dict().keys())
     tiled = (tile_large_linears(model, policy.tiling.max_unit_bytes,
@@ -428,12 +427,12 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
         if not flats:
             raise TieredError("the model has no parameters to train")
         ranges = shard_ranges(flats, policy.optimizer.param_groups)  # one matching nothing fails
-        source = dram_source or _service_source(policy, device, group)
+        source = dram_source or service_source(policy, device, group)
         kept = source.kept if isinstance(source, ServiceSlabSource) else None
         if weights is not None and kept is None:  # checked before anything large is allocated
             start_weights = pretrained.open_weights(weights, flats, model, state_dict_keys,
                                                     strict, group)
-        local_ranks = _ranks_on_this_node(group)
+        local_ranks = ranks_on_this_node(group)
         # Whether the node's service runs this rank's CPU work (service/hosting.py).
         hosted = (isinstance(source, ServiceSlabSource)
                   and hostable_in_service(policy, local_ranks, group.world_size))
@@ -485,7 +484,7 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
         place_buffers(model, policy.compute_dtype.torch_dtype, group)
         if start_weights is not None:
             start_weights.load_buffers(model)
-            _warn_unmatched(start_weights.result, start_weights.source.where)
+            warn_unmatched(start_weights.result, start_weights.source.where)
         runtime, optimizer, scaler = assemble(
             flats, manager, group, policy, worker, timeline, ranges, one_pass,
             InService(source, threads, reattach.StepRecorder(model, state_dict_keys, device))
@@ -513,45 +512,6 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
     return engine, optimizer
 
 
-def _warn_unmatched(result: pretrained.LoadResult, where: str) -> None:
-    missing, unexpected = result
-    if missing:
-        warnings.warn(f"tiered: {len(missing)} parameters, buffers or extra states are not in "
-                      f"{where}; they start as the model initializes them: "
-                      f"{pretrained.listing(missing)}", stacklevel=3)
-    if unexpected:
-        warnings.warn(f"tiered: {len(unexpected)} tensors of {where} are not in the model and "
-                      f"were not read: {pretrained.listing(unexpected)}", stacklevel=3)
-
-
-def _service_source(policy: Policy, device: torch.device,
-                    group: ProcessGroup) -> SlabSource | None:
-    """The node's service's DRAM, when the environment names one (service/client.py)."""
-    source = slab_source_from_env(group.rank, group.world_size, accelerator_for(device))
-    if source is not None:
-        if source.note:
-            warnings.warn(f"tiered: {source.note}", stacklevel=3)
-        if policy.dram.huge_pages:
-            warnings.warn("tiered: dram.huge_pages applies to memory a trainer pins itself; "
-                          "the service's segments use the pages the service got", stacklevel=3)
-    return source
-
-
-def _compute_device(policy: Policy) -> torch.device:
-    """CUDA device LOCAL_RANK, or the CPU, which then plays the device ("hbm" is its memory)."""
-    if policy.device is Device.CPU or (policy.device is Device.AUTO
-                                       and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise PolicyError("device is 'cuda' but torch sees no CUDA device; use device: auto or cpu")
-    # torchrun says which GPU is this rank's; otherwise respect torch.cuda.set_device.
-    local_rank = os.environ.get("LOCAL_RANK")
-    device = torch.device("cuda", int(local_rank) if local_rank is not None
-                          else torch.cuda.current_device())
-    torch.cuda.set_device(device)
-    return device
-
-
 def _shut_down(runtime: UnitRuntime, clean: bool = False) -> None:
     """Free what the engine holds: at ``close()`` (``clean`` when its update ended well: a
     service then frees this rank's part of the job at once, see SlabSource.close), when the
@@ -577,24 +537,3 @@ def _shut_down(runtime: UnitRuntime, clean: bool = False) -> None:
     # tier's, and the model's attributes would keep it as long as the model lives.
     runtime.gatherer.release_all()
     runtime.manager.close(clean)
-
-
-def _ranks_on_this_node(group: ProcessGroup) -> int:
-    """The ranks sharing this node's memory and drives: torchrun's LOCAL_WORLD_SIZE, else every
-    rank of the group (processes started another way on one node)."""
-    return min(int(os.environ.get("LOCAL_WORLD_SIZE", group.world_size)), group.world_size)
-
-
-def _timeline(policy: Policy, device: torch.device, group: ProcessGroup) -> Timeline:
-    """This rank's timeline, checked first: a trace folder that is missing must not cost a
-    whole run before it is noticed. Every rank refuses if one does, so none waits in a
-    collective for it."""
-    try:
-        timeline, refused = Timeline.for_rank(policy.trace.path, device, group.rank,
-                                              group.world_size), None
-    except PolicyError as error:
-        timeline, refused = None, error
-    if not group.agree(refused is None):
-        raise refused or PolicyError("another rank cannot write its timeline (trace.path or "
-                                     "TIERED_TRACE): see that rank's error")
-    return timeline

@@ -44,7 +44,7 @@ state (buffers.py).
 from __future__ import annotations
 
 from enum import Enum
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
