@@ -76,6 +76,7 @@ def policy_from_args(policy_file: str | None, nvme: str | None):
     overrides = {"nvme": {"path": os.path.abspath(os.path.expanduser(nvme))}} if nvme else {}
     policy = resolve(policy_file, overrides)
     if policy.uses_nvme:
+        assert policy.nvme.path is not None  # a policy that uses NVMe names its path
         try:
             check_nvme_path(policy.nvme.path)
         except NvmeError as e:

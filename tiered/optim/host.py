@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
+from typing import Protocol
 from functools import partial
 
 import torch
@@ -27,6 +28,15 @@ from .groups import GroupRange
 from .norm import squared_norm
 from .stepper import UnitStepper
 from .workers import CpuWorker
+
+
+class HostGroup(Protocol):
+    """The data-parallel group as the host takes the global norm over it: the engine's
+    ProcessGroup.on_host() in the trainer, a rank's seat in the node's service."""
+
+    device: torch.device
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -45,7 +55,7 @@ class HostSetup:
     one_pass: OnePassAdamW | None
     optimizer: OptimizerPolicy
     """The policy's optimizer section: how states are stored, streamed and rounded."""
-    norm_group: object
+    norm_group: HostGroup
     """The data-parallel group on the host (ProcessGroup.on_host), for the global norm."""
     max_grad_norm: float | None
     fp16: bool
@@ -134,6 +144,7 @@ class RankHost:
             return command.tensor
         if command.first:
             return self.manager.grad_buffer(command.unit, command.dtype)[:command.numel]
+        assert command.landing is not None, "a later gradient comes in a landing buffer"
         return typed(self.manager.staging_block(command.landing), command.numel, command.dtype)
 
     def _add(self, unit: int, shard: torch.Tensor) -> None:
@@ -141,8 +152,10 @@ class RankHost:
         one first), or a compact buffer as it is (see [Note: gradient states])."""
         buffer_dtype = self.setup.buffer_dtype
         with self.setup.timeline.span(f"add grad {self.setup.names[unit]}", "cpu"):
-            if self.dtype[unit] is not buffer_dtype:
-                pending = self.manager.grad_buffer(unit, self.dtype[unit]).clone()
+            held = self.dtype[unit]
+            assert held is not None, f"unit {unit}: a later gradient before any first"
+            if held is not buffer_dtype:
+                pending = self.manager.grad_buffer(unit, held).clone()
                 self.manager.grad_buffer(unit, torch.float32).copy_(pending)
             self.manager.grad_buffer(unit, buffer_dtype).add_(shard)
             self.dtype[unit] = buffer_dtype
@@ -174,7 +187,9 @@ class RankHost:
     def read(self, unit: int) -> torch.Tensor:
         """Unit ``unit``'s gradient as it is held (pending or compact in the compute dtype, or
         fp32)."""
-        return self.manager.grad_buffer(unit, self.dtype[unit])
+        dtype = self.dtype[unit]
+        assert dtype is not None, f"unit {unit} holds no gradient to read"
+        return self.manager.grad_buffer(unit, dtype)
 
     def consumed(self, unit: int) -> None:
         """An update has read unit ``unit``'s gradient; its buffer may be refilled."""
@@ -216,6 +231,7 @@ class RankHost:
         while self._ready and not (until_more_arrive and self._last_queued):
             unit = min(self._ready, key=lambda i: rank.get(i, len(rank)))  # ties: arrival
             self._ready.remove(unit)
+            assert last.hypers is not None  # a backward that steps units carries their hypers
             self.stepper.step([unit], last.hypers, 1.0, False)  # run, also on a GPU
             self.events.weights_written([unit])
 
