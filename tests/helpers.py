@@ -210,3 +210,13 @@ def train_reference(policy: Policy) -> dict[str, torch.Tensor]:
         optimizer.step()
         optimizer.zero_grad()
     return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def run_script(code: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter, from the repository: what it finds may be a crash of
+    the process."""
+    paths = [str(REPO), str(REPO / "tests"), str(REPO / "examples")]
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=REPO, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+                              paths + [os.environ.get("PYTHONPATH", "")])))

@@ -7,14 +7,15 @@ fp32 compute on the CPU; each rank takes its part of every batch, gradients aver
 """
 from __future__ import annotations
 
+import copy
 from fnmatch import fnmatchcase
 
 import torch
 from torch import nn
 
 import tiered
-from tiered.tiers.moments import FIRST_MOMENT, SECOND_MOMENT, format_of
 from tiered.placement.plan import StateKind
+from tiered.tiers.moments import FIRST_MOMENT, SECOND_MOMENT, format_of
 
 from gpt import GPT, LoRALinear, add_lora, next_token_loss
 
@@ -319,3 +320,26 @@ class Stack(nn.Module):
 def vectors(count: int, seed: int = 1) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(4, 8, generator=g) for _ in range(count)]
+
+
+# -- an fp32 CPU engine beside plain PyTorch, as a user's loop drives them ----------------------
+
+def engine_and_reference(model: nn.Module, **overrides):
+    """An fp32 CPU engine and plain PyTorch + torch.optim.AdamW from the same weights."""
+    reference = copy.deepcopy(model)
+    engine, optimizer = fp32_engine(model, **overrides)
+    return engine, optimizer, reference, reference_optimizer(reference)
+
+
+def assert_engine_matches(engine, reference: nn.Module) -> None:
+    """The engine's weights are the reference's, name by name, to fp32 rounding."""
+    state, expected = engine.full_state_dict(), reference.state_dict()
+    assert list(state) == list(expected)
+    for name in expected:
+        torch.testing.assert_close(state[name], expected[name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+def lm_loss(model, seed: int) -> torch.Tensor:
+    idx = batch(seed)
+    return next_token_loss(model(idx), idx)
