@@ -37,17 +37,13 @@ import torch
 import tiered
 from tiered.placement.plan import StateKind
 
-from gpt import GPT, next_token_loss
+from gpt import next_token_loss
+from helpers_models import make_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_YAML = os.path.join(REPO, "configs", "cpu.yaml")
 VOCAB, SEQ = 64, 16
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.1
-
-
-def make_gpt() -> GPT:
-    torch.manual_seed(0)
-    return GPT(VOCAB, 32, 2, 2, max_seq=SEQ, tied=True, qkv_bias=False)
 
 
 def batches(count: int, seed: int):
@@ -153,7 +149,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_bf16_engine_matches_plain_torch_with_the_same_rounding_at_the_bit(case):
     schedule, optimizer_policy = CASES[case]
-    model = make_gpt()
+    model = make_model()
     reference = Reference(model)
     engine, optimizer = tiered.initialize(
         model, CPU_YAML, device="cpu",
@@ -185,7 +181,7 @@ def test_bf16_engine_matches_plain_torch_with_the_same_rounding_at_the_bit(case)
     state = engine.full_state_dict()
     engine.close()
     # Weight decay and the update moved every master: the comparison is not of unchanged weights.
-    initial = make_gpt().state_dict()
+    initial = make_model().state_dict()
     for name, value in reference.master.items():
         assert torch.equal(state[name], value), name
         assert not torch.equal(value, initial[name]), name

@@ -3,6 +3,7 @@ flight] in tiered/engine/gradients.py)."""
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import threading
 
@@ -13,15 +14,12 @@ import tiered
 from tiered.core.errors import BudgetError
 from tiered.placement.plan import GRAD_LANDING_SLOTS
 
-from gpt import GPT, next_token_loss
+from gpt import next_token_loss
 from helpers import REPO, run_with_deadline
-from helpers_models import OPTIM, SEQ, VOCAB, assert_parity, token_batches
+from helpers_models import OPTIM, assert_parity, make_gpt, token_batches
 
-
-def make_gpt() -> GPT:
-    """More units than gradients may be in flight at once."""
-    torch.manual_seed(0)
-    return GPT(VOCAB, 32, 6, 2, max_seq=SEQ, tied=True, qkv_bias=False)
+six_blocks = functools.partial(make_gpt, 6, qkv_bias=False)
+"""More units than gradients may be in flight at once."""
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -29,7 +27,7 @@ def test_backward_does_not_wait_for_a_busy_worker(device):
     # The worker's queue may hold a whole update ahead of the gradients (the delayed update's,
     # or units stepped on arrival). Backward waits for a unit's buffer, and for the GPU to copy
     # gradients out, but never for the worker to take them in.
-    model = make_gpt()
+    model = six_blocks()
     reference = copy.deepcopy(model).to(device)
     engine, optimizer = tiered.initialize(model, os.path.join(REPO, "configs", "cpu.yaml"),
                                           compute_dtype="fp32", device=device, optimizer=OPTIM)
@@ -54,7 +52,7 @@ def test_backward_does_not_wait_for_a_busy_worker(device):
 def test_a_gradient_refused_by_the_budget_leaves_the_count_as_it_was():
     # Fault injection: the plan leaves room for every gradient, so only a fault can refuse one;
     # the bytes it never got must not be given back (the next release would fail its check).
-    engine, _ = tiered.initialize(make_gpt(), os.path.join(REPO, "configs", "cpu.yaml"),
+    engine, _ = tiered.initialize(six_blocks(), os.path.join(REPO, "configs", "cpu.yaml"),
                                   compute_dtype="fp32", device="cpu", optimizer=OPTIM)
     usage = engine.runtime.grads.usage
     acquire = usage.acquire

@@ -2,21 +2,18 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
 
 import tiered
 
-from gpt import GPT, next_token_loss
-from helpers_models import SkippingGPT, assert_parity, reference_optimizer, train_both
+from gpt import next_token_loss
+from helpers_models import SkippingGPT, assert_parity, make_gpt, reference_optimizer, train_both
 
 VOCAB, SEQ = 64, 16
-
-
-def make_gpt(layers: int = 4) -> GPT:
-    torch.manual_seed(0)
-    return GPT(VOCAB, 32, layers, 2, max_seq=SEQ, tied=True, qkv_bias=False)
+four_blocks = functools.partial(make_gpt, 4, qkv_bias=False)
 
 
 class Recorder:
@@ -51,7 +48,7 @@ def step(engine, optimizer, seed):
 @pytest.mark.parametrize("policy", ["cpu", "nvme"])
 def test_later_steps_gather_ahead_in_trace_order_within_the_limit(policy, tmp_path):
     engine, optimizer = tiered.initialize(
-        make_gpt(), f"configs/{policy}.yaml", device="cpu", compute_dtype="fp32",
+        four_blocks(), f"configs/{policy}.yaml", device="cpu", compute_dtype="fp32",
         nvme={"path": str(tmp_path)})
     sizes = [f.gathered_bytes for f in engine.runtime.flats]
     limit = engine.runtime.prefetcher.limit
@@ -94,10 +91,10 @@ def test_later_steps_gather_ahead_in_trace_order_within_the_limit(policy, tmp_pa
 
 
 def test_limit_smaller_than_two_units_prefetches_one_at_a_time():
-    probe, _ = tiered.initialize(make_gpt(), "configs/cpu.yaml", device="cpu")
+    probe, _ = tiered.initialize(four_blocks(), "configs/cpu.yaml", device="cpu")
     block = probe.runtime.flats[0].gathered_bytes
     probe.close()
-    engine, optimizer = tiered.initialize(make_gpt(), "configs/cpu.yaml", device="cpu",
+    engine, optimizer = tiered.initialize(four_blocks(), "configs/cpu.yaml", device="cpu",
                                           prefetch={"hbm_bytes": block + block // 2})
     recorder = Recorder(engine)
     for seed in range(3):
@@ -108,7 +105,7 @@ def test_limit_smaller_than_two_units_prefetches_one_at_a_time():
 
 
 def test_prefetch_off_gathers_only_on_demand():
-    engine, optimizer = tiered.initialize(make_gpt(), "configs/cpu.yaml", device="cpu",
+    engine, optimizer = tiered.initialize(four_blocks(), "configs/cpu.yaml", device="cpu",
                                           prefetch={"enabled": False})
     recorder = Recorder(engine)
     for seed in range(3):
@@ -135,7 +132,7 @@ def test_changing_control_flow_stops_prefetch_and_stays_correct():
 
 
 def test_unused_prefetches_are_released_at_the_end_of_the_iteration():
-    engine, optimizer = tiered.initialize(make_gpt(), "configs/cpu.yaml", device="cpu")
+    engine, optimizer = tiered.initialize(four_blocks(), "configs/cpu.yaml", device="cpu")
     for seed in range(2):
         step(engine, optimizer, seed)
     idx = torch.randint(0, VOCAB, (4, SEQ))
@@ -156,7 +153,7 @@ def test_the_halves_of_a_split_module_count_as_one_need_ahead():
     moved = {}
     for split in (True, False):
         engine, optimizer = tiered.initialize(
-            add_lora(make_gpt(), 4), "configs/cpu.yaml", device="cpu", compute_dtype="fp32",
+            add_lora(four_blocks(), 4), "configs/cpu.yaml", device="cpu", compute_dtype="fp32",
             units={"split_frozen": split})
         sizes = {f.spec.index: f.gathered_bytes for f in engine.runtime.flats}
         recorder = Recorder(engine)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import os
 
 import pytest
@@ -14,15 +15,12 @@ from tiered.tiers.moments import PACKED, piece_granule
 from tiered.tiers.nvme import SPARE_EXTENTS, nvme_bytes
 
 from gpt import GPT
-from helpers_models import assert_parity, reference_optimizer, train_both
+from helpers_models import assert_parity, make_gpt, reference_optimizer, train_both
+
+four_blocks = functools.partial(make_gpt, 4, qkv_bias=False)
 
 
-def make_gpt() -> GPT:
-    torch.manual_seed(0)
-    return GPT(64, 32, 4, 2, max_seq=16, tied=True, qkv_bias=False)
-
-
-def plan_for(policy: Policy, dram_available: int | None = None, model=make_gpt):
+def plan_for(policy: Policy, dram_available: int | None = None, model=four_blocks):
     engine, _ = tiered.initialize(model(), policy.replace(dram={"spill": None}))
     flats = engine.runtime.flats
     args = ([f.shard_numel for f in flats], [f.padded_numel for f in flats],
@@ -49,7 +47,7 @@ def test_part_of_the_optimizer_spills_and_training_matches_pytorch(tmp_path):
     optimizer_bytes = sum(b.nbytes for (u, k), b in plan_for(spill_policy(tmp_path)).shards.items()
                           if k in (StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ))
     budget = everything - optimizer_bytes // 2  # about half the optimizer states must move
-    model = make_gpt()
+    model = four_blocks()
     reference = copy.deepcopy(model)
     engine, optimizer = tiered.initialize(model, spill_policy(tmp_path, budget=budget))
     masters = tiers_of(engine, StateKind.MASTER)
@@ -74,7 +72,7 @@ def test_weights_spill_after_the_optimizer(tmp_path):
     params = sum(b.nbytes for (u, k), b in plan.shards.items() if k is StateKind.PARAM)
     # Room for the gradients, the staging, and a little under half the weights.
     budget = plan_for(policy, dram_available=grads + params // 2).needed(Tier.DRAM)
-    model = make_gpt()
+    model = four_blocks()
     reference = copy.deepcopy(model)
     engine, optimizer = tiered.initialize(model, spill_policy(tmp_path, budget=budget))
     assert set(tiers_of(engine, StateKind.MASTER)) == {"nvme"}
@@ -87,7 +85,7 @@ def test_weights_spill_after_the_optimizer(tmp_path):
 
 
 def test_nothing_spills_when_dram_has_room(tmp_path):
-    engine, _ = tiered.initialize(make_gpt(), spill_policy(tmp_path, budget="1GiB"))
+    engine, _ = tiered.initialize(four_blocks(), spill_policy(tmp_path, budget="1GiB"))
     assert set(tiers_of(engine, StateKind.MASTER)) == {"dram"}
     assert engine.memory_report()["nvme"]["current"] == 0
     engine.close()
@@ -95,7 +93,7 @@ def test_nothing_spills_when_dram_has_room(tmp_path):
 
 def test_gradients_that_do_not_fit_fail_in_initialize(tmp_path):
     with pytest.raises(tiered.BudgetError) as error:
-        tiered.initialize(make_gpt(), spill_policy(tmp_path, budget=8192))
+        tiered.initialize(four_blocks(), spill_policy(tmp_path, budget=8192))
     assert "dram" in error.value.shortfalls
 
 
