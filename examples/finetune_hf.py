@@ -24,12 +24,13 @@ from tiered.integrations.transformers import TieredTrainer, load_model
 
 def char_tokenizer() -> PreTrainedTokenizerFast:
     """Characters of printable ASCII, each a token (and pad, end, unknown)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     printable = [chr(code) for code in range(32, 127)] + ["\n"]
     vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(printable)}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer.decoder = decoders.Fuse()  # characters back into the text, not joined by spaces
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>",
                                    eos_token="<eos>", unk_token="<unk>")
 

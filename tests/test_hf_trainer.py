@@ -464,3 +464,14 @@ def test_load_best_model_at_end_takes_the_best_checkpoints_states(tmp_path, monk
     trainer.engine.close()
     exported = transformers.LlamaForCausalLM.from_pretrained(best).state_dict()
     assert all(torch.equal(state[name], value) for name, value in exported.items())
+
+
+def test_the_examples_tokenizer_decodes_the_text_it_encoded(tmp_path):
+    """The example's character tokenizer gives back the text, not its characters joined by
+    spaces ("d e f   m a i n"), also once saved and loaded as a checkpoint's tokenizer is."""
+    text = "def main():\n    return {'a': 1}  # the end\n"
+    tokenizer = char_tokenizer()
+    ids = tokenizer(text)["input_ids"]
+    assert len(ids) == len(text) and tokenizer.decode(ids) == text
+    tokenizer.save_pretrained(tmp_path)
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path).decode(ids) == text
