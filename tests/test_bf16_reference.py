@@ -152,7 +152,7 @@ def test_bf16_engine_matches_plain_torch_with_the_same_rounding_at_the_bit(case)
     model = make_model()
     reference = Reference(model)
     engine, optimizer = tiered.initialize(
-        model, CPU_YAML, device="cpu",
+        model, CPU_YAML, device="cpu", compute_dtype="bf16",
         optimizer={"lr": LR, "betas": list(BETAS), "eps": EPS, "weight_decay": WD,
                    **optimizer_policy})
     assert engine.policy.compute_dtype.torch_dtype is torch.bfloat16

@@ -44,6 +44,9 @@ from tiered.policy.config import Policy, Tier
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CPU_YAML = os.path.join(REPO, "configs", "cpu.yaml")
 GPU_YAML = os.path.join(REPO, "configs", "gpu.yaml")
+BF16 = {"compute_dtype": "bf16"}
+"""The hand arithmetic counts 2-byte weights: the configs' compute_dtype auto is fp32 on a CPU
+without native bf16."""
 
 W = 64
 HIDDEN = (32, 128, 64, 96)
@@ -162,7 +165,7 @@ def test_the_plan_is_the_arithmetic_of_the_model(name, path, overrides, device, 
     """Each term of the working set matters to one of these numbers: the gradients in flight
     (4 slots of the largest unit, and the reduction's fp32 bytes at two ranks), the gathered
     chains, the prefetch limit, and, on a GPU, the DRAM landing buffers."""
-    policy = Policy.from_yaml(path, overrides)
+    policy = Policy.from_yaml(path, {**BF16, **overrides})
     flats = flat_units(ladder(), policy, 0, ranks, torch.device("cpu"))
     assert [f.padded_numel for f in flats] == BLOCKS + [ROOT]
     plan = memory_plan(policy, torch.device(device), flats)
@@ -175,7 +178,7 @@ def test_the_plan_is_the_arithmetic_of_the_model(name, path, overrides, device, 
 def test_initialize_plans_the_same_arithmetic():
     """The plan initialize makes (with the start-up peak it measures on the model: an eager
     model's largest fp32 flat copy, 4 * L1 = 65536 bytes, below the training working set)."""
-    engine, _ = tiered.initialize(ladder(), CPU_YAML, device="cpu")
+    engine, _ = tiered.initialize(ladder(), CPU_YAML, **BF16, device="cpu")
     plan = engine.manager.plan
     engine.close()
     assert plan.working_set == (ROOT + L1 + L2) * 2 + SLOTS * L1 * 2 + 2 * L1 * 2 == 256000
@@ -197,14 +200,14 @@ def test_a_budget_of_the_hand_arithmetic_trains_and_one_byte_less_bends_then_bre
     """A byte under the plan, the engine keeps one gradient landing slot instead of four (see
     [Note: the working set bends]) and trains within the budget; a byte under that hand
     arithmetic too, it refuses, naming the least it needs."""
-    engine, optimizer = tiered.initialize(ladder(), CPU_YAML, device="cpu",
+    engine, optimizer = tiered.initialize(ladder(), CPU_YAML, **BF16, device="cpu",
                                           hbm={"budget": HAND_HBM}, **NO_PREFETCH)
     train(engine, optimizer, 2)
     report, full = engine.memory_report()["hbm"], engine.full_state_dict()
     engine.close()
     assert 0 < report["peak"] <= HAND_HBM
     with pytest.warns(UserWarning, match="1 gradient landing slot instead of 4"):
-        engine, optimizer = tiered.initialize(ladder(), CPU_YAML, device="cpu",
+        engine, optimizer = tiered.initialize(ladder(), CPU_YAML, **BF16, device="cpu",
                                               hbm={"budget": HAND_HBM - 1}, **NO_PREFETCH)
     assert engine.policy.grads.landing_slots == 1
     train(engine, optimizer, 2)
@@ -213,7 +216,7 @@ def test_a_budget_of_the_hand_arithmetic_trains_and_one_byte_less_bends_then_bre
     assert 0 < report["peak"] <= LEAN_HBM
     assert all(torch.equal(lean[name], value) for name, value in full.items())  # only slower
     with pytest.raises(tiered.BudgetError) as error:
-        tiered.initialize(ladder(), CPU_YAML, device="cpu", hbm={"budget": LEAN_HBM - 1},
+        tiered.initialize(ladder(), CPU_YAML, **BF16, device="cpu", hbm={"budget": LEAN_HBM - 1},
                           **NO_PREFETCH)
     assert error.value.shortfalls == {"hbm": (LEAN_HBM, LEAN_HBM - 1)}
     assert f"({LEAN_HBM} bytes)" in str(error.value)
@@ -290,7 +293,7 @@ class DeviceBytes(TorchDispatchMode):
 def test_device_bytes_counted_outside_the_engine_stay_within_the_hand_bound(prefetch, peak,
                                                                            gathered):
     hand = (ROOT + L1 + L2) * 2 + SLOTS * L1 * 2 + (2 * L1 * 2 if prefetch else 0)
-    engine, optimizer = tiered.initialize(ladder(), CPU_YAML, device="cpu",
+    engine, optimizer = tiered.initialize(ladder(), CPU_YAML, **BF16, device="cpu",
                                           hbm={"budget": hand},
                                           prefetch={"enabled": prefetch})
     measure = DeviceBytes(engine)
@@ -323,7 +326,7 @@ def test_the_hbm_tier_refuses_an_overrun_the_plan_check_did_not_see(budget, what
     needs, the plan check not run again: as the plan would have let through had it left out a
     term. What stops the overrun is the tier's own accounting, and its error names the tier,
     the buffer and the bytes."""
-    engine, optimizer = tiered.initialize(ladder(), CPU_YAML, device="cpu",
+    engine, optimizer = tiered.initialize(ladder(), CPU_YAML, **BF16, device="cpu",
                                           hbm={"budget": HAND_HBM}, **NO_PREFETCH)
     engine.manager.hbm.usage.budget = budget
     measure = DeviceBytes(engine)
@@ -354,7 +357,7 @@ def test_cuda_memory_allocated_stays_within_the_hand_bound_and_activations():
     loss's few: 64 KiB is far above them. Per-parameter gradients of one unit before its flat
     one: at most L1 * 2. (Not yet run on a GPU when written.)"""
     hand = (ROOT + L1 + L2) * 2 + SLOTS * L1 * 2
-    engine, optimizer = tiered.initialize(ladder(), CPU_YAML, device="cuda",
+    engine, optimizer = tiered.initialize(ladder(), CPU_YAML, **BF16, device="cuda",
                                           hbm={"budget": hand}, **NO_PREFETCH)
     train(engine, optimizer, 1, device="cuda")  # cuBLAS's workspace and the like, kept
     torch.cuda.synchronize()

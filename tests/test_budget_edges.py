@@ -126,7 +126,7 @@ def test_nvme_and_dram_of_the_nvme_policy_with_the_delayed_update_are_the_formul
     model = make_gpt()
     units = [n for n, _ in unit_numels(model)]
     engine, optimizer = tiered.initialize(
-        model, os.path.join(REPO, "configs", "nvme.yaml"), device="cpu",
+        model, os.path.join(REPO, "configs", "nvme.yaml"), device="cpu", compute_dtype="bf16",
         nvme={"path": str(tmp_path)},
         optimizer={"delayed_update": {"enabled": True, "warmup_steps": 1}})
     extents = [size for n in units for size in (block(2 * n),) * 2 + (block(4 * n),) * 3]
@@ -348,7 +348,7 @@ def test_read_ahead_buffers_stay_within_prefetch_dram_bytes(tmp_path):
     def read_ahead_bytes(limit):
         engine, _ = tiered.initialize(
             make_gpt(), os.path.join(REPO, "configs", "nvme.yaml"), device="cpu",
-            nvme={"path": str(tmp_path)}, prefetch={"dram_bytes": limit})
+            compute_dtype="bf16", nvme={"path": str(tmp_path)}, prefetch={"dram_bytes": limit})
         manager = engine.manager
         pinned = sum(manager.staging_block(name).numel()
                      for name in manager.staging_names("param_in"))

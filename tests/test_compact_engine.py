@@ -174,8 +174,9 @@ def test_the_plan_holds_the_compact_bytes():
 
 @pytest.mark.parametrize("settings,message", [
     ({"optimizer": {"master": "bf16"}, "compute_dtype": "fp16"}, "needs compute_dtype: bf16"),
-    ({"optimizer": {"master": "bf16"}, "params": {"tier": "nvme"}, "nvme": {"path": "/x"}},
-     "params.tier must be dram"),
+    ({"optimizer": {"master": "bf16"}}, "got auto \\(auto computes in fp32 where"),
+    ({"optimizer": {"master": "bf16"}, "compute_dtype": "bf16", "params": {"tier": "nvme"},
+      "nvme": {"path": "/x"}}, "params.tier must be dram"),
     ({"optimizer": {"moments": "int8", "sub_group_size": 1 << 16}}, "multiple of 262144"),
     ({"optimizer": {"moments": "bf16", "sub_group_size": 3 * 1024}}, "multiple of 2048"),
     ({"optimizer": {"moments": "fp8"}}, "allowed: fp32 | bf16 | int8"),

@@ -173,7 +173,8 @@ def test_frozen_units_move_no_optimizer_bytes_and_each_backward_counts(tmp_path)
     both gathers), trained states 12 read and 12 written, new bf16 weights 2 written, bf16
     gradients 2 (one rank)."""
     engine, _ = tiered.initialize(lora_model(), os.path.join(REPO, "configs", "nvme.yaml"),
-                                  device="cpu", optimizer=dict(OPTIM, sub_group_size=SUB_GROUP),
+                                  device="cpu", compute_dtype="bf16",
+                                  optimizer=dict(OPTIM, sub_group_size=SUB_GROUP),
                                   nvme={"path": str(tmp_path)})
     flats = engine.runtime.flats
     trained = sum(f.shard_numel for f in flats if f.has_trainable)
@@ -194,8 +195,8 @@ def test_compact_states_move_their_own_bytes_on_the_drive(tmp_path):
     """int8 moments on NVMe: each step reads and writes the fp32 masters and 260 bytes per 256
     parameters of each moment; the CPU update still steps every trained parameter."""
     engine, _ = tiered.initialize(lora_model(), os.path.join(REPO, "configs", "nvme.yaml"),
-                                  device="cpu", optimizer=dict(OPTIM, sub_group_size=1 << 18,
-                                                               moments="int8"),
+                                  device="cpu", compute_dtype="bf16",
+                                  optimizer=dict(OPTIM, sub_group_size=1 << 18, moments="int8"),
                                   nvme={"path": str(tmp_path)})
     flats = engine.runtime.flats
     trained = [f.shard_numel for f in flats if f.has_trainable]

@@ -49,7 +49,7 @@ def test_cpu_yaml_equals_builtin_defaults():
 
 def test_builtin_defaults_are_the_documented_values():
     p = Policy()
-    assert p.compute_dtype.value == "bf16" and p.device.value == "auto"
+    assert p.compute_dtype.value == "auto" and p.device.value == "auto"  # test_compute_dtype.py
     assert (p.params.tier, p.grads.tier, p.optimizer.tier) == (Tier.DRAM, Tier.DRAM, Tier.DRAM)
     assert (p.optimizer.lr, p.optimizer.betas, p.optimizer.eps) == (1e-4, (0.9, 0.999), 1e-8)
     assert p.optimizer.weight_decay == 0.0 and p.optimizer.max_grad_norm is None

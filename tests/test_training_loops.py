@@ -442,14 +442,15 @@ def bn_convnet() -> nn.Module:
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
 
 
-def test_batchnorm_trains_under_the_default_bf16_compute():
-    """bf16 is the default compute dtype. The weights become bf16 while the buffers stay
-    fp32, a mix torch's batch_norm refuses ("expected scalar type BFloat16 but found Float"):
-    any model with BatchNorm failed at its first forward under the default policy."""
+def test_batchnorm_trains_under_bf16_compute():
+    """Under bf16 compute (the default's where the device computes bf16 natively) the weights
+    become bf16 while the buffers stay fp32, a mix torch's batch_norm refuses ("expected scalar
+    type BFloat16 but found Float"): any model with BatchNorm failed at its first forward."""
     torch.manual_seed(0)
     model = bn_convnet()
     reference = copy.deepcopy(model)
-    engine, optimizer = tiered.initialize(model, CPU_YAML, device="cpu", optimizer=dict(OPTIM))
+    engine, optimizer = tiered.initialize(model, CPU_YAML, device="cpu", compute_dtype="bf16",
+                                          optimizer=dict(OPTIM))
     assert engine.policy.compute_dtype.torch_dtype is torch.bfloat16
     x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
     refused = None

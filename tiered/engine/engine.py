@@ -23,7 +23,7 @@ from ..placement.plan import grad_dtypes, state_kinds
 from ..planning.node import cached_node_rates
 from ..planning.planner import hbm_reserve, place_units
 from ..planning.report import PlanReport, plan_report
-from ..policy.config import Policy, Tier, resolve
+from ..policy.config import Policy, Tier, resolve, resolve_compute_dtype
 from ..service.client import ServiceSlabSource
 from ..service.remote_nvme import ServiceNvme
 from ..tiers import NvmeTier, SlabSource
@@ -415,6 +415,7 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
     device = compute_device(policy)
     process_exit.init_distributed(device)
     group = ProcessGroup.current(device)
+    policy, compute_dtype = resolve_compute_dtype(policy, device, group.agree)
     timeline = rank_timeline(policy, device, group)
 
     state_dict_keys = list(model.state_dict().keys())
@@ -494,8 +495,8 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
         if kept is not None:
             reattach.restore(engine, kept)
         if group.rank == 0 and _log.isEnabledFor(logging.INFO):
-            _log.info("tiered: device %s (%s); the plan of rank 0 (of %d)\n%s", device,
-                      runtime.streams.accelerator.name, group.world_size,
+            _log.info("tiered: device %s (%s), compute dtype %s; the plan of rank 0 (of %d)\n%s",
+                      device, runtime.streams.accelerator.name, compute_dtype, group.world_size,
                       engine.plan_report().table())
     except BaseException:
         if worker is not None:

@@ -25,6 +25,7 @@ import json
 import os
 import sys
 
+import torch
 import yaml
 
 from ..core.errors import TieredError, UsageError
@@ -32,7 +33,7 @@ from ..core.sizes import parse_size
 from ..core.version import __version__
 from ..placement.manager import this_machine
 from ..planning.node import cached_node_rates, node_rates
-from ..policy.config import resolve
+from ..policy.config import ComputeDtype, Device, Policy, resolve, resolve_compute_dtype
 from ..policy.deepspeed import read_deepspeed
 from ..policy.schema import merge
 from ..service import service_paths, service_status, start_service, stop_service
@@ -56,6 +57,8 @@ def _check_policy(args) -> int:
     warn_if_nvme_unused(policy, args.nvme, "tiered")
     # The device and what a rank may hold here, as YAML comments: the output stays a policy.
     notes, refusals = this_machine(policy)
+    if policy.compute_dtype is ComputeDtype.AUTO:
+        notes.append(f"compute_dtype on this machine: {_compute_dtype_here(policy)[1]}")
     for refusal in refusals:
         print(f"tiered: warning: {refusal}", file=sys.stderr)
     deepspeed = read_deepspeed(args.file)
@@ -64,6 +67,14 @@ def _check_policy(args) -> int:
     print("".join(f"# {note}\n" for note in notes), end="")
     print(yaml.safe_dump(policy.to_dict(), sort_keys=False), end="")
     return 0
+
+
+def _compute_dtype_here(policy: Policy) -> tuple[Policy, str]:
+    """``compute_dtype: auto`` made concrete as initialize would make it on this machine (for
+    ``tiered plan --node`` of another node too: its file does not say what its device computes
+    natively)."""
+    on_gpu = policy.device is not Device.CPU and torch.cuda.is_available()
+    return resolve_compute_dtype(policy, torch.device("cuda" if on_gpu else "cpu"))
 
 
 def _from_deepspeed(args) -> int:
@@ -151,6 +162,7 @@ def _plan(args) -> int:
         nvme = os.path.abspath(os.path.expanduser(args.nvme)) if args.nvme else None
         policy = resolve(args.policy, {"nvme": {"path": nvme}} if nvme else {})
         rates = read_node(args.node) if args.node else cached_node_rates(policy.nvme.path)
+        policy, _ = _compute_dtype_here(policy)
         batch = None
         if args.batch is not None:
             batch = (args.batch, args.seq, *batch_activations(

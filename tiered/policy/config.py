@@ -12,12 +12,13 @@ import enum
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
-from ..core.errors import PolicyError
+from ..core.errors import PolicyError, TieredError
 from ..core.sizes import parse_size
+from ..device.bf16 import bf16_support
 from ..tiers.moments import FORMATS, piece_granule
 from .deepspeed import read_policy_file
 from .schema import build, merge, plain_value_in, plain_value_message
@@ -38,12 +39,19 @@ class Tier(str, enum.Enum):
 
 
 class ComputeDtype(str, enum.Enum):
+    AUTO = "auto"
+    """bf16 where the device computes it natively, else fp32 (device/bf16.py says why); a
+    policy's choice only, made concrete once, at initialize (resolve_compute_dtype)."""
     BF16 = "bf16"
     FP16 = "fp16"
     FP32 = "fp32"
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        if self is ComputeDtype.AUTO:
+            # Whatever asks has a policy no initialize resolved: its sizes would be guesses.
+            raise TieredError("compute_dtype auto has no torch dtype until resolve_compute_dtype "
+                              "makes it bf16 or fp32 for the device")
         return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.value]
 
 
@@ -138,8 +146,10 @@ def _check_bf16_master(policy: "Policy") -> None:
     """``optimizer.master: bf16`` steps the bf16 weights themselves, so they must be bf16 and
     where the optimizer steps: in DRAM for a CPU update, in HBM for a GPU one."""
     if policy.compute_dtype is not ComputeDtype.BF16:
+        auto = (" (auto computes in fp32 where the device has no native bf16)"
+                if policy.compute_dtype is ComputeDtype.AUTO else "")
         raise ValueError(f"optimizer.master: bf16 makes the bf16 weights the master: it needs "
-                         f"compute_dtype: bf16, got {policy.compute_dtype.value}")
+                         f"compute_dtype: bf16, got {policy.compute_dtype.value}{auto}")
     params, optimizer = policy.params.tier, policy.optimizer.tier
     on_host = params is Tier.DRAM and optimizer in (Tier.DRAM, Tier.NVME)
     if not (on_host or params is optimizer is Tier.HBM or params is Tier.AUTO):
@@ -391,7 +401,7 @@ class Policy:
     used to fail later, deep in the engine (``'str' object has no attribute 'torch_dtype'``).
     """
 
-    compute_dtype: ComputeDtype = ComputeDtype.BF16
+    compute_dtype: ComputeDtype = ComputeDtype.AUTO
     device: Device = Device.AUTO
     params: ParamsPolicy = ParamsPolicy()
     grads: GradsPolicy = GradsPolicy()
@@ -430,12 +440,15 @@ class Policy:
                 f"reads the gradient there")
         if self.optimizer.master is MasterDtype.BF16:
             _check_bf16_master(self)
-        element = self.compute_dtype.torch_dtype.itemsize
+        # auto may choose fp32: its element is the one a tile must hold.
+        element = (ComputeDtype.FP32 if self.compute_dtype is ComputeDtype.AUTO
+                   else self.compute_dtype)
         tile_limit = self.tiling.max_unit_bytes
-        if tile_limit is not None and tile_limit < element:
+        if tile_limit is not None and tile_limit < element.torch_dtype.itemsize:
             # A tile holds at least one element; below that, tiling divided by zero.
-            raise ValueError(f"tiling.max_unit_bytes must be null or at least {element} bytes "
-                             f"(one {self.compute_dtype.value} element), got {tile_limit}")
+            raise ValueError(f"tiling.max_unit_bytes must be null or at least "
+                             f"{element.torch_dtype.itemsize} bytes (one {element.value} "
+                             f"element), got {tile_limit}")
         # Last: the one check an override commonly satisfies (the path of --nvme or nvme=), so
         # that a file lacking only the path still shows its other errors as its own.
         if self.uses_nvme and not self.nvme.path:
@@ -507,6 +520,23 @@ def resolve(policy: "Policy | str | os.PathLike | Mapping[str, Any] | None",
         return Policy.from_yaml(policy, overrides)
     raise PolicyError(f"policy must be a YAML path, a dict or a tiered.Policy, got "
                       f"{type(policy).__name__}")
+
+
+def resolve_compute_dtype(policy: Policy, device: torch.device,
+                          agree: Callable[[bool], bool] = bool) -> tuple[Policy, str]:
+    """``policy`` with ``compute_dtype: auto`` made concrete for ``device`` (bf16 where it
+    computes bf16 natively, else fp32), and the dtype with why, as a log line says it. Done
+    once, at initialize: the plan, the optimizer and a checkpoint see the concrete dtype.
+    ``agree``: whether every rank holds a value (a collective, called under auto only), so
+    that ranks on different machines compute alike; one without native bf16 makes it fp32."""
+    if policy.compute_dtype is not ComputeDtype.AUTO:
+        return policy, f"{policy.compute_dtype.value} (the policy's)"
+    support = bf16_support(device)
+    everywhere = agree(support.native)
+    why = support.why if everywhere or not support.native else (
+        "another rank's device has no native bf16")
+    chosen = ComputeDtype.BF16 if everywhere else ComputeDtype.FP32
+    return dataclasses.replace(policy, compute_dtype=chosen), f"{chosen.value} (auto: {why})"
 
 
 def _with_overrides(base: Mapping[str, Any], source: str,
