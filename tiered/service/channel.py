@@ -72,6 +72,7 @@ class Channel:
         self._pending: dict[int, Future] = {}
         self._ended: ServiceError | None = None
         """Why the channel ended (lost, or closed here); None while it serves."""
+        self._closed_here = False
         self._sending = threading.Lock()  # one message's bytes at a time on the socket
         self._on_event: EventHandler | None = None
         self._on_lost: list[Callable[[ServiceLost], None]] = []
@@ -120,12 +121,21 @@ class Channel:
         self._on_lost.append(handler)
 
     @property
-    def closed(self) -> bool:
+    def ended(self) -> bool:
+        """Lost, or closed here: nothing more can be asked."""
         return self._ended is not None
+
+    @property
+    def closed(self) -> bool:
+        """Closed here (:meth:`close`)."""
+        return self._closed_here
 
     def close(self) -> None:
         """End the connection; what still waits fails as closed by this side (not lost: the
-        ``on_lost`` handlers do not run)."""
+        ``on_lost`` handlers do not run). Once is enough; more do nothing."""
+        if self._closed_here:
+            return
+        self._closed_here = True
         self._end(ServiceError(f"the connection to the tiered service at {self.paths.socket} "
                                f"(pid {self.pid}) was closed by this process"), lost=False)
         try:  # wakes the reader (a close alone may leave its recv waiting)

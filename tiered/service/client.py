@@ -127,7 +127,7 @@ class ServiceSlabSource:
     def release(self, slab: torch.Tensor) -> None:
         self.device.unregister_host_memory(slab)
         segment, _ = self._segments.pop(slab.data_ptr())
-        if self.client.closed or self.kept is not None:
+        if self.client.ended or self.kept is not None:
             # An unclean end (the service keeps it as the job's state), or a kept segment: it
             # is the job's, freed with it (a failed reservation must not free it).
             return
