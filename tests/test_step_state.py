@@ -10,6 +10,7 @@ import torch
 import tiered
 from tiered.core.errors import TieredError
 from tiered.engine.step_state import LEGAL, Phase, PhaseError, StepState, UpdatePhase
+from tiered.optim.arrival import LastBackward
 from tiered.optim.commands import UpdateMode
 
 from gpt import next_token_loss
@@ -17,6 +18,12 @@ from helpers_models import (OPTIM, SEQ, VOCAB, CheckpointedGPT, assert_parity, b
                             make_gpt, make_model, reference_optimizer)
 
 P = Phase
+LAST_BACKWARD = LastBackward(step_units=False, forward_rank={}, hypers=None)
+
+
+def the_last_backward() -> LastBackward:
+    """What the runtime says of a step's last backward (runtime._last_backward)."""
+    return LAST_BACKWARD
 
 
 def in_backward(action) -> None:
@@ -95,7 +102,7 @@ def test_a_backward_counts_once_recomputes_and_ends_at_autograds_end():
         state.end_recompute()
         assert state.phase is P.RECOMPUTE and not state.counted
         state.end_recompute()
-        state.count_backward()
+        state.count_backward(the_last_backward)
         state.start_recompute()
         assert state.counted
         state.end_recompute()
@@ -103,11 +110,11 @@ def test_a_backward_counts_once_recomputes_and_ends_at_autograds_end():
     in_backward(backward)
     assert seen == [P.BACKWARD, P.RECOMPUTE, P.BACKWARD, P.BACKWARD_COUNTED, P.RECOMPUTE,
                     P.BACKWARD_COUNTED, P.IDLE]
-    assert state.backwards == 1 and not state.is_last_backward
-    in_backward(lambda: (state.enter_backward(), state.count_backward()))  # IDLE -> BACKWARD
-    assert state.backwards == 2 and state.is_last_backward
+    assert state.backwards == 1 and state.last_backward is None
+    in_backward(lambda: (state.enter_backward(), state.count_backward(the_last_backward)))  # IDLE -> BACKWARD
+    assert state.backwards == 2 and state.last_backward is LAST_BACKWARD  # accumulation_steps' last
     with pytest.raises(TieredError, match="backward number 3 .*accumulation_steps is 2:"):
-        in_backward(lambda: (state.enter_backward(), state.count_backward()))
+        in_backward(lambda: (state.enter_backward(), state.count_backward(the_last_backward)))
     state.start_step()  # that backward raised: the step ends it first
     state.step_taken()
     state.end_step()
@@ -131,16 +138,16 @@ def test_a_backward_inside_the_models_forward_is_refused_by_name():
 def test_fp16_counts_only_a_scaled_backward_and_keeps_the_gradients_scale():
     state = StepState(accumulation_steps=None, loss_scaled=True)
     with pytest.raises(TieredError, match=r"engine\.backward\(loss\)"):
-        in_backward(lambda: (state.enter_backward(), state.count_backward()))
+        in_backward(lambda: (state.enter_backward(), state.count_backward(the_last_backward)))
     state.recover()  # the refused backward never reached autograd's end
     assert state.phase is P.IDLE and state.backwards == 0
     state.loss_scale_noted(2.0**16)
-    in_backward(lambda: (state.enter_backward(), state.count_backward()))
+    in_backward(lambda: (state.enter_backward(), state.count_backward(the_last_backward)))
     assert state.phase is P.IDLE and state.backwards == 1
     state.loss_scale_noted(2.0**15)  # the scaler backed off between two backwards of a step
     state.scaled_backward_over()  # that backward reached no unit: its word does not carry over
     with pytest.raises(TieredError, match=r"engine\.backward\(loss\)"):
-        in_backward(lambda: (state.enter_backward(), state.count_backward()))
+        in_backward(lambda: (state.enter_backward(), state.count_backward(the_last_backward)))
     assert state.grads_loss_scale == 2.0**16  # the scale the held gradients were made with
     state.gradients_dropped()
     assert state.grads_loss_scale is None

@@ -24,11 +24,12 @@ from .collectives import ProcessGroup
 from .context import EngineContext, TrainerEvents
 from .flat import FlatParam
 from .loss_scale import LossScaler
-from .optimizer import TieredAdamW, UpdateBook
+from .optimizer import TieredAdamW
 from .pending import PendingWeights
 from .runtime import UnitRuntime
 from .step_state import StepState
 from .streams import Streams
+from .update_book import UpdateBook
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,10 @@ from ..policy.config import Policy
 from .buffers import GradientBuffers
 from .collectives import ProcessGroup
 from .flat import FlatParam
-from .optimizer import UpdateBook
 from .pending import PendingWeights
 from .step_state import StepState
 from .streams import Streams
+from .update_book import UpdateBook
 
 
 @dataclass(frozen=True)

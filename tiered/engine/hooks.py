@@ -87,7 +87,7 @@ class UnitHooks:
         """A split module's trainable half -> its frozen half, the module's first unit."""
         self._unhooked: set[int] = set()
         """Frozen halves whose forward since the last backward hooked no input: released with
-        their trainable half's gradient (see [Note: frozen units])."""
+        their trainable half's gradient (see [Note: frozen units]). Per unit, not a phase."""
         self._whole_forward = [flat for flat in runtime.flats if flat.spec.whole_forward]
         self._model = model
         self._inner_skipped: list[bool] = []

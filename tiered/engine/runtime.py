@@ -7,7 +7,8 @@ prefetcher says so ([Note: trace] in prefetch.py); gradients leave on the offloa
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -145,15 +146,16 @@ class UnitRuntime:
     def start_backward(self, hypers: Callable[[], tuple[AdamWHyper, ...]]) -> None:
         """Count a backward towards the next step (the step state may refuse it); the last one
         before it steps on arrival, with ``hypers()`` (the optimizer's, as they are now)."""
-        self.step_state.count_backward()
+        self.step_state.count_backward(partial(self._last_backward, hypers))
         self.stepped_on_arrival.clear()
-        if self.step_state.is_last_backward:
-            # The next forward runs as this iteration's did (or as the last complete one, when
-            # a forward without grad closed this one).
-            self.step_state.last_backward = LastBackward(
-                step_units=self.arrival_allowed,
-                forward_rank=_first_needs(self.prefetcher.recorded or self.prefetcher.trace),
-                hypers=hypers() if self.arrival_allowed else None)
+
+    def _last_backward(self, hypers: Callable[[], tuple[AdamWHyper, ...]]) -> LastBackward:
+        # The next forward runs as this iteration's did (or as the last complete one, when a
+        # forward without grad closed this one).
+        return LastBackward(
+            step_units=self.arrival_allowed,
+            forward_rank=_first_needs(self.prefetcher.recorded or self.prefetcher.trace),
+            hypers=hypers() if self.arrival_allowed else None)
 
     def step_taken(self, measured: bool = False) -> None:
         """``optimizer.step()`` (``measured``: the step just run ends there, see probe.py) or a

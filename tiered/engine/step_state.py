@@ -13,6 +13,7 @@ trace of the whole step). The phases, as a step moves through them:
       |                                          RECOMPUTE     RECOMPUTE
       +--> NO_GRAD_FORWARD --> IDLE
       +--> STEPPING --> IDLE          (also from AWAITING_BACKWARD: a forward without backward)
+      +--> BACKWARD                   (a retained graph's next backward)
 
 - FORWARD / NO_GRAD_FORWARD: the model's outermost forward, with or without grad (eval,
   generation). A no-grad forward has no backward to wait for, so it ends the iteration; so
@@ -20,8 +21,10 @@ trace of the whole step). The phases, as a step moves through them:
   inside the phase (``forward_depth``), as does the inner entry's ([Note: entering the model
   below its root] in hooks.py).
 - AWAITING_BACKWARD: a forward with grad returned; what the trace keeps stays gathered for its
-  backward. The backward may never come (a metric, a forward that raised): another forward or
-  ``optimizer.step()`` may follow, and the step drops what that forward kept.
+  backward. The backward may never come (a metric computed with grad enabled): another forward
+  (also a no-grad one) or ``optimizer.step()`` may follow, and the step drops what that forward
+  kept. A backward inside the model's forward is refused: the pass's end would release the
+  units the forward still reads.
 - BACKWARD: an autograd pass has reached the units' weights; it gives no unit a gradient yet,
   and may never (``torch.autograd.grad`` over the inputs), so it does not count towards the
   step. BACKWARD_COUNTED: it has given one a gradient, and is a backward of the step (gradient
@@ -29,13 +32,16 @@ trace of the whole step). The phases, as a step moves through them:
   callback, or, where it raised and never reached it, at the next forward or step.
 - RECOMPUTE: activation checkpointing runs a unit's forward again inside the backward; it
   returns to the backward phase it interrupted (nested units count in ``recompute_depth``).
-- STEPPING: inside ``optimizer.step()`` (its closure's forward and backward come before).
+- STEPPING: inside ``optimizer.step()`` (its closure's forward and backward come before); a
+  backward that raised is ended first, as the next forward would.
 
 The update a step sends runs beside the training thread, so it is a second, concurrent line
 (``update_phase``): NONE, RUNNING (an ordinary update; its readers wait per unit), DELAYED
 (the delayed update: it overlaps the next forward and backward, and the next step makes its
-weights current). When an update finishes its outcome is kept: APPLIED, or SKIPPED when fp16
-gradients overflowed (the loss scale backs off, ``step_was_skipped``).
+weights current). An update is sent only once the one before it finished (or was let go:
+units stepped on arrival leave nothing to settle). Whether the last finished update was
+skipped, its fp16 gradients having overflowed (the loss scale backs off), is kept with it
+(``last_update_skipped``, the optimizer's ``step_was_skipped``).
 
 What is bookkeeping per unit, not a phase, stays with its owner: which units a backward has
 used (hooks), which were stepped as their gradients arrived (runtime), a buffer's hand-off
@@ -43,14 +49,15 @@ state (buffers.py).
 """
 from __future__ import annotations
 
-from enum import Enum
 from collections.abc import Callable
+from enum import Enum
 
 import torch
 
 from ..core.errors import TieredError
 from ..optim.arrival import LastBackward
 from ..optim.commands import UpdateMode
+from .update_book import SentUpdate
 
 
 class Phase(Enum):
@@ -115,7 +122,7 @@ class StepState:
         """Backwards counted since the last ``optimizer.step()`` (or a restored state)."""
         self.last_backward: LastBackward | None = None
         """Set while the backward running (or the last one) is the step's last, as
-        ``accumulation_steps`` declares it (the runtime makes it: LastBackward)."""
+        ``accumulation_steps`` declares it (the runtime says what it is: count_backward)."""
         self.weights_epoch = 0
         """Counts the times the weights may have changed (``optimizer.step()``, a checkpoint's
         optimizer state or a load restored): a backward refuses weights saved in an earlier
@@ -123,9 +130,9 @@ class StepState:
         self._next_backward_scaled = False
         self.grads_loss_scale: float | None = None
         """The loss scale the gradients held now were made with (see loss_scale_noted)."""
-        self.update = None
-        """The optimizer's update sent and not yet finished (its record, optimizer._Update),
-        or None: its mode says the update phase."""
+        self.update: SentUpdate | None = None
+        """The optimizer's update sent and not yet finished, or None: its mode says the update
+        phase."""
         self.last_update_skipped = False
         """Whether the last finished update was skipped for an fp16 overflow."""
 
@@ -188,9 +195,10 @@ class StepState:
         return (self.phase is Phase.BACKWARD_COUNTED
                 or (self.phase is Phase.RECOMPUTE and self._resume is Phase.BACKWARD_COUNTED))
 
-    def count_backward(self) -> None:
+    def count_backward(self, last_backward: Callable[[], LastBackward]) -> None:
         """The first gradient of this pass: it is a backward of the step. Refused under fp16
-        when its loss was not scaled, and past ``accumulation_steps``."""
+        when its loss was not scaled, and past ``accumulation_steps``; the step's last one, as
+        ``accumulation_steps`` declares it, is described by ``last_backward()``."""
         scaled, self._next_backward_scaled = self._next_backward_scaled, False  # one backward's
         if self.loss_scaled and not scaled:
             raise TieredError("compute_dtype fp16 needs engine.backward(loss) instead of "
@@ -203,13 +211,8 @@ class StepState:
                 f"optimizer.accumulation_steps is {limit}: units were already stepped with the "
                 f"gradients of backward {limit}; set accumulation_steps to the number of "
                 f"backward calls per step (or null)")
-        self.last_backward = None
+        self.last_backward = last_backward() if self.backwards == limit else None
         self._move(Phase.BACKWARD_COUNTED)
-
-    @property
-    def is_last_backward(self) -> bool:
-        """Whether the backward counted last is the step's last (``accumulation_steps``)."""
-        return self.backwards == self.accumulation_steps
 
     def start_recompute(self) -> None:
         """A unit's forward runs again inside backward (activation checkpointing)."""
@@ -282,9 +285,8 @@ class StepState:
         return (UpdatePhase.DELAYED if self.update.mode is UpdateMode.DELAYED
                 else UpdatePhase.RUNNING)
 
-    def update_sent(self, update) -> None:
-        """``update`` (optimizer._Update) is with the host; the last one was finished or let
-        go."""
+    def update_sent(self, update: SentUpdate) -> None:
+        """``update`` is with the host; the last one was finished or let go."""
         if self.update is not None:
             raise PhaseError(f"an update was sent while the one before it is "
                              f"{self.update_phase.value}; it must finish first")
@@ -302,7 +304,7 @@ class StepState:
         if skipped is not None:
             self.last_update_skipped = skipped
 
-    def update_restored(self, update) -> None:
+    def update_restored(self, update: SentUpdate | None) -> None:
         """A checkpoint's (or a reattached rank's) state: its delayed update still to be made
         current, or None; no update finished since."""
         self.update = update
