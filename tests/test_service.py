@@ -534,4 +534,4 @@ def test_a_killed_service_leaves_a_folder_the_next_one_starts_in(own_service):
 def test_wire_header_is_the_documented_layout():
     data = body({"op": "hello"})
     magic, version, length = struct.unpack("<4sHI", data[:10])
-    assert (magic, version, length) == (b"TIER", 1, len(data) - 10)
+    assert (magic, version, length) == (b"TIER", 2, len(data) - 10)
