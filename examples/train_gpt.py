@@ -143,6 +143,8 @@ def main() -> None:
     data = markov_batches(args.vocab, args.batch, args.seq, seed=1)
     for _ in range(first - 1):  # the batches the resumed steps already saw
         next(data)
+    log(f"training steps {first} to {args.steps} (--steps), the loss at the first and every "
+        f"20th")
     start = time.perf_counter()
     for step in range(first, args.steps + 1):
         idx = next(data)[rank * per_rank:(rank + 1) * per_rank].to(engine.device)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import checkpoint, export, pretrained
+from ..core import progress
 from ..core.errors import TieredError
 from ..ops.tiled_linear import merge_tiles, tile_large_linears, tiled_layers, untile
 from ..optim.adamw import one_pass_for
@@ -470,16 +471,19 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
         if not hosted:  # the service compiles its own
             worker = CpuWorker(threads)
             # Setup spans: on the GPU box a setup took 75-103 s, and the timeline says where.
-            with timeline.span("compile one-pass AdamW", "setup"):
+            with timeline.span("compile one-pass AdamW", "setup"), progress.phase(
+                    "the CPU AdamW kernel (built at first use, then cached)"):
                 one_pass = one_pass_for(policy.compute_dtype.torch_dtype,
                                         grad_dtypes(policy, group.world_size),
                                         torch.device("cpu") if plan.steps_on_host()
                                         else device, worker)
-        with timeline.span("allocate tiers (pin DRAM, create NVMe extents)", "setup"):
+        with timeline.span("allocate tiers (pin DRAM, create NVMe extents)", "setup"), \
+                progress.phase("allocating the tiers (pinning DRAM, creating NVMe files)"):
             manager.allocate(plan, kept=kept is not None)
         if kept is not None:  # the units' states are the kept segments' already
             drop_parameters(flats)
-        for built in built_together(flats) if kept is None else []:
+        what = "building units" + (" from the weights" if start_weights is not None else "")
+        for built in progress.counted(built_together(flats), what, "unit") if kept is None else []:
             with timeline.span(f"build unit {built[-1].name}", "setup"):
                 partition(built, materializer, manager, group, start_weights)
         place_buffers(model, policy.compute_dtype.torch_dtype, group)

@@ -247,9 +247,16 @@ def hbm_working_set(policy: Policy, full_numels: list[int], unit_paths: list[str
     compute = policy.compute_dtype.torch_dtype.itemsize
     root = sum(n for n, path in zip(full_numels, unit_paths) if path == "")
 
+    own: dict[str, int] = {}
+    for n, path in zip(full_numels, unit_paths):
+        if path:
+            own[path] = own.get(path, 0) + n
+
     def chain(path: str) -> int:
-        return sum(n for n, other in zip(full_numels, unit_paths)
-                   if other and (path == other or path.startswith(other + ".")))
+        # The path and each enclosing unit's, by its dotted prefixes: summing over every unit
+        # for each made a plan of a many-layer model quadratic (issue 33, item 2).
+        parts = path.split(".")
+        return sum(own.get(".".join(parts[:end]), 0) for end in range(1, len(parts) + 1))
 
     chains = sorted((chain(p) for p in set(unit_paths) if p), reverse=True)[:2]
     largest = max((n for n, has in zip(full_numels, trained or [True] * len(full_numels))

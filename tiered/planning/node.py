@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core import progress
 from ..core.limits import available_memory, usable_cores
 from ..core.report import format_table
 from ..core.sizes import align_up, format_size
@@ -111,16 +112,21 @@ def node_rates(nvme_path: str | None = None, remeasure: bool = False, *,
         cached = _read(path, machine)
         if cached is not None:
             return cached
-    rates = NodeRates(machine, time.time(), threads, *_cpu_adamw(cpu_params, threads),
+    with progress.phase("measuring the CPU's AdamW"):
+        cpu_adamw = _cpu_adamw(cpu_params, threads)
+    rates = NodeRates(machine, time.time(), threads, *cpu_adamw,
                       nvme_path=nvme_path, dram_bytes=available_memory())
     if torch.cuda.is_available():
-        h2d, d2h, both = _copies(copy_bytes)
-        rates = dataclasses.replace(rates, gpu_adamw_params_per_s=_gpu_adamw(gpu_params),
+        with progress.phase("measuring the GPU's copies and AdamW"):
+            h2d, d2h, both = _copies(copy_bytes)
+            gpu_adamw = _gpu_adamw(gpu_params)
+        rates = dataclasses.replace(rates, gpu_adamw_params_per_s=gpu_adamw,
                                     h2d_gbps=h2d, d2h_gbps=d2h, both_gbps=both,
                                     hbm_bytes=torch.cuda.get_device_properties(
                                         torch.cuda.current_device()).total_memory)
     if nvme_path is not None:
-        write, read = _nvme(nvme_path, nvme_bytes)
+        with progress.phase(f"measuring the drive at {nvme_path}"):
+            write, read = _nvme(nvme_path, nvme_bytes)
         rates = dataclasses.replace(rates, nvme_write_gbps=write, nvme_read_gbps=read)
     _write(path, rates)
     return rates

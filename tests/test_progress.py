@@ -1,0 +1,86 @@
+"""Progress of the long phases (core/progress.py): plain lines where standard error is not a
+terminal, on rank 0 alone, none with TIERED_PROGRESS=0; initialize's and ``tiered node``'s in
+real subprocesses, as a log or a launcher's pipe receives them."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tiered.core import progress
+
+from helpers import REPO, clean_env
+
+INITIALIZE = """
+import torch
+from torch import nn
+import tiered
+torch.manual_seed(0)
+model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)])
+engine, _ = tiered.initialize(model, device="cpu", compute_dtype="fp32")
+engine.close()
+"""
+
+NODE = """
+from tiered.planning.node import node_rates
+node_rates(remeasure=True, cpu_params=1 << 12, copy_bytes=1 << 20, nvme_bytes=1 << 20)
+"""
+
+
+def run(code: str, tmp_path, **env: str) -> str:
+    """Standard error of ``code`` in a fresh interpreter (a pipe, not a terminal)."""
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                            text=True, timeout=120,
+                            env=clean_env(TIERED_CACHE=str(tmp_path), **env))
+    assert result.returncode == 0, result.stderr
+    return result.stderr
+
+
+def test_counted_and_phase_say_plain_lines_off_a_terminal(capsys, monkeypatch):
+    monkeypatch.delenv(progress.PROGRESS_ENV, raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    assert list(progress.counted(iter("abc"), "reading", "file", total=3)) == ["a", "b", "c"]
+    with progress.phase("pinning"):
+        pass
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "tiered: reading: 0/3 files"
+    assert re.fullmatch(r"tiered: reading: 3/3 files in \d+\.\d s", lines[1])
+    assert lines[2] == "tiered: pinning ..."
+    assert re.fullmatch(r"tiered: pinning: done in \d+\.\d s", lines[3]) and len(lines) == 4
+
+
+@pytest.mark.parametrize("env", [{"RANK": "1"}, {progress.PROGRESS_ENV: "0"}],
+                         ids=["rank 1", "TIERED_PROGRESS=0"])
+def test_silent_off_rank_0_and_when_turned_off(capsys, monkeypatch, env):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert list(progress.counted([1, 2], "reading", "file")) == [1, 2]
+    with progress.phase("pinning"):
+        pass
+    assert capsys.readouterr().err == ""
+
+
+def test_initialize_says_each_long_phase(tmp_path):
+    said = run(INITIALIZE, tmp_path)
+    assert "tiered: the CPU AdamW kernel (built at first use, then cached) ..." in said
+    assert "tiered: allocating the tiers (pinning DRAM, creating NVMe files) ..." in said
+    units = re.search(r"^tiered: building units: 0/(\d+) units$", said, re.MULTILINE)
+    assert units is not None, said
+    assert re.search(rf"^tiered: building units: {units[1]}/{units[1]} units in \d+\.\d s$",
+                     said, re.MULTILINE), said
+
+
+@pytest.mark.parametrize("env", [{"RANK": "1"}, {progress.PROGRESS_ENV: "0"}],
+                         ids=["rank 1", "TIERED_PROGRESS=0"])
+def test_initialize_is_silent_off_rank_0_and_when_turned_off(tmp_path, env):
+    assert "tiered: " not in run(INITIALIZE, tmp_path, **env)
+
+
+def test_tiered_node_says_what_it_measures(tmp_path):
+    said = run(NODE, tmp_path)
+    assert "tiered: measuring the CPU's AdamW ..." in said
+    assert re.search(r"^tiered: measuring the CPU's AdamW: done in \d+\.\d s$", said,
+                     re.MULTILINE), said
+    assert "tiered: " not in run(NODE, tmp_path, **{progress.PROGRESS_ENV: "0"})
