@@ -48,6 +48,18 @@ def memory_bound(root: Path = CGROUP_ROOT, proc: Path = PROC_CGROUP) -> tuple[in
     return bound
 
 
+def total_memory(root: Path = CGROUP_ROOT, proc: Path = PROC_CGROUP) -> int:
+    """The node's memory as this process sees it: the host's, capped by its cgroups' memory
+    limits. Unlike :func:`available_memory` it does not move with what others use, so a plan
+    made from it is the same each time it is asked."""
+    total = psutil.virtual_memory().total
+    for version, folder in _cgroup_folders("memory", root, proc):
+        limit = _read(folder / ("memory.max" if version == 2 else "memory.limit_in_bytes"), int)
+        if limit is not None and limit < V1_UNLIMITED:  # v2's "max" reads as None
+            total = min(total, limit)
+    return total
+
+
 def _cpu_quotas(root: Path, proc: Path) -> list[float]:
     """Cores' worth of CPU time each cgroup allows per period."""
     quotas = []

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core import progress
-from ..core.limits import available_memory, usable_cores
+from ..core.limits import total_memory, usable_cores
 from ..core.report import format_table
 from ..core.sizes import align_up, format_size
 from ..core.version import __version__, cache_folder
@@ -74,7 +74,7 @@ class NodeRates:
     hbm_bytes: int | None = None
     """The device's memory (``tiered plan`` budgets HBM by it for another node)."""
     dram_bytes: int | None = None
-    """The memory a process could take when measured (limits.available_memory)."""
+    """The node's memory (limits.total_memory: the host's, capped by its cgroups' limits)."""
 
     def table(self) -> str:
         def rate(value, unit):
@@ -94,7 +94,7 @@ class NodeRates:
                 (f"NVMe write ({self.nvme_path or 'no path'})", rate(self.nvme_write_gbps, "GB/s")),
                 ("NVMe read", rate(self.nvme_read_gbps, "GB/s")),
                 ("device memory", "-" if self.hbm_bytes is None else format_size(self.hbm_bytes)),
-                ("host memory available", "-" if self.dram_bytes is None
+                ("host memory", "-" if self.dram_bytes is None
                  else format_size(self.dram_bytes))]
         return f"{self.machine}\n{format_table(rows)}"
 
@@ -115,7 +115,7 @@ def node_rates(nvme_path: str | None = None, remeasure: bool = False, *,
     with progress.phase("measuring the CPU's AdamW"):
         cpu_adamw = _cpu_adamw(cpu_params, threads)
     rates = NodeRates(machine, time.time(), threads, *cpu_adamw,
-                      nvme_path=nvme_path, dram_bytes=available_memory())
+                      nvme_path=nvme_path, dram_bytes=total_memory())
     if torch.cuda.is_available():
         with progress.phase("measuring the GPU's copies and AdamW"):
             h2d, d2h, both = _copies(copy_bytes)
@@ -134,9 +134,45 @@ def node_rates(nvme_path: str | None = None, remeasure: bool = False, *,
 
 def cached_node_rates(nvme_path: str | None = None) -> NodeRates | None:
     """The rates ``node_rates`` measured here for ``nvme_path``, if it has; never measures (an
-    engine's plan report reads them: measuring takes tens of seconds)."""
-    machine = _machine(usable_cores(), nvme_path)
-    return _read(_cache_file(machine), machine)
+    engine's plan report reads them: measuring takes tens of seconds). Without a path, those
+    measured here with any (the newest, one with a drive's rates first): the CPU's and the
+    GPU's rates are the node's whatever drive was measured beside them, and a plan that would
+    fit with NVMe can then say how fast it would run."""
+    threads = usable_cores()
+    machine = _machine(threads, nvme_path)
+    exact = _read(_cache_file(machine), machine)
+    if exact is not None or nvme_path is not None:
+        return exact
+    try:
+        names = sorted(os.listdir(cache_folder()))
+    except OSError:
+        return None
+    here = []
+    for name in names:
+        if name.startswith("node-") and name.endswith(".json"):
+            rates = _read(os.path.join(cache_folder(), name), None)
+            if rates is not None and rates.machine == _machine(threads, rates.nvme_path):
+                here.append(rates)
+    return max(here, key=lambda rates: (rates.nvme_read_gbps is not None, rates.measured_at),
+               default=None)
+
+
+@dataclass(frozen=True)
+class NodeMemory:
+    """The memory of the node a plan is for: its device's (None: no GPU) and its host's."""
+
+    hbm_bytes: int | None
+    dram_bytes: int | None
+    of: str
+    """Whose: this node's, or a node file's."""
+
+
+def this_node_memory() -> NodeMemory:
+    """This node's memory, as ``tiered node`` records it: the same figures each time (the GPU's
+    total memory, the host's capped by its cgroups'), not what is free at the moment."""
+    hbm = (torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+           if torch.cuda.is_available() else None)
+    return NodeMemory(hbm, total_memory(), "this node's")
 
 
 def _cache_file(machine: str) -> str:
@@ -159,14 +195,15 @@ def _machine(threads: int, nvme_path: str | None) -> str:
             f"{torch.__version__}, tiered {__version__}")
 
 
-def _read(path: str, machine: str) -> NodeRates | None:
+def _read(path: str, machine: str | None) -> NodeRates | None:
+    """The rates cached in ``path`` if measured on ``machine`` (None: on any)."""
     try:
         with open(path) as file:
             values = json.load(file)
         rates = NodeRates(**values)
     except (OSError, ValueError, TypeError):  # none, unreadable, or of another version's form
         return None
-    return rates if rates.machine == machine else None
+    return rates if machine is None or rates.machine == machine else None
 
 
 def _write(path: str, rates: NodeRates) -> None:
