@@ -134,8 +134,6 @@ def test_another_nodes_rates_size_the_budgets_and_predict_the_step(tmp_path, cap
     (["helpers_models:nothing_here"], "has no attribute 'nothing_here'"),
     (["helpers_models:batch"], "batch() failed: TypeError"),
     (["/no/such/folder"], "not module:factory"),
-    (["helpers_models:make_model", "--policy", os.path.join(REPO, "configs", "auto.yaml")],
-     "set hbm.budget in the policy, or give --node"),
     (["helpers_models:make_model", "--ranks", "0"], "--ranks must be >= 1"),
     (["helpers_models:make_model", "--batch", "0", "--seq", "8"], "--batch must be >= 1"),
     (["helpers_models:make_model", "--batch", "8"], "--batch and --seq go together"),

@@ -32,7 +32,7 @@ from ..core.errors import TieredError, UsageError
 from ..core.sizes import parse_size
 from ..core.version import __version__
 from ..placement.manager import this_machine
-from ..planning.node import cached_node_rates, node_rates
+from ..planning.node import node_rates
 from ..policy.config import ComputeDtype, Device, Policy, resolve, resolve_compute_dtype
 from ..policy.deepspeed import read_deepspeed
 from ..policy.schema import merge
@@ -43,7 +43,7 @@ from ..service.status import status_table
 from ..tiers import bench_io
 from ..tiers.aio import IoSettings
 from .launcher import policy_from_args, warn_if_nvme_unused
-from .plan_model import batch_activations, model_on_meta, plan_model, planned_on_gpu, read_node
+from .plan_answer import answer, question_of
 
 
 def _check_policy(args) -> int:
@@ -153,26 +153,9 @@ def _node(args) -> int:
 
 def _plan(args) -> int:
     try:
-        for flag, value in (("--ranks", args.ranks), ("--batch", args.batch), ("--seq", args.seq),
-                            ("--lora", args.lora)):
-            if value is not None and value < 1:
-                raise UsageError(f"{flag} must be >= 1, got {value}")
-        if (args.batch is None) != (args.seq is None):
-            raise UsageError("--batch and --seq go together: the sequences and their tokens")
-        nvme = os.path.abspath(os.path.expanduser(args.nvme)) if args.nvme else None
-        policy = resolve(args.policy, {"nvme": {"path": nvme}} if nvme else {})
-        rates = read_node(args.node) if args.node else cached_node_rates(policy.nvme.path)
-        policy, _ = _compute_dtype_here(policy)
-        batch = None
-        if args.batch is not None:
-            batch = (args.batch, args.seq, *batch_activations(
-                args.model, policy, args.batch, args.seq, args.lora, args.checkpointing,
-                planned_on_gpu(policy, rates)))
-        elif args.checkpointing:
-            raise UsageError("--checkpointing changes the activations only: give --batch and "
-                             "--seq too")
-        report = plan_model(model_on_meta(args.model, args.lora), policy, args.ranks, rates,
-                            batch)
+        report = answer(question_of(args.model, args.policy, args.nvme, args.ranks, args.node,
+                                    args.batch, args.seq, args.lora, args.checkpointing,
+                                    _compute_dtype_here))
     except TieredError as e:
         print(f"tiered: error: {e}", file=sys.stderr)
         return 2

@@ -9,13 +9,17 @@ of ``--ranks`` on one node, except for what only a run knows or does: the peak o
 units is the plan's estimate, not a measurement, and a plan too tight for its budgets is shown
 over them, where initialize would first give up prefetch and landing slots.
 
-The budgets are the policy's where it sets them, else the node's: ``--node FILE`` (what
-``tiered node --json`` printed there; the reference GPU box's is bench/node_h100.json) or this
-node's rates cached by ``tiered node``. Its device memory is the HBM budget, 7/8 of its host
-memory shared by the ranks the DRAM budget, as ``initialize`` takes them (on a CPU device the
-two tiers split that RAM, as there); the drive's space is
-not known, so NVMe bytes are shown without a budget. The prediction reads the same rates
-(planning/report.py).
+The budgets are the policy's where it sets them, else the node's memory: ``--node FILE``'s
+(what ``tiered node --json`` printed there; the reference GPU box's is bench/node_h100.json),
+else this node's, read the same way each time (its GPU's memory, its host's capped by its
+cgroups: not what happens to be free), before any rates are measured. The device memory is the
+HBM budget, 7/8 of the host memory shared by the ranks the DRAM budget, as ``initialize`` takes
+them; on a CPU device (``device: cpu``, or a node without a GPU) the two tiers are that RAM,
+held together against it. The drive's space is not known, so NVMe bytes have no budget unless
+the policy sets one. The step is predicted from the node's rates (``--node FILE``'s, else
+those ``tiered node`` cached here, measured with any NVMe path when none is asked:
+planning/report.py) and shown only for a plan that fits. The answer ends with the verdict
+(planning/verdict.py; what would make a plan fit is found by planning it: plan_answer.py).
 
 With ``--batch B --seq S`` the model's forward runs on fake tensors on B sequences of S token
 ids (a Hugging Face model with them as labels too, so its loss counts) and what autograd keeps
@@ -33,18 +37,23 @@ import importlib
 import json
 import os
 import sys
+import warnings
 
 import torch
 from torch import nn
 
 from ..core.errors import TieredError, UsageError
+from ..core.sizes import format_size
 from ..engine.build import flat_units, forward_order, memory_plan
+from ..engine.flat import FlatParam
 from ..placement.manager import dram_beside_hbm, split_shared_ram
 from ..placement.plan import MemoryPlan
 from ..planning.activations import forward_activations
-from ..planning.node import NodeRates
+from ..planning.blocks import extrapolated, repeated_blocks, with_blocks
+from ..planning.node import NodeMemory, NodeRates, this_node_memory
 from ..planning.planner import MEASURED_MARGIN_SHARE, hbm_reserve, place_units, replanned_units
 from ..planning.report import BatchFit, PlanReport, plan_report
+from ..planning.verdict import TierRoom, Verdict
 from ..policy.config import Device, Policy, Tier
 
 
@@ -63,6 +72,8 @@ def model_on_meta(spec: str, lora: int | None = None, checkpointing: bool = Fals
             raise UsageError(f"--checkpointing: MODEL {spec!r} is not a Hugging Face model; "
                              f"a factory's model checkpoints as its own code says")
         enable({"use_reentrant": False})
+        if getattr(model, "config", None) is not None:
+            model.config.use_cache = False  # as a checkpointed fine-tune sets it: no cache to keep
     return model if lora is None else _with_lora(model, lora, os.path.exists(spec))
 
 
@@ -77,7 +88,9 @@ def _with_lora(model: nn.Module, rank: int, hugging_face: bool) -> nn.Module:
     config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear",
                              task_type="CAUSAL_LM" if hugging_face else None)
     try:
-        with torch.device("meta"):
+        # peft calls transformers' deprecated names: a warning the user can do nothing about
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
             return peft.get_peft_model(model, config)
     except (ValueError, TypeError) as error:
         raise UsageError(f"--lora {rank}: peft could not add adapters to the model: "
@@ -137,14 +150,11 @@ class NodeBudgets:
     shared: int | None = None
 
     @classmethod
-    def of(cls, policy: Policy, rates: NodeRates | None, ranks: int,
-           on_cpu: bool) -> "NodeBudgets":
-        node_dram = rates.dram_bytes if rates is not None else None
-        share = None if node_dram is None else node_dram * 7 // 8 // ranks
+    def of(cls, policy: Policy, memory: NodeMemory, ranks: int, on_cpu: bool) -> "NodeBudgets":
+        share = None if memory.dram_bytes is None else memory.dram_bytes * 7 // 8 // ranks
         if on_cpu:
             return cls(policy.hbm.budget, policy.dram.budget, policy.nvme.budget, share)
-        return cls(policy.hbm.budget if policy.hbm.budget is not None
-                   else (rates.hbm_bytes if rates is not None else None),
+        return cls(policy.hbm.budget if policy.hbm.budget is not None else memory.hbm_bytes,
                    policy.dram.budget if policy.dram.budget is not None else share,
                    policy.nvme.budget)
 
@@ -160,6 +170,13 @@ class NodeBudgets:
         return dram_beside_hbm(self.dram if self.dram is not None else self.shared,
                                self.shared, self.hbm, hbm_needed)
 
+    def hbm_for(self, plan: MemoryPlan) -> int:
+        """The HBM budget of ``plan`` under ``tier: auto``, planned only where it is known
+        (hbm_capacity)."""
+        hbm = self.for_plan(plan)[Tier.HBM]
+        assert hbm is not None, "tier: auto is planned only with the device's memory known"
+        return hbm
+
     def for_plan(self, plan: MemoryPlan) -> dict[Tier, int | None]:
         """The HBM and DRAM budgets of ``plan`` (on a CPU device: split_shared_ram)."""
         if self.shared is None:
@@ -168,51 +185,85 @@ class NodeBudgets:
         return {Tier.HBM: hbm, Tier.DRAM: dram}
 
 
-def planned_on_gpu(policy: Policy, rates: NodeRates | None) -> bool:
-    """Whether the plan is for a GPU: ``device: auto`` is the node's GPU, or its CPU when its
-    rates show none."""
+def node_memory(rates: NodeRates | None, from_file: bool) -> NodeMemory:
+    """The planned node's memory: a node file's as it recorded it, else this node's, read the
+    same way each time (not what rates cached here recorded when measured)."""
+    if from_file and rates is not None:
+        return NodeMemory(rates.hbm_bytes, rates.dram_bytes, "the node file's")
+    return this_node_memory()
+
+
+def planned_on_gpu(policy: Policy, memory: NodeMemory) -> bool:
+    """Whether the plan is for a GPU: ``device: auto`` is the node's GPU, or its CPU when it
+    has none."""
     return not (policy.device is Device.CPU or (
-        policy.device is Device.AUTO and rates is not None and rates.hbm_bytes is None))
+        policy.device is Device.AUTO and memory.hbm_bytes is None))
 
 
-def batch_activations(spec: str, policy: Policy, batch: int, seq: int, lora: int | None = None,
-                      checkpointing: bool = False, for_gpu: bool = True) -> tuple[int, int]:
-    """The bytes the forward of model ``spec`` (``lora``, ``checkpointing``: see
-    model_on_meta) on ``batch`` sequences of ``seq`` tokens keeps for backward, and what one
-    more sequence adds (see the module note; ``for_gpu``: activations.forward_activations)."""
-    kept = [_meta_forward_bytes(spec, policy, rows, seq, lora, checkpointing, for_gpu)
+def batch_activations(model: nn.Module, spec: str, policy: Policy, batch: int, seq: int,
+                      for_gpu: bool = True, siblings: bool = True) -> tuple[int, int]:
+    """The bytes the forward of ``model`` (built by model_on_meta from ``spec``) on ``batch``
+    sequences of ``seq`` tokens keeps for backward, and what one more sequence adds (see the
+    module note; ``for_gpu``: activations.forward_activations). ``siblings``: count one of
+    each list of identical blocks and extrapolate (blocks.py), which gives the same bytes."""
+    kept = [forward_bytes(model, spec, policy, rows, seq, for_gpu, siblings)
             for rows in (batch, 2 * batch)]
     return kept[0], (kept[1] - kept[0]) // batch
 
 
-def _meta_forward_bytes(spec: str, policy: Policy, rows: int, seq: int, lora: int | None,
-                        checkpointing: bool, for_gpu: bool) -> int:
-    model = model_on_meta(spec, lora, checkpointing).to(policy.compute_dtype.torch_dtype)
+def forward_bytes(model: nn.Module, spec: str, policy: Policy, rows: int, seq: int,
+                  for_gpu: bool, siblings: bool = True) -> int:
+    """What ``model``'s forward on ``rows`` sequences of ``seq`` token ids keeps for backward,
+    counted on copies (the model is left on the meta device as it was)."""
     hugging_face = os.path.exists(spec)
+    dtype = policy.compute_dtype.torch_dtype
 
     def forward(model: nn.Module):
         ids = torch.zeros((rows, seq), dtype=torch.long)  # fake, as the model is
         return model(input_ids=ids, labels=ids) if hugging_face else model(ids)
 
+    def count(copy: nn.Module) -> int:
+        return forward_activations(copy.to(dtype), forward, for_gpu)
+
+    blocks = repeated_blocks(model) if siblings and _alike_by_position(model) else []
+    if blocks:
+        counted = extrapolated(count, model, blocks)
+        if counted is not None:
+            return counted
     try:
-        return forward_activations(model, forward, for_gpu)
+        return count(with_blocks(model, {}))
     except Exception as error:  # the user's model: say what was asked of it
         raise UsageError(f"MODEL {spec!r}: its forward on a ({rows}, {seq}) batch of token ids "
                          f"on fake tensors failed: {type(error).__name__}: {error}") from None
 
 
+def _alike_by_position(model: nn.Module) -> bool:
+    """Whether a Hugging Face model runs each decoder layer alike: not one whose config gives
+    layers of several kinds (``layer_types``: sliding-window and full attention taking turns),
+    which may keep what the first layers never show."""
+    layer_types = getattr(getattr(model, "config", None), "layer_types", None)
+    return not layer_types or len(set(layer_types)) == 1
+
+
 def plan_model(model: nn.Module, policy: Policy, ranks: int, rates: NodeRates | None,
-               batch: tuple[int, int, int, int] | None = None) -> PlanReport:
+               batch: tuple[int, int, int, int] | None = None,
+               memory: NodeMemory | None = None,
+               flats: list[FlatParam] | None = None) -> PlanReport:
     """The report of ``policy``'s plan for ``model`` on rank 0 of ``ranks`` on a node of
-    ``rates``' (the budgets: NodeBudgets.of). ``device: auto`` is the node's GPU, or its CPU
-    when its rates show none. ``batch``: (sequences, tokens each, the bytes their forward keeps
-    for backward, the bytes a sequence adds; batch_activations)."""
-    on_cpu = not planned_on_gpu(policy, rates)
+    ``memory`` (by default the one ``rates`` recorded; the budgets: NodeBudgets.of) and
+    ``rates``, with its verdict. ``device: auto`` is the node's GPU, or its CPU when it has
+    none. ``batch``: (sequences, tokens each, the bytes their forward keeps for backward, the
+    bytes a sequence adds; batch_activations). ``flats``: the model's units under ``policy``
+    (flat_units), when already cut."""
+    if memory is None:
+        memory = node_memory(rates, from_file=True)
+    on_cpu = not planned_on_gpu(policy, memory)
     device = torch.device("cpu" if on_cpu else "cuda")
-    flats = flat_units(model, policy, 0, ranks, torch.device("cpu"))  # nothing allocated
+    if flats is None:
+        flats = flat_units(model, policy, 0, ranks, torch.device("cpu"))  # nothing allocated
     if not flats:
         raise TieredError("the model has no parameters to train")
-    budgets = NodeBudgets.of(policy, rates, ranks, on_cpu)
+    budgets = NodeBudgets.of(policy, memory, ranks, on_cpu)
 
     def plan_with(on_device: frozenset[int]) -> MemoryPlan:
         hbm_needed = memory_plan(policy, device, flats, None,
@@ -226,26 +277,70 @@ def plan_model(model: nn.Module, policy: Policy, ranks: int, rates: NodeRates | 
                              "the policy, or give --node a file of `tiered node --json` from a "
                              "node with a GPU")
         order = forward_order(flats)
-        plan = place_units(order, plan_with, lambda plan: budgets.for_plan(plan)[Tier.HBM],
+        plan = place_units(order, plan_with, budgets.hbm_for,
                            hbm_reserve(policy, budgets.hbm_capacity))
         if batch is not None and policy.hbm.reserve is None:  # as the re-plan moves them
-            plan = plan.kept_on_device(replanned_units(
-                plan, order, budgets.for_plan(plan)[Tier.HBM], batch[2]))
+            plan = plan.kept_on_device(replanned_units(plan, order, budgets.hbm_for(plan),
+                                                       batch[2]))
     else:
         plan = plan_with(frozenset())
     shown = budgets.for_plan(plan)
     if policy.uses_nvme:
         shown[Tier.NVME] = budgets.nvme
-    report = plan_report(plan, shown, policy, ranks, rates, on_cpu)
-    if batch is None:
-        return report
-    rows, seq, kept, per_sequence = batch
-    largest = None
-    if shown[Tier.HBM] is not None and per_sequence > 0:
-        room = (shown[Tier.HBM] - plan.needed(Tier.HBM) - shown[Tier.HBM] // MEASURED_MARGIN_SHARE
-                - (kept - rows * per_sequence))
-        largest = max(0, room // per_sequence)
-    return dataclasses.replace(report, batch=BatchFit(rows, seq, kept, per_sequence, largest))
+    # On a CPU device a tier's budget is its own where the policy sets one: the split of the
+    # shared RAM (the DRAM tier's is what it pins) would show a budget equal to the plan and
+    # another one over; the verdict holds the two together against the RAM.
+    if on_cpu:
+        shown_own = {**shown, Tier.HBM: policy.hbm.budget, Tier.DRAM: policy.dram.budget}
+    report = plan_report(plan, shown_own if on_cpu else shown, policy, ranks, rates, on_cpu)
+    fit = None
+    if batch is not None:
+        rows, seq, kept, per_sequence = batch
+        largest, hbm_budget = None, shown[Tier.HBM]
+        if hbm_budget is not None and per_sequence > 0:
+            room = (hbm_budget - plan.needed(Tier.HBM) - _margin(shown)
+                    - (kept - rows * per_sequence))
+            largest = max(0, room // per_sequence)
+        fit = BatchFit(rows, seq, kept, per_sequence, largest)
+    verdict = Verdict(_rooms(report, policy, budgets, shown, on_cpu, fit),
+                      note=_budgets_note(memory, ranks, on_cpu, fit))
+    return dataclasses.replace(report, batch=fit, verdict=verdict)
+
+
+def _margin(shown: dict[Tier, int | None]) -> int:
+    """What the re-plan leaves free beside the activations: 1/16 of the HBM budget."""
+    return (shown[Tier.HBM] or 0) // MEASURED_MARGIN_SHARE
+
+
+def _rooms(report: PlanReport, policy: Policy, budgets: NodeBudgets,
+           shown: dict[Tier, int | None], on_cpu: bool,
+           fit: BatchFit | None) -> tuple[TierRoom, ...]:
+    """Each tier's needs against its budget (``shown``: the plan's budgets, for_plan; see
+    planning/verdict.py); the activations and their margin are the HBM tier's, as BatchFit
+    counts them."""
+    beside = 0 if fit is None else fit.activations + _margin(shown)
+    hbm, dram = report.needed[Tier.HBM] + beside, report.needed[Tier.DRAM]
+    if on_cpu:
+        rooms = [TierRoom(tier.value, needed, budget) for tier, needed, budget in
+                 ((Tier.HBM, hbm, policy.hbm.budget), (Tier.DRAM, dram, policy.dram.budget))
+                 if budget is not None]
+        rooms.append(TierRoom("ram (hbm and dram together)", hbm + dram, budgets.shared))
+    else:
+        rooms = [TierRoom("hbm", hbm, shown[Tier.HBM]), TierRoom("dram", dram, shown[Tier.DRAM])]
+    if Tier.NVME in report.needed:
+        rooms.append(TierRoom("nvme", report.needed[Tier.NVME], budgets.nvme))
+    return tuple(rooms)
+
+
+def _budgets_note(memory: NodeMemory, ranks: int, on_cpu: bool, fit: BatchFit | None) -> str:
+    ram = "-" if memory.dram_bytes is None else format_size(memory.dram_bytes)
+    share = "7/8" if ranks == 1 else f"7/8 / {ranks} ranks"
+    device = ("the CPU (its RAM holds the hbm and dram tiers)" if on_cpu else
+              f"a GPU of {format_size(memory.hbm_bytes)}" if memory.hbm_bytes else "a GPU")
+    counted = ("activations and a 1/16 margin counted in hbm" if fit is not None else
+               "activations not counted: give --batch and --seq")
+    return (f"budgets: {memory.of} memory ({ram} of RAM, {share} of it a rank's; device: "
+            f"{device}) where the policy sets none; {counted}")
 
 
 def read_node(path: str) -> NodeRates:

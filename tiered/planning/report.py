@@ -30,6 +30,7 @@ from ..core.sizes import format_size
 from ..placement.plan import OPTIMIZER_STATES, MemoryPlan, StateKind, reduce_dtype, state_dtype
 from ..policy.config import ComputeDtype, Policy, Tier
 from .node import NodeRates
+from .verdict import Verdict
 
 SHOWN_STATES = (StateKind.PARAM, StateKind.GRAD, StateKind.MASTER)
 """One row per kind of state: the moments sit with the master weights (a unit without masters,
@@ -135,6 +136,8 @@ class PlanReport:
     """What ``tier: auto``'s re-plan after the first step did (engine/replan.py), once it ran."""
     batch: BatchFit | None = None
     """``tiered plan --batch --seq``'s activations and largest batch."""
+    verdict: Verdict | None = None
+    """``tiered plan``'s: whether the plan fits its node, and what would make it fit."""
 
     def table(self) -> str:
         tiers = [tier for tier in (Tier.HBM, Tier.DRAM, Tier.NVME) if tier in self.budgets]
@@ -146,7 +149,9 @@ class PlanReport:
                          "-" if budget is None else format_size(budget),
                          *(str(self.units[kind].get(tier, 0)) for kind in SHOWN_STATES)])
         lines = [format_table(rows)]
-        if self.terms is None:
+        if self.verdict is not None and not self.verdict.fits:
+            lines.append("predicted step: none, the plan does not fit (see the verdict)")
+        elif self.terms is None:
             lines.append("predicted step: run `tiered node` to measure this node's rates")
         else:
             parts = ", ".join(f"{name} {value:.3g} s" for name, value in self.terms.named().items()
@@ -177,6 +182,8 @@ class PlanReport:
                              f"{backward:.3g} s")
         if self.replanned is not None:
             lines.append(self.replanned)
+        if self.verdict is not None:
+            lines += self.verdict.lines()
         return "\n".join(lines)
 
 
@@ -191,20 +198,23 @@ class PlanReport:
         return max(named, key=lambda item: sum(item[1]), default=None)
 
     def to_dict(self) -> dict:
-        """As JSON holds it: tiers and states by name, the terms in seconds."""
+        """As JSON holds it: tiers and states by name, the terms in seconds (none for a plan
+        that does not fit, as the table shows none)."""
+        terms = self.terms if self.verdict is None or self.verdict.fits else None
         return {"needed": {t.value: n for t, n in self.needed.items()},
                 "budgets": {t.value: b for t, b in self.budgets.items()},
                 "units": {k.value: {t.value: c for t, c in by_tier.items()}
                           for k, by_tier in self.units.items()},
-                "terms": None if self.terms is None else self.terms.named(),
-                "bound": None if self.terms is None else self.terms.bound[0],
+                "terms": None if terms is None else terms.named(),
+                "bound": None if terms is None else terms.bound[0],
                 "rates_of": self.rates_of,
                 "measured": None if self.measured is None else dict(
                     dataclasses.asdict(self.measured),
                     unit_seconds=dict(zip(self.unit_names, self.measured.unit_seconds))),
                 "predicted_s": self.predicted_s, "hbm_peak": self.hbm_peak,
                 "replanned": self.replanned,
-                "batch": None if self.batch is None else dataclasses.asdict(self.batch)}
+                "batch": None if self.batch is None else dataclasses.asdict(self.batch),
+                "verdict": None if self.verdict is None else self.verdict.to_dict()}
 
 
 def plan_report(plan: MemoryPlan, budgets: dict[Tier, int | None], policy: Policy,

@@ -1,0 +1,177 @@
+"""``tiered plan``'s verdict (issue 33): a plan fits (with each tier's headroom) or does not
+(which tier, by how much), and what would make it fit is offered only as planned; the budgets
+come from the node's memory before any rates are measured; the same question gets the same
+numbers; identical blocks counted once give the bytes of counting them all."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tiered.launch.cli import main
+from tiered.launch.plan_model import batch_activations, model_on_meta, plan_model
+from tiered.planning import node
+from tiered.planning.blocks import repeated_blocks
+from tiered.planning.node import NodeMemory, NodeRates, cached_node_rates
+from tiered.policy.config import Policy, Tier
+
+from helpers import REPO
+
+transformers = pytest.importorskip("transformers")
+
+MiB = 1 << 20
+
+
+def rates(dram_bytes: int, **changes) -> NodeRates:
+    """A GPU node of 64 MiB of device memory and ``dram_bytes`` of host memory."""
+    return NodeRates(**{**dict(
+        machine="a small node", measured_at=0.0, cpu_threads=4, cpu_adamw_params_per_s=1e9,
+        cpu_one_pass_params_per_s=1e9, gpu_adamw_params_per_s=1e11, h2d_gbps=10.0,
+        d2h_gbps=10.0, both_gbps=16.0, nvme_path="/drive", nvme_write_gbps=1.0,
+        nvme_read_gbps=1.0, hbm_bytes=64 * MiB, dram_bytes=dram_bytes), **changes})
+
+
+@pytest.fixture
+def folder(tmp_path, monkeypatch):
+    """An 8-layer Llama config, an fp32 policy, and no rates measured here."""
+    monkeypatch.setenv("TIERED_CACHE", str(tmp_path / "cache"))
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=8, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64)
+    config.save_pretrained(tmp_path / "model")
+    return tmp_path
+
+
+def write(path, data) -> str:
+    path.write_text(json.dumps(data) if path.suffix == ".json" else yaml.safe_dump(data))
+    return str(path)
+
+
+def plan(capsys, folder, dram_bytes: int, *args: str, policy: dict | None = None) -> dict:
+    """``tiered plan --json`` of the 8-layer model at batch 2 x 32 on a node of
+    ``dram_bytes``."""
+    node_file = write(folder / "node.json", dataclasses.asdict(rates(dram_bytes)))
+    policy_file = write(folder / "policy.yaml", {"compute_dtype": "fp32", **(policy or {})})
+    assert main(["plan", str(folder / "model"), "--policy", policy_file, "--node", node_file,
+                 "--batch", "2", "--seq", "32", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_a_plan_that_fits_says_each_tiers_headroom_and_its_step(folder, capsys):
+    planned = plan(capsys, folder, 64 * MiB)
+    verdict = planned["verdict"]
+    assert verdict["fits"] and not verdict["over"] and not verdict["suggestions"]
+    hbm, dram = verdict["tiers"]
+    assert dram["budget"] == 64 * MiB * 7 // 8 == planned["budgets"]["dram"]
+    assert dram["headroom"] == dram["budget"] - planned["needed"]["dram"] > 0
+    activations = planned["batch"]["activations"]
+    assert hbm["needed"] == planned["needed"]["hbm"] + activations + 64 * MiB // 16
+    assert planned["bound"] is not None  # a step predicted for a plan that fits
+    main(["plan", str(folder / "model"), "--policy", str(folder / "policy.yaml"), "--node",
+          str(folder / "node.json")])
+    table = capsys.readouterr().out
+    assert table.splitlines()[-1].startswith("verdict: fits (hbm ") and "MiB free" in table
+
+
+def test_a_plan_that_does_not_fit_names_the_tier_and_offers_only_what_planned_fits(folder,
+                                                                                   capsys):
+    planned = plan(capsys, folder, 8 * MiB)
+    verdict = planned["verdict"]
+    assert not verdict["fits"] and planned["terms"] is None and planned["bound"] is None
+    [over] = verdict["over"]
+    assert over["tier"] == "dram" and over["budget"] == 8 * MiB * 7 // 8
+    assert over["over"] == planned["needed"]["dram"] - over["budget"] > 0
+    offered = {suggestion["change"]: suggestion for suggestion in verdict["suggestions"]}
+    assert set(offered) == {"dram.spill: nvme with --nvme /drive", "optimizer.moments: int8",
+                            "LoRA r16 (--lora 16)"}
+    assert offered["dram.spill: nvme with --nvme /drive"]["bound"] == "NVMe"
+    # Each as the user would ask for it: it fits, with the step offered.
+    spilled = plan(capsys, folder, 8 * MiB, "--nvme", str(folder), policy={"dram": {
+        "spill": "nvme"}})
+    int8 = plan(capsys, folder, 8 * MiB, policy={"optimizer": {"moments": "int8"}})
+    lora = plan(capsys, folder, 8 * MiB, "--lora", "16")
+    for change, asked in (("optimizer.moments: int8", int8), ("LoRA r16 (--lora 16)", lora),
+                          ("dram.spill: nvme with --nvme /drive", spilled)):
+        assert asked["verdict"]["fits"], change
+        assert offered[change]["step_s"] == pytest.approx(max(
+            value for value in asked["terms"].values() if value is not None)), change
+    # Checkpointing was tried and does not fit: not offered.
+    assert "activation checkpointing (--checkpointing)" in verdict["tried"]
+    assert not plan(capsys, folder, 8 * MiB, "--checkpointing")["verdict"]["fits"]
+    main(["plan", str(folder / "model"), "--policy", str(folder / "policy.yaml"), "--node",
+          str(folder / "node.json")])
+    table = capsys.readouterr().out
+    assert "predicted step: none, the plan does not fit" in table
+    assert "verdict: does not fit: dram needs" in table and "  LoRA r16 (--lora 16): fits" in table
+
+
+def test_without_rates_the_budgets_are_this_nodes_memory_the_same_each_time(folder, capsys):
+    policy_file = write(folder / "policy.yaml", {"compute_dtype": "fp32"})
+    args = ["plan", str(folder / "model"), "--policy", policy_file, "--batch", "2", "--seq",
+            "32", "--json"]
+    answers = []
+    for _ in range(2):
+        assert main(args) == 0
+        answers.append(capsys.readouterr().out)
+    assert answers[0] == answers[1]
+    verdict = json.loads(answers[0])["verdict"]
+    memory = node.this_node_memory()
+    budgets = {room["tier"]: room["budget"] for room in verdict["tiers"]}
+    if memory.hbm_bytes is None:  # the CPU's RAM holds both tiers
+        assert budgets == {"ram (hbm and dram together)": memory.dram_bytes * 7 // 8}
+    else:
+        assert budgets["dram"] == memory.dram_bytes * 7 // 8
+
+
+def test_rates_measured_with_a_drive_serve_a_plan_without_one(folder):
+    measured = rates(64 * MiB, machine=node._machine(node.usable_cores(), "/drive"))
+    os.makedirs(node.cache_folder(), exist_ok=True)
+    node._write(node._cache_file(measured.machine), measured)
+    assert cached_node_rates(None) == measured
+    assert cached_node_rates("/drive") == measured and cached_node_rates("/other") is None
+
+
+def test_identical_blocks_counted_once_give_the_bytes_of_counting_all(folder):
+    spec = str(folder / "model")
+    policy = Policy.from_dict({"compute_dtype": "fp32", "optimizer": {"tier": "auto"},
+                               "params": {"tier": "auto"}, "grads": {"tier": "auto"}})
+    memory = NodeMemory(4 * MiB, 64 * MiB, "a small node's")
+    for lora, checkpointing in ((None, False), (4, True)):
+        model = model_on_meta(spec, lora, checkpointing)
+        assert [blocks.count for blocks in repeated_blocks(model)] == [8]
+        counted = [batch_activations(model, spec, policy, 2, 32, siblings=siblings)
+                   for siblings in (True, False)]
+        assert counted[0] == counted[1] and counted[0][0] > 0
+        reports = [plan_model(model, policy, 1, None, (2, 32, *kept), memory)
+                   for kept in counted]
+        assert reports[0].needed == reports[1].needed and Tier.HBM in reports[0].needed
+        assert reports[0].units == reports[1].units
+    assert not any(param.device.type != "meta" for param in model.parameters())
+
+
+def test_the_command_answers_through_a_real_process(folder):
+    node_file = write(folder / "node.json", dataclasses.asdict(rates(8 * MiB)))
+    policy_file = write(folder / "policy.yaml", {"compute_dtype": "fp32"})
+    done = subprocess.run([sys.executable, "-m", "tiered.launch.cli", "plan",
+                           str(folder / "model"), "--policy", policy_file, "--node", node_file],
+                          cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, TIERED_CACHE=str(folder / "cache")))
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    verdict = lines.index(next(line for line in lines if line.startswith("verdict: ")))
+    assert lines[verdict].startswith("verdict: does not fit: dram needs")
+    assert lines[verdict + 1] == "what makes it fit (each planned):"
+    assert all(": fits" in line for line in lines[verdict + 2:]) and len(lines) > verdict + 2
+
+
+def test_a_node_without_memory_known_cannot_place_tier_auto(folder, capsys):
+    unknown = dataclasses.replace(rates(64 * MiB, hbm_bytes=None), dram_bytes=None)
+    node_file = write(folder / "node.json", dataclasses.asdict(unknown))
+    assert main(["plan", str(folder / "model"), "--policy",
+                 os.path.join(REPO, "configs", "auto.yaml"), "--node", node_file]) == 2
+    assert "set hbm.budget in the policy, or give --node" in capsys.readouterr().err

@@ -1,0 +1,200 @@
+"""``tiered plan``'s answer: the plan of what was asked, its verdict, and for a plan that does
+not fit, the changes that make it fit, each found by planning it (issue 33, item 1).
+
+The changes tried are the ones a user can make without another machine: 8-bit moments
+(``optimizer.moments: int8``), the states DRAM cannot hold moved to NVMe (``dram.spill: nvme``
+with ``--nvme PATH``; under ``tier: auto`` the path alone), the host placement of
+``configs/cpu.yaml`` for a policy that keeps states on the device, LoRA adapters of rank 16 in
+place of training every weight, a smaller batch and activation checkpointing; where none fits
+alone, NVMe beside each of the others. Each is planned as the question itself is (the model
+built once per LoRA rank, its units cut once, the activations counted once per batch), and
+only those whose plan fits are offered, with the step the node's rates predict for them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..core.errors import TieredError, UsageError
+from ..engine.build import flat_units
+from ..engine.flat import FlatParam
+from ..planning.node import NodeMemory, NodeRates, cached_node_rates
+from ..planning.report import PlanReport
+from ..planning.verdict import Suggestion
+from ..policy.config import MomentsDtype, Policy, Tier, resolve
+from .plan_model import (batch_activations, model_on_meta, node_memory, plan_model,
+                         planned_on_gpu, read_node)
+
+LORA_RANK = 16
+"""The LoRA rank suggested for a full fine-tune that does not fit (a common choice)."""
+
+
+@dataclass(frozen=True)
+class PlanQuestion:
+    """What ``tiered plan`` is asked, its arguments read (see plan_model's module note)."""
+
+    spec: str
+    policy: Policy
+    """With ``compute_dtype`` made concrete for the planned device, as initialize makes it."""
+    ranks: int
+    rates: NodeRates | None
+    memory: NodeMemory
+    batch: int | None = None
+    seq: int | None = None
+    lora: int | None = None
+    checkpointing: bool = False
+
+
+def question_of(spec: str, policy_file: str | None, nvme: str | None, ranks: int,
+                node: str | None, batch: int | None, seq: int | None, lora: int | None,
+                checkpointing: bool,
+                concrete: Callable[[Policy], tuple[Policy, str]]) -> PlanQuestion:
+    """The question the command's arguments ask; a bad one is refused by name.
+    ``concrete(policy)``: the policy with ``compute_dtype: auto`` made concrete as the command
+    decides it (the node file does not say what its device computes natively)."""
+    for flag, value in (("--ranks", ranks), ("--batch", batch), ("--seq", seq),
+                        ("--lora", lora)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+    if (batch is None) != (seq is None):
+        raise UsageError("--batch and --seq go together: the sequences and their tokens")
+    if checkpointing and batch is None:
+        raise UsageError("--checkpointing changes the activations only: give --batch and "
+                         "--seq too")
+    path = os.path.abspath(os.path.expanduser(nvme)) if nvme else None
+    policy = resolve(policy_file, {"nvme": {"path": path}} if path else {})
+    rates = read_node(node) if node else cached_node_rates(policy.nvme.path)
+    memory = node_memory(rates, from_file=node is not None)
+    policy, _ = concrete(policy)
+    return PlanQuestion(spec, policy, ranks, rates, memory, batch, seq, lora, checkpointing)
+
+
+class _Planner:
+    """Plans of one model under several changes, sharing what they can: the model built once
+    per LoRA rank and checkpointing, its units cut once per cut, the activations counted once
+    per batch."""
+
+    def __init__(self) -> None:
+        self._models: dict[tuple, nn.Module] = {}
+        self._flats: dict[tuple, list[FlatParam]] = {}
+        self._activations: dict[tuple, tuple[int, int]] = {}
+
+    def report(self, question: PlanQuestion) -> PlanReport:
+        model_key = (question.lora, question.checkpointing)
+        if model_key not in self._models:
+            self._models[model_key] = model_on_meta(question.spec, question.lora,
+                                                    question.checkpointing)
+        model, policy = self._models[model_key], question.policy
+        batch = None
+        if question.batch is not None and question.seq is not None:
+            for_gpu = planned_on_gpu(policy, question.memory)
+            key = (*model_key, question.batch, question.seq, policy.compute_dtype, for_gpu)
+            if key not in self._activations:
+                self._activations[key] = batch_activations(
+                    model, question.spec, policy, question.batch, question.seq, for_gpu)
+            batch = (question.batch, question.seq, *self._activations[key])
+        cut = (*model_key, policy.units, policy.compute_dtype, question.ranks)
+        if cut not in self._flats:
+            self._flats[cut] = flat_units(model, policy, 0, question.ranks, torch.device("cpu"))
+        return plan_model(model, policy, question.ranks, question.rates, batch,
+                          question.memory, self._flats[cut])
+
+
+Change = tuple[str, Callable[[PlanQuestion], "PlanQuestion | None"]]
+"""A change to try: what the user would change, and the question it makes of another (None
+where that question's policy refuses it)."""
+
+
+def answer(question: PlanQuestion) -> PlanReport:
+    """The plan of ``question`` with its verdict and, when it does not fit, the changes that
+    make it fit (see the module note): each alone, then, where none fits, by twos and threes."""
+    planner = _Planner()
+    report = planner.report(question)
+    assert report.verdict is not None  # plan_model gives one
+    if report.verdict.fits:
+        return report
+    suggestions: list[Suggestion] = []
+    tried: list[str] = []
+    changes = _changes(question, report)
+    for size in (1, 2, 3):
+        for combination in itertools.combinations(changes, size):
+            changed: PlanQuestion | None = question
+            for _, make in combination:
+                changed = None if changed is None else make(changed)
+            if changed is not None:
+                _try(planner, " and ".join(change for change, _ in combination), changed,
+                     suggestions, tried)
+        if suggestions:
+            break
+    # Said as the changes tried, alone and together: every combination is in the count.
+    verdict = dataclasses.replace(report.verdict, suggestions=tuple(suggestions),
+                                  tried=tuple(change for change, _ in changes))
+    return dataclasses.replace(report, verdict=verdict)
+
+
+def _try(planner: _Planner, change: str, changed: PlanQuestion, suggestions: list[Suggestion],
+         tried: list[str]) -> None:
+    """Plan ``changed``: offered when it fits, else listed as tried."""
+    try:
+        report = planner.report(changed)
+    except TieredError:  # a change this model or policy cannot take: not offered
+        tried.append(change)
+        return
+    if report.verdict is None or not report.verdict.fits:
+        tried.append(change)
+        return
+    step = bound = None
+    nvme_unmeasured = (Tier.NVME in report.needed and changed.rates is not None
+                       and changed.rates.nvme_read_gbps is None)
+    if report.terms is not None and not nvme_unmeasured:
+        bound, step = report.terms.bound
+    suggestions.append(Suggestion(change, step, bound))
+
+
+def _replaced(question: PlanQuestion, **overrides) -> PlanQuestion | None:
+    """``question`` with its policy's keys ``overrides`` (None where the policy refuses them
+    beside the keys it sets)."""
+    try:
+        return dataclasses.replace(question, policy=question.policy.replace(**overrides))
+    except TieredError:
+        return None
+
+
+def _changes(question: PlanQuestion, report: PlanReport) -> list[Change]:
+    """The changes to try (see the module note)."""
+    policy = question.policy
+    changes: list[Change] = []
+    path = policy.nvme.path or (question.rates.nvme_path if question.rates else None)
+    flag = f"--nvme {path or 'PATH'}"
+    on_nvme = {"path": path or os.path.join(os.sep, "PATH")}  # planned, never opened
+    if policy.placed_by_planner and not policy.nvme.path:
+        changes.append((flag, lambda q: _replaced(q, nvme=on_nvme)))
+    elif not policy.placed_by_planner and not policy.uses_nvme:
+        changes.append((f"dram.spill: nvme with {flag}",
+                        lambda q: _replaced(q, dram={"spill": "nvme"}, nvme=on_nvme)))
+    if policy.optimizer.moments is not MomentsDtype.INT8:
+        changes.append(("optimizer.moments: int8",
+                        lambda q: _replaced(q, optimizer={"moments": "int8"})))
+    if Tier.HBM in (policy.params.tier, policy.grads.tier, policy.optimizer.tier):
+        changes.append(("params, grads and optimizer on tier dram (configs/cpu.yaml)",
+                        lambda q: _replaced(q, params={"tier": "dram"}, grads={"tier": "dram"},
+                                            optimizer={"tier": "dram"})))
+    if question.lora is None:
+        changes.append((f"LoRA r{LORA_RANK} (--lora {LORA_RANK})",
+                        lambda q: dataclasses.replace(q, lora=LORA_RANK)))
+    fit = report.batch
+    if fit is not None and question.batch is not None:
+        largest = fit.largest
+        if largest is not None and 0 < largest < question.batch:
+            changes.append((f"batch {largest} (--batch {largest})",
+                            lambda q: dataclasses.replace(q, batch=largest)))
+        if not question.checkpointing and os.path.exists(question.spec):
+            changes.append(("activation checkpointing (--checkpointing)",
+                            lambda q: dataclasses.replace(q, checkpointing=True)))
+    return changes
