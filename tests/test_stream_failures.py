@@ -164,7 +164,7 @@ def test_frozen_units_add_nothing_to_what_is_sized_for_gradients():
     largest unit that has a gradient: a frozen block's weights never land."""
     with tiered.init(device="cpu"):
         model = add_lora(GPT(64, 64, 2, 2), 4)
-    policy = resolve(os.path.join(REPO, "configs", "cpu.yaml"), {})
+    policy = resolve(os.path.join(REPO, "configs", "cpu.yaml"), {"compute_dtype": "bf16"})
     flats = flat_units(model, policy, 0, 1, torch.device("cpu"))
     plan = memory_plan(policy, torch.device("cuda"), flats)
     # By hand, from GPT(64, 64, 2, 2)'s shapes (untied, no position table): each block's frozen
