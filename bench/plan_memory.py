@@ -52,7 +52,7 @@ def main() -> None:
     for label, lora, split in (("full training", False, True),
                                (f"LoRA {args.lora}, split_frozen off", True, False),
                                (f"LoRA {args.lora}, split_frozen on", True, True)):
-        policy = resolve(args.policy, {"nvme": {"path": args.nvme},
+        policy = resolve(args.policy, {"nvme": {"path": args.nvme}, "compute_dtype": "bf16",
                                        "units": {"split_frozen": split}})
         rows.append(plan_row(label, model(lora), policy))
     print(f"{args.layers} x {args.dim}, {os.path.relpath(args.policy)}")
