@@ -137,7 +137,7 @@ class Channel:
             return
         self._closed_here = True
         self._end(ServiceError(f"the connection to the tiered service at {self.paths.socket} "
-                               f"(pid {self.pid}) was closed by this process"), lost=False)
+                               f"(pid {self.pid}) was closed by this process"))
         try:  # wakes the reader (a close alone may leave its recv waiting)
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -195,18 +195,18 @@ class Channel:
 
     def _lose(self, why: str) -> None:
         self._end(ServiceLost(f"the node's service is gone: the tiered service at "
-                              f"{self.paths.socket} (pid {self.pid}) {why}"), lost=True)
+                              f"{self.paths.socket} (pid {self.pid}) {why}"))
 
-    def _end(self, error: ServiceError, lost: bool) -> None:
-        """Fail everything that waits with ``error``, and every later call, once; ``lost``:
-        the connection went by itself, which the ``on_lost`` handlers hear first (see [Note:
-        one channel])."""
+    def _end(self, error: ServiceError) -> None:
+        """Fail everything that waits with ``error``, and every later call, once; a ServiceLost
+        (the connection went by itself) the ``on_lost`` handlers hear first (see [Note: one
+        channel])."""
         with self._state:
             if self._ended is not None:
                 return
             self._ended = error
             waiting, self._pending = self._pending, {}
-        if lost:
+        if isinstance(error, ServiceLost):
             for handler in self._on_lost:
                 handler(error)
         for answer in waiting.values():

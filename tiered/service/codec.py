@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import inspect
 import re
 import types
@@ -37,18 +36,26 @@ def op_name(kind: type) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", kind.__name__).lower()
 
 
-@functools.lru_cache(maxsize=None)
+_TYPES: dict[Any, dict[str, Any]] = {}
+"""field_types' and parameter_types' answers, by dataclass or method (resolving the
+annotations of ``from __future__ import annotations`` takes an eval each)."""
+
+
 def field_types(kind: type) -> dict[str, Any]:
     """A dataclass's fields and their types, in declaration order."""
-    hints = typing.get_type_hints(kind)
-    return {field.name: hints[field.name] for field in dataclasses.fields(kind)}
+    if kind not in _TYPES:
+        hints = typing.get_type_hints(kind)
+        _TYPES[kind] = {field.name: hints[field.name] for field in dataclasses.fields(kind)}
+    return _TYPES[kind]
 
 
-@functools.lru_cache(maxsize=None)
 def parameter_types(method: Callable) -> dict[str, Any]:
     """A method's parameters (past ``self``) and their types, in order."""
-    hints = typing.get_type_hints(method)
-    return {name: hints[name] for name in list(inspect.signature(method).parameters)[1:]}
+    if method not in _TYPES:
+        hints = typing.get_type_hints(method)
+        _TYPES[method] = {name: hints[name]
+                          for name in list(inspect.signature(method).parameters)[1:]}
+    return _TYPES[method]
 
 
 def fields_to_wire(value: Any, skip: frozenset[str] = frozenset()) -> dict:
@@ -107,7 +114,7 @@ def decode(value: Any, kind: Any, name: str) -> Any:
         return DTYPES[value]
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
         return kind(value)  # ValueError naming the value
-    if dataclasses.is_dataclass(kind):
+    if isinstance(kind, type) and dataclasses.is_dataclass(kind):
         if not isinstance(value, dict):
             raise ValueError(f"{name} is not an object: {value!r}")
         return kind(**{field: decode(value.get(field), hint, f"{name}.{field}")

@@ -18,9 +18,11 @@ import enum
 import socket
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from . import wire
+from .files import FileStream
+from .hosting import HostedRank
 from .jobs import RefusedError
 
 class Phase(enum.Enum):
@@ -55,10 +57,11 @@ class Conversation:
         """(job, rank) once attached, until a detach."""
         self.holds: str | None = None
         """The job this connection's launcher holds, until it lets go."""
-        self.hosted = None
-        """(job, HostedRank): the job and the rank's host this connection runs (hosting.py)."""
-        self.files = None
-        """(job, rank, FileStream): the NVMe files this connection serves (files.py)."""
+        self.hosted: tuple[str, HostedRank] | None = None
+        """The job and the rank's host this connection runs (hosting.py)."""
+        self.files: tuple[str, int, FileStream] | None = None
+        """The job, the rank and the stream of the NVMe files this connection serves
+        (files.py)."""
         self.over = False
         """The conversation has ended (a host's or a file stream's end): the connection
         closes."""
@@ -70,12 +73,24 @@ class Conversation:
             return Phase.HOST
         return Phase.FILES if self.files is not None else Phase.CONTROL
 
+    @property
+    def host(self) -> HostedRank:
+        """The rank's host (what a HOST route is routed to)."""
+        assert self.hosted is not None, "a host's request on a connection that runs none"
+        return self.hosted[1]
+
+    @property
+    def file_stream(self) -> FileStream:
+        """The rank's NVMe file stream (what a FILES route is routed to)."""
+        assert self.files is not None, "an NVMe request on a connection that serves none"
+        return self.files[2]
+
     def rank_of(self, op: str) -> tuple[str, int]:
         if self.attached is None:
             raise RefusedError(f"{op!r} needs an attached rank: send 'attach' first")
         return self.attached
 
-    def reply(self, call: int | None, fields: dict, fds: list[int] = ()) -> None:
+    def reply(self, call: int | None, fields: dict, fds: Sequence[int] = ()) -> None:
         """Answer call ``call``; a client that is gone is told nothing (its connection's end is
         what the service then sees)."""
         try:
@@ -91,7 +106,7 @@ class Conversation:
         except OSError:
             pass
 
-    def send(self, message: dict, fds: list[int] = ()) -> None:
+    def send(self, message: dict, fds: Sequence[int] = ()) -> None:
         with self._sending:
             wire.send(self.conn, message, fds)
 

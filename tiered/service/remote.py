@@ -217,6 +217,7 @@ class RemoteHost:
         elif op == "failed":
             self.worker.fail(TieredError(f"in the node's service: {message['error']}"))
         else:
+            assert self._events is not None, "an event before the host was started"
             deliver(message, self._events)
 
 

@@ -162,4 +162,5 @@ class RemoteVersion:
             self._settled = self._tier.call("commit", version=self._number, abandon=True)
 
     def wait(self) -> None:
+        assert self._settled is not None, "a version waited for before its commit"
         self._settled.result()

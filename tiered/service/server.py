@@ -193,7 +193,7 @@ class TierService:
                 job, rank = client.attached
                 self.registry.detach(job, rank, clean=False)
                 log.info("job %s rank %d: its trainer went without engine.close()", job, rank)
-            if client.holds is not None:
+            if client.holds is not None and client.pid is not None:
                 self.registry.unhold(client.holds, client.pid, clean=False)
                 log.info("job %s: its launcher went without a word; its state is kept",
                          client.holds)
@@ -394,33 +394,33 @@ class TierService:
     # -- a hosted rank's conversation (see [Note: hosted ranks]) -----------------------------
 
     def _host_command(self, client, message):
-        client.hosted[1].run(checked(message, "sequence", int), command_from_wire(message))
+        client.host.run(checked(message, "sequence", int), command_from_wire(message))
 
     def _host_drain(self, client, message):
-        client.hosted[1].after_queued(partial(client.reply, message["id"], {}))
+        client.host.after_queued(partial(client.reply, message["id"], {}))
 
     def _host_unit_steps(self, client, message):
-        hosted = client.hosted[1]
+        hosted = client.host
         hosted.after_queued(lambda: client.reply(message["id"], {"steps": hosted.unit_steps()}))
 
     def _host_set_unit_steps(self, client, message):
-        client.hosted[1].set_unit_steps([float(v) for v in checked(message, "steps", list)])
+        client.host.set_unit_steps([float(v) for v in checked(message, "steps", list)])
 
     def _host_restored(self, client, message):
-        client.hosted[1].restored()
+        client.host.restored()
 
     def _host_params_swapped(self, client, message):
-        client.hosted[1].params_swapped([int(unit) for unit in checked(message, "units", list)])
+        client.host.params_swapped([int(unit) for unit in checked(message, "units", list)])
 
     def _host_step_record(self, client, message):
-        client.hosted[1].step_record(checked(message, "step", int),
+        client.host.step_record(checked(message, "step", int),
                                      dict(checked(message, "record", dict)))
 
     def _host_end(self, client, message):
         """The trainer closes: its host ends before it detaches. What it sent runs first, its
         last step's update too once every rank's record of it is in (a rank ending right after
         step() is no crash); it sends no record from here on (see [Note: reattach])."""
-        hosted = client.hosted[1]
+        hosted = client.host
         hosted.commits.ending(hosted.rank)
         hosted.run_queued()
         self._end_host(client)
@@ -437,12 +437,14 @@ class TierService:
         return {}, []
 
     def _end_files(self, client: Conversation) -> None:
+        assert client.files is not None, "a file stream ended twice"
         job, rank, stream = client.files
         client.files = None
         stream.settle()
         self.registry.files_closed(job, rank)
 
     def _end_host(self, client: Conversation) -> None:
+        assert client.hosted is not None, "a host ended twice"
         job, hosted = client.hosted
         client.hosted = None
         self._hosted.pop((job, hosted.rank), None)
@@ -458,7 +460,7 @@ class TierService:
 def _on_files(method: Callable[[FileStream, dict], Answer | None]
               ) -> Callable[[TierService, Conversation, dict], Answer | None]:
     """A route to the connection's file stream."""
-    return lambda service, client, message: method(client.files[2], message)
+    return lambda service, client, message: method(client.file_stream, message)
 
 
 ROUTES: dict[str, Route] = {

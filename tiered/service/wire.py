@@ -18,6 +18,7 @@ import json
 import os
 import socket
 import struct
+from typing import Sequence
 
 from ..core.errors import BudgetError, NvmeError, TieredError
 from .paths import ServiceError
@@ -41,7 +42,7 @@ class Closed(WireError):
     """The peer closed the connection between messages (the ordinary end of a conversation)."""
 
 
-def send(sock: socket.socket, message: dict, fds: list[int] = ()) -> None:
+def send(sock: socket.socket, message: dict, fds: Sequence[int] = ()) -> None:
     """Send ``message`` (a JSON-serialisable dict), with ``fds`` attached to its first byte."""
     body = json.dumps(message, separators=(",", ":")).encode()
     if len(body) > MAX_BODY:
@@ -95,12 +96,12 @@ def _first_bytes(sock: socket.socket) -> tuple[bytes, list[int]]:
     """Up to a header's bytes, with any descriptors sent alongside (they ride the first byte)."""
     space = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
     data, ancillary, flags, _ = sock.recvmsg(HEADER.size, space)
-    fds = array.array("i")
+    carried = array.array("i")
     for level, kind, payload in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            whole = len(payload) - len(payload) % fds.itemsize
-            fds.frombytes(payload[:whole])
-    fds = list(fds)
+            whole = len(payload) - len(payload) % carried.itemsize
+            carried.frombytes(payload[:whole])
+    fds = list(carried)
     if flags & socket.MSG_CTRUNC:
         for fd in fds:
             os.close(fd)
@@ -129,7 +130,7 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     return struct.unpack("3i", creds)
 
 
-def refusal_fields(error: Exception) -> dict:
+def refusal_fields(error: BaseException) -> dict:
     """What a refused call's reply carries besides the words, for the client to raise the same
     error (:func:`refusal`)."""
     if isinstance(error, BudgetError):
