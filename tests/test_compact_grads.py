@@ -140,7 +140,7 @@ def _rank_main(rank: int, world: int, out_dir: str) -> None:
         next_token_loss(engine(idx), idx).backward()
         engine.runtime.worker.drain()
         host = engine.runtime.host.rank_host
-        grads[accumulation_steps] = [host.read(i).clone() for i in range(len(host.dtype))]
+        grads[accumulation_steps] = [host.read(i).clone() for i in range(len(host.held))]
         engine.close()
     torch.save(grads, os.path.join(out_dir, f"rank{rank}.pt"))
 

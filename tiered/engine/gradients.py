@@ -1,7 +1,7 @@
 """A unit's gradient, from the end of its backward to the grads tier where the optimizer reads it.
 
 [Note: gradient states]
-Each unit's fp32 grads-tier buffer holds one of:
+Each unit's fp32 grads-tier buffer holds one of (the host's GradState, optim/host.py):
 - nothing (no gradient since ``zero_grad``);
 - *pending*: the gradient of a single backward in the compute dtype, in the first half of the
   buffer's bytes. It is copied there straight from the device (a bf16 shard is never widened),
@@ -14,7 +14,7 @@ change only on the host, in the order of its commands.
 With ``accumulation_steps: 1`` under bf16 or fp16 the buffer is *compact*, allocated in the
 compute dtype (plan.state_dtype): a second backward per step is refused, so no sum ever needs
 fp32. It holds nothing or the gradient in its own dtype (a reduced fp32 shard of several ranks
-is narrowed on its way in). A later gradient still comes after ``zero_grad(set_to_none=False)``,
+is narrowed on its way in), which is the buffer's: a *sum* in the host's terms. A later gradient still comes after ``zero_grad(set_to_none=False)``,
 whose zeros count as gradients; the host adds it in the compute dtype, which is exact on zeros.
 
 [Note: buffer hand-off]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass
+from enum import Enum
 from typing import Protocol
 from functools import partial
 
@@ -65,14 +66,30 @@ class HostSetup:
     """The compute device's (the plain CPU's in the node's service, which never touches it)."""
 
 
+class GradState(Enum):
+    """What a unit's grads-tier buffer holds (see [Note: gradient states] in
+    engine/gradients.py); only the host changes it, in the order of its commands."""
+
+    NONE = "none"
+    """No gradient since ``zero_grad``."""
+    PENDING = "pending"
+    """One backward's gradient as it came off the device, narrower than the buffer (the
+    compute dtype in an fp32 buffer): widened before a later one is added."""
+    SUM = "sum"
+    """Gradients in the buffer's own dtype (an fp32 sum, a first gradient already in it,
+    ``zero_grad``'s zeros, a compact buffer's): a later one is added in place."""
+
+
 class RankHost:
     def __init__(self, setup: HostSetup, events: HostEvents):
         self.setup = setup
         self.manager = setup.manager
         self.events = events
         count = len(setup.names)
-        self.dtype: list[torch.dtype | None] = [None] * count
-        """What unit i's grads-tier buffer holds (see [Note: gradient states])."""
+        self.held = [GradState.NONE] * count
+        """What unit i's grads-tier buffer holds."""
+        self._pending_dtype: dict[int, torch.dtype] = {}
+        """The dtype of each PENDING unit's gradient (the buffer's bytes are read as it)."""
         self.arrival_order: list[int] = []
         """Units in the order their first gradient since ``zero_grad`` arrived: the order an
         update steps them in (see [Note: buffer hand-off])."""
@@ -127,7 +144,11 @@ class RankHost:
         wait_for(self.setup.accelerator, command.ready, shard,
                  on_device=command.tensor is not None or self.stepper.on_device(unit))
         if command.first:
-            self.dtype[unit] = shard.dtype
+            if shard.dtype is self.setup.buffer_dtype:
+                self.held[unit] = GradState.SUM
+            else:
+                self.held[unit] = GradState.PENDING
+                self._pending_dtype[unit] = shard.dtype
             self.arrival_order.append(unit)
         else:
             self._add(unit, shard)
@@ -152,13 +173,14 @@ class RankHost:
         one first), or a compact buffer as it is (see [Note: gradient states])."""
         buffer_dtype = self.setup.buffer_dtype
         with self.setup.timeline.span(f"add grad {self.setup.names[unit]}", "cpu"):
-            held = self.dtype[unit]
-            assert held is not None, f"unit {unit}: a later gradient before any first"
-            if held is not buffer_dtype:
-                pending = self.manager.grad_buffer(unit, held).clone()
+            held = self.held[unit]
+            assert held is not GradState.NONE, f"unit {unit}: a later gradient before any first"
+            if held is GradState.PENDING:
+                pending_dtype = self._pending_dtype.pop(unit)
+                pending = self.manager.grad_buffer(unit, pending_dtype).clone()
                 self.manager.grad_buffer(unit, torch.float32).copy_(pending)
             self.manager.grad_buffer(unit, buffer_dtype).add_(shard)
-            self.dtype[unit] = buffer_dtype
+            self.held[unit] = GradState.SUM
 
     def _zero_grad(self, set_to_none: bool) -> None:
         """``set_to_none`` forgets the gradients; otherwise they become zeros in the buffer's
@@ -170,13 +192,14 @@ class RankHost:
         self._squares.clear()
         self.arrival_order = []
         units = [i for i, trainable in enumerate(self.setup.trainable)
-                 if trainable and (set_to_none or self.dtype[i] is not None)]
+                 if trainable and (set_to_none or self.held[i] is not GradState.NONE)]
         for unit in units:
+            self._pending_dtype.pop(unit, None)
             if set_to_none:
-                self.dtype[unit] = None
+                self.held[unit] = GradState.NONE
             else:
                 self.manager.grad_buffer(unit, self.setup.buffer_dtype).zero_()
-                self.dtype[unit] = self.setup.buffer_dtype
+                self.held[unit] = GradState.SUM
         if set_to_none:
             self.events.buffers_read(units)
         else:  # zeros are gradients the next update reads: held until it has
@@ -187,8 +210,10 @@ class RankHost:
     def read(self, unit: int) -> torch.Tensor:
         """Unit ``unit``'s gradient as it is held (pending or compact in the compute dtype, or
         fp32)."""
-        dtype = self.dtype[unit]
-        assert dtype is not None, f"unit {unit} holds no gradient to read"
+        held = self.held[unit]
+        assert held is not GradState.NONE, f"unit {unit} holds no gradient to read"
+        dtype = (self._pending_dtype[unit] if held is GradState.PENDING
+                 else self.setup.buffer_dtype)
         return self.manager.grad_buffer(unit, dtype)
 
     def consumed(self, unit: int) -> None:
