@@ -110,6 +110,29 @@ def test_a_plan_that_does_not_fit_names_the_tier_and_offers_only_what_planned_fi
     assert "verdict: does not fit: dram needs" in table and "  LoRA r16 (--lora 16): fits" in table
 
 
+def test_placements_that_fit_only_together_are_offered_together(folder, capsys):
+    """States on the device (hbm tiers) on a node of 4 MiB of device memory and 6 MiB of host
+    memory: no change fits alone, two do together, and a third beside them is not offered."""
+    on_device = {tier: {"tier": "hbm"} for tier in ("params", "grads", "optimizer")}
+    small = dataclasses.replace(rates(6 * MiB), hbm_bytes=4 * MiB)
+    node_file = write(folder / "node.json", dataclasses.asdict(small))
+
+    def planned(**policy) -> dict:
+        policy_file = write(folder / "policy.yaml", {"compute_dtype": "fp32", **policy})
+        assert main(["plan", str(folder / "model"), "--policy", policy_file, "--node",
+                     node_file, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)["verdict"]
+
+    verdict = planned(**on_device)
+    host = "params, grads and optimizer on tier dram (configs/cpu.yaml)"
+    assert [suggestion["change"] for suggestion in verdict["suggestions"]] == [
+        f"dram.spill: nvme with --nvme /drive and {host}", f"optimizer.moments: int8 and {host}"]
+    on_host = {tier: {"tier": "dram"} for tier in ("params", "grads", "optimizer")}
+    assert not planned(**on_host)["fits"]
+    assert not planned(**on_device | {"optimizer": {"tier": "hbm", "moments": "int8"}})["fits"]
+    assert planned(**on_host | {"optimizer": {"tier": "dram", "moments": "int8"}})["fits"]
+
+
 def test_without_rates_the_budgets_are_this_nodes_memory_the_same_each_time(folder, capsys):
     policy_file = write(folder / "policy.yaml", {"compute_dtype": "fp32"})
     args = ["plan", str(folder / "model"), "--policy", policy_file, "--batch", "2", "--seq",

@@ -1,14 +1,17 @@
 """``tiered plan``'s answer: the plan of what was asked, its verdict, and for a plan that does
 not fit, the changes that make it fit, each found by planning it (issue 33, item 1).
 
-The changes tried are the ones a user can make without another machine: 8-bit moments
-(``optimizer.moments: int8``), the states DRAM cannot hold moved to NVMe (``dram.spill: nvme``
-with ``--nvme PATH``; under ``tier: auto`` the path alone), the host placement of
-``configs/cpu.yaml`` for a policy that keeps states on the device, LoRA adapters of rank 16 in
-place of training every weight, a smaller batch and activation checkpointing; where none fits
-alone, NVMe beside each of the others. Each is planned as the question itself is (the model
-built once per LoRA rank, its units cut once, the activations counted once per batch), and
-only those whose plan fits are offered, with the step the node's rates predict for them.
+The changes tried are the ones a user can make without another machine. Placements: the
+states DRAM cannot hold moved to NVMe (``dram.spill: nvme`` with ``--nvme PATH``; under ``tier:
+auto`` the path alone), 8-bit moments (``optimizer.moments: int8``), the host placement of
+``configs/cpu.yaml`` for a policy that keeps states on the device. Changes of what is run: LoRA
+adapters of rank 16 in place of training every weight, a smaller batch, activation
+checkpointing. Each is tried alone; the placements also by twos and threes where none fits
+alone, even if LoRA or a smaller batch does (a run as asked is worth more than another run);
+where still nothing fits, any two or three together. A combination holding one that fits
+already is not tried. Each is planned as the question itself is (the model built once per LoRA
+rank and checkpointing, its units cut once, the activations counted once per batch), and only
+those whose plan fits are offered, with the step the node's rates predict for them.
 """
 from __future__ import annotations
 
@@ -113,48 +116,66 @@ where that question's policy refuses it)."""
 
 def answer(question: PlanQuestion) -> PlanReport:
     """The plan of ``question`` with its verdict and, when it does not fit, the changes that
-    make it fit (see the module note): each alone, then, where none fits, by twos and threes."""
+    make it fit (see the module note): each alone; then the placements together, where none
+    fits alone (a run as asked, every weight trained at this batch, is worth more than a
+    change of what is run, so they are tried even where LoRA or a smaller batch fits); then,
+    where still nothing fits, any two or three together."""
     planner = _Planner()
     report = planner.report(question)
     assert report.verdict is not None  # plan_model gives one
     if report.verdict.fits:
         return report
+    placements, others = _placement_changes(question), _task_changes(question, report)
     suggestions: list[Suggestion] = []
-    tried: list[str] = []
-    changes = _changes(question, report)
-    for size in (1, 2, 3):
-        for combination in itertools.combinations(changes, size):
-            changed: PlanQuestion | None = question
-            for _, make in combination:
-                changed = None if changed is None else make(changed)
-            if changed is not None:
-                _try(planner, " and ".join(change for change, _ in combination), changed,
-                     suggestions, tried)
-        if suggestions:
-            break
+    fitting: list[set[str]] = []
+
+    def attempt(together: tuple[Change, ...]) -> None:
+        names = {change for change, _ in together}
+        if any(fit <= names for fit in fitting):  # more than what fits already: not offered
+            return
+        suggestion = _try(planner, question, together)
+        if suggestion is not None:
+            suggestions.append(suggestion)
+            fitting.append(names)
+
+    for change in placements + others:
+        attempt((change,))
+    if not any(names <= set(dict(placements)) for names in fitting):
+        for size in (2, 3):
+            for together in itertools.combinations(placements, size):
+                attempt(together)
+    if not suggestions:
+        for size in (2, 3):
+            for together in itertools.combinations(placements + others, size):
+                if any(change in others for change in together):  # the rest were tried
+                    attempt(together)
     # Said as the changes tried, alone and together: every combination is in the count.
-    verdict = dataclasses.replace(report.verdict, suggestions=tuple(suggestions),
-                                  tried=tuple(change for change, _ in changes))
+    verdict = dataclasses.replace(
+        report.verdict, suggestions=tuple(suggestions),
+        tried=tuple(change for change, _ in placements + others))
     return dataclasses.replace(report, verdict=verdict)
 
 
-def _try(planner: _Planner, change: str, changed: PlanQuestion, suggestions: list[Suggestion],
-         tried: list[str]) -> None:
-    """Plan ``changed``: offered when it fits, else listed as tried."""
+def _try(planner: _Planner, question: PlanQuestion,
+         together: tuple[Change, ...]) -> Suggestion | None:
+    """``question`` with the changes ``together``, planned: a suggestion when it fits."""
+    changed: PlanQuestion | None = question
+    for _, make in together:
+        changed = None if changed is None else make(changed)
+    if changed is None:  # a policy that refuses the changes together: not offered
+        return None
     try:
         report = planner.report(changed)
-    except TieredError:  # a change this model or policy cannot take: not offered
-        tried.append(change)
-        return
+    except TieredError:  # a change this model cannot take: not offered
+        return None
     if report.verdict is None or not report.verdict.fits:
-        tried.append(change)
-        return
+        return None
     step = bound = None
     nvme_unmeasured = (Tier.NVME in report.needed and changed.rates is not None
                        and changed.rates.nvme_read_gbps is None)
     if report.terms is not None and not nvme_unmeasured:
         bound, step = report.terms.bound
-    suggestions.append(Suggestion(change, step, bound))
+    return Suggestion(" and ".join(change for change, _ in together), step, bound)
 
 
 def _replaced(question: PlanQuestion, **overrides) -> PlanQuestion | None:
@@ -166,8 +187,8 @@ def _replaced(question: PlanQuestion, **overrides) -> PlanQuestion | None:
         return None
 
 
-def _changes(question: PlanQuestion, report: PlanReport) -> list[Change]:
-    """The changes to try (see the module note)."""
+def _placement_changes(question: PlanQuestion) -> list[Change]:
+    """The changes of where the states are kept (see the module note)."""
     policy = question.policy
     changes: list[Change] = []
     path = policy.nvme.path or (question.rates.nvme_path if question.rates else None)
@@ -185,6 +206,12 @@ def _changes(question: PlanQuestion, report: PlanReport) -> list[Change]:
         changes.append(("params, grads and optimizer on tier dram (configs/cpu.yaml)",
                         lambda q: _replaced(q, params={"tier": "dram"}, grads={"tier": "dram"},
                                             optimizer={"tier": "dram"})))
+    return changes
+
+
+def _task_changes(question: PlanQuestion, report: PlanReport) -> list[Change]:
+    """The changes of what is run: LoRA in place of every weight, the batch, checkpointing."""
+    changes: list[Change] = []
     if question.lora is None:
         changes.append((f"LoRA r{LORA_RANK} (--lora {LORA_RANK})",
                         lambda q: dataclasses.replace(q, lora=LORA_RANK)))

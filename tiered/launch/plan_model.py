@@ -72,8 +72,9 @@ def model_on_meta(spec: str, lora: int | None = None, checkpointing: bool = Fals
             raise UsageError(f"--checkpointing: MODEL {spec!r} is not a Hugging Face model; "
                              f"a factory's model checkpoints as its own code says")
         enable({"use_reentrant": False})
-        if getattr(model, "config", None) is not None:
-            model.config.use_cache = False  # as a checkpointed fine-tune sets it: no cache to keep
+        config = getattr(model, "config", None)
+        if config is not None:
+            config.use_cache = False  # as a checkpointed fine-tune sets it: no cache to keep
     return model if lora is None else _with_lora(model, lora, os.path.exists(spec))
 
 
