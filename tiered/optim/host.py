@@ -13,8 +13,8 @@ import math
 import threading
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol
 from functools import partial
+from typing import Protocol
 
 import torch
 
