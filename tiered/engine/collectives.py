@@ -51,7 +51,7 @@ class ProcessGroup:
     world_size: int
     device: torch.device
     """Where small tensors for collectives live (the compute device: NCCL needs CUDA tensors)."""
-    group: object | None = None
+    group: dist.ProcessGroup | None = None
 
     @classmethod
     def current(cls, device: torch.device) -> "ProcessGroup":

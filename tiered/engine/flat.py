@@ -24,6 +24,7 @@ A unit with only frozen parameters never gets a gradient; see [Note: frozen unit
 from __future__ import annotations
 
 import enum
+from typing import Sequence
 
 import torch
 
@@ -134,7 +135,7 @@ class FlatParam:
                     else piece.detach().view(param.shape)
                     for param, piece in zip(self.spec.params, pieces)])
 
-    def _bind(self, tensors: list[torch.Tensor]) -> None:
+    def _bind(self, tensors: Sequence[torch.Tensor]) -> None:
         """Point every holder of each parameter at its tensor (one per parameter)."""
         for param, tensor in zip(self.spec.params, tensors):
             for module, attr in param.holders:

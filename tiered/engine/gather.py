@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..device import wait_for
+from ..device import EventLike, wait_for
 from ..placement.plan import StateKind
 from ..policy.config import Tier
 from .context import EngineContext
@@ -31,7 +31,7 @@ class Gatherer:
         self._by_storage: dict[int, FlatParam] = {}
         """Storage address of each gathered unit's ``full``, to recognise views of it. An entry
         may outlive its unit's gather (see [Note: releases cut short]); ``owner_of`` checks."""
-        self._ready: dict[int, torch.cuda.Event] = {}
+        self._ready: dict[int, EventLike] = {}
         """Units whose gather was issued on the gather stream and not yet waited for."""
         self.on_gather = None
         """Called with each unit index when its gather is issued (tests record the order)."""
@@ -55,6 +55,7 @@ class Gatherer:
         try:
             self.pending.wait(index)
             if self.manager.tier_of(index, StateKind.PARAM) is Tier.NVME:
+                assert self.readahead is not None  # made where any weights are on NVMe
                 landed = self.readahead.take(index)  # this rank's shard, read from NVMe
                 source = landed.tensor
             else:
@@ -82,6 +83,7 @@ class Gatherer:
             raise
         finally:
             if landed is not None:  # the buffer is free once the copy that reads it is done
+                assert self.readahead is not None
                 self.readahead.give_back(landed, event)
         if event is not None:
             self._ready[index] = event

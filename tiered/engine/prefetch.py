@@ -104,7 +104,8 @@ class Prefetcher:
 
     def _window(self) -> list[int]:
         """The next needs of the trace, of ``prefetch.depth`` modules."""
-        window, modules = [], set()
+        window: list[int] = []
+        modules: set = set()
         for unit in self.trace[self._position:]:
             if self.groups[unit] not in modules:
                 if len(modules) == self.policy.depth:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.timeline import Timeline
+from ..device import EventLike
 from ..placement.manager import TierManager
 from .pending import PendingWeights
 
@@ -72,7 +73,7 @@ class ReadAhead:
         except Exception:  # that unit's error, not this caller's: it gave its buffer back
             return self._free.get()
 
-    def give_back(self, landed: Landed, busy_until: torch.cuda.Event | None) -> None:
+    def give_back(self, landed: Landed, busy_until: EventLike | None) -> None:
         self._free.put((landed.slot, busy_until))
 
     def discard(self) -> None:
@@ -88,7 +89,7 @@ class ReadAhead:
         self.discard()
         self._io.shutdown(wait=True)
 
-    def _read(self, index: int, slot: str, busy_until: torch.cuda.Event | None) -> Landed:
+    def _read(self, index: int, slot: str, busy_until: EventLike | None) -> Landed:
         if busy_until is not None:
             busy_until.synchronize()
         try:

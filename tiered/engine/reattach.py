@@ -58,13 +58,15 @@ class StepRecorder:
         """The RNG states, persistent buffers and extra states as JSON values; or, where they
         cannot travel (too large, an extra state JSON cannot hold), why not."""
         rng = {name: tensor_to_wire(value) for name, value in rng_states(self._device).items()}
-        state = {name: tensor_to_wire(buffer) for name, buffer
-                 in persistent_buffers(self._module, self._keys).items()}
-        size = sum(len(value[2]) for value in (*rng.values(), *state.values()))
+        buffers = {name: tensor_to_wire(buffer) for name, buffer
+                   in persistent_buffers(self._module, self._keys).items()}
+        size = sum(len(value[2]) for value in (*rng.values(), *buffers.values()))
+        state: dict[str, object] = dict(buffers)
         for key, value in extra_states(self._module, self._keys).items():
             if isinstance(value, torch.Tensor):
-                state[key] = {"tensor": tensor_to_wire(value)}
-                size += len(state[key]["tensor"][2])
+                wire = tensor_to_wire(value)
+                state[key] = {"tensor": wire}
+                size += len(wire[2])
                 continue
             try:  # only these need a trial: the rest is base64 text
                 size += len(json.dumps(value))

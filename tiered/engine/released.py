@@ -30,6 +30,10 @@ _GRAD = torch._C.TensorBase.__dict__["grad"]
 class ReleasedWeight(torch.Tensor):
     """See [Note: released weights]."""
 
+    released_from: tuple[str, str]
+    """The parameter's name and its unit's."""
+    compute_device: torch.device
+
     @staticmethod
     def __new__(cls, shape: torch.Size, dtype: torch.dtype, name: str, unit: str,
                 requires_grad: bool = False, device: torch.device | None = None):
@@ -39,8 +43,8 @@ class ReleasedWeight(torch.Tensor):
         weight.compute_device = device or torch.device("meta")
         return weight
 
-    @property
-    def device(self) -> torch.device:
+    @property  # torch's stubs declare a plain attribute: a property reads the same
+    def device(self) -> torch.device:  # type: ignore[override]
         """The device the parameter computes on when gathered, as a model's ``device`` (and
         Hugging Face's ``generate``) reads it from its first parameter."""
         return self.compute_device

@@ -60,7 +60,7 @@ class Replan:
         forwards kept for backward at most) and, where it was measured, ``measured``."""
         self.due = False
         manager = self.manager
-        plan = manager.plan
+        plan = manager.current_plan
         unplanned = activations
         peak = self.accelerator.max_memory_allocated()
         if peak is not None:  # also what autograd does not keep, the caching allocator's
@@ -85,7 +85,7 @@ class Replan:
             else:
                 what = (f"{len(moved)} more units kept on the device "
                         f"({', '.join(self.names[unit] for unit in moved)}); the DRAM they "
-                        f"left, {format_size(manager.plan.left_pinned)}, stays pinned")
+                        f"left, {format_size(manager.current_plan.left_pinned)}, stays pinned")
         kept = sum(manager.tier_of(unit, StateKind.EXP_AVG) is Tier.HBM for unit in self.order)
         step = f"step {measured.step}" if measured is not None else "the first step"
         free = unplanned + manager.hbm.usage.budget // MEASURED_MARGIN_SHARE

@@ -33,15 +33,16 @@ from ..device import Accelerator, EventLike, StreamLike
 class Streams:
     def __init__(self, accelerator: Accelerator):
         self.accelerator = accelerator
-        self.gather = accelerator.Stream("the gather stream") if accelerator.has_streams else None
-        self.offload = (accelerator.Stream("the offload stream") if accelerator.has_streams
-                        else None)
+        self.gather: StreamLike | None = None
+        self.offload: StreamLike | None = None
         if accelerator.has_streams:
+            self.gather = gather = accelerator.Stream("the gather stream")
+            self.offload = offload = accelerator.Stream("the offload stream")
             # What initialize queued on the compute stream (the weights it stored in HBM) comes
             # first: side streams wait on no stream unless told (torch makes them
             # non-blocking), and the first gather reads those weights.
-            self.gather.wait_stream(accelerator.current_stream())
-            self.offload.wait_stream(accelerator.current_stream())
+            gather.wait_stream(accelerator.current_stream())
+            offload.wait_stream(accelerator.current_stream())
 
     @contextlib.contextmanager
     def on_gather(self):
@@ -56,6 +57,7 @@ class Streams:
         """Later gathers wait for the work queued so far on ``stream`` (device work that wrote
         the weights they read; None: there is none)."""
         if stream is not None:
+            assert self.gather is not None  # device work exists only where streams do
             self.gather.wait_stream(stream)
 
     @contextlib.contextmanager

@@ -474,6 +474,12 @@ class TierManager:
         return sorted(self._swapped)
 
     @property
+    def current_plan(self) -> MemoryPlan:
+        """The plan the states are placed by, where the caller knows they are placed."""
+        assert self.plan is not None, "nothing is placed yet"
+        return self.plan
+
+    @property
     def nvme_tier(self) -> NvmeTier:
         """The NVMe tier, where the caller knows the policy has one."""
         assert self.nvme is not None, "the policy places nothing on NVMe"
