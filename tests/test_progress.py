@@ -3,6 +3,8 @@ terminal, on rank 0 alone, none with TIERED_PROGRESS=0; initialize's and ``tiere
 real subprocesses, as a log or a launcher's pipe receives them."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 import subprocess
 import sys
@@ -10,6 +12,8 @@ import sys
 import pytest
 
 from tiered.core import progress
+from tiered.launch.cli import main
+from tiered.planning.node import NodeRates
 
 from helpers import REPO, clean_env
 
@@ -84,3 +88,24 @@ def test_tiered_node_says_what_it_measures(tmp_path):
     assert re.search(r"^tiered: measuring the CPU's AdamW: done in \d+\.\d s$", said,
                      re.MULTILINE), said
     assert "tiered: " not in run(NODE, tmp_path, **{progress.PROGRESS_ENV: "0"})
+
+
+def test_tiered_plan_counts_the_changes_it_plans_for_a_model_that_does_not_fit(tmp_path, capsys,
+                                                                              monkeypatch):
+    monkeypatch.delenv(progress.PROGRESS_ENV, raising=False)
+    monkeypatch.setenv("TIERED_CACHE", str(tmp_path))
+    small = NodeRates(machine="a small node", measured_at=0.0, cpu_threads=2,
+                      cpu_adamw_params_per_s=1e9, cpu_one_pass_params_per_s=1e9,
+                      hbm_bytes=1 << 20, dram_bytes=64 << 10)
+    node = tmp_path / "node.json"
+    node.write_text(json.dumps(dataclasses.asdict(small)))
+    policy = tmp_path / "fp32.yaml"
+    policy.write_text("compute_dtype: fp32\n")
+    assert main(["plan", "helpers_models:make_model", "--policy", str(policy),
+                 "--node", str(node)]) == 0
+    said = capsys.readouterr().err
+    tried = re.search(r"^tiered: planning each change that could make it fit: 0/(\d+) changes$",
+                      said, re.MULTILINE)
+    assert tried is not None, said
+    assert re.search(rf"^tiered: planning each change that could make it fit: {tried[1]}/"
+                     rf"{tried[1]} changes in \d+\.\d s$", said, re.MULTILINE), said

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..core import progress
 from ..core.errors import TieredError, UsageError
 from ..engine.build import flat_units
 from ..engine.flat import FlatParam
@@ -138,7 +139,8 @@ def answer(question: PlanQuestion) -> PlanReport:
             suggestions.append(suggestion)
             fitting.append(names)
 
-    for change in placements + others:
+    for change in progress.counted(placements + others, "planning each change that could make "
+                                   "it fit", "change"):
         attempt((change,))
     if not any(names <= set(dict(placements)) for names in fitting):
         for size in (2, 3):
