@@ -373,6 +373,9 @@ def test_two_ranks_on_cpu_train_to_equal_weights_and_clean_up(ran):
     nvme, policy_file, out = tmp_path / "nvme", tmp_path / "train.yaml", tmp_path / "out"
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
+    # The service may close a rank's connection as soon as it has answered the host's end:
+    # that is no failure of the last update.
+    assert "failed" not in result.stderr, result.stderr
 
     policy = Policy.from_yaml(policy_file, {"nvme": {"path": str(nvme)}})
     seen = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]

@@ -117,9 +117,11 @@ class RemoteHost:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._closed = False
+        self._ended: Future | None = None
+        """The answer to ``end_host``, once asked: the host stopped where it is settled well."""
         self._sender = threading.Thread(target=self._send_in_order, name="tiered-host-commands",
                                         daemon=True)
-        self._channel.on_lost(self.worker.fail)
+        self._channel.on_lost(self._lost)
 
     def start(self, job: str, rank: int, request: HostRequest, events: HostEvents) -> None:
         """Have the service run rank ``rank`` of ``job``'s host (it compiles the CPU update
@@ -179,7 +181,8 @@ class RemoteHost:
             if not self.worker.failed:
                 # A failure meanwhile (the service gone, the host failed: nothing runs there
                 # now) is the engine's to report, not raised here, and at exit said once.
-                self._behind("end_host")
+                self._ended = self._ask("end_host")  # known before its answer can come
+                self._settled(self._ended)
             self._outbox.put(None)
             self._sender.join()
         self._channel.close()
@@ -187,12 +190,29 @@ class RemoteHost:
     def _behind(self, op: str) -> Future:
         """Call ``op`` behind every command sent so far; returns once it is answered, the host
         failed or the channel was lost (the answer, settled or not)."""
+        return self._settled(self._ask(op))
+
+    def _ask(self, op: str) -> Future:
+        """Queue ``op`` behind every command sent so far; its answer comes in the future."""
         answer: Future = Future()
         self._outbox.put(_Outgoing({"op": op}, answer=answer))
+        return answer
+
+    def _settled(self, answer: Future) -> Future:
+        """``answer``, once it is settled, the host failed or the channel was lost."""
         wait([answer, self.worker.failure], return_when=FIRST_COMPLETED)
         return answer
 
     # -- its threads ---------------------------------------------------------------------------
+
+    def _lost(self, error: TieredError) -> None:
+        """The channel is gone (its reader thread): the host's work is lost with it, unless
+        the host had already ended well (the service may close the connection as soon as it
+        has answered ``end_host``, whose answer the reader settled before it read the end)."""
+        ended = self._ended
+        if ended is not None and ended.done() and ended.exception() is None:
+            return
+        self.worker.fail(error)
 
     def _send_in_order(self) -> None:
         while (item := self._outbox.get()) is not None:
