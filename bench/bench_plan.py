@@ -6,7 +6,7 @@ Times ``tiered plan`` as a user runs it, a fresh process each time, on configs o
 and Llama-2-70B's shapes (written here from their published dimensions: nothing is
 downloaded): the 8B on this node (the default policy, batch 1 x 4096: it does not fit a small
 machine, so the answer plans what would make it fit too), the 8B under ``configs/auto.yaml`` on
-the reference node (bench/node_h100.json), and the README's 70B LoRA example. Each row is the
+the reference node (bench/node_h100.json), and docs/planner.md's 70B LoRA example. Each row is the
 best of ``--repeats`` runs: wall-clock seconds, and the CPU seconds the process used (user and
 system; on a machine shared with other work the wall clock is the CPU time stretched by the
 load, so both are shown), and the answer's verdict line. ``--repo`` times another checkout of

@@ -1,5 +1,5 @@
 """The one-step delayed update (DPU) at its edges, against plain-PyTorch references of its rule
-(README, How it works: Optimizer): an LR scheduler and param groups under it, gradients kept across steps
+(docs/how-it-works.md, Optimizer): an LR scheduler and param groups under it, gradients kept across steps
 (the next backward must not overwrite them before the update has read them), and fp16's loss
 scale when the pending update is finished between a backward and its step."""
 from __future__ import annotations
