@@ -4,6 +4,9 @@ on the CPU, and a small MLP."""
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -60,3 +63,24 @@ def train_small(engine, optimizer, steps: int, rank: int = 0, world: int = 1) ->
         engine(x[rank * 8 // world:(rank + 1) * 8 // world]).pow(2).mean().backward()
         optimizer.step()
         optimizer.zero_grad()
+
+
+def two_checkpoints(folder: Path) -> SimpleNamespace:
+    """'zeta' saved in ``folder`` after one step of small_engine and 'alpha' after two (so the
+    names' order is not the steps'), and the states they hold (``first``, ``second``)."""
+    engine, optimizer = small_engine()
+    train_small(engine, optimizer, 1)
+    engine.save_checkpoint(str(folder), "zeta")
+    first = engine.full_state_dict()
+    train_small(engine, optimizer, 1)
+    engine.save_checkpoint(str(folder), "alpha")
+    second = engine.full_state_dict()
+    engine.close()
+    return SimpleNamespace(folder=folder, first=first, second=second)
+
+
+def copy_of(saved: SimpleNamespace, tmp_path: Path, name: str = "ck") -> Path:
+    """A copy of two_checkpoints' folder, to spoil."""
+    target = tmp_path / name
+    shutil.copytree(saved.folder, target)
+    return target

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
 import warnings
-from types import SimpleNamespace
 
 import pytest
 
@@ -20,7 +18,7 @@ import tiered
 
 from distributed import run_ranks
 from helpers import assert_same, mounted, refused
-from helpers_checkpoint import small_engine, train_small
+from helpers_checkpoint import copy_of, small_engine, train_small, two_checkpoints
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(REPO, "tests")
@@ -32,16 +30,7 @@ LOCK = ".owner.lock"
 def saved(tmp_path_factory):
     """A folder with 'zeta' saved after one step and 'alpha' after two (so the names' order
     is not the steps'), and the states they hold."""
-    folder = tmp_path_factory.mktemp("saved") / "ck"
-    engine, optimizer = small_engine()
-    train_small(engine, optimizer, 1)
-    engine.save_checkpoint(str(folder), "zeta")
-    first = engine.full_state_dict()
-    train_small(engine, optimizer, 1)
-    engine.save_checkpoint(str(folder), "alpha")
-    second = engine.full_state_dict()
-    engine.close()
-    return SimpleNamespace(folder=folder, first=first, second=second)
+    return two_checkpoints(tmp_path_factory.mktemp("saved") / "ck")
 
 
 @pytest.fixture(scope="module")
@@ -50,12 +39,6 @@ def engine():
     engine, _ = small_engine()
     yield engine
     engine.close()
-
-
-def copy_of(saved, tmp_path, name: str = "ck"):
-    target = tmp_path / name
-    shutil.copytree(saved.folder, target)
-    return target
 
 
 # --- item 1 and 8: one job per folder; what a killed job staged -----------------------------

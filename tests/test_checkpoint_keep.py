@@ -10,7 +10,6 @@ import shutil
 import subprocess
 import sys
 import warnings
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ import tiered
 
 from distributed import run_ranks
 from helpers import EXAMPLE, REPO, SMALL, assert_same, refused
-from helpers_checkpoint import small_engine, train_small
+from helpers_checkpoint import copy_of, small_engine, train_small, two_checkpoints
 
 LOCK = ".owner.lock"
 RANK0 = "rank00000.safetensors"
@@ -29,16 +28,7 @@ RANK0 = "rank00000.safetensors"
 def saved(tmp_path_factory):
     """'zeta' saved after one step and 'alpha' after two (the names' order is not the steps'),
     and the states they hold."""
-    folder = tmp_path_factory.mktemp("saved") / "ck"
-    engine, optimizer = small_engine()
-    train_small(engine, optimizer, 1)
-    engine.save_checkpoint(str(folder), "zeta")
-    first = engine.full_state_dict()
-    train_small(engine, optimizer, 1)
-    engine.save_checkpoint(str(folder), "alpha")
-    second = engine.full_state_dict()
-    engine.close()
-    return SimpleNamespace(folder=folder, first=first, second=second)
+    return two_checkpoints(tmp_path_factory.mktemp("saved") / "ck")
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +37,6 @@ def engine():
     engine, _ = small_engine()
     yield engine
     engine.close()
-
-
-def copy_of(saved, tmp_path, name: str = "ck"):
-    target = tmp_path / name
-    shutil.copytree(saved.folder, target)
-    return target
 
 
 def _cut_short(path):
