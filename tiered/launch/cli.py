@@ -49,11 +49,7 @@ from .plan_answer import answer, question_of
 def _check_policy(args) -> int:
     # A quoted "~/x" reaches no shell that would expand it (policy_from_args makes it absolute).
     nvme = os.path.expanduser(args.nvme) if args.nvme else None
-    try:
-        policy = policy_from_args(args.file, nvme)
-    except TieredError as e:
-        print(f"tiered: error: {e}", file=sys.stderr)
-        return 2
+    policy = policy_from_args(args.file, nvme)
     warn_if_nvme_unused(policy, args.nvme, "tiered")
     # The device and what a rank may hold here, as YAML comments: the output stays a policy.
     notes, refusals = this_machine(policy)
@@ -79,16 +75,12 @@ def _compute_dtype_here(policy: Policy) -> tuple[Policy, str]:
 
 def _from_deepspeed(args) -> int:
     nvme = {"nvme": {"path": os.path.abspath(os.path.expanduser(args.nvme))}} if args.nvme else {}
-    try:
-        translation = read_deepspeed(args.file)
-        if translation is None:
-            raise UsageError(f"{args.file} is not a DeepSpeed config (it has none of DeepSpeed's "
-                             f"keys: zero_optimization, bf16, fp16, train_batch_size, ...): a "
-                             f"tiered policy file, which check-policy reads as it is")
-        resolve(args.file, nvme)  # what the policy lacks besides the translation (nvme.path)
-    except TieredError as e:
-        print(f"tiered: error: {e}", file=sys.stderr)
-        return 2
+    translation = read_deepspeed(args.file)
+    if translation is None:
+        raise UsageError(f"{args.file} is not a DeepSpeed config (it has none of DeepSpeed's "
+                         f"keys: zero_optimization, bf16, fp16, train_batch_size, ...): a "
+                         f"tiered policy file, which check-policy reads as it is")
+    resolve(args.file, nvme)  # what the policy lacks besides the translation (nvme.path)
     print(dataclasses.replace(translation, policy=merge(translation.policy, nvme)).yaml(), end="")
     return 0
 
@@ -152,13 +144,9 @@ def _node(args) -> int:
 
 
 def _plan(args) -> int:
-    try:
-        report = answer(question_of(args.model, args.policy, args.nvme, args.ranks, args.node,
-                                    args.batch, args.seq, args.lora, args.checkpointing,
-                                    _compute_dtype_here))
-    except TieredError as e:
-        print(f"tiered: error: {e}", file=sys.stderr)
-        return 2
+    report = answer(question_of(args.model, args.policy, args.nvme, args.ranks, args.node,
+                                args.batch, args.seq, args.lora, args.checkpointing,
+                                _compute_dtype_here))
     print(json.dumps(report.to_dict()) if args.json else report.table())
     return 0
 
@@ -196,11 +184,7 @@ def _daemon_status(args) -> int:
 
 
 def _daemon_stop(args) -> int:
-    try:
-        pid = stop_service()
-    except TieredError as e:
-        print(f"tiered: error: {e}", file=sys.stderr)
-        return 2
+    pid = stop_service()
     if pid is None:
         print(f"no tiered service runs in {service_paths().folder}")
     else:
@@ -309,7 +293,11 @@ def main(argv: list[str] | None = None) -> int:
     version = commands.add_parser("version", help="print the version")
     version.set_defaults(run=lambda args: print(__version__) or 0)
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except TieredError as e:  # bad input, a refusal: one line, not a traceback
+        print(f"tiered: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
