@@ -39,7 +39,7 @@ from .commits import NotCommitted, StepCommits
 from .cores import CorePool
 from .files import RankFiles
 from .hostwire import EventSender, HostRequest, Span, span_to_wire
-from .jobs import Segment
+from .records import Segment
 from .segments import SegmentViews
 
 CPU = torch.device("cpu")

@@ -39,10 +39,8 @@ node's ranks together never hold more than the service was given.
 """
 from __future__ import annotations
 
-import enum
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import psutil
@@ -51,6 +49,7 @@ from ..core.errors import BudgetError, TieredError
 from ..core.sizes import format_size
 from .commits import StepCommits
 from .files import RankFiles
+from .records import Job, JobState, Launcher, Rank, Segment, has_nvme
 from .segments import SpareSegments, create_segment
 
 SETTLE_SECONDS = 600.0
@@ -64,114 +63,8 @@ STALE_SECONDS = 10.0
 close (it is told within milliseconds: the kernel closes a dead process's sockets)."""
 
 
-class JobState(enum.Enum):
-    RUNNING = "running"
-    ENDING = "ending"
-    FAILED = "failed"
-
-
 class RefusedError(TieredError):
     """A request the service will not carry out; the message says why (sent to the client)."""
-
-
-@dataclass
-class Segment:
-    id: int
-    fd: int
-    nbytes: int
-    touched: bool = False
-    """A trainer mapped its pages before (a spare): mapping it again populates them in one
-    pass (segments.map_segment)."""
-
-
-@dataclass
-class Rank:
-    rank: int
-    pid: int | None = None
-    """The attached trainer's process, or None once it is gone."""
-    segments: dict[int, Segment] = field(default_factory=dict)
-    host: dict | None = None
-    """What its host here was asked to run (service/hostwire.HostRequest): what a relaunch
-    must match to reattach."""
-    host_running: bool = False
-    final: dict | None = None
-    """What its host left when it ended (RankHost.final_state): unit steps, the last update."""
-    files: RankFiles | None = None
-    """Its NVMe files, where its plan has shards on NVMe (see [Note: NVMe in the service])."""
-    files_open: bool = False
-    """A trainer's file stream is open on them (its transfers may still move)."""
-
-    @property
-    def dram_bytes(self) -> int:
-        return sum(segment.nbytes for segment in self.segments.values())
-
-
-@dataclass(frozen=True)
-class Launcher:
-    pid: int
-    since: float
-    """When it took the hold (seconds since the epoch)."""
-
-
-@dataclass
-class Job:
-    name: str
-    world: int | None = None
-    """Its ranks, set by the first to attach (a launcher holds a job before that)."""
-    state: JobState = JobState.RUNNING
-    ranks: dict[int, Rank] = field(default_factory=dict)
-    launcher: Launcher | None = None
-    """The launcher holding it (see [Note: job lifecycle])."""
-    parent: "Job | None" = None
-    """For a process's second and later engines (``NAME#k``), the job of its first: its
-    launcher holds them too."""
-    gone_since: float | None = None
-    """When its last attached rank or holder went (FAILED jobs are kept from then on)."""
-    commits: StepCommits | None = None
-    """Its records and commits, once a host of it runs here (see [Note: reattach])."""
-    handover: dict[int, dict] | None = None
-    """Per rank not yet reattached, what it takes over, fixed when the relaunch's first rank
-    attaches (the round its hosts open must not change what the later ranks find); empty once
-    all have."""
-
-    @property
-    def attached(self) -> list[Rank]:
-        return [rank for rank in self.ranks.values() if rank.pid is not None]
-
-    @property
-    def held(self) -> bool:
-        """A launcher holds it (its own, or its parent's)."""
-        return (self.launcher or (self.parent.launcher if self.parent else None)) is not None
-
-    @property
-    def present(self) -> bool:
-        """A launcher, a trainer or a host of it is there."""
-        return (self.held or bool(self.attached)
-                or any(rank.host_running or rank.files_open for rank in self.ranks.values()))
-
-    @property
-    def holds_memory(self) -> bool:
-        """Some rank of it has segments or files here (what a failed job is kept for)."""
-        return any(rank.segments or rank.files is not None for rank in self.ranks.values())
-
-    @property
-    def settled(self) -> bool:
-        """No host of a round that broke still runs (see [Note: reattach])."""
-        return (self.commits is None or self.commits.open
-                or not any(rank.host_running for rank in self.ranks.values()))
-
-    def reattach_step(self) -> int:
-        """The step every rank's kept state is at, or 0 when it cannot be reattached: nothing
-        committed, a rank whose host did not run here, or a round still open."""
-        commits = self.commits
-        if commits is None or commits.step == 0 or commits.open or self.world is None:
-            return 0
-        for r in range(self.world):
-            rank = self.ranks.get(r)
-            if (rank is None or rank.final is None or rank.host is None or not rank.segments
-                    or r not in commits.records or (rank.files is None and _has_nvme(rank.host))):
-                return 0
-        return commits.step
 
 
 class Registry:
@@ -203,14 +96,14 @@ class Registry:
         _check_name(name)
         _check_world(world)
         with self._lock:
-            job = self._jobs.get(name)
-            if job is not None and job.state is not JobState.FAILED:
-                self._refuse_if_running(job)
+            last = self._jobs.get(name)
+            if last is not None and last.state is not JobState.FAILED:
+                self._refuse_if_running(last)
                 # Only dead processes are left: their connections close in a moment, which
                 # fails the job (kept to reattach to) or frees it.
                 if not self._settling.wait_for(
-                        lambda: self._jobs.get(name) is not job
-                        or job.state is JobState.FAILED, STALE_SECONDS):
+                        lambda: self._jobs.get(name) is not last
+                        or last.state is JobState.FAILED, STALE_SECONDS):
                     raise RefusedError(f"job {name}: its last launcher and trainers are gone, "
                                        f"but their connections have not closed after "
                                        f"{STALE_SECONDS:.0f} s; try again later")
@@ -245,8 +138,9 @@ class Registry:
         if job.launcher is not None and _alive(job.launcher.pid):
             since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job.launcher.since))
             who.append(f"launcher pid {job.launcher.pid} holds it since {since}")
-        trainers = sorted({(rank.rank, rank.pid) for each in family for rank in each.attached
-                           if _alive(rank.pid)})
+        trainers = sorted({(rank.rank, rank.pid) for each in family
+                           for rank in each.ranks.values()
+                           if rank.pid is not None and _alive(rank.pid)})
         if trainers:
             who.append("ranks attached: " + ", ".join(f"{rank} (pid {pid})"
                                                        for rank, pid in trainers))
@@ -277,8 +171,8 @@ class Registry:
             raise RefusedError(f"attach needs 0 <= engine < {MAX_ENGINES}, got {engine}")
         key = name if engine == 0 else f"{name}#{engine}"
         with self._lock:
-            held = self._jobs.get(key)
-            held = held.ranks.get(rank) if held is not None else None
+            known = self._jobs.get(key)
+            held = known.ranks.get(rank) if known is not None else None
             if held is not None and held.pid is not None and _alive(held.pid):
                 # Waiting cannot help: a live trainer holds the rank.
                 raise RefusedError(f"job {key} rank {rank} is attached already (pid "
@@ -308,11 +202,12 @@ class Registry:
             # The relaunch's first rank fixes what every rank takes over; so does a rank that
             # took its part over before, in a relaunch that died before its hosts ran.
             if job.reattach_step() and (not job.handover or rank not in job.handover):
-                job.handover = {r: {"step": job.commits.step,
+                commits = job.made_commits
+                job.handover = {r: {"step": commits.step,
                                     "segments": sorted(job.ranks[r].segments),
-                                    "record": job.commits.records[r],
+                                    "record": commits.records[r],
                                     "final": job.ranks[r].final, "host": job.ranks[r].host}
-                                for r in range(job.world)}
+                                for r in range(job.world_size)}
             kept = job.handover.pop(rank, None) if job.handover is not None else None
             if kept is None and job.commits is not None and not job.commits.open:
                 # A restarted job whose state was not kept whole starts afresh: its old
@@ -339,8 +234,9 @@ class Registry:
             job = None
         if job is not None and job.state is JobState.FAILED and not job.attached \
                 and not job.held:
+            failed = job
             # Its hosts may still run what its dead trainers sent: part of what is kept.
-            self._settling.wait_for(lambda: not job.present, SETTLE_SECONDS)
+            self._settling.wait_for(lambda: not failed.present, SETTLE_SECONDS)
         if job is not None and job.state is JobState.FAILED and not job.present:
             step = job.reattach_step()
             if step and not fresh and world is not None and world != job.world:
@@ -374,7 +270,7 @@ class Registry:
         if not 0 < nbytes <= 1 << 50:
             raise RefusedError(f"a segment of {nbytes} bytes cannot be reserved")
         with self._lock:
-            owner = self._rank(name, rank)
+            self._rank(name, rank)  # refused unless the rank is attached
             if self.dram_used + nbytes > self.dram_budget:
                 raise BudgetError(
                     f"the service's DRAM pool cannot hold {format_size(nbytes)} more for job "
@@ -398,12 +294,12 @@ class Registry:
                 raise
         with self._lock:
             segment = Segment(segment_id, fd, nbytes, touched=spare)
-            owner = self._jobs.get(name)
-            if owner is None or owner.ranks.get(rank) is None:  # freed meanwhile
+            job = self._jobs.get(name)
+            if job is None or job.ranks.get(rank) is None:  # freed meanwhile
                 self.dram_used -= nbytes
                 self.spares.give(fd, nbytes)
                 raise RefusedError(f"job {name} rank {rank} was freed while reserving")
-            owner.ranks[rank].segments[segment_id] = segment
+            job.ranks[rank].segments[segment_id] = segment
             return segment
 
     def segment(self, name: str, rank: int, segment_id: int) -> Segment:
@@ -430,12 +326,12 @@ class Registry:
                 raise RefusedError(f"job {name} rank {rank} holds no segments {missing or ids}")
             job = self._jobs[name]
             if job.commits is None:
-                job.commits = StepCommits(job.world)
-            if _has_nvme(request) and owner.files is None:
+                job.commits = StepCommits(job.world_size)
+            if has_nvme(request) and owner.files is None:
                 raise RefusedError(f"job {name} rank {rank}'s plan has shards on NVMe, but the "
                                    f"rank has no files here")
             owner.host, owner.host_running = request, True
-            return ([owner.segments[i] for i in ids], owner.files, job.world, job.commits,
+            return ([owner.segments[i] for i in ids], owner.files, job.world_size, job.commits,
                     job.commits.new_round())
 
     def files_opened(self, name: str, rank: int, pid: int,
@@ -446,18 +342,19 @@ class Registry:
             owner = self._own_rank(name, rank, pid, "opens its files")
             if owner.files_open:
                 raise RefusedError(f"job {name} rank {rank} has its files open already")
-            kept = owner.files is not None
-            if not kept:
-                owner.files = make()
+            files = owner.files
+            kept = files is not None
+            if files is None:
+                files = owner.files = make()
             owner.files_open = True
-            return owner.files, kept
+            return files, kept
 
     def files_closed(self, name: str, rank: int) -> None:
         """The rank's file stream ended and what it left in flight has settled."""
         with self._lock:
             job = self._jobs.get(name)
             owner = job.ranks.get(rank) if job is not None else None
-            if owner is None or not owner.files_open:
+            if job is None or owner is None or not owner.files_open:
                 return
             owner.files_open = False
             self._settling.notify_all()
@@ -471,9 +368,9 @@ class Registry:
         with self._lock:
             job = self._jobs.get(name)
             owner = job.ranks.get(rank) if job is not None else None
-            if owner is None or not owner.host_running:
+            if job is None or owner is None or not owner.host_running:
                 return
-            job.commits.broken()
+            job.made_commits.broken()
             owner.host_running = False
             if ran:
                 owner.final = final
@@ -622,11 +519,6 @@ def _alive(pid: int) -> bool:
 def _check_world(world: int | None) -> None:
     if world is not None and not 1 <= world <= MAX_WORLD:
         raise RefusedError(f"a job has 1 to {MAX_WORLD} ranks, got world {world}")
-
-
-def _has_nvme(request: dict) -> bool:
-    """Whether a host request's plan (hostwire.HostRequest.to_wire) has shards on NVMe."""
-    return any(buffer[1] == "nvme" for _, _, buffer in request["plan"]["shards"])
 
 
 def _check_name(name: str) -> None:
