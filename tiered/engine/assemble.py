@@ -11,10 +11,10 @@ from ..core.timeline import Timeline
 from ..device import accelerator_for
 from ..optim.adamw import OnePassAdamW
 from ..optim.groups import GroupRange
-from ..optim.host import HostSetup, LocalHost, RankHost
+from ..optim.host import HostLink, HostSetup, HostWorker, LocalHost, RankHost
 from ..optim.workers import CpuWorker
 from ..placement.manager import TierManager
-from ..placement.plan import StateKind, state_dtype
+from ..placement.plan import MemoryPlan, StateKind, state_dtype
 from ..policy.config import ComputeDtype, Policy, Tier
 from ..service.client import ServiceSlabSource
 from ..service.hostwire import HostRequest
@@ -55,42 +55,52 @@ def assemble(flats: list[FlatParam], manager: TierManager, group: ProcessGroup,
     accelerator = accelerator_for(group.device)
     streams = Streams(accelerator)
     scaler = LossScaler(policy.loss_scale) if policy.compute_dtype is ComputeDtype.FP16 else None
-    remote = (RemoteHost(in_service.source.client.paths.folder, timeline,
-                         in_service.model_state) if in_service else None)
-    if remote is not None:
-        worker = remote.worker
-    buffers = GradientBuffers(len(flats), manager.staging_names("grad"), manager.hbm.usage,
-                              worker, policy.grads.landing_slots)
-    pending = PendingWeights(worker, timeline)
-    book = UpdateBook(worker)
-    events = TrainerEvents(buffers, pending, book)
-    if remote is not None:
+    link: HostLink
+    host_worker: HostWorker
+    if in_service is not None:
+        remote = RemoteHost(in_service.source.client.paths.folder, timeline,
+                            in_service.model_state)
+        events = _mailboxes(flats, manager, policy, remote.worker, timeline)
         try:
             remote.start(in_service.source.job, group.rank, host_request(
-                policy, manager.plan, flats, ranges,
+                policy, manager.current_plan, flats, ranges,
                 manager.descriptors(in_service.source.locate), in_service.threads,
                 timeline.enabled), events)
         except BaseException:
             remote.close()
             raise
-        link = remote
+        link, host_worker = remote, remote.worker
     else:
-        link = LocalHost(worker, RankHost(HostSetup(
+        assert worker is not None, "a host in this process runs on this process's CPU worker"
+        events = _mailboxes(flats, manager, policy, worker, timeline)
+        link, host_worker = LocalHost(worker, RankHost(HostSetup(
             manager=manager, names=[flat.name for flat in flats],
             trainable=[flat.has_trainable for flat in flats],
             buffer_dtype=state_dtype(policy, StateKind.GRAD), ranges=ranges,
             one_pass=one_pass,
             optimizer=policy.optimizer, norm_group=group.on_host(),
             max_grad_norm=policy.optimizer.max_grad_norm, fp16=scaler is not None,
-            timeline=timeline, accelerator=accelerator), events))
+            timeline=timeline, accelerator=accelerator), events)), worker
     step_state = StepState(policy.optimizer.accumulation_steps, loss_scaled=scaler is not None)
-    runtime = UnitRuntime(EngineContext(flats, manager, group, policy, worker, streams,
-                                        timeline, link, buffers, pending, step_state))
-    return runtime, TieredAdamW(runtime, policy, scaler, book), scaler
+    runtime = UnitRuntime(EngineContext(flats, manager, group, policy, host_worker, streams,
+                                        timeline, link, events.buffers, events.pending,
+                                        step_state))
+    return runtime, TieredAdamW(runtime, policy, scaler, events.book), scaler
 
 
-def host_request(policy: Policy, plan, flats: list[FlatParam],
-                 ranges: list[tuple[GroupRange, ...]], blocks: dict, threads: int,
+def _mailboxes(flats: list[FlatParam], manager: TierManager, policy: Policy,
+               worker: HostWorker, timeline: Timeline) -> TrainerEvents:
+    """The training side's mailboxes, which the host's events fill; a failure of ``worker``
+    wakes whoever waits on them."""
+    return TrainerEvents(
+        GradientBuffers(len(flats), manager.staging_names("grad"), manager.hbm.usage, worker,
+                        policy.grads.landing_slots),
+        PendingWeights(worker, timeline), UpdateBook(worker))
+
+
+def host_request(policy: Policy, plan: MemoryPlan, flats: list[FlatParam],
+                 ranges: list[tuple[GroupRange, ...]],
+                 blocks: dict[tuple, tuple[int, int, int]], threads: int,
                  traced: bool) -> HostRequest:
     """What this rank asks of the service to run its host there."""
     return HostRequest(policy, plan, blocks, [flat.name for flat in flats],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import threading
 
+from ..optim.host import HostWorker
 from ..tiers import TierUsage
 
 
@@ -36,7 +37,8 @@ class GradientBuffers:
     running backward and by the host's events (HostEvents.gradient_taken, .buffers_read), under
     one condition that a failed worker also wakes."""
 
-    def __init__(self, units: int, landing: list[str], usage: TierUsage, worker, slots: int):
+    def __init__(self, units: int, landing: list[str], usage: TierUsage, worker: HostWorker,
+                 slots: int):
         self.usage = usage
         """The HBM tier's bytes, which gradients in flight hold."""
         self._slots = slots

@@ -9,8 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core.timeline import Timeline
-from ..optim.host import LocalHost
-from ..optim.workers import CpuWorker
+from ..optim.host import HostLink, HostWorker
 from ..placement.manager import TierManager
 from ..policy.config import Policy
 from .buffers import GradientBuffers
@@ -31,12 +30,12 @@ class EngineContext:
     group: ProcessGroup
     """The data-parallel ranks, and this rank's compute device."""
     policy: Policy
-    worker: CpuWorker
-    """The one thread that runs this rank's CPU work in order (optim/workers.py)."""
+    worker: HostWorker
+    """What runs this rank's CPU work in order: waited for, and failing for every waiter."""
     streams: Streams
     """The compute, gather and offload streams (none on the CPU)."""
     timeline: Timeline
-    host: LocalHost
+    host: HostLink
     """Where the CPU side of a step is sent, as commands (optim/commands.py)."""
     buffers: GradientBuffers
     """What the training side knows of the grads-tier buffers (gradients.py)."""

@@ -101,6 +101,7 @@ class GradientPath:
         transient = 0
         try:
             grad = flat.full.grad
+            assert grad is not None, f"unit {flat.name} reduced before its gradient was complete"
             flat.full.grad = None
             nbytes = grad.numel() * grad.element_size()
             self.usage.acquire(nbytes, f"gradient of unit {flat.name}")

@@ -6,7 +6,7 @@ from collections import Counter
 from typing import Iterable
 
 from ..core.timeline import Timeline
-from ..optim.workers import CpuWorker
+from ..optim.host import HostWorker
 
 
 class PendingWeights:
@@ -21,7 +21,7 @@ class PendingWeights:
     waiter of a unit it did not write with its error.
     """
 
-    def __init__(self, worker: CpuWorker, timeline: Timeline):
+    def __init__(self, worker: HostWorker, timeline: Timeline):
         self._writes: Counter[int] = Counter()
         """Unit -> writes of its weights still to come. Two may be queued: a unit still being
         stepped on arrival when the next step queues another update of it (the forward between

@@ -167,6 +167,7 @@ class UnitRuntime:
         self.stepped_on_arrival.clear()
         self.drop_gathered()
         if measured and self.replan_due and self.probe.last_activations is not None:
+            assert self.replan is not None  # replan_due says there is one
             self.replan.after_step(self.probe.last_activations, self.probe.last())
 
     @property

@@ -75,4 +75,5 @@ def rank_timeline(policy: Policy, device: torch.device, group: ProcessGroup) -> 
     if not group.agree(refused is None):
         raise refused or PolicyError("another rank cannot write its timeline (trace.path or "
                                      "TIERED_TRACE): see that rank's error")
+    assert timeline is not None  # every rank agreed that it made its own
     return timeline

@@ -6,6 +6,7 @@ import threading
 from dataclasses import dataclass, field
 
 from ..optim.commands import UpdateMode
+from ..optim.host import HostWorker
 
 
 @dataclass
@@ -30,7 +31,7 @@ class UpdateBook:
     of each, filled in by the host's events (commands.HostEvents: update_norm, update_wrote,
     update_done). A failed host wakes whoever waits for a norm."""
 
-    def __init__(self, worker):
+    def __init__(self, worker: HostWorker):
         self._updates: dict[int, SentUpdate] = {}
         self._next = 0
         worker.on_failure(self._wake_norm_waiters)

@@ -41,6 +41,7 @@ from typing import Protocol, Union
 
 import torch
 
+from ..device import EventLike
 from .adamw import AdamWHyper
 from .arrival import LastBackward
 
@@ -70,7 +71,7 @@ class GradientIn:
     """Set when it is the step's last backward's (see LastBackward)."""
     ticket: int
     """Names its device bytes in flight to the training side (HostEvents.gradient_taken)."""
-    ready: torch.cuda.Event | None = None
+    ready: EventLike | None = None
     tensor: torch.Tensor | None = None
 
 

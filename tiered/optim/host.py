@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass
 from enum import Enum
 from functools import partial
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -35,9 +35,63 @@ class HostGroup(Protocol):
     """The data-parallel group as the host takes the global norm over it: the engine's
     ProcessGroup.on_host() in the trainer, a rank's seat in the node's service."""
 
-    device: torch.device
+    @property
+    def device(self) -> torch.device: ...
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None: ...
+
+
+class HostWorker(Protocol):
+    """What the training side asks of the worker that runs its host: this process's CpuWorker
+    (workers.py), or service/remote.py's RemoteWorker for a host in the node's service. It
+    waits for the host and learns of its failure; it never hands it a task (``submit``: the
+    service takes commands, not Python callables), which only LocalHost does, on a CpuWorker."""
+
+    failure_reported: bool
+    """Whether the failure was raised to a caller (at exit, one not raised is printed)."""
+
+    @property
+    def failed(self) -> bool: ...
+
+    @property
+    def error(self) -> BaseException | str | None: ...
+
+    def on_failure(self, callback: Callable[[], None]) -> None: ...
+
+    def raise_if_failed(self) -> None: ...
+
+    def drain(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class HostLink(Protocol):
+    """Where the training side sends the CPU side of a step, as commands: ``LocalHost`` here,
+    or service/remote.py's RemoteHost for a host in the node's service."""
+
+    @property
+    def lands_every_gradient(self) -> bool:
+        """Whether every gradient after a step's first must come in a landing buffer."""
+
+    @property
+    def records_steps(self) -> bool:
+        """Whether each ``step()`` sends its record (``step_record``) for a relaunch."""
+
+    @property
+    def device_stream(self) -> StreamLike | None:
+        """The stream the host queues its device work on, waited for once it is drained."""
+
+    def send(self, command: Command) -> None: ...
+
+    def unit_steps(self) -> list[float]: ...
+
+    def set_unit_steps(self, steps: list[float]) -> None: ...
+
+    def restored(self) -> None: ...
+
+    def params_swapped(self, units: list[int]) -> None: ...
+
+    def step_record(self, step: int, optimizer: dict) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -387,6 +441,9 @@ class LocalHost:
     def params_swapped(self, units: list[int]) -> None:
         """The training side made these units' delayed-update weights current: the host shares
         its tier manager, so it sees the swap already."""
+
+    def step_record(self, step: int, optimizer: dict) -> None:
+        """Nothing is kept (``records_steps`` is False): the state dies with this process."""
 
 
 def _own_stream(accelerator: Accelerator, stream: StreamLike) -> None:
