@@ -16,7 +16,7 @@ import json
 import os
 import threading
 import time
-from typing import BinaryIO
+from typing import BinaryIO, Iterator, Protocol
 
 import torch
 
@@ -26,6 +26,14 @@ TRACE_ENV = "TIERED_TRACE"
 _HEAD = b'{"displayTimeUnit": "ms", "traceEvents": [\n'
 _TAIL = b'\n]}\n'
 """The file is _HEAD, the events so far, _TAIL; an append overwrites _TAIL and writes it anew."""
+
+
+class SpanTimer(Protocol):
+    """What a rank's host times its work with: the trainer's Timeline, or in the node's service
+    a sender of each span to the trainer's (service/hosting.py)."""
+
+    def span(self, name: str, category: str, args: dict | None = None
+             ) -> contextlib.AbstractContextManager[None]: ...
 
 
 class Timeline:
@@ -72,7 +80,7 @@ class Timeline:
         return cls(path, device)
 
     @contextlib.contextmanager
-    def span(self, name: str, category: str, args: dict | None = None):
+    def span(self, name: str, category: str, args: dict | None = None) -> Iterator[None]:
         """Time the body on this thread's track; ``args`` (plain values) go with the span."""
         if not self.enabled:
             yield

@@ -18,7 +18,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from ..core.timeline import Timeline
+from ..core.timeline import SpanTimer
 from ..device import Accelerator, StreamLike, wait_for
 from ..placement.manager import TierManager, typed
 from ..policy.config import OptimizerPolicy
@@ -115,7 +115,8 @@ class HostSetup:
     max_grad_norm: float | None
     fp16: bool
     """A loss scaler checks each update's gradients for infs and nans."""
-    timeline: Timeline
+    timeline: SpanTimer
+    """Where its work is timed: the trainer's Timeline, or the service's sender of spans to it."""
     accelerator: Accelerator
     """The compute device's (the plain CPU's in the node's service, which never touches it)."""
 

@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from ..core.timeline import Timeline
+from ..core.timeline import SpanTimer
 from ..device import Accelerator
 from ..placement.manager import TierManager
 from ..placement.plan import OPTIMIZER_STATES, StateKind
@@ -29,7 +29,7 @@ from .stream import Piece, StateStream
 class UnitStepper:
     def __init__(self, manager: TierManager, gradients, names: list[str],
                  ranges: list[tuple[GroupRange, ...]], one_pass: OnePassAdamW | None,
-                 optimizer: OptimizerPolicy, timeline: Timeline, accelerator: Accelerator):
+                 optimizer: OptimizerPolicy, timeline: SpanTimer, accelerator: Accelerator):
         self.manager = manager
         self.accelerator = accelerator
         self.gradients = gradients

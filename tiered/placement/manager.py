@@ -24,7 +24,7 @@ from ..tiers import DramTier, HbmTier, NvmeShard, NvmeTier, PinnedSlabSource, Sl
 from ..tiers.aio import IoSettings
 from ..tiers.dram import BLOCK_ALIGN, default_budget
 from ..tiers.moments import stored_granule
-from ..tiers.nvme import free_bytes
+from ..tiers.nvme import NvmeFace, free_bytes
 from .plan import Buffer, MemoryPlan, StateKind
 
 
@@ -86,7 +86,7 @@ def _staging_name(kind: StateKind) -> str:
 class TierManager:
     def __init__(self, policy: Policy, device: torch.device, rank: int,
                  dram_source: SlabSource | None = None, ranks: int = 1,
-                 agree: Callable[[int], int] = int, nvme_tier: Callable[..., NvmeTier] = NvmeTier):
+                 agree: Callable[[int], int] = int, nvme_tier: Callable[..., NvmeFace] = NvmeTier):
         """``ranks``: the ranks on this node, which share its DRAM and its drive when no budget
         is set. ``agree``: a collective that turns this rank's measured share into the one every
         rank uses (the smallest any measured: ProcessGroup.smallest). Each rank then makes the
@@ -118,7 +118,7 @@ class TierManager:
         """On a CPU device, the RAM its HBM tier and the DRAM tier share (a null DRAM budget's
         amount), which their budgets split once the plan is known (see :meth:`budgets_for`);
         None on a GPU."""
-        self.nvme = None
+        self.nvme: NvmeFace | None = None
         try:  # from here on a failure (or an interrupt) must not leave the NVMe run folder, nor
             # a service's connection open (the DRAM source's)
             self.nvme = (nvme_tier(policy.nvme.path, policy.nvme.budget, rank, io, ranks)
@@ -480,7 +480,7 @@ class TierManager:
         return self.plan
 
     @property
-    def nvme_tier(self) -> NvmeTier:
+    def nvme_tier(self) -> NvmeFace:
         """The NVMe tier, where the caller knows the policy has one."""
         assert self.nvme is not None, "the policy places nothing on NVMe"
         return self.nvme

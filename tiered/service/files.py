@@ -97,6 +97,10 @@ class AdoptedFiles:
         number, self._taken = self._taken, self._taken + 1
         return self._files.kept_shard(number, what, nbytes)
 
+    def remove(self, shard: NvmeShard) -> None:
+        raise TieredError("a host in the service never moves a state off NVMe (only a "
+                          "trainer's re-plan does, to its GPU): the rank's files are its job's")
+
     def close(self) -> None:
         pass
 

@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -98,6 +98,13 @@ class HostSeat:
     threads: int
     """Its worker's threads: its share of the cores."""
 
+    @property
+    def nvme_files(self) -> RankFiles:
+        """``files``, where its plan has shards on NVMe (Registry.host_started refuses such a
+        plan for a rank without files)."""
+        assert self.files is not None, f"rank {self.rank}'s plan has NVMe shards but no files"
+        return self.files
+
 
 class _RankNorm:
     """What RankHost takes as its norm group: one rank's view of its job's JobNorm."""
@@ -117,16 +124,16 @@ class _RankNorm:
 
 
 class _SpanSender:
-    """What RankHost takes as its timeline in the service: each span it times is sent to the
-    trainer, whose timeline places it on the host's shared monotonic clock (Timeline.record);
-    disabled when the trainer keeps none."""
+    """What RankHost takes as its timeline (a SpanTimer) in the service: each span it times is
+    sent to the trainer, whose timeline places it on the host's shared monotonic clock
+    (Timeline.record); disabled when the trainer keeps none."""
 
     def __init__(self, send: Callable[[dict], None], enabled: bool):
         self._send = send
         self.enabled = enabled
 
     @contextlib.contextmanager
-    def span(self, name: str, category: str, args: dict | None = None):
+    def span(self, name: str, category: str, args: dict | None = None) -> Iterator[None]:
         if not self.enabled:
             yield
             return
@@ -162,12 +169,13 @@ class HostedRank:
         self.memory = SegmentViews(lambda i: (segments[i].fd, segments[i].nbytes))
         """The rank's segments, as the trainer's descriptors name them."""
         self.manager = TierManager(policy, CPU, seat.rank,
-                                   nvme_tier=lambda *_: seat.files.adopted())
-        self.worker = None
+                                   nvme_tier=lambda *_: seat.nvme_files.adopted())
+        self._worker: CpuWorker | None = None
+        """Made once the plan is adopted; None only while built, or when building failed."""
         try:
             self.manager.adopt(request.plan, {key: self.memory.view(*where)
                                               for key, where in request.blocks.items()})
-            self.worker = CpuWorker(seat.threads)
+            self._worker = CpuWorker(seat.threads)
             compute = policy.compute_dtype.torch_dtype
             one_pass = one_pass_for(compute, grad_dtypes(policy, seat.world), CPU, self.worker)
             self.host = RankHost(HostSetup(
@@ -183,6 +191,12 @@ class HostedRank:
             self.close()
             raise
         self.worker.on_failure(self._failed)
+
+    @property
+    def worker(self) -> CpuWorker:
+        """The worker that runs the rank's commands: there once the host is built."""
+        assert self._worker is not None, f"rank {self.rank}'s host was not built"
+        return self._worker
 
     def run(self, number: int, command) -> None:
         if isinstance(command, (Update, StepArrived)):  # it changes the kept state: committed
@@ -219,8 +233,8 @@ class HostedRank:
         """What the host leaves for a relaunch to take over, once its worker is closed: each
         unit's AdamW step count and the last update's outcome; None when a task failed (an
         update may have stopped half-way), other than a step not committed, which ran none."""
-        if self.worker is None or (self.worker.failed
-                                   and not isinstance(self.worker.error, NotCommitted)):
+        if self._worker is None or (self._worker.failed
+                                    and not isinstance(self._worker.error, NotCommitted)):
             return None
         return self.host.final_state()
 
@@ -264,8 +278,8 @@ class HostedRank:
                                              f"{self.worker.error}"})
 
     def close(self) -> None:
-        if self.worker is not None:
-            self.worker.close()
+        if self._worker is not None:
+            self._worker.close()
         self.manager.close()
         self.memory.close()
 

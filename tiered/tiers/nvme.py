@@ -37,6 +37,7 @@ import socket
 import threading
 import warnings
 import weakref
+from typing import Protocol
 
 import torch
 
@@ -400,6 +401,21 @@ def _remove_run_folder(run_dir: str, owner: OwnerLock) -> None:
     folder as a dead one's to a tier starting meanwhile."""
     shutil.rmtree(run_dir, ignore_errors=True)
     owner.release()
+
+
+class NvmeFace(Protocol):
+    """What a TierManager asks of its NVMe tier: an NvmeTier, or in the node's service the rank's
+    kept files, which a host adopting the rank's plan takes over (service/files.AdoptedFiles)."""
+
+    usage: TierUsage
+
+    def create(self, what: str, nbytes: int) -> NvmeShard: ...
+
+    def remove(self, shard: NvmeShard) -> None: ...
+
+    def close(self) -> None: ...
+
+    def live_runs_hint(self) -> str: ...
 
 
 class NvmeTier:
