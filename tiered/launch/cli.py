@@ -31,7 +31,7 @@ import yaml
 from ..core.errors import TieredError, UsageError
 from ..core.sizes import parse_size
 from ..core.version import __version__
-from ..placement.manager import this_machine
+from ..placement.budgets import this_machine
 from ..planning.node import node_rates
 from ..policy.config import ComputeDtype, Device, Policy, resolve, resolve_compute_dtype
 from ..policy.deepspeed import read_deepspeed

@@ -46,7 +46,7 @@ from ..core.errors import TieredError, UsageError
 from ..core.sizes import format_size
 from ..engine.build import flat_units, forward_order, memory_plan
 from ..engine.flat import FlatParam
-from ..placement.manager import dram_beside_hbm, split_shared_ram
+from ..placement.budgets import dram_beside_hbm, split_shared_ram
 from ..placement.plan import MemoryPlan
 from ..planning.activations import forward_activations
 from ..planning.blocks import extrapolated, repeated_blocks, with_blocks
