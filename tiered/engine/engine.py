@@ -7,6 +7,7 @@ import os
 import sys
 import weakref
 from collections import OrderedDict
+from collections.abc import Mapping
 from functools import partial
 
 import torch
@@ -18,6 +19,7 @@ from ..core.errors import TieredError
 from ..ops.tiled_linear import merge_tiles, tile_large_linears, tiled_layers, untile
 from ..optim.adamw import one_pass_for
 from ..optim.groups import shard_ranges
+from ..optim.host import HostWorker
 from ..optim.workers import CpuWorker, optimizer_threads
 from ..placement.manager import TierManager
 from ..placement.plan import grad_dtypes, state_kinds
@@ -71,10 +73,11 @@ class TieredEngine:
         process_exit.shut_down_at_exit(self)
         # The model has no parameters left: its own zero_grad(), state_dict() and
         # load_state_dict() would clear, save and load no weights (torch.save of its state
-        # dict would keep only the buffers). They act on the engine's instead, until close().
-        module.zero_grad = optimizer.zero_grad
-        module.state_dict = self._model_state_dict
-        module.load_state_dict = self.load_state_dict
+        # dict would keep only the buffers). They act on the engine's instead, until close()
+        # takes them off this instance (the checker takes any method assignment for a mistake).
+        module.zero_grad = optimizer.zero_grad  # type: ignore[method-assign]
+        module.state_dict = self._model_state_dict  # type: ignore[method-assign]
+        module.load_state_dict = self.load_state_dict  # type: ignore[method-assign]
         # Its modules' parameters() would be empty: counting gave 0 (peft divided by it),
         # generate() found no device, and clip_grad_norm_ over them clipped nothing, silently.
         # They are the placeholders instead, whose gradient a torch-level clip reads and is
@@ -193,7 +196,7 @@ class TieredEngine:
         """How many elements the model's parameters hold (tied ones counted once)."""
         return sum(p.numel() for p in self.parameters() if p.requires_grad or not trainable_only)
 
-    def memory_report(self) -> dict[str, dict[str, int | None]]:
+    def memory_report(self) -> dict[str, Mapping[str, int | None]]:
         """Bytes each tier holds now, the most it has held, and its budget (on a CPU device the
         hbm and dram budgets split the same RAM: TierManager.budgets_for)."""
         return self.manager.memory_report()
@@ -204,7 +207,7 @@ class TieredEngine:
         node`` measured here (cached; none measured: no prediction), and once a step has run,
         what it measured and the step predicted with its forward and backward. ``.table()`` is
         what ``initialize`` logs (logger "tiered", INFO, rank 0)."""
-        plan, replan = self.manager.plan, self.runtime.replan
+        plan, replan = self.manager.current_plan, self.runtime.replan
         return plan_report(plan, self.manager.budgets_for(plan), self.policy,
                            self.runtime.group.world_size, cached_node_rates(self.policy.nvme.path),
                            self.device.type == "cpu", self.runtime.probe.last(),
@@ -423,24 +426,30 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
     tiled = (tile_large_linears(model, policy.tiling.max_unit_bytes,
                                 policy.compute_dtype.torch_dtype.itemsize)
              if policy.tiling.max_unit_bytes is not None else [])
-    manager = worker = start_weights = None
+    manager = start_weights = None
+    # Closed if initialize fails: this process's CPU worker, then the runtime's (a hosted
+    # rank's closes its link to the service).
+    worker: HostWorker | None = None
     try:
         flats = flat_units(model, policy, group.rank, group.world_size, device)
         if not flats:
             raise TieredError("the model has no parameters to train")
         ranges = shard_ranges(flats, policy.optimizer.param_groups)  # one matching nothing fails
         source = dram_source or service_source(policy, device, group)
-        kept = source.kept if isinstance(source, ServiceSlabSource) else None
+        # The node's service, where it holds this rank's DRAM.
+        service = source if isinstance(source, ServiceSlabSource) else None
+        kept = service.kept if service is not None else None
         if weights is not None and kept is None:  # checked before anything large is allocated
             start_weights = pretrained.open_weights(weights, flats, model, state_dict_keys,
                                                     strict, group)
         local_ranks = ranks_on_this_node(group)
-        # Whether the node's service runs this rank's CPU work (service/hosting.py).
-        hosted = (isinstance(source, ServiceSlabSource)
-                  and hostable_in_service(policy, local_ranks, group.world_size))
+        # The node's service, where it runs this rank's CPU work (service/hosting.py).
+        hosted_by = (service if service is not None
+                     and hostable_in_service(policy, local_ranks, group.world_size) else None)
         # A hosted rank's NVMe files are the service's too (service/files.py).
         manager = TierManager(policy, device, group.rank, source, local_ranks, group.smallest,
-                              partial(ServiceNvme, source) if hosted else NvmeTier)
+                              partial(ServiceNvme, hosted_by) if hosted_by is not None
+                              else NvmeTier)
         # Before the plan: what building a unit materializes counts in it (hbm_working_set).
         materializer = Materializer(model, [flat.spec for flat in flats], device,
                                     context.param_init_fn if context is not None else None)
@@ -452,7 +461,8 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
                                          on_device=on_device).needed(Tier.HBM)
                 dram_room = manager.dram_room_beside(hbm_needed)
             return memory_plan(policy, device, flats, dram_room, building,
-                               lands_every_gradient=hosted, on_device=on_device)
+                               lands_every_gradient=hosted_by is not None,
+                               on_device=on_device)
 
         def plan_for(policy: Policy):
             if not policy.placed_by_planner:
@@ -464,19 +474,21 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
         policy, plan = bend_to_fit(policy, plan_for, manager)
         threads = optimizer_threads(policy.cpu.optimizer_threads,
                                     drives_gpu=device.type == "cuda", ranks_on_node=local_ranks)
-        if kept is not None:  # the same model and policy as the kept state's, before any use
+        if service is not None and kept is not None:
+            # The same model and policy as the kept state's, before any use.
             reattach.check_kept(kept, host_request(policy, plan, flats, ranges, {}, 0,
-                                                   False).fingerprint(), source.job)
+                                                   False).fingerprint(), service.job)
         one_pass = None
-        if not hosted:  # the service compiles its own
-            worker = CpuWorker(threads)
+        cpu_worker: CpuWorker | None = None
+        if hosted_by is None:  # the service compiles its own
+            cpu_worker = worker = CpuWorker(threads)
             # Setup spans: on the GPU box a setup took 75-103 s, and the timeline says where.
             with timeline.span("compile one-pass AdamW", "setup"), progress.phase(
                     "the CPU AdamW kernel (built at first use, then cached)"):
                 one_pass = one_pass_for(policy.compute_dtype.torch_dtype,
                                         grad_dtypes(policy, group.world_size),
                                         torch.device("cpu") if plan.steps_on_host()
-                                        else device, worker)
+                                        else device, cpu_worker)
         with timeline.span("allocate tiers (pin DRAM, create NVMe extents)", "setup"), \
                 progress.phase("allocating the tiers (pinning DRAM, creating NVMe files)"):
             manager.allocate(plan, kept=kept is not None)
@@ -491,9 +503,9 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
             start_weights.load_buffers(model)
             warn_unmatched(start_weights.result, start_weights.source.where)
         runtime, optimizer, scaler = assemble(
-            flats, manager, group, policy, worker, timeline, ranges, one_pass,
-            InService(source, threads, reattach.StepRecorder(model, state_dict_keys, device))
-            if hosted else None)
+            flats, manager, group, policy, cpu_worker, timeline, ranges, one_pass,
+            InService(hosted_by, threads, reattach.StepRecorder(model, state_dict_keys, device))
+            if hosted_by is not None else None)
         worker = runtime.worker
         engine = TieredEngine(model, policy, runtime, optimizer, scaler, state_dict_keys)
         if kept is not None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from typing import Callable
+from typing import Callable, Protocol, TypeGuard
 
 import torch
 from torch import nn
@@ -79,12 +79,16 @@ class init:
             original_buffer(module, name, tensor, persistent)
 
         self._saved.append((original, original_buffer))
-        nn.Module.register_parameter = register_parameter
-        nn.Module.register_buffer = register_buffer
+        # torch's own methods, patched on the class for the context's extent (as accelerate's
+        # init_empty_weights does): the checker takes any method assignment for a mistake.
+        nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+        nn.Module.register_buffer = register_buffer  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc) -> None:
-        nn.Module.register_parameter, nn.Module.register_buffer = self._saved.pop()
+        parameter, buffer = self._saved.pop()  # torch's own (or an enclosing context's)
+        nn.Module.register_parameter = parameter  # type: ignore[method-assign]
+        nn.Module.register_buffer = buffer  # type: ignore[method-assign]
 
 
 def _refuse_meta_buffer(module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
@@ -126,9 +130,10 @@ def own_init_of(model: nn.Module) -> Callable[[nn.Module], None]:
     module, after they are built, on the meta tensors under tiered.init), else each module's
     own ``reset_parameters`` (reset_module); in a ``peft`` model, each adapter as its LoRA layer
     initializes it (see _AdapterInit), the base model as above."""
-    base = peft_base_of(model)
-    if base is not None:
-        return _AdapterInit(model, model.peft_config, own_init_of(base))
+    peft = _peft_parts(model)
+    if peft is not None:
+        base, peft_config = peft
+        return _AdapterInit(model, peft_config, own_init_of(base))
     own = getattr(model, "_init_weights", None)
     if callable(own) and hasattr(model, "config") and hasattr(model, "post_init"):
         return own
@@ -137,10 +142,31 @@ def own_init_of(model: nn.Module) -> Callable[[nn.Module], None]:
 
 def peft_base_of(model: nn.Module) -> nn.Module | None:
     """The base model a ``peft`` model wraps; None for any other model."""
-    if isinstance(getattr(model, "peft_config", None), dict) and \
-            callable(getattr(model, "get_base_model", None)):
-        return model.get_base_model()
+    peft = _peft_parts(model)
+    return peft[0] if peft is not None else None
+
+
+def _peft_parts(model: nn.Module) -> tuple[nn.Module, dict] | None:
+    """A ``peft`` model's base model and its adapters' configs, by adapter name; None for any
+    other model."""
+    peft_config = getattr(model, "peft_config", None)
+    get_base_model = getattr(model, "get_base_model", None)
+    if isinstance(peft_config, dict) and callable(get_base_model):
+        return get_base_model(), peft_config
     return None
+
+
+class _LoraLayer(Protocol):
+    """What tiered.init uses of a ``peft`` LoRA layer (peft ships no type information)."""
+
+    lora_A: nn.ModuleDict
+
+    def reset_lora_parameters(self, adapter_name: str, init_lora_weights: object) -> None: ...
+
+
+def _is_lora_layer(module: nn.Module) -> TypeGuard[_LoraLayer]:
+    """Whether ``module`` is a ``peft`` LoRA layer: it initializes its adapters itself."""
+    return callable(getattr(module, "reset_lora_parameters", None))
 
 
 class _AdapterInit:
@@ -152,13 +178,14 @@ class _AdapterInit:
     embedding adapters' ParameterDicts, the layer) comes first; any other module as the base
     model initializes it."""
 
-    def __init__(self, model: nn.Module, peft_config: dict, base_init):
+    def __init__(self, model: nn.Module, peft_config: dict,
+                 base_init: Callable[[nn.Module], None]):
         self.base_init = base_init
         self.init_of = {name: getattr(config, "init_lora_weights", True)
                         for name, config in peft_config.items()}
-        self.layer_of: dict[int, nn.Module] = {}
+        self.layer_of: dict[int, _LoraLayer] = {}
         for layer in model.modules():
-            if not callable(getattr(layer, "reset_lora_parameters", None)):
+            if not _is_lora_layer(layer):
                 continue
             self.layer_of[id(layer)] = layer
             for kind in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B",
@@ -182,7 +209,7 @@ class _AdapterInit:
             self.done.add((id(layer), adapter))
 
     @staticmethod
-    def _initialize(layer: nn.Module, adapter: str, init) -> None:
+    def _initialize(layer: _LoraLayer, adapter: str, init: object) -> None:
         what = f"{type(layer).__name__} adapter {adapter!r}"
         if len(inspect.signature(layer.reset_lora_parameters).parameters) != 2 or \
                 getattr(layer, "use_dora", {}).get(adapter, False):
@@ -201,9 +228,11 @@ class _AdapterInit:
         layer.reset_lora_parameters(adapter, init)
 
 
-def _current(spec: ParamSpec) -> torch.Tensor:
+def _current(spec: ParamSpec) -> nn.Parameter:
     module, attr = spec.holders[0]
-    return module._parameters[attr]
+    param = module._parameters[attr]
+    assert param is not None, f"{spec.names[0]}: a unit's parameter was removed from its module"
+    return param
 
 
 class Materializer:
@@ -245,7 +274,7 @@ class Materializer:
         modules = [module for module, _ in spec.holders]
         ref = _creator.get(_current(spec))
         creator = ref() if ref is not None else None
-        if any(creator is module for module in modules):
+        if creator is not None and any(creator is module for module in modules):
             return creator
         return min(modules, key=lambda m: self.post_order[id(m)])
 

@@ -23,6 +23,7 @@ forward and backward (``compute``):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..core.report import format_table
@@ -217,7 +218,7 @@ class PlanReport:
                 "verdict": None if self.verdict is None else self.verdict.to_dict()}
 
 
-def plan_report(plan: MemoryPlan, budgets: dict[Tier, int | None], policy: Policy,
+def plan_report(plan: MemoryPlan, budgets: Mapping[Tier, int | None], policy: Policy,
                 world_size: int, rates: NodeRates | None, on_cpu: bool,
                 measured: StepMeasurement | None = None, hbm_peak: int | None = None,
                 unit_names: tuple[str, ...] = (), replanned: str | None = None) -> PlanReport:
