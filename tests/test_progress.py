@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -43,7 +44,7 @@ def run(code: str, tmp_path, **env: str) -> str:
 
 
 def test_counted_and_phase_say_plain_lines_off_a_terminal(capsys, monkeypatch):
-    monkeypatch.delenv(progress.PROGRESS_ENV, raising=False)
+    monkeypatch.setenv(progress.PROGRESS_ENV, "all")
     monkeypatch.delenv("RANK", raising=False)
     assert list(progress.counted(iter("abc"), "reading", "file", total=3)) == ["a", "b", "c"]
     with progress.phase("pinning"):
@@ -53,6 +54,24 @@ def test_counted_and_phase_say_plain_lines_off_a_terminal(capsys, monkeypatch):
     assert re.fullmatch(r"tiered: reading: 3/3 files in \d+\.\d s", lines[1])
     assert lines[2] == "tiered: pinning ..."
     assert re.fullmatch(r"tiered: pinning: done in \d+\.\d s", lines[3]) and len(lines) == 4
+
+
+def test_a_phase_shorter_than_quiet_says_nothing_and_a_longer_one_says_it(capsys,
+                                                                          monkeypatch):
+    """A set-up of a second is not worth a screen of lines (and a refused input stays one
+    line): a phase shows once it has run progress.QUIET_S."""
+    monkeypatch.delenv(progress.PROGRESS_ENV, raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(progress, "QUIET_S", 0.2)
+    assert list(progress.counted([1, 2], "reading", "file")) == [1, 2]
+    with progress.phase("pinning"):
+        pass
+    assert capsys.readouterr().err == ""
+    with progress.phase("compiling"):
+        time.sleep(0.5)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "tiered: compiling ..." and len(lines) == 2
+    assert re.fullmatch(r"tiered: compiling: done in \d+\.\d s", lines[1])
 
 
 @pytest.mark.parametrize("env", [{"RANK": "1"}, {progress.PROGRESS_ENV: "0"}],
@@ -67,7 +86,7 @@ def test_silent_off_rank_0_and_when_turned_off(capsys, monkeypatch, env):
 
 
 def test_initialize_says_each_long_phase(tmp_path):
-    said = run(INITIALIZE, tmp_path)
+    said = run(INITIALIZE, tmp_path, **{progress.PROGRESS_ENV: "all"})
     assert "tiered: the CPU AdamW kernel (built at first use, then cached) ..." in said
     assert "tiered: allocating the tiers (pinning DRAM, creating NVMe files) ..." in said
     units = re.search(r"^tiered: building units: 0/(\d+) units$", said, re.MULTILINE)
@@ -83,7 +102,7 @@ def test_initialize_is_silent_off_rank_0_and_when_turned_off(tmp_path, env):
 
 
 def test_tiered_node_says_what_it_measures(tmp_path):
-    said = run(NODE, tmp_path)
+    said = run(NODE, tmp_path, **{progress.PROGRESS_ENV: "all"})
     assert "tiered: measuring the CPU's AdamW ..." in said
     assert re.search(r"^tiered: measuring the CPU's AdamW: done in \d+\.\d s$", said,
                      re.MULTILINE), said
@@ -92,7 +111,7 @@ def test_tiered_node_says_what_it_measures(tmp_path):
 
 def test_tiered_plan_counts_the_changes_it_plans_for_a_model_that_does_not_fit(tmp_path, capsys,
                                                                               monkeypatch):
-    monkeypatch.delenv(progress.PROGRESS_ENV, raising=False)
+    monkeypatch.setenv(progress.PROGRESS_ENV, "all")
     monkeypatch.setenv("TIERED_CACHE", str(tmp_path))
     small = NodeRates(machine="a small node", measured_at=0.0, cpu_threads=2,
                       cpu_adamw_params_per_s=1e9, cpu_one_pass_params_per_s=1e9,
