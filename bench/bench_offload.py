@@ -225,8 +225,10 @@ def _measure(args, model, step, batch: int, flops_per_token: int) -> dict:
                   tflops=flops_per_token * tokens / step_s / 1e12,
                   peak_hbm_GiB=torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
                   times=times, losses=losses)
-    if moved:  # the measured steps' NVMe traffic, per step: an update still running when a
-        # step ends (in the service, or delayed) has moved part of its bytes by then
+    if moved:  # the measured steps' NVMe traffic, per step: the last step's update may still
+        # be running (in the service, or delayed), so its bytes are counted once it is done
+        model.runtime.worker.drain()
+        moved[-1] = nvme.bytes_moved()
         measured = len(times) - args.warmup
         result["nvme_GB_per_step"] = {v: (moved[-1][v] - moved[args.warmup][v]) / 1e9 / measured
                                       for v in ("read", "write")}
