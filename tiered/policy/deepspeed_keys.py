@@ -181,6 +181,15 @@ def _auto(reader: Reader, key: str, value: Any) -> None:
         reader.note(key, value, Fate.IGNORED, "tiered's own value")
 
 
+def _given(reader: Reader, key: str, value: Any, parse: Callable[[Any], Any]) -> Any:
+    """``value`` parsed; _INVALID where it is ``"auto"`` (noted as _auto says) or does not
+    parse (its error recorded)."""
+    if value == AUTO:
+        _auto(reader, key, value)
+        return _INVALID
+    return reader.parse(key, value, parse)
+
+
 def _default_only(default: Any, refusal: str) -> Callable:
     """A key tiered takes at DeepSpeed's default only (doing the same), refusing another."""
     def handle(reader: Reader, key: str, value: Any) -> None:
@@ -196,10 +205,7 @@ def _honoured(tiered_key: str, parse: Callable[[Any], Any], why: str = "",
               convert: Callable[[Any], Any] = lambda v: v) -> Callable:
     """A key that sets ``tiered_key`` to ``convert(parse(value))``; ``"auto"`` leaves it."""
     def handle(reader: Reader, key: str, value: Any) -> None:
-        if value == AUTO:
-            _auto(reader, key, value)
-            return
-        parsed = reader.parse(key, value, parse)
+        parsed = _given(reader, key, value, parse)
         if parsed is not _INVALID:
             if key in SCRIPT_VALUES:
                 reader.script_values[key] = value
@@ -288,10 +294,7 @@ def _sub_group_size(reader: Reader, key: str, value: Any) -> None:
         reader.note(key, value, Fate.IGNORED, "tiered's sub-groups are the pieces optimizer "
                     "states stream from NVMe in; the CPU or GPU update steps each unit whole")
         return
-    if value == AUTO:
-        _auto(reader, key, value)
-        return
-    elements = reader.parse(key, value, _positive(as_number))
+    elements = _given(reader, key, value, _positive(as_number))
     if elements is _INVALID:
         return
     moments = torch.bfloat16 if reader.at("bf16.bf16_optimizer_states") is True else torch.float32
@@ -396,10 +399,7 @@ AIO = {
 
 def _precision(dtype: str) -> Callable:
     def enabled(reader: Reader, key: str, value: Any) -> None:
-        if value == AUTO:
-            _auto(reader, key, value)
-            return
-        flag = reader.parse(key, value, as_bool)
+        flag = _given(reader, key, value, as_bool)
         if flag is _INVALID:
             return
         reader.script_values[key.replace("bfloat16", "bf16")] = flag
@@ -534,10 +534,7 @@ OPTIMIZER = {
 
 
 def _clipping(reader: Reader, key: str, value: Any) -> None:
-    if value == AUTO:
-        _auto(reader, key, value)
-        return
-    norm = reader.parse(key, value, _nonnegative(as_number))
+    norm = _given(reader, key, value, _nonnegative(as_number))
     if norm is _INVALID:
         return
     reader.script_values[key] = value
@@ -554,10 +551,7 @@ def _scheduler(reader: Reader, key: str, value: Any) -> None:
 
 def _batch(reader: Reader, key: str, value: Any) -> None:
     """A batch size: no policy holds one (recorded for TieredTrainer's comparison)."""
-    if value == AUTO:
-        _auto(reader, key, value)
-        return
-    if reader.parse(key, value, _positive(as_whole_number)) is not _INVALID:
+    if _given(reader, key, value, _positive(as_whole_number)) is not _INVALID:
         reader.script_values[key] = value
         reader.note(key, value, Fate.SCRIPT, f"the batch is the script's data loader's "
                     f"(TieredTrainer's must equal it: {SCRIPT_VALUES[key]})")
