@@ -10,6 +10,11 @@ class TieredError(Exception):
     """Base of every error tiered raises on purpose."""
 
 
+class RankWent(TieredError):
+    """A rank of the job went (stopped, failed or lost) before this rank's work with it was
+    done. The cause is that rank's: a launcher stopping the job stops this rank next."""
+
+
 class PolicyError(TieredError, ValueError):
     """A policy (YAML file, dict or override) is malformed or names something not allowed."""
 

@@ -17,8 +17,9 @@ The exit handlers then remove the rank's NVMe folder. A repeat is only noted, or
 that clean-up short: the kernel sends the parent-death signal each time it hands the rank on to
 another thread of the dying launcher (twice, 34 ms apart, under strace here), and schedulers
 repeat SIGTERM. What follows a stop in a rank is expected, not a failure (the
-KeyboardInterrupt, the error of a collective whose peer has just gone): the rank exits 128 +
-the signal without a traceback, and the launcher says why in one line.
+KeyboardInterrupt, the error of a collective whose peer has just gone, the service's word that
+a peer went, told before this rank's own signal came): the rank exits 128 + the signal without
+a traceback, and the launcher says why in one line.
 
 This file is run by path, and imports only the standard library: importing the ``tiered``
 package would import torch before the script could set what torch reads at import.
@@ -31,6 +32,7 @@ import os
 import runpy
 import signal
 import sys
+import time
 
 LAUNCHER_PID_ENV = "TIERED_LAUNCHER_PID"
 """The launcher's pid, which tiered-launch puts in the ranks' environment."""
@@ -127,6 +129,8 @@ def main(argv: list[str]) -> None:
     except SystemExit:
         raise
     except BaseException as error:
+        if _stopped_by is None and _caused_by_a_peer(error):
+            _await_stop(PEER_STOP_WAIT_S)
         if _stopped_by is not None:
             sys.exit(128 + _stopped_by)
         if not _said_in_one_line(error) or os.environ.get(TRACEBACK_ENV) == "1":
@@ -150,17 +154,39 @@ def _ordering_checked():
     return simulated_device().tracking()
 
 
+PEER_ERRORS = {("tiered.core.errors", "RankWent")}
+"""tiered's errors that say another rank of the job went (its cause is that rank's)."""
 ONE_LINE_ERRORS = {("tiered.core.errors", "BudgetError"),
-                   ("tiered.service.channel", "ServiceLost")}
-"""tiered's errors a rank reports in one line: a refusal for its budget, and the loss of the
-node's service (which names the service's socket and pid)."""
+                   ("tiered.service.channel", "ServiceLost"), *PEER_ERRORS}
+"""tiered's errors a rank reports in one line: a refusal for its budget, the loss of the
+node's service (which names the service's socket and pid), and another rank's going."""
+PEER_STOP_WAIT_S = 5.0
+"""How long a rank told that a peer went waits for a stop signal of its own. The launcher
+stops every rank at once, yet a peer may stop, and the service tell this rank so, before this
+rank's signal arrives (it did on a busy 2-core machine): that error is the stop's echo, not a
+failure. When a peer failed instead, the launcher stops this rank within its poll interval."""
+
+
+def _is_one_of(error: BaseException, names: set[tuple[str, str]]) -> bool:
+    """Whether ``error`` is of a class in ``names`` (module, name), known by name: importing
+    tiered here would import torch before the script could set what torch reads at import."""
+    return any((kind.__module__, kind.__name__) in names for kind in type(error).__mro__)
 
 
 def _said_in_one_line(error: BaseException) -> bool:
-    """Whether ``error`` is one of ONE_LINE_ERRORS, known by name (importing tiered here would
-    import torch before the script could set what torch reads at import)."""
-    return any((kind.__module__, kind.__name__) in ONE_LINE_ERRORS
-               for kind in type(error).__mro__)
+    return _is_one_of(error, ONE_LINE_ERRORS)
+
+
+def _caused_by_a_peer(error: BaseException) -> bool:
+    return _is_one_of(error, PEER_ERRORS)
+
+
+def _await_stop(seconds: float) -> None:
+    """Sleep until a stop signal arrived (its handler notes it: the script has ended) or
+    ``seconds`` passed."""
+    deadline = time.monotonic() + seconds
+    while _stopped_by is None and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":

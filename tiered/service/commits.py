@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import threading
 
-from ..core.errors import TieredError
+from ..core.errors import RankWent
 
 
-class NotCommitted(TieredError):
+class NotCommitted(RankWent):
     """A step's update is not run: a rank of the job went before it was committed."""
 
 

@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..core.errors import TieredError
+from ..core.errors import RankWent, TieredError
 from ..core.timeline import timed
 from ..device import CpuAccelerator
 from ..optim.adamw import one_pass_for
@@ -63,7 +63,7 @@ class JobNorm:
             self._changed.wait_for(lambda: self._broken is not None
                                    or len(self._shares[round_]) == self.world)
             if self._broken is not None:
-                raise TieredError(f"the job's gradient norm cannot be summed: {self._broken}")
+                raise RankWent(f"the job's gradient norm cannot be summed: {self._broken}")
             shares = self._shares[round_]
             total = 0.0
             for r in sorted(shares):
@@ -274,8 +274,9 @@ class HostedRank:
         # The job's other ranks must not wait in a norm for this one's share (a step not
         # committed is run by no rank, so none waits for it).
         self.seat.norm.broken(f"rank {self.rank}'s host failed: {self.worker.error}")
-        self._send({"op": "failed", "error": f"{type(self.worker.error).__name__}: "
-                                             f"{self.worker.error}"})
+        error = self.worker.error
+        self._send({"op": "failed", "error": f"{type(error).__name__}: {error}",
+                    "rank_went": isinstance(error, RankWent)})
 
     def close(self) -> None:
         if self._worker is not None:

@@ -18,7 +18,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Callable
 
-from ..core.errors import TieredError
+from ..core.errors import RankWent, TieredError
 from ..core.timeline import Timeline
 from ..optim.commands import Command, GradientIn, HostEvents
 from .channel import Channel
@@ -235,7 +235,8 @@ class RemoteHost:
             self._timeline.record(span.name, span.category, span.track, span.start_ns,
                                   span.duration_ns, span.args)
         elif op == "failed":
-            self.worker.fail(TieredError(f"in the node's service: {message['error']}"))
+            kind = RankWent if message.get("rank_went") else TieredError
+            self.worker.fail(kind(f"in the node's service: {message['error']}"))
         else:
             assert self._events is not None, "an event before the host was started"
             deliver(message, self._events)
