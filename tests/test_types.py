@@ -1,7 +1,7 @@
 """The type checker over tiered/, as pyproject.toml's [tool.mypy] sets it: the seams (the
 device's Protocols, the tiers, the plan, the CPU update) are held to their declared types, so a
 caller handing an accelerator a foreign stream or a resident state where an NVMe one is meant
-fails here, not on a GPU. The packages pyproject.toml still lists as not held are on their way."""
+fails here, not on a GPU."""
 from __future__ import annotations
 
 import subprocess

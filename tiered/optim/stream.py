@@ -25,7 +25,7 @@ from ..placement.plan import OPTIMIZER_STATES, STAGING_SETS, StateKind
 from ..tiers.aio import Transfer
 from ..tiers.dram import BLOCK_ALIGN
 from ..tiers.moments import piece_granule, stored_span
-from ..tiers.nvme import VersionGroup
+from ..tiers.nvme import NvmeShard, VersionGroup, own_shard
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class StateStream:
             if slot in writes:
                 writes.pop(slot).wait()  # the set still holds piece i-3's data on its way out
             piece = pieces[i]
-            reads[i] = Transfer.joined([self.manager.nvme_shard(piece.unit, kind).start_read(
+            reads[i] = Transfer.joined([self._shard(piece.unit, kind).start_read(
                 self._block(kind, slot), *self._span(piece, kind)) for kind in self.kinds])
 
         try:
@@ -104,7 +104,7 @@ class StateStream:
                            views[StateKind.EXP_AVG_SQ])
                 if piece.unit not in versions:
                     versions[piece.unit] = VersionGroup(
-                        [self.manager.nvme_shard(piece.unit, kind).next_version()
+                        [self._shard(piece.unit, kind).next_version()
                          for kind in self.kinds])
                 writes[slot] = Transfer.joined(
                     [version.write(self._block(kind, slot), *self._span(piece, kind))
@@ -124,6 +124,9 @@ class StateStream:
                 group.abandon()
             for transfer in (*reads.values(), *writes.values()):
                 transfer.settle()  # no I/O thread may still use a staging set after this
+
+    def _shard(self, unit: int, kind: StateKind) -> NvmeShard:
+        return own_shard(self.manager.nvme_shard(unit, kind))
 
     def _span(self, piece: Piece, kind: StateKind) -> tuple[int, int]:
         """The byte offset and (whole 4 KiB blocks of) bytes of the piece in ``kind``'s file."""

@@ -20,11 +20,11 @@ from ..core.limits import memory_bound
 from ..core.sizes import align_up, even_pieces, format_size
 from ..device import accelerator_for
 from ..policy.config import Policy, Tier
-from ..tiers import DramTier, HbmTier, NvmeShard, NvmeTier, PinnedSlabSource, SlabSource
+from ..tiers import DramTier, HbmTier, NvmeTier, PinnedSlabSource, SlabSource
 from ..tiers.aio import IoSettings
 from ..tiers.dram import BLOCK_ALIGN, default_budget
 from ..tiers.moments import stored_granule
-from ..tiers.nvme import NvmeFace
+from ..tiers.nvme import NvmeFace, ShardFile
 from .budgets import budgets_past_the_node, dram_beside_hbm, refusal, split_shared_ram
 from .plan import Buffer, MemoryPlan, StateKind
 
@@ -40,7 +40,7 @@ class Shard:
     dtype: torch.dtype
     resident: torch.Tensor | None = None
     """The storage itself, for HBM and DRAM shards."""
-    file: NvmeShard | None = None
+    file: ShardFile | None = None
     """Its extent, for NVMe shards."""
 
     @property
@@ -50,7 +50,7 @@ class Shard:
         return self.resident
 
     @property
-    def extent(self) -> NvmeShard:
+    def extent(self) -> ShardFile:
         """``file``, where the caller knows the shard is on NVMe."""
         assert self.file is not None, f"unit {self.unit}'s {self.kind.value} is not on NVMe"
         return self.file
@@ -330,12 +330,12 @@ class TierManager:
         plan.unit_state_kinds)."""
         return (unit, kind) in self.shards
 
-    def nvme_file(self, unit: int, kind: StateKind) -> NvmeShard | None:
+    def nvme_file(self, unit: int, kind: StateKind) -> ShardFile | None:
         """The state's extent, or None when it is resident (or the unit has no such state)."""
         shard = self.shards.get((unit, kind))
         return shard.file if shard is not None else None
 
-    def nvme_shard(self, unit: int, kind: StateKind) -> NvmeShard:
+    def nvme_shard(self, unit: int, kind: StateKind) -> ShardFile:
         """The state's extent, which the plan put on NVMe."""
         return self.shards[(unit, kind)].extent
 

@@ -28,7 +28,7 @@ import torch
 
 from ..core.errors import NvmeError, TieredError
 from ..tiers.aio import IoQueue, IoSettings, Transfer
-from ..tiers.nvme import NextVersion, NvmeShard, NvmeTier, extent_bytes
+from ..tiers.nvme import NextVersion, NvmeShard, NvmeTier, ShardFile, extent_bytes
 from .segments import SegmentViews
 from .wire import refusal_fields
 
@@ -97,7 +97,7 @@ class AdoptedFiles:
         number, self._taken = self._taken, self._taken + 1
         return self._files.kept_shard(number, what, nbytes)
 
-    def remove(self, shard: NvmeShard) -> None:
+    def remove(self, shard: ShardFile) -> None:
         raise TieredError("a host in the service never moves a state off NVMe (only a "
                           "trainer's re-plan does, to its GPU): the rank's files are its job's")
 

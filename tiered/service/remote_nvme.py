@@ -17,9 +17,10 @@ from concurrent.futures import Future, wait
 
 import torch
 
+from ..core.errors import TieredError
 from ..core.sizes import format_size
 from ..tiers.aio import IoSettings
-from ..tiers.nvme import check_nvme_path, extent_bytes, free_bytes, live_runs_hint
+from ..tiers.nvme import ShardFile, check_nvme_path, extent_bytes, free_bytes, live_runs_hint
 from ..tiers.usage import TierUsage
 from .channel import Channel
 from .client import ServiceSlabSource
@@ -64,6 +65,10 @@ class ServiceNvme:
                              budget=self.usage.budget).result()
         self.usage.follow(int(reply["held"]))
         return RemoteShard(self, int(reply["shard"]), extent_bytes(nbytes), str(reply["path"]))
+
+    def remove(self, shard: ShardFile) -> None:
+        raise TieredError(f"{shard.path} cannot leave the drive: a rank the service hosts is "
+                          f"never re-planned (tier: auto, which re-plans, is never hosted)")
 
     def call(self, op: str, **fields) -> Future:
         """Request ``op`` of the rank's files; the future is its reply's fields."""

@@ -403,15 +403,62 @@ def _remove_run_folder(run_dir: str, owner: OwnerLock) -> None:
     owner.release()
 
 
+class ShardTransfer(Protocol):
+    """A read or write under way: an aio Transfer, or one the node's service carries out."""
+
+    def wait(self) -> None: ...
+
+
+class ShardVersion(Protocol):
+    """A shard's next version, written in pieces and switched to on commit: a NextVersion, or
+    the same made in the node's service (service/remote_nvme.RemoteVersion)."""
+
+    def write(self, block: torch.Tensor, offset: int = 0,
+              nbytes: int | None = None) -> ShardTransfer: ...
+
+    def commit(self) -> None: ...
+
+    def abandon(self) -> None: ...
+
+    def wait(self) -> None: ...
+
+
+class ShardFile(Protocol):
+    """One shard state on NVMe as a TierManager uses it: an NvmeShard, or a trainer's view of
+    one the node's service holds (service/remote_nvme.RemoteShard)."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def path(self) -> str: ...
+
+    def start_read(self, block: torch.Tensor, offset: int = 0,
+                   nbytes: int | None = None) -> ShardTransfer: ...
+
+    def read_into(self, block: torch.Tensor) -> None: ...
+
+    def next_version(self) -> ShardVersion: ...
+
+
+def own_shard(shard: ShardFile) -> NvmeShard:
+    """``shard`` as this process's own extent, where only such a one can be: the optimizer's
+    stream and a re-plan's removal run beside an NvmeTier (in the trainer, or in the service's
+    host over the rank's adopted files), never over a trainer's view of the service's files."""
+    assert isinstance(shard, NvmeShard), f"{shard.path} is not held by this process"
+    return shard
+
+
 class NvmeFace(Protocol):
-    """What a TierManager asks of its NVMe tier: an NvmeTier, or in the node's service the rank's
-    kept files, which a host adopting the rank's plan takes over (service/files.AdoptedFiles)."""
+    """What a TierManager asks of its NVMe tier: an NvmeTier; in the node's service the rank's
+    kept files, which a host adopting the rank's plan takes over (service/files.AdoptedFiles);
+    in a rank the service hosts, its view of those files (service/remote_nvme.ServiceNvme)."""
 
     usage: TierUsage
 
-    def create(self, what: str, nbytes: int) -> NvmeShard: ...
+    def create(self, what: str, nbytes: int) -> ShardFile: ...
 
-    def remove(self, shard: NvmeShard) -> None: ...
+    def remove(self, shard: ShardFile) -> None: ...
 
     def close(self) -> None: ...
 
@@ -479,8 +526,8 @@ class NvmeTier:
         extents this call made are removed and no longer counted."""
         size = extent_bytes(nbytes)
         made: list[Extent] = []
-        # Fix: the spares used to be kept (files left, bytes counted, and not registered as
-        # spares, so a retry made three more) when a later spare or the shard's extent failed.
+        # Spares kept past a failure would hold files and bytes no shard uses, unregistered,
+        # so that a retry would make three more.
         try:
             if size not in self._spares:
                 for _ in range(SPARE_EXTENTS):
@@ -516,12 +563,13 @@ class NvmeTier:
         self._extents.remove(extent)
         self.usage.release(extent.nbytes)
 
-    def remove(self, shard: NvmeShard) -> None:
+    def remove(self, shard: ShardFile) -> None:
         """A shard state that left the drive (moved to the device by a re-plan), with no write
         of it in flight: its extent's file is removed and no longer counted, and so are the
         spares of its size once no shard state of that size is left (as nvme_bytes counts)."""
-        size = shard.extent.nbytes
-        self._drop_extent(shard.extent)
+        extent = own_shard(shard).extent
+        size = extent.nbytes
+        self._drop_extent(extent)
         self._shards_of_size[size] -= 1
         if not self._shards_of_size[size]:
             for extent in self._spares.pop(size, []):
