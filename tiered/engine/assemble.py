@@ -14,7 +14,7 @@ from ..optim.groups import GroupRange
 from ..optim.host import HostLink, HostSetup, HostWorker, LocalHost, RankHost
 from ..optim.workers import CpuWorker
 from ..placement.manager import TierManager
-from ..placement.plan import MemoryPlan, StateKind, state_dtype
+from ..placement.plan import BlockKey, MemoryPlan, StateKind, state_dtype
 from ..policy.config import ComputeDtype, Policy, Tier
 from ..service.client import ServiceSlabSource
 from ..service.hostwire import HostRequest
@@ -100,7 +100,7 @@ def _mailboxes(flats: list[FlatParam], manager: TierManager, policy: Policy,
 
 def host_request(policy: Policy, plan: MemoryPlan, flats: list[FlatParam],
                  ranges: list[tuple[GroupRange, ...]],
-                 blocks: dict[tuple, tuple[int, int, int]], threads: int,
+                 blocks: dict[BlockKey, tuple[int, int, int]], threads: int,
                  traced: bool) -> HostRequest:
     """What this rank asks of the service to run its host there."""
     return HostRequest(policy, plan, blocks, [flat.name for flat in flats],

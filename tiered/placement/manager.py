@@ -26,7 +26,7 @@ from ..tiers.dram import BLOCK_ALIGN, default_budget
 from ..tiers.moments import stored_granule
 from ..tiers.nvme import NvmeFace, ShardFile
 from .budgets import budgets_past_the_node, dram_beside_hbm, refusal, split_shared_ram
-from .plan import Buffer, MemoryPlan, StateKind
+from .plan import BlockKey, Buffer, MemoryPlan, StateKind
 
 
 @dataclass
@@ -217,7 +217,7 @@ class TierManager:
         self.hbm.usage.budget, self.dram.usage.budget = budgets[Tier.HBM], budgets[Tier.DRAM]
         self._allocate(plan, zero_moments=not kept)
 
-    def adopt(self, plan: MemoryPlan, blocks: dict[tuple, torch.Tensor]) -> None:
+    def adopt(self, plan: MemoryPlan, blocks: dict[BlockKey, torch.Tensor]) -> None:
         """Take over ``plan``, which another process (a trainer) checked and allocated: its DRAM
         states and staging buffers are ``blocks`` (keyed as :meth:`descriptors` keys them: the
         trainer's memory, as this process maps it), and its NVMe states the shards its NVMe
@@ -235,7 +235,7 @@ class TierManager:
         self._allocate(plan, zero_moments=False, blocks=blocks)
 
     def descriptors(self, locate: Callable[[torch.Tensor], tuple[int, int]]
-                    ) -> dict[tuple, tuple[int, int, int]]:
+                    ) -> dict[BlockKey, tuple[int, int, int]]:
         """Where each DRAM state and staging buffer of the plan lies: (segment, byte offset,
         bytes) of the DRAM source's memory, ``locate`` giving a block's segment and offset. A
         process that maps the same segments wraps them as the same states (:meth:`adopt`).
@@ -247,7 +247,7 @@ class TierManager:
                 for key, buf in _dram_buffers(self.plan).items()}
 
     def _allocate(self, plan: MemoryPlan, zero_moments: bool,
-                  blocks: dict[tuple, torch.Tensor] | None = None) -> None:
+                  blocks: dict[BlockKey, torch.Tensor] | None = None) -> None:
         self.plan = plan
         if blocks is None:
             blocks = self.dram.reserve({key: buf.nbytes
@@ -514,9 +514,9 @@ class TierManager:
         self.dram.close(clean)
 
 
-def _dram_buffers(plan: MemoryPlan) -> dict[tuple, Buffer]:
+def _dram_buffers(plan: MemoryPlan) -> dict[BlockKey, Buffer]:
     """The plan's DRAM states by (unit, kind) and its staging buffers by ("staging", name)."""
-    buffers: dict[tuple, Buffer] = {key: buf for key, buf in plan.shards.items()
+    buffers: dict[BlockKey, Buffer] = {key: buf for key, buf in plan.shards.items()
                                     if buf.tier is Tier.DRAM}
     buffers.update({("staging", name): buf for name, buf in plan.staging.items()})
     return buffers

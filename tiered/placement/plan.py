@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -32,6 +33,10 @@ class StateKind(enum.Enum):
 
 
 OPTIMIZER_STATES = (StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)
+
+BlockKey = tuple[int, StateKind] | tuple[Literal["staging"], str]
+"""A DRAM block of a plan: a unit's state by (unit, kind), a staging buffer by ("staging",
+name)."""
 
 
 STAGING_SETS = 3

@@ -14,36 +14,9 @@ from typing import Any, Callable
 
 from ..optim.commands import Command, GradientIn, HostEvents, StepArrived, Update, ZeroGrad
 from ..optim.groups import GroupRange
-from ..placement.plan import Buffer, MemoryPlan, StateKind
-from ..policy.config import Policy, Tier
-from .codec import (DTYPES, decode, dtype_name, encode, fields_from_wire, fields_to_wire,
-                    op_name, parameter_types)
-
-
-def _buffer(buffer: Buffer) -> list:
-    return [buffer.label, buffer.tier.value, buffer.numel, dtype_name(buffer.dtype)]
-
-
-def _unbuffer(value: list) -> Buffer:
-    label, tier, numel, dtype = value
-    return Buffer(label, Tier(tier), int(numel), DTYPES[dtype])
-
-
-def plan_to_wire(plan: MemoryPlan) -> dict:
-    return {"shards": [[unit, kind.value, _buffer(buffer)]
-                       for (unit, kind), buffer in plan.shards.items()],
-            "staging": [[name, _buffer(buffer)] for name, buffer in plan.staging.items()],
-            "working_set": plan.working_set}
-
-
-def plan_from_wire(value: dict) -> MemoryPlan:
-    """The plan as the trainer made it, in the same order (the order in which NVMe shards are
-    made names them: service/files.py)."""
-    return MemoryPlan(
-        shards={(int(unit), StateKind(kind)): _unbuffer(buffer)
-                for unit, kind, buffer in value["shards"]},
-        staging={name: _unbuffer(buffer) for name, buffer in value["staging"]},
-        working_set=int(value["working_set"]))
+from ..placement.plan import BlockKey, MemoryPlan
+from ..policy.config import Policy
+from .codec import decode, encode, fields_from_wire, fields_to_wire, op_name, parameter_types
 
 
 @dataclass(frozen=True)
@@ -52,9 +25,9 @@ class HostRequest:
 
     policy: Policy
     plan: MemoryPlan
-    blocks: dict[tuple, tuple[int, int, int]]
-    """Where each DRAM state ((unit, StateKind)) and staging buffer (("staging", name)) lies
-    in the rank's segments: (segment, byte offset, bytes) (TierManager.descriptors)."""
+    blocks: dict[BlockKey, tuple[int, int, int]]
+    """Where each DRAM state and staging buffer lies in the rank's segments: (segment, byte
+    offset, bytes) (TierManager.descriptors)."""
     names: list[str]
     trainable: list[bool]
     ranges: list[tuple[GroupRange, ...]]
@@ -64,48 +37,22 @@ class HostRequest:
     """Whether the trainer keeps a timeline: the host's spans are sent to it (hosting.py)."""
 
     def to_wire(self) -> dict:
-        return {"policy": self.policy.to_dict(), "plan": plan_to_wire(self.plan),
-                "blocks": [[_block_key(key), *where] for key, where in self.blocks.items()],
-                "names": list(self.names),
-                "trainable": list(self.trainable),
-                "ranges": [[[r.start, r.stop, r.group] for r in unit] for unit in self.ranges],
-                "threads": self.threads, "traced": self.traced}
+        return fields_to_wire(self)
 
     def fingerprint(self) -> dict:
         """What a relaunch of the rank must ask for alike to take its kept state over: the
         policy, the plan (and so every unit's size and placement), the units and their param
         groups; not where its memory lies or how many threads it gets."""
-        value = self.to_wire()
-        for key in ("blocks", "threads", "traced"):
-            del value[key]
-        return value
+        return fields_to_wire(self, skip=frozenset({"blocks", "threads", "traced"}))
 
     @classmethod
     def from_wire(cls, value: dict) -> "HostRequest":
-        return cls(Policy.from_dict(value["policy"]), plan_from_wire(value["plan"]),
-                   {_unblock_key(key): (int(segment), int(at), int(nbytes))
-                    for key, segment, at, nbytes in value["blocks"]},
-                   [str(n) for n in value["names"]],
-                   [bool(t) for t in value["trainable"]],
-                   [tuple(GroupRange(int(a), int(b), None if g is None else int(g))
-                          for a, b, g in unit) for unit in value["ranges"]],
-                   int(value["threads"]), bool(value.get("traced", False)))
-
+        return fields_from_wire(cls, value)
 
     @property
     def segment_ids(self) -> list[int]:
         """The segments its blocks lie in."""
         return sorted({segment for segment, _, _ in self.blocks.values()})
-
-
-def _block_key(key: tuple) -> list:
-    first, second = key
-    return ["staging", second] if first == "staging" else [first, second.value]
-
-
-def _unblock_key(value: list) -> tuple:
-    first, second = value
-    return ("staging", str(second)) if first == "staging" else (int(first), StateKind(second))
 
 
 COMMANDS: dict[str, type] = {op_name(kind): kind

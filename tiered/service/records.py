@@ -7,6 +7,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from ..placement.plan import MemoryPlan
+from ..policy.config import Tier
+from .codec import decode
 from .commits import StepCommits
 from .files import RankFiles
 
@@ -130,5 +133,7 @@ class Job:
 
 
 def has_nvme(request: dict) -> bool:
-    """Whether a host request's plan (hostwire.HostRequest.to_wire) has shards on NVMe."""
-    return any(buffer[1] == "nvme" for _, _, buffer in request["plan"]["shards"])
+    """Whether a host request's plan (its wire form: hostwire.HostRequest.fingerprint) has
+    shards on NVMe."""
+    plan = decode(request["plan"], MemoryPlan, "plan")
+    return any(buffer.tier is Tier.NVME for buffer in plan.shards.values())
