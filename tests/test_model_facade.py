@@ -179,6 +179,11 @@ def test_the_models_state_dict_and_load_state_dict_act_on_the_engines_weights(tm
     assert_equal_weights(engine.full_state_dict(), other)
     with pytest.raises(tiered.TieredError, match="assign"):
         model.load_state_dict(other, assign=True)
+    loss = lm_loss(engine, 4)  # its backward would use the weights it was computed with
+    with pytest.raises(tiered.TieredError, match="in a step's awaiting backward phase"):
+        model.load_state_dict(other)
+    loss.backward()
+    model.load_state_dict(other)  # once the backward ended, the weights may change
     with torch.no_grad():
         reference.load_state_dict(other)
         torch.testing.assert_close(engine(batch(5)), reference(batch(5)), rtol=1e-5, atol=1e-6)

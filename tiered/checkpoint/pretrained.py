@@ -326,12 +326,6 @@ def load(engine, weights, strict: bool) -> LoadResult:
     if engine.closed:
         raise TieredError("this engine is closed; its weights were freed by close()")
     engine.optimizer.synchronize()
-    if runtime.prefetcher.iteration_running:
-        raise CheckpointError(
-            "cannot load weights between a forward run with grad enabled and its backward "
-            "(the backward would use the old weights' activations), nor after such a forward "
-            "raised: load before the forward or after the backward, and run forwards that "
-            "have no backward under torch.no_grad()")
     if runtime.stepped_on_arrival:
         raise CheckpointError(
             "cannot load weights between the step's last backward and optimizer.step(): its "

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import checkpoint, export, pretrained
+from ..checkpoint.format import CheckpointError
 from ..core import progress
 from ..core.errors import TieredError
 from ..ops.tiled_linear import merge_tiles, tile_large_linears, tiled_layers, untile
@@ -42,6 +43,7 @@ from .optimizer import TieredAdamW
 from .runtime import UnitRuntime
 from .setup import (compute_device, rank_timeline, ranks_on_this_node, service_source,
                     warn_unmatched)
+from .step_state import Phase
 
 LAUNCHED_ENV = "TIERED_LAUNCHED"
 """Set by ``tiered-launch`` in each rank's environment."""
@@ -303,6 +305,7 @@ class TieredEngine:
             raise TieredError("load_state_dict(assign=True) would make the given tensors the "
                               "parameters; the engine's weights live in its tiers, so a load "
                               "copies into them: call it without assign")
+        self._refuse_load_mid_iteration()
         return pretrained.load(self, state_dict, strict)
 
     def load_pretrained(self, path: str, strict: bool = True) -> pretrained.LoadResult:
@@ -310,7 +313,17 @@ class TieredEngine:
         writes it (or as Hugging Face publishes: ``model.safetensors``, or shards listed by
         ``model.safetensors.index.json``), or one ``.safetensors`` file. Each rank reads only
         its shards' bytes. Call it on every rank."""
+        self._refuse_load_mid_iteration()
         return pretrained.load(self, path, strict)
+
+    def _refuse_load_mid_iteration(self) -> None:
+        phase = self.runtime.step_state.phase
+        if phase is not Phase.IDLE:
+            raise CheckpointError(
+                f"cannot load weights in a step's {phase.value} phase, between a forward run "
+                f"with grad enabled and its backward's end (the backward would use the old "
+                f"weights' activations): load before the forward or after the backward, and run "
+                f"forwards that have no backward under torch.no_grad()")
 
     def _refuse_if_closed(self) -> None:
         """Every call that reads or moves the tiers' state refuses by name after ``close()``:

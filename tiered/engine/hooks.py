@@ -130,6 +130,7 @@ class UnitHooks:
         while self._saved_hooks:
             self._saved_hooks.pop().__exit__(None, None, None)
         self.state.abandon_forward()
+        self.runtime.end_iteration()  # no backward will come for what it gathered
         self._counter = None
         self._inner_skipped.clear()
 

@@ -48,12 +48,6 @@ class Prefetcher:
         return list(self._recording)
 
     @property
-    def iteration_running(self) -> bool:
-        """Whether units were needed since the last iteration ended: a forward with grad
-        enabled whose backward has not ended, or a forward or backward under way."""
-        return bool(self._recording)
-
-    @property
     def ahead_bytes(self) -> int:
         return sum(self.ahead.values())
 
