@@ -542,7 +542,7 @@ def initialize(model: nn.Module, policy=None, *, weights=None, strict: bool = Tr
     return engine, optimizer
 
 
-def _shut_down(runtime: UnitRuntime, clean: bool = False) -> None:
+def _shut_down(runtime: UnitRuntime, clean: bool = False) -> bool:
     """Free what the engine holds: at ``close()`` (``clean`` when its update ended well: a
     service then frees this rank's part of the job at once, see SlabSource.close), when the
     engine is collected, or at exit.
@@ -551,10 +551,13 @@ def _shut_down(runtime: UnitRuntime, clean: bool = False) -> None:
     ``optimizer.step()``, which returns while the update runs, and a worker thread stopped by
     the interpreter's exit inside the compiled kernel aborts the process ("terminate called
     without an active exception", 2 exits in 3 here); the timeline is written then too.
+
+    Returns whether the last update failed with nothing left to raise it (the script had
+    ended): said here on standard error; the process's exit status is its caller's to set.
     """
     runtime.worker.close()
-    if runtime.worker.failed and not runtime.worker.failure_reported:
-        # At exit nothing can raise it any more; say it rather than end as if all went well.
+    unreported = runtime.worker.failed and not runtime.worker.failure_reported
+    if unreported:
         print(f"tiered: the CPU worker failed in the last update, which did not complete: "
               f"{runtime.worker.error}", file=sys.stderr)
     if runtime.readahead is not None:
@@ -567,3 +570,4 @@ def _shut_down(runtime: UnitRuntime, clean: bool = False) -> None:
     # tier's, and the model's attributes would keep it as long as the model lives.
     runtime.gatherer.release_all()
     runtime.manager.close(clean)
+    return unreported

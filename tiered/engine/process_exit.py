@@ -34,14 +34,19 @@ def init_distributed(device: torch.device) -> None:
 def _leave_group() -> None:
     """At exit: every engine's worker first finishes its update, whose gradient norm may still
     be an all-reduce over the group's ranks, then the group goes."""
-    _shut_down_engines()
+    shut_down_engines()
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
-def _shut_down_engines() -> None:
+def shut_down_engines() -> bool:
+    """Shut every live engine down; whether one's last update failed with nothing left to
+    raise it. Python runs this at exit, where nothing can change the exit status any more;
+    tiered-launch's ranks run it as their script ends, and exit 1 on a failure."""
+    failed = False
     for engine in list(_engines):
-        engine._finalizer()
+        failed |= bool(engine._finalizer())  # None: shut down already
+    return failed
 
 
 _shutdown_registered = False
@@ -65,9 +70,9 @@ def _shut_down_before_thread_pools_stop() -> None:
         return
     register = getattr(threading, "_register_atexit", atexit.register)
     try:
-        register(_shut_down_engines)
+        register(shut_down_engines)
     except RuntimeError:  # the interpreter is already shutting down: atexit still runs
-        atexit.register(_shut_down_engines)
+        atexit.register(shut_down_engines)
     _shutdown_registered = True
 
 

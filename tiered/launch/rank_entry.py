@@ -126,7 +126,9 @@ def main(argv: list[str]) -> None:
                 run_target(mode, target, args)
         finally:
             _script_running = False
-    except SystemExit:
+    except SystemExit as done:
+        if done.code in (None, 0) and _last_update_failed():
+            sys.exit(1)
         raise
     except BaseException as error:
         if _stopped_by is None and _caused_by_a_peer(error):
@@ -141,6 +143,16 @@ def main(argv: list[str]) -> None:
         print(f"tiered rank {os.environ.get('RANK', '?')}: error: {error} ({TRACEBACK_ENV}=1 "
               f"shows where)", file=sys.stderr)
         sys.exit(1)
+    if _last_update_failed():
+        sys.exit(1)
+
+
+def _last_update_failed() -> bool:
+    """Shut the script's engines down now, while the exit status can still say how their last
+    update ended (at exit, Python would, and end 0 whatever it said: engine/process_exit.py).
+    A script that never imported tiered has none."""
+    process_exit = sys.modules.get("tiered.engine.process_exit")
+    return process_exit is not None and process_exit.shut_down_engines()
 
 
 def _ordering_checked():
