@@ -1,6 +1,6 @@
 """Progress of the long phases: initialize's building of units (materializing, reading
 pretrained weights), pinning DRAM and building kernels; ``tiered node``'s measurements; ``tiered
-plan``'s counting. A setup that took minutes used to say nothing until it was done.
+plan``'s counting: a setup of minutes should not be silent until it is done.
 
 On rank 0 only (every rank does the same work; one speaks for them), on standard error: tqdm's
 bar on a terminal, plain lines otherwise (a log file, CI, a launcher's pipe), where a bar's

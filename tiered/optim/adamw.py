@@ -200,7 +200,7 @@ def one_pass_for(compute_dtype: torch.dtype, grad_dtypes: set[torch.dtype],
     ``None`` where torch's fused kernel serves (fp32 keeps it, bit for bit, as does a GPU).
 
     Returns once compiled, a variant per gradient dtype in ``grad_dtypes``: a cold compile took
-    about a minute on the reference box, which the first step used to pay (53 s). Before the DRAM
+    about a minute on the reference box, which the first step would otherwise pay. Before the DRAM
     tier pins its slabs: a ``fork()`` of a process holding 16 GiB pinned took 11 s there (Linux
     copies DMA-pinned pages into the child); the compiler's children measured no slower, since
     ``subprocess`` does not copy the parent's memory, but nothing depends on that.

@@ -397,8 +397,8 @@ class Policy:
     Built in code, its fields take the enums and section classes (``ComputeDtype.FP32``,
     ``ParamsPolicy(Tier.NVME)``); plain values as YAML has them (``"fp32"``, ``{"tier":
     "nvme"}``) go through :meth:`from_dict`. A plain value given here is refused with a
-    PolicyError that names the field and the ``from_dict`` call taking it, not converted: it
-    used to fail later, deep in the engine (``'str' object has no attribute 'torch_dtype'``).
+    PolicyError that names the field and the ``from_dict`` call taking it, not converted: taken,
+    it would fail later, deep in the engine (``'str' object has no attribute 'torch_dtype'``).
     """
 
     compute_dtype: ComputeDtype = ComputeDtype.AUTO

@@ -61,7 +61,7 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     except FileNotFoundError:
         raise PolicyError(f"policy file {path} does not exist") from None
     except UnicodeDecodeError as e:
-        # A binary or non-UTF-8 file used to escape as a bare UnicodeDecodeError traceback.
+        # Named here: a bare UnicodeDecodeError would say neither the file nor what it lacks.
         raise PolicyError(f"policy file {path}: not UTF-8 text (byte {e.start}: "
                           f"{e.reason})") from None
     except OSError as e:

@@ -14,7 +14,7 @@ message came malformed, or a send failed. Then every future still waiting fails 
 :class:`ServiceLost`, which names the service's socket and pid, the handlers given to
 ``on_lost`` run, and every later ``call`` or ``post`` raises it at once. Nothing waits for an
 answer that cannot come, whichever thread is waiting and whatever it waits in (a rank's exit
-used to hang in its host's last round trip when the service died during it). Closing a channel
+waits in its host's last round trip, which the service may die during). Closing a channel
 here ends it the same way, as closed by this side.
 """
 from __future__ import annotations
