@@ -44,8 +44,8 @@ stage() {  # stage NAME SECONDS COMMAND...: run it, log it, record its status an
 
 pytest=(python3 -m pytest -q -p no:cacheprovider)
 stage tests 130 "${pytest[@]}" -m gpu tests
-stage kernels 45 "${pytest[@]}" tests/test_kernels_isa.py -k "not two_ranks"
-stage sanitizer 60 env TORCH_CUDA_SANITIZER=1 "${pytest[@]}" tests/test_gpu.py \
+stage kernels 45 "${pytest[@]}" tests/optim/test_kernels_isa.py -k "not two_ranks"
+stage sanitizer 60 env TORCH_CUDA_SANITIZER=1 "${pytest[@]}" tests/device/test_gpu.py \
     -k "fp32_matches_pytorch or bf16_matches_autocast"
 mkdir -p "$out/nvme"
 stage node 40 python3 -m tiered.launch.cli node --json --remeasure --nvme "$out/nvme"

@@ -19,7 +19,7 @@ nvme=${TIERED_NVME:-/tmp/tiered-nvme}
 case $stage in
 tests)
     { python -m pytest -q -p no:cacheprovider -m gpu tests \
-        && python -m pytest -q -p no:cacheprovider tests/test_adamw.py; } 2>&1 \
+        && python -m pytest -q -p no:cacheprovider tests/optim/test_adamw.py; } 2>&1 \
         | tee "$out/tests.log" ;;
 offload)  # issue 3: batch 4 and 8, DPU off and on, beside the GPU-resident and FSDP2 baselines
     python bench/bench_offload.py --batches 4,8 --steps 7 --warmup 3 --trace "$out" \

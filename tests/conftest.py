@@ -6,9 +6,10 @@ import warnings
 import pytest
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-# The GPT of the example is the model most tests train.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "examples"))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+# The shared helpers, for the tests in every folder below; the GPT of the example, the model
+# most tests train.
+sys.path[:0] = [TESTS, os.path.join(os.path.dirname(TESTS), "examples")]
 
 
 def pytest_collection_modifyitems(config, items):

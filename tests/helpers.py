@@ -32,7 +32,7 @@ SMALL = ["--dim", "32", "--layers", "2", "--heads", "2", "--vocab", "64", "--seq
 def left_behind(nvme) -> list[str]:
     """What is in the NVMe folder ``nvme`` other than the folders of failed jobs that the
     session's service keeps (they are the jobs' state, removed with it at its keep time:
-    tests/test_service_parity.py, test_reattach.py)."""
+    tests/service/test_service_parity.py, test_reattach.py)."""
     from tiered.service import ServiceError, service_status
     from tiered.service.paths import RUNTIME_ENV
 

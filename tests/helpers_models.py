@@ -106,7 +106,7 @@ ENLARGED_ULP_BOUND = OPTIM["lr"] / 100
 # an AVX2 CPU, with each kernel of ours giving the same bits. So a parity test against
 # PyTorch holds every element to rtol 1e-5 / atol 1e-6 but at most one in a thousand (at least
 # one a tensor), and those to 1/100 of the rate: fourteen times the worst seen. A wrong rule
-# moves most elements past the tolerance (tests/test_parity.py plants three: decay dropped,
+# moves most elements past the tolerance (tests/engine/test_parity.py plants three: decay dropped,
 # the default betas, amsgrad's maximum move 99.8%, 99.3% and 91% of them); comparisons of the
 # product with itself (resume, reattach, NVMe against DRAM) stay bit for bit.
 

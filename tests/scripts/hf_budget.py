@@ -1,5 +1,5 @@
 """``load_model`` of a checkpoint folder larger than the DRAM budget, fine-tuned by TieredTrainer
-under the NVMe policy; run by tests/test_hf_launch.py in a process of its own, so that its
+under the NVMe policy; run by tests/integrations/test_hf_launch.py in a process of its own, so that its
 resident memory is the run's.
 
     python tests/scripts/hf_budget.py FOLDER NVME DRAM_BYTES OUT.json

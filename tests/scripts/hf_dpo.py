@@ -1,4 +1,4 @@
-"""trl's DPOTrainer through TieredTrainerMixin under ``tiered-launch``; run by tests/test_dpo.py.
+"""trl's DPOTrainer through TieredTrainerMixin under ``tiered-launch``; run by tests/integrations/test_dpo.py.
 
     tiered-launch --policy configs/cpu.yaml --job J tests/scripts/hf_dpo.py OUT_DIR
 

@@ -1,4 +1,4 @@
-"""TieredTrainer under ``tiered-launch``; run by tests/test_hf_launch.py.
+"""TieredTrainer under ``tiered-launch``; run by tests/integrations/test_hf_launch.py.
 
     tiered-launch --nvme DIR --policy configs/nvme.yaml --nproc-per-node 2 \
         tests/scripts/hf_train.py OUT_DIR

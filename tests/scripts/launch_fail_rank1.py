@@ -1,5 +1,5 @@
 """Rank 1 fails after ``tiered.initialize`` while rank 0 is still running; run by
-tests/test_launch.py under ``tiered-launch --nproc-per-node 2``.
+tests/launch/test_launch.py under ``tiered-launch --nproc-per-node 2``.
 
     tiered-launch --nproc-per-node 2 --policy P.yaml --nvme DIR tests/scripts/launch_fail_rank1.py
 

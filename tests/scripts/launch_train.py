@@ -1,4 +1,4 @@
-"""Trains a small GPT for a few steps under ``tiered-launch``; run by tests/test_launch.py.
+"""Trains a small GPT for a few steps under ``tiered-launch``; run by tests/launch/test_launch.py.
 
     tiered-launch --policy P.yaml [--nproc-per-node N] tests/scripts/launch_train.py OUT_DIR [GO]
 
@@ -26,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples"))
 from gpt import GPT, next_token_loss  # noqa: E402
 
-# Shared with the single-process reference in tests/test_launch.py.
+# Shared with the single-process reference in tests/launch/test_launch.py.
 VOCAB, DIM, LAYERS, HEADS, SEQ = 64, 32, 2, 4, 16
 BATCH, STEPS, SEED = 8, 3, 0
 

@@ -1,5 +1,5 @@
 """Trains a small model through the node's service and SIGKILLs itself where it is told; run by
-tests/test_reattach.py.
+tests/service/test_reattach.py.
 
     python reattach_train.py OUT CASE [POINT STEP]
 

@@ -1,7 +1,7 @@
 """Trains a step through the node's service, says so on stdout, and waits for a line on stdin
 (the test kills the service meanwhile, or stops it); then, as argv[1] says, trains another step
 and closes its engine (``train``), closes it (``close``), or ends without closing it (``exit``:
-the engine is shut down at the interpreter's exit). Run by tests/test_service_loss.py, under
+the engine is shut down at the interpreter's exit). Run by tests/service/test_service_loss.py, under
 tiered/launch/rank_entry.py as tiered-launch runs a rank."""
 import sys
 

@@ -1,6 +1,6 @@
 """Two engines open at once in each rank's process (a DPO reference model beside its policy, a
 notebook that builds again before closing), under ``tiered-launch``; run by
-tests/test_service_launch.py.
+tests/service/test_service_launch.py.
 
     tiered-launch --policy P.yaml [--nproc-per-node N] tests/scripts/two_engines.py OUT_DIR
 

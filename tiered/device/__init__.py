@@ -7,7 +7,7 @@ and ordering rules over CPU tensors, checked on every operator), so that every b
 takes runs, and is checked, where there is no GPU. ``TIERED_DEVICE=sim`` chooses it.
 
 [Note: what the simulated device does not run]
-Under ``TIERED_DEVICE=sim`` the engine takes a GPU's branches (tests/test_sim_engine.py) and
+Under ``TIERED_DEVICE=sim`` the engine takes a GPU's branches (tests/device/test_sim_engine.py) and
 the simulator checks every operator of the training thread. What stays CUDA's alone, and what
 covers it instead:
 - ``CudaAccelerator.register_host_memory`` (cudaHostRegister: the driver's, nothing to
@@ -15,15 +15,15 @@ covers it instead:
 - The CPU worker's own thread is not tracked: the CPU plays device and host memory at once,
   and only what the tiers register tells them apart, which the worker's temporaries are not.
   Its device work is ordered by ``synchronize()`` waiting on its stream
-  (tests/test_service_streams.py, on the simulator by hand) and its reads of landed gradients
+  (tests/service/test_service_streams.py, on the simulator by hand) and its reads of landed gradients
   by ``wait_for``; the box's sanitizer stage (bench/gpu_check.sh) checks both on a GPU.
 - Timing: the step probe's and the timeline's device events (``enable_timing``), and the
   re-plan's predicted step, which needs the node's PCIe rates (``tiered node`` on a GPU); the
-  simulator's events carry no time. tests/test_gpu.py's re-plan test runs them.
+  simulator's events carry no time. tests/device/test_gpu.py's re-plan test runs them.
 - Memory statistics (``max_memory_allocated``, the device's capacity): the CPU's allocator
   keeps none; the simulated device answers None as the CPU does.
 - NCCL, device selection from LOCAL_RANK, CUDA's RNG state in checkpoints, and the one copy
-  each way of weights built on a GPU (engine/build.py): tests/test_gpu.py,
+  each way of weights built on a GPU (engine/build.py): tests/device/test_gpu.py,
   test_resume_rng.py's cuda case and test_pretrained.py's ``test_weights_into_states_on_cuda``.
 """
 from __future__ import annotations

@@ -31,7 +31,7 @@ quarter of bf16's and a twentieth of a code's; a weight's update can be a hundre
 step (lr 1e-6), so it has 16.
 
 ``reference_step`` is the native kernel's (adamw_compact.c) specification, in PyTorch: the two
-agree bit for bit (tests/test_compact.py), and ``compact_step`` runs it where the kernel is not
+agree bit for bit (tests/optim/test_compact.py), and ``compact_step`` runs it where the kernel is not
 (a GPU's tensors, no C compiler).
 """
 from __future__ import annotations

@@ -51,7 +51,7 @@ INSTRUCTION_SETS = {
 """What each build targets: ``native`` this CPU (the default), the others a level of x86-64
 that any CPU of it runs: SSE2 only (the C loop as the compiler vectorizes it for any x86-64),
 AVX2 (the same loop, 8 lanes), AVX-512 (the loop of intrinsics). They give the same bits
-(tests/test_kernels_isa.py), so that a run's results do not depend on the CPU it lands on."""
+(tests/optim/test_kernels_isa.py), so that a run's results do not depend on the CPU it lands on."""
 ISA_ENV = "TIERED_KERNEL_ISA"
 """Names the instruction set the kernels are built for (see INSTRUCTION_SETS): a CPU's paths
 tested on another that has them all (CI runs the AVX2 and portable ones on any CPU)."""
