@@ -18,26 +18,11 @@ import tiered
 
 from distributed import run_ranks
 from helpers import REPO, assert_same, mounted, refused
-from helpers_checkpoint import copy_of, small_engine, train_small, two_checkpoints
+from helpers_checkpoint import copy_of, small_engine, train_small
 
 TESTS = os.path.join(REPO, "tests")
 EXAMPLES = os.path.join(REPO, "examples")
 LOCK = ".owner.lock"
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """A folder with 'zeta' saved after one step and 'alpha' after two (so the names' order
-    is not the steps'), and the states they hold."""
-    return two_checkpoints(tmp_path_factory.mktemp("saved") / "ck")
-
-
-@pytest.fixture(scope="module")
-def engine():
-    """One engine for the refusals: a refused load changes nothing, which each checks."""
-    engine, _ = small_engine()
-    yield engine
-    engine.close()
 
 
 # --- item 1 and 8: one job per folder; what a killed job staged -----------------------------

@@ -18,25 +18,10 @@ import tiered
 
 from distributed import run_ranks
 from helpers import EXAMPLE, REPO, SMALL, assert_same, refused
-from helpers_checkpoint import copy_of, small_engine, train_small, two_checkpoints
+from helpers_checkpoint import copy_of, small_engine, train_small
 
 LOCK = ".owner.lock"
 RANK0 = "rank00000.safetensors"
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """'zeta' saved after one step and 'alpha' after two (the names' order is not the steps'),
-    and the states they hold."""
-    return two_checkpoints(tmp_path_factory.mktemp("saved") / "ck")
-
-
-@pytest.fixture(scope="module")
-def engine():
-    """One engine for the loads: a refused one changes nothing, which each checks."""
-    engine, _ = small_engine()
-    yield engine
-    engine.close()
 
 
 def _cut_short(path):
