@@ -413,26 +413,24 @@ def _precision(dtype: str) -> Callable:
     return enabled
 
 
-def _master_bf16(reader: Reader, key: str, value: Any) -> None:
-    if reader.parse(key, value, as_bool) is True:
-        reader.set(key, value, "optimizer.master", "bf16",
-                   "the bf16 weights are the master, updated with stochastic rounding")
-    elif value is False:
-        reader.note(key, value, Fate.IGNORED, "fp32 master weights, tiered's default")
-
-
-def _states_bf16(reader: Reader, key: str, value: Any) -> None:
-    if reader.parse(key, value, as_bool) is True:
-        reader.set(key, value, "optimizer.moments", "bf16",
-                   "stochastically rounded; computed in fp32")
-    elif value is False:
-        reader.note(key, value, Fate.IGNORED, "fp32 moments, tiered's default")
+def _bf16_state(policy_key: str, how: str, default: str) -> Callable:
+    """A bf16 flag of DeepSpeed's for one kind of optimizer state: true keeps it in bf16 as
+    ``policy_key`` says (``how``: what that means here), false is tiered's ``default``."""
+    def handle(reader: Reader, key: str, value: Any) -> None:
+        if reader.parse(key, value, as_bool) is True:
+            reader.set(key, value, policy_key, "bf16", how)
+        elif value is False:
+            reader.note(key, value, Fate.IGNORED, f"{default}, tiered's default")
+    return handle
 
 
 BF16 = {
     "enabled": _precision("bf16"),
-    "bf16_master_weights_and_grads": _master_bf16,
-    "bf16_optimizer_states": _states_bf16,
+    "bf16_master_weights_and_grads": _bf16_state(
+        "optimizer.master", "the bf16 weights are the master, updated with stochastic rounding",
+        "fp32 master weights"),
+    "bf16_optimizer_states": _bf16_state(
+        "optimizer.moments", "stochastically rounded; computed in fp32", "fp32 moments"),
     "immediate_grad_update": _ignored("tiered adds each gradient into its grads tier as it "
                                       "arrives"),
     "check_grad_overflow": _ignored("bf16 needs no loss scale; the update sees any inf"),
