@@ -15,7 +15,7 @@ import tiered
 
 from gpt import next_token_loss
 from helpers import REPO
-from helpers_models import BATCH, OPTIM, make_model
+from helpers_models import OPTIM, make_model
 
 
 def engine_for(policy: str, nvme: str, delayed: bool = False):
@@ -24,18 +24,6 @@ def engine_for(policy: str, nvme: str, delayed: bool = False):
         device="cpu", nvme={"path": nvme},
         optimizer=dict(OPTIM, max_grad_norm=0.5,
                        delayed_update={"enabled": delayed, "warmup_steps": 1}))
-
-
-def train(engine, optimizer, batches, rank: int = 0, world: int = 1) -> list[float]:
-    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
-    losses = []
-    for idx in batches:
-        loss = next_token_loss(engine(idx[rows]), idx[rows])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def gpt_engine(**optimizer):

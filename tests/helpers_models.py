@@ -71,6 +71,20 @@ def run_engine(engine, optimizer, scheduler=None, steps: slice = slice(None), ra
     return engine.full_state_dict()
 
 
+def train_batches(engine, optimizer, batches, rank: int = 0, world: int = 1) -> list[float]:
+    """A step a batch of ``batches`` (token_batches), this rank's rows of each (DDP's split);
+    the losses."""
+    rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+    losses = []
+    for idx in batches:
+        loss = next_token_loss(engine(idx[rows]), idx[rows])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def train_torch(model, optimizer, max_grad_norm: float | None = None, scheduler=None,
                 device: str = "cpu", steps: slice = slice(None)) -> dict:
     """The PyTorch side of the parity tests: MICRO micro-batches a step, clipping, then the

@@ -16,8 +16,9 @@ import tiered
 from distributed import run_ranks
 from gpt import next_token_loss
 from helpers import REPO, mounted
-from helpers_checkpoint import engine_for, train
-from helpers_models import OPTIM, assert_parity, ddp_gradients, make_model, token_batches
+from helpers_checkpoint import engine_for
+from helpers_models import (OPTIM, assert_parity, ddp_gradients, make_model, token_batches,
+                            train_batches)
 
 SCENARIOS = [(policy, delayed) for policy in ("cpu", "nvme") for delayed in (False, True)]
 
@@ -27,12 +28,12 @@ def resume_scenario(policy: str, delayed: bool, folder: str, rank: int = 0, worl
     and final weights."""
     engine, optimizer = engine_for(policy, folder, delayed)
     batches = token_batches(6)
-    train(engine, optimizer, batches[:3], rank, world)
+    train_batches(engine, optimizer, batches[:3], rank, world)
     engine.save_checkpoint(os.path.join(folder, "ckpt"), f"{policy}-{delayed}")
-    first = train(engine, optimizer, batches[3:], rank, world)
+    first = train_batches(engine, optimizer, batches[3:], rank, world)
     first_state = engine.full_state_dict()
     engine.load_checkpoint(os.path.join(folder, "ckpt"))
-    second = train(engine, optimizer, batches[3:], rank, world)
+    second = train_batches(engine, optimizer, batches[3:], rank, world)
     second_state = engine.full_state_dict()
     engine.close()
     return first, first_state, second, second_state
@@ -63,7 +64,7 @@ def test_resume_is_exact_two_ranks(tmp_path):
 
 def _train_and_save(rank: int, world: int, folder: str, policy: str, steps: int) -> None:
     engine, optimizer = engine_for(policy, folder)
-    train(engine, optimizer, token_batches(steps), rank, world)
+    train_batches(engine, optimizer, token_batches(steps), rank, world)
     engine.save_checkpoint(os.path.join(folder, "ckpt"), "saved")
     torch.save(engine.full_state_dict(), os.path.join(folder, f"saved{rank}.pt"))
     engine.close()
@@ -73,7 +74,7 @@ def _load_and_train(rank: int, world: int, folder: str, policy: str, steps: int)
     engine, optimizer = engine_for(policy, folder)
     engine.load_checkpoint(os.path.join(folder, "ckpt"))
     loaded = engine.full_state_dict()
-    train(engine, optimizer, token_batches(steps)[-2:], rank, world)
+    train_batches(engine, optimizer, token_batches(steps)[-2:], rank, world)
     torch.save((loaded, engine.full_state_dict()), os.path.join(folder, f"loaded{rank}.pt"))
     engine.close()
 
@@ -81,7 +82,7 @@ def _load_and_train(rank: int, world: int, folder: str, policy: str, steps: int)
 def continuous(steps: int) -> dict:
     """The same training without a save, at one rank: what a resume at one rank must match."""
     engine, optimizer = engine_for("cpu", "/tmp")
-    train(engine, optimizer, token_batches(steps))
+    train_batches(engine, optimizer, token_batches(steps))
     state = engine.full_state_dict()
     engine.close()
     return state
@@ -137,7 +138,7 @@ def test_loading_under_another_policy_continues_exactly(saved, loaded, tmp_path)
 
 def saved_checkpoint(tmp_path):
     engine, optimizer = engine_for("cpu", str(tmp_path))
-    train(engine, optimizer, token_batches(2))
+    train_batches(engine, optimizer, token_batches(2))
     folder = engine.save_checkpoint(str(tmp_path / "ckpt"), "good")
     return engine, optimizer, folder
 
@@ -145,7 +146,7 @@ def saved_checkpoint(tmp_path):
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_a_damaged_file_fails_by_name_and_loads_nothing(damage, tmp_path):
     engine, optimizer, folder = saved_checkpoint(tmp_path)
-    train(engine, optimizer, token_batches(3)[2:])  # the engine moves on from the checkpoint
+    train_batches(engine, optimizer, token_batches(3)[2:])  # the engine moves on from the checkpoint
     before = engine.full_state_dict()
     path = os.path.join(folder, "rank00000.safetensors")
     data = bytearray(open(path, "rb").read())
@@ -181,10 +182,10 @@ def test_a_full_disk_during_save_keeps_the_previous_checkpoint(tmp_path):
     disk = tmp_path / "disk"
     with mounted(tmp_path, "tmpfs", "size=2m", name=disk.name):
         engine, optimizer = engine_for("cpu", str(tmp_path))
-        train(engine, optimizer, token_batches(2))
+        train_batches(engine, optimizer, token_batches(2))
         engine.save_checkpoint(str(disk), "first")
         good = engine.full_state_dict()
-        train(engine, optimizer, token_batches(3)[2:])
+        train_batches(engine, optimizer, token_batches(3)[2:])
         free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
         (disk / "filler").write_bytes(b"\0" * (free - 20_000))  # no room for another one
         with pytest.raises(tiered.CheckpointError, match="cannot write .*No space left"):
@@ -202,13 +203,13 @@ import os, sys, time
 sys.path[:0] = [{tests!r}, {examples!r}]
 import torch, tiered
 from tiered.checkpoint import format as fmt
-from helpers_checkpoint import engine_for, train
-from helpers_models import token_batches
+from helpers_checkpoint import engine_for
+from helpers_models import token_batches, train_batches
 engine, optimizer = engine_for("cpu", {folder!r})
-train(engine, optimizer, token_batches(2))
+train_batches(engine, optimizer, token_batches(2))
 engine.save_checkpoint({ckpt!r}, "first")
 torch.save(engine.full_state_dict(), {first!r})
-train(engine, optimizer, token_batches(3)[2:])
+train_batches(engine, optimizer, token_batches(3)[2:])
 write = fmt.Writer.write
 def slow_write(self, tensor):  # the save crawls, so the parent's SIGKILL lands inside it
     time.sleep(0.05)
@@ -249,7 +250,7 @@ def test_killed_in_the_middle_of_a_save_the_previous_checkpoint_loads(tmp_path):
 def test_exported_safetensors_load_into_the_plain_model(tmp_path):
     safetensors = pytest.importorskip("safetensors.torch")
     engine, optimizer = engine_for("nvme", str(tmp_path))
-    train(engine, optimizer, token_batches(2))
+    train_batches(engine, optimizer, token_batches(2))
     files = engine.save_pretrained(str(tmp_path / "export"), max_shard_bytes=16 << 10)
     assert len(files) > 1
     index = json.loads((tmp_path / "export" / "model.safetensors.index.json").read_text())
@@ -268,10 +269,10 @@ def test_exported_safetensors_load_into_the_plain_model(tmp_path):
 
 def test_loading_right_after_a_delayed_step_waits_for_its_update(tmp_path):
     engine, optimizer = engine_for("nvme", str(tmp_path), delayed=True)
-    train(engine, optimizer, token_batches(3))
+    train_batches(engine, optimizer, token_batches(3))
     engine.save_checkpoint(str(tmp_path / "ckpt"), "saved")
     saved = engine.full_state_dict()
-    train(engine, optimizer, token_batches(5)[3:])  # the last update is still running
+    train_batches(engine, optimizer, token_batches(5)[3:])  # the last update is still running
     engine.load_checkpoint(str(tmp_path / "ckpt"))
     loaded = engine.full_state_dict()
     assert all(torch.equal(saved[k], loaded[k]) for k in saved), "the update wrote over the load"
@@ -355,7 +356,7 @@ def test_saving_a_tag_again_survives_a_crash_between_the_renames(tmp_path, monke
 
     engine, optimizer, folder = saved_checkpoint(tmp_path)
     good = engine.full_state_dict()
-    train(engine, optimizer, token_batches(3)[2:])
+    train_batches(engine, optimizer, token_batches(3)[2:])
     rename = os.rename
 
     def crash_on_publish(src, dst):
@@ -424,9 +425,9 @@ def test_export_of_a_model_that_is_a_tiled_layer(tmp_path):
 
 def _damaged_rank_load(rank: int, world: int, folder: str) -> None:
     engine, optimizer = engine_for("cpu", folder)
-    train(engine, optimizer, token_batches(2), rank, world)
+    train_batches(engine, optimizer, token_batches(2), rank, world)
     engine.save_checkpoint(os.path.join(folder, "ckpt"), "two")
-    train(engine, optimizer, token_batches(3)[2:], rank, world)
+    train_batches(engine, optimizer, token_batches(3)[2:], rank, world)
     before = engine.full_state_dict()
     engine.runtime.group.barrier()
     if rank == 1:  # only rank 1's file is damaged
@@ -458,7 +459,7 @@ def _commit_fails_on_rank0(rank: int, world: int, folder: str) -> None:
     from tiered.checkpoint import checkpoint as ckpt_module
 
     engine, optimizer = engine_for("cpu", folder)
-    train(engine, optimizer, token_batches(2), rank, world)
+    train_batches(engine, optimizer, token_batches(2), rank, world)
     if rank == 0:
         def full_disk(*args):
             raise OSError(28, "No space left on device")

@@ -27,7 +27,7 @@ import tiered
 
 from gpt import next_token_loss
 from helpers import CONFIGS, EXAMPLE, REPO, SMALL, clean_env, finish, left_behind
-from helpers_models import OPTIM, make_model, token_batches
+from helpers_models import OPTIM, make_model, token_batches, train_batches
 
 TORCH_LOG_LINE = re.compile(r"^[DIWEF]\d{4} \d\d:\d\d:\d\d\.\d+ .*\n", re.MULTILINE)
 STOPS = ("SIGKILL", "SIGHUP", "SIGINT")
@@ -204,13 +204,6 @@ def test_checkpoint_folder_that_is_a_file_is_refused_before_training(refused_exa
 
 # -- what steps_taken counts -------------------------------------------------------------------
 
-def train(engine, optimizer, batches) -> None:
-    for idx in batches:
-        next_token_loss(engine(idx), idx).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-
-
 @pytest.mark.parametrize("optimizer_keys", [
     {}, {"accumulation_steps": 1}, {"delayed_update": {"enabled": True, "warmup_steps": 1}},
 ], ids=["plain", "accumulation", "delayed"])
@@ -223,19 +216,19 @@ def test_a_step_without_backward_counts_as_a_call_and_resumes_exactly(tmp_path, 
         make_model(), str(CONFIGS / "cpu.yaml"), compute_dtype="fp32", device="cpu",
         optimizer=dict(OPTIM, **optimizer_keys))
     batches = token_batches(5)
-    train(engine, optimizer, batches[:2])
+    train_batches(engine, optimizer, batches[:2])
     unit_steps = optimizer.checkpoint_state()["unit_steps"]
     optimizer.step()  # no backward since the loop's zero_grad()
     assert optimizer.steps_taken == 3
     assert optimizer.checkpoint_state()["unit_steps"] == unit_steps == [2.0] * len(unit_steps)
     tag = os.path.basename(engine.save_checkpoint(str(tmp_path / "ck")))
     assert tag == "step00000003"
-    train(engine, optimizer, batches[2:])
+    train_batches(engine, optimizer, batches[2:])
     went_on = engine.full_state_dict()
     assert optimizer.steps_taken == 6
     engine.load_checkpoint(str(tmp_path / "ck"))
     assert optimizer.steps_taken == 3
-    train(engine, optimizer, batches[2:])
+    train_batches(engine, optimizer, batches[2:])
     resumed = engine.full_state_dict()
     assert optimizer.steps_taken == 6
     engine.close()
