@@ -56,10 +56,6 @@ def map_segment(fd: int, nbytes: int, populate: bool = False) -> torch.Tensor:
     return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
-def segment_size(fd: int) -> int:
-    return os.fstat(fd).st_size
-
-
 class SpareSegments:
     """Segments of jobs that ended, kept for the next reservations of their size: the warm
     start. A segment is made by zeroing every page of it (``fallocate``, 0.3 s per GB here); a
