@@ -23,8 +23,8 @@ from finetune_hf import char_tokenizer, library_text, token_rows  # noqa: E402  
 CPU = {"device": "cpu"}
 
 
-def tiered_run(model, args, data, **kwargs):
-    trainer = TieredTrainer(model=model, args=args, train_dataset=data, policy=CPU, **kwargs)
+def tiered_run(model, args, data, policy=CPU, **kwargs):
+    trainer = TieredTrainer(model=model, args=args, train_dataset=data, policy=policy, **kwargs)
     trainer.train()
     return trainer
 
@@ -80,16 +80,21 @@ def test_load_model_passes_the_from_config_arguments_through(tmp_path):
     assert loaded.config.dtype == torch.bfloat16
 
 
-def test_gradient_checkpointing_trains_as_plain_trainer(tmp_path):
+@pytest.mark.parametrize("activations", ["hbm", "dram"])
+def test_gradient_checkpointing_trains_as_plain_trainer(tmp_path, activations):
     """Hugging Face layers checkpoint their forward inside their call: the recomputation in
-    backward runs no unit hook (see [Note: checkpointing inside the hooks])."""
+    backward runs no unit hook (see [Note: checkpointing inside the hooks]). With the
+    activations in DRAM, the checkpointed inputs wait there (issue 34)."""
     data = dataset()
     args = dict(gradient_checkpointing=True, max_steps=3)
     expected, _ = train_plain(llama(), arguments(tmp_path / "plain", **args), data)
-    trainer = tiered_run(llama(), arguments(tmp_path / "tiered", **args), data)
+    policy = dict(CPU, activations={"tier": activations, "dram_bytes": "16MiB", "min_bytes": 0})
+    trainer = tiered_run(llama(), arguments(tmp_path / "tiered", **args), data, policy)
     got = trainer.engine.full_state_dict()
+    offloaded = trainer.engine.runtime.activations.offloaded_bytes
     trainer.engine.close()
     assert_close_states(got, expected)
+    assert (offloaded > 0) == (activations == "dram")
 
 
 def test_no_decay_set_and_hyperparameters_follow_the_arguments(tmp_path):

@@ -147,12 +147,13 @@ class UnitHooks:
             # Ends a backward that raised before its end callback (StepState.recover) first.
             if self.state.start_forward() and torch.is_grad_enabled():
                 self.runtime.probe.forward_started()
+                self.runtime.activations.start_forward()
                 # Outermost: what any part of the forward keeps for backward passes through it
                 # (a unit's own hooks hand it what is not the unit's weights, see [Note: outer
                 # saved-tensor hooks]), and what checkpointing recomputes does not.
                 outer = _outer_saved_hooks()  # the caller's (save_on_cpu around the model)
                 self._counter = (partial(self._count_saved, outer),
-                                 partial(_unpack_outer, outer))
+                                 partial(self._unpack_saved, outer))
                 counting = torch.autograd.graph.saved_tensors_hooks(*self._counter)
                 counting.__enter__()
                 self._saved_hooks.append(counting)
@@ -271,8 +272,14 @@ class UnitHooks:
         return tensor if outer is None else outer[0](tensor)
 
     def _count_saved(self, outer: _SavedHooks | None, tensor: torch.Tensor):
+        """The outermost pack: what the forward saves that is not a unit's weights is counted,
+        then kept by the caller's hooks where there are any, else by the engine's store
+        ([Note: activations in DRAM])."""
         self.runtime.probe.saved.add(tensor)
-        return tensor if outer is None else outer[0](tensor)
+        return self.runtime.activations.pack(tensor) if outer is None else outer[0](tensor)
+
+    def _unpack_saved(self, outer: _SavedHooks | None, packed):
+        return self.runtime.activations.unpack(packed) if outer is None else outer[1](packed)
 
     def _unpack(self, outer: _SavedHooks | None, packed):
         if isinstance(packed, _UnitView):
@@ -428,10 +435,6 @@ _top_saved_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks
 (2.13 has it). Without it the outer hooks go unseen, and non-reentrant checkpointing around a
 unit keeps that unit's activations: still correct, but no memory saved; a unit then hands what
 it keeps to the forward's counter directly."""
-
-
-def _unpack_outer(outer: _SavedHooks | None, packed):
-    return packed if outer is None else outer[1](packed)
 
 
 def _cast_floating(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

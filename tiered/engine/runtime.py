@@ -22,6 +22,7 @@ from .context import EngineContext
 from .flat import FlatParam
 from .gather import Gatherer
 from .gradients import GradientPath
+from .offloaded_activations import SavedActivations
 from .prefetch import Prefetcher
 from .probe import StepProbe
 from .readahead import ReadAhead
@@ -58,6 +59,11 @@ class UnitRuntime:
         self.grads = GradientPath(context)
         self.probe = StepProbe(context.group.device, len(flats))
         """What each step measured (engine.plan_report() shows the last)."""
+        self.activations = SavedActivations(
+            policy.activations, context.group.device, context.streams,
+            manager.staging_block("activations")
+            if "activations" in manager.current_plan.staging else None)
+        """What the forwards save for backward (see [Note: activations in DRAM])."""
         self.replan = (Replan(context) if policy.placed_by_planner and policy.hbm.reserve is None
                        else None)
         """``tier: auto``'s re-plan after the first step (see [Note: re-plan])."""

@@ -359,6 +359,28 @@ class PrefetchPolicy:
 
 
 @dataclass(frozen=True)
+class ActivationsPolicy:
+    """Where what autograd saves for backward waits for it (see [Note: activations in DRAM] in
+    engine/offloaded_activations.py)."""
+
+    tier: Tier = Tier.HBM
+    """hbm: on the device, as PyTorch keeps it; dram: each saved tensor of at least
+    ``min_bytes`` copied into DRAM as the forward saves it, and back as its backward needs it."""
+    dram_bytes: int = field(default=1 << 30, metadata=parsed_by(parse_size))
+    """With ``tier: dram``: the pinned bytes of the DRAM tier that hold them (counted against
+    ``dram.budget``); what does not fit stays on the device."""
+    min_bytes: int = field(default=1 << 20, metadata=parsed_by(parse_size))
+    """With ``tier: dram``: smaller saved tensors stay on the device (a copy each would cost
+    more than the bytes it frees)."""
+
+    def __post_init__(self):
+        if self.tier not in (Tier.HBM, Tier.DRAM):
+            raise ValueError(f"tier must be hbm or dram, got {self.tier.value!r}")
+        if self.tier is Tier.DRAM and self.dram_bytes <= 0:
+            raise ValueError(f"dram_bytes must be > 0 with tier: dram, got {self.dram_bytes}")
+
+
+@dataclass(frozen=True)
 class TilingPolicy:
     max_unit_bytes: int | None = field(default=None, metadata=parsed_by(as_size_or_none))
     """Every nn.Linear whose weight (in the compute dtype) is larger becomes a TiledLinear whose
@@ -413,6 +435,7 @@ class Policy:
     units: UnitsPolicy = UnitsPolicy()
     cpu: CpuPolicy = CpuPolicy()
     prefetch: PrefetchPolicy = PrefetchPolicy()
+    activations: ActivationsPolicy = ActivationsPolicy()
     trace: TracePolicy = TracePolicy()
     tiling: TilingPolicy = TilingPolicy()
 

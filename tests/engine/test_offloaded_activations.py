@@ -1,0 +1,183 @@
+"""Activations as a tier (issue 34, first slice): with ``activations.tier: dram`` what a forward
+saves for backward waits in the plan's DRAM block instead of on the device, and training is bit
+for bit what it is with them on the device, and what plain PyTorch computes; with and without
+non-reentrant activation checkpointing, under the delayed update, on the simulated accelerator
+with every copy's ordering checked. The device's count of saved bytes shows what moved."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import tiered
+from tiered.core.errors import PolicyError
+from tiered.device import DEVICE_ENV, simulated_device
+from tiered.device.sim import OrderingError
+from tiered.engine import offloaded_activations
+
+from distributed import run_ranks
+from gpt import GPT
+from helpers import CONFIGS, assert_same
+from helpers_models import OPTIM, SEQ, VOCAB, assert_parity, run_engine, train_torch
+
+OFFLOADED = {"tier": "dram", "dram_bytes": "1MiB", "min_bytes": 0}
+
+
+class CheckpointedGPT(GPT):
+    """The parity GPT with each block under non-reentrant activation checkpointing: its input
+    is what the forward saves of it, and its insides are recomputed in backward."""
+
+    def forward(self, idx):
+        x = self.emb(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return self.head(self.ln(x))
+
+
+def model(checkpointed: bool) -> GPT:
+    torch.manual_seed(0)
+    kind = CheckpointedGPT if checkpointed else GPT
+    return kind(VOCAB, 32, 2, 2, max_seq=SEQ, tied=True, qkv_bias=False)
+
+
+def train(checkpointed: bool, activations: dict | None = None, policy: str = "cpu",
+          nvme: str | None = None, **optimizer) -> tuple[dict, dict]:
+    """The weights after the parity steps, and what the engine counted of saved tensors."""
+    engine, opt = tiered.initialize(
+        model(checkpointed), str(CONFIGS / f"{policy}.yaml"), compute_dtype="fp32",
+        device="cpu", optimizer=dict(OPTIM, **optimizer),
+        nvme={"path": nvme}, **({"activations": activations} if activations else {}))
+    try:
+        state = run_engine(engine, opt)
+        store = engine.runtime.activations
+        counted = {"on_device": store.on_device.take_peak(),
+                   "offloaded": store.offloaded_bytes,
+                   "arena": engine.memory_report()["dram"]}
+    finally:
+        engine.close()
+    return state, counted
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+def test_activations_in_dram_train_bit_for_bit_as_on_the_device_and_as_pytorch(checkpointed):
+    on_device, kept = train(checkpointed)
+    in_dram, moved = train(checkpointed, OFFLOADED)
+    assert_same(in_dram, on_device, "activations in DRAM")
+    reference = model(checkpointed)
+    assert_parity(in_dram, train_torch(reference, torch.optim.AdamW(reference.parameters(),
+                                                                    **OPTIM)))
+    # What the forwards saved moved off the device: none of it stays there.
+    assert kept["on_device"] > 0 and kept["offloaded"] == 0
+    assert moved["on_device"] == 0 and moved["offloaded"] > 0
+
+
+def _rank(rank: int, world: int, out: str) -> None:
+    states = {}
+    for name, activations in (("hbm", None), ("dram", OFFLOADED)):
+        engine, optimizer = tiered.initialize(
+            model(True), str(CONFIGS / "cpu.yaml"), compute_dtype="fp32", device="cpu",
+            optimizer=dict(OPTIM), **({"activations": activations} if activations else {}))
+        states[name] = run_engine(engine, optimizer, rank=rank, world=world)
+        states[f"{name} offloaded"] = engine.runtime.activations.offloaded_bytes
+        engine.close()
+    torch.save(states, os.path.join(out, f"rank{rank}.pt"))
+
+
+def test_two_ranks_with_activations_in_dram_train_as_with_them_on_the_device(tmp_path):
+    run_ranks(2, _rank, str(tmp_path))
+    reference = model(True)
+    expected = train_torch(reference, torch.optim.AdamW(reference.parameters(), **OPTIM))
+    for rank in range(2):
+        states = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert_same(states["dram"], states["hbm"], f"rank {rank}")
+        assert states["dram offloaded"] > 0 and states["hbm offloaded"] == 0
+        assert_parity(states["dram"], expected)
+
+
+def test_a_small_block_keeps_on_the_device_what_it_cannot_hold():
+    on_device, kept = train(False)
+    small = dict(OFFLOADED, dram_bytes=8192)  # about one of the forward's saved tensors
+    in_part, moved = train(False, small)
+    assert_same(in_part, on_device, "a part in DRAM")
+    assert 0 < moved["on_device"] < kept["on_device"] and moved["offloaded"] > 0
+
+
+def test_the_block_is_counted_in_the_dram_tier(tmp_path):
+    _, kept = train(False)
+    _, moved = train(False, dict(OFFLOADED, dram_bytes="2MiB"))
+    assert moved["arena"]["current"] - kept["arena"]["current"] == 2 << 20
+
+
+def test_activations_in_dram_under_the_delayed_update_and_on_nvme(tmp_path):
+    delayed = {"delayed_update": {"enabled": True, "warmup_steps": 1}}
+    on_device, _ = train(True, None, "nvme", str(tmp_path), **delayed)
+    in_dram, moved = train(True, OFFLOADED, "nvme", str(tmp_path), **delayed)
+    assert_same(in_dram, on_device, "delayed update, states on NVMe")
+    assert moved["offloaded"] > 0
+
+
+def test_on_the_simulated_device_every_copy_is_ordered(monkeypatch):
+    plain, _ = train(True, OFFLOADED)
+    monkeypatch.setenv(DEVICE_ENV, "sim")
+    with simulated_device().tracking():  # raises what would race on a GPU, as it ends
+        simulated, moved = train(True, OFFLOADED)
+    assert_same(simulated, plain, "on the simulated device")
+    assert moved["offloaded"] > 0
+
+
+def test_a_copy_back_not_waiting_for_its_copy_out_is_found(monkeypatch):
+    """The copy back's wait for the copy out's event taken out: backward reads DRAM the
+    offload stream wrote, with nothing ordering it after the write."""
+    real = offloaded_activations.SavedActivations.unpack
+
+    def unordered(self, packed):
+        if isinstance(packed, offloaded_activations._InDram):
+            packed.ready = None
+        return real(self, packed)
+
+    monkeypatch.setattr(offloaded_activations.SavedActivations, "unpack", unordered)
+    monkeypatch.setenv(DEVICE_ENV, "sim")
+    with pytest.raises(OrderingError) as found:
+        with simulated_device().tracking():
+            train(False, OFFLOADED)
+    assert "the offload stream" in str(found.value)
+
+
+def test_a_tier_the_activations_cannot_take_is_refused_by_name():
+    with pytest.raises(PolicyError, match=r"activations.*tier must be hbm or dram, got 'nvme'"):
+        tiered.Policy.from_dict({"activations": {"tier": "nvme"}})
+    with pytest.raises(PolicyError, match="activations.*dram_bytes"):
+        tiered.Policy.from_dict({"activations": {"tier": "dram", "dram_bytes": 0}})
+
+
+def test_a_module_without_units_weights_saved_keeps_its_other_tensors_exact():
+    """Integer and boolean tensors saved for backward (an embedding's indices, a mask) cross
+    to DRAM and back unchanged too."""
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(VOCAB, 16)
+            self.out = nn.Linear(16, 1)
+
+        def forward(self, idx):
+            h = self.emb(idx)
+            return self.out(h.masked_fill(idx.unsqueeze(-1) % 3 == 0, 0.0)).sum()
+
+    def run(activations):
+        torch.manual_seed(0)
+        engine, optimizer = tiered.initialize(
+            Masked(), str(CONFIGS / "cpu.yaml"), compute_dtype="fp32", device="cpu",
+            optimizer=dict(OPTIM), **({"activations": activations} if activations else {}))
+        idx = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(2))
+        for _ in range(2):
+            engine(idx).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        state = engine.full_state_dict()
+        engine.close()
+        return state
+
+    assert_same(run(OFFLOADED), run(None), "indices and masks in DRAM")
