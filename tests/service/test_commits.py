@@ -9,14 +9,17 @@ import threading
 
 import pytest
 
+from tiered.placement.plan import MemoryPlan
+from tiered.service.codec import fields_to_wire
 from tiered.service.commits import NotCommitted, StepCommits
 from tiered.service.jobs import Registry
 
 from helpers import dead_pid
 
 FINAL = {"unit_steps": [1.0], "last_update": None}
-REQUEST = {"plan": {"shards": []}}
-"""What a host was asked to run, as the registry sees it: a plan with nothing on NVMe."""
+REQUEST = {"plan": fields_to_wire(MemoryPlan(shards={}, staging={}, working_set=0))}
+"""What a host was asked to run, as the registry sees it (HostRequest.fingerprint's form): a
+plan with nothing on NVMe."""
 
 
 def test_a_step_commits_with_every_ranks_record_and_not_before():

@@ -542,7 +542,7 @@ def test_a_disk_that_fills_while_extents_are_made_fails_initialize_cleanly(tmp_p
     child process): initialize raises an NvmeError naming the extent and its size, and
     leaves neither the extents already made nor the run folder, and the user's file."""
     (tmp_path / "user.bin").write_bytes(b"x" * 100)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "examples")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.path.join(REPO, "examples")]))
     result = subprocess.run([sys.executable, "-c", FILLING_DISK, str(tmp_path)], env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

@@ -45,7 +45,7 @@ HOLDER = textwrap.dedent("""
 
 
 def env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "examples")]),
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.path.join(REPO, "examples")]),
                 CUDA_VISIBLE_DEVICES="")
 
 
