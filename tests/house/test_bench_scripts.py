@@ -47,6 +47,8 @@ def command_lines(folder: Path) -> dict[str, list[str]]:
                        "--repeats", "1"],
         "reattach": ["bench_reattach.py", "--layers", "1", "--dim", "128", "--seq", "16",
                      "--dir", str(folder / "reattach" / "checkpoints")],
+        "activations": ["bench_activations.py", "--layers", "2", "--dim", "64", "--seq", "64",
+                        "--batch", "2", "--steps", "2", "--checkpointing", "--dram-bytes", "64MiB"],
     }
 
 
@@ -180,3 +182,11 @@ def test_reattach_bench_prints_its_table(benches):
     assert "both at step 2, same master weights" in table, table
     rows = [line.split()[0] for line in table.splitlines()[-3:]]
     assert rows == ["checkpoint", "checkpoint+service", "reattach"], table
+
+
+@runs("activations")
+def test_activations_bench_compares_the_tiers_and_finds_the_same_weights(benches):
+    table = benches.finish("activations")
+    assert "weights bit for bit equal: True" in table, table
+    rows = [line.split()[0] for line in table.splitlines()[2:4]]
+    assert rows == ["hbm", "dram"], table

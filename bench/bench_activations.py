@@ -1,0 +1,93 @@
+"""Activations in DRAM against activations on the device, side by side in one run (issue 34).
+
+    python bench/bench_activations.py [--dim 256 --layers 4 --seq 1024 --batch 4 --steps 6]
+        [--checkpointing] [--device cpu|cuda]
+
+The example's GPT trains ``--steps`` steps under configs/cpu.yaml in fp32, once with
+``activations.tier: hbm`` and once with ``dram`` (every saved tensor of at least 1 MiB in a
+DRAM block of ``--dram-bytes``), alternating the two runs' steps' timings after one warm-up
+step each. It prints each run's median step, the bytes of saved tensors the device kept at the
+peak of a forward, the bytes copied to DRAM a step, and whether the two runs' weights are equal
+bit for bit. On a CPU the device is the host's memory, so the copy is the whole cost and none of
+it overlaps; on a GPU the copies run on the offload stream beside the compute.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "examples"))
+
+import tiered  # noqa: E402
+from gpt import GPT, next_token_loss  # noqa: E402
+from torch.utils.checkpoint import checkpoint  # noqa: E402
+
+
+class CheckpointedGPT(GPT):
+    def forward(self, idx):
+        x = self.emb(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return self.head(self.ln(x))
+
+
+def engine_for(args, tier: str):
+    torch.manual_seed(0)
+    kind = CheckpointedGPT if args.checkpointing else GPT
+    model = kind(args.vocab, args.dim, args.layers, max(1, args.dim // 64), max_seq=args.seq)
+    return tiered.initialize(model, os.path.join(REPO, "configs", "cpu.yaml"),
+                             compute_dtype="fp32", device=args.device,
+                             activations={"tier": tier, "dram_bytes": args.dram_bytes})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--dram-bytes", default="2GiB")
+    parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
+            for _ in range(args.steps + 1)]
+    runs = {tier: engine_for(args, tier) for tier in ("hbm", "dram")}
+    seconds: dict[str, list[float]] = {tier: [] for tier in runs}
+    for step, idx in enumerate(data):
+        for tier, (engine, optimizer) in runs.items():  # alternating: the same load on both
+            idx_here = idx.to(engine.device)
+            start = time.perf_counter()
+            next_token_loss(engine(idx_here), idx_here).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            optimizer.synchronize()
+            if step:  # the first step of each is its warm-up
+                seconds[tier].append(time.perf_counter() - start)
+    states = {}
+    print(f"GPT dim {args.dim} x {args.layers} layers, batch {args.batch} x {args.seq} tokens, "
+          f"{'checkpointed' if args.checkpointing else 'no checkpointing'}, {args.device}")
+    print(f"{'activations':<12} {'s/step':>8} {'device-kept peak':>17} {'to DRAM a step':>15}")
+    for tier, (engine, _) in runs.items():
+        store = engine.runtime.activations
+        states[tier] = engine.full_state_dict()
+        print(f"{tier:<12} {statistics.median(seconds[tier]):>8.3f} "
+              f"{store.on_device.take_peak() / 2**20:>13.1f} MiB "
+              f"{store.offloaded_bytes / len(data) / 2**20:>11.1f} MiB")
+        engine.close()
+    equal = all(torch.equal(states["hbm"][k], states["dram"][k]) for k in states["hbm"])
+    ratio = statistics.median(seconds["dram"]) / statistics.median(seconds["hbm"])
+    print(f"dram / hbm step: {ratio:.3f}; weights bit for bit equal: {equal}")
+
+
+if __name__ == "__main__":
+    main()
