@@ -48,7 +48,8 @@ def command_lines(folder: Path) -> dict[str, list[str]]:
         "reattach": ["bench_reattach.py", "--layers", "1", "--dim", "128", "--seq", "16",
                      "--dir", str(folder / "reattach" / "checkpoints")],
         "activations": ["bench_activations.py", "--layers", "2", "--dim", "64", "--seq", "64",
-                        "--batch", "2", "--steps", "2", "--checkpointing", "--dram-bytes", "64MiB"],
+                        "--batch", "2", "--steps", "2", "--checkpointing",
+                        "--dram-bytes", "64MiB"],
     }
 
 
