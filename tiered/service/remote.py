@@ -119,6 +119,11 @@ class RemoteHost:
         self._closed = False
         self._ended: Future | None = None
         """The answer to ``end_host``, once asked: the host stopped where it is settled well."""
+        self._relaying = threading.RLock()
+        """Held by the sender from a call's send until its answer is tied to the channel's
+        reply: the service may answer ``end_host`` and close the connection before the sender
+        thread, descheduled, has tied them, and the loss must see the answer there (an RLock:
+        a failed send loses the channel on the sender thread itself)."""
         self._sender = threading.Thread(target=self._send_in_order, name="tiered-host-commands",
                                         daemon=True)
         self._channel.on_lost(self._lost)
@@ -209,9 +214,10 @@ class RemoteHost:
         """The channel is gone (its reader thread): the host's work is lost with it, unless
         the host had already ended well (the service may close the connection as soon as it
         has answered ``end_host``, whose answer the reader settled before it read the end)."""
-        ended = self._ended
-        if ended is not None and ended.done() and ended.exception() is None:
-            return
+        with self._relaying:
+            ended = self._ended
+            if ended is not None and ended.done() and ended.exception() is None:
+                return
         self.worker.fail(error)
 
     def _send_in_order(self) -> None:
@@ -222,7 +228,8 @@ class RemoteHost:
                 if item.answer is None:
                     self._channel.post(**item.message)
                 else:
-                    _relay(self._channel.call(**item.message), item.answer)
+                    with self._relaying:
+                        _relay(self._channel.call(**item.message), item.answer)
             except ServiceError as e:  # lost: the worker failed with it already (on_lost)
                 if item.answer is not None:
                     item.answer.set_exception(e)
