@@ -174,7 +174,9 @@ def test_to_dict_is_the_schema_in_plain_types():
     assert d["hbm"]["budget"] == 70 * 2**30
     assert d["units"]["classes"] == ["Block", "Embedding"]
     assert set(d) == {"compute_dtype", "device", "params", "grads", "optimizer", "nvme", "hbm",
-                      "dram", "loss_scale", "units", "cpu", "prefetch", "trace", "tiling"}
+                      "dram", "loss_scale", "units", "cpu", "prefetch", "activations", "trace",
+                      "tiling"}
+    assert d["activations"] == {"tier": "hbm", "dram_bytes": 1 << 30, "min_bytes": 1 << 20}
 
 
 @pytest.mark.parametrize("policy", [Policy(), Policy.from_dict(NON_DEFAULT)], ids=["defaults", "custom"])
