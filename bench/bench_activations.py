@@ -26,21 +26,12 @@ sys.path.insert(0, os.path.join(REPO, "examples"))
 
 import tiered  # noqa: E402
 from gpt import GPT, next_token_loss  # noqa: E402
-from torch.utils.checkpoint import checkpoint  # noqa: E402
-
-
-class CheckpointedGPT(GPT):
-    def forward(self, idx):
-        x = self.emb(idx) + self.pos[: idx.shape[1]]
-        for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=False)
-        return self.head(self.ln(x))
 
 
 def engine_for(args, tier: str):
     torch.manual_seed(0)
-    kind = CheckpointedGPT if args.checkpointing else GPT
-    model = kind(args.vocab, args.dim, args.layers, max(1, args.dim // 64), max_seq=args.seq)
+    model = GPT(args.vocab, args.dim, args.layers, max(1, args.dim // 64), max_seq=args.seq)
+    model.checkpointed = args.checkpointing
     return tiered.initialize(model, os.path.join(REPO, "configs", "cpu.yaml"),
                              compute_dtype="fp32", device=args.device,
                              activations={"tier": tier, "dram_bytes": args.dram_bytes})

@@ -6,6 +6,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class Block(nn.Module):
@@ -51,6 +52,10 @@ class GPT(nn.Module):
             self.head.weight = self.emb.weight
         self.reset_parameters()
 
+    checkpointed = False
+    """Run each block under non-reentrant activation checkpointing: backward recomputes its
+    insides, and the forward keeps only its input."""
+
     def reset_parameters(self) -> None:
         if self.pos is not None:
             nn.init.normal_(self.pos, std=0.02)
@@ -60,7 +65,7 @@ class GPT(nn.Module):
         if self.pos is not None:
             x = x + self.pos[: idx.shape[1]]
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
         return self.head(self.ln(x))
 
 
