@@ -34,13 +34,19 @@ node_rates(remeasure=True, cpu_params=1 << 12, copy_bytes=1 << 20, nvme_bytes=1 
 """
 
 
-def run(code: str, tmp_path, **env: str) -> str:
-    """Standard error of ``code`` in a fresh interpreter (a pipe, not a terminal)."""
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
-                            text=True, timeout=120,
-                            env=clean_env(TIERED_CACHE=str(tmp_path), **env))
-    assert result.returncode == 0, result.stderr
-    return result.stderr
+def run(code: str, tmp_path, *envs: dict[str, str]) -> list[str]:
+    """Standard error of ``code`` in a fresh interpreter (a pipe, not a terminal), once under
+    each of ``envs``, the interpreters side by side (each is mostly its start)."""
+    started = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=clean_env(TIERED_CACHE=str(tmp_path), **env))
+               for env in envs]
+    said = []
+    for process in started:
+        _, stderr = process.communicate(timeout=120)
+        assert process.returncode == 0, stderr
+        said.append(stderr)
+    return said
 
 
 def test_counted_and_phase_say_plain_lines_off_a_terminal(capsys, monkeypatch):
@@ -85,28 +91,25 @@ def test_silent_off_rank_0_and_when_turned_off(capsys, monkeypatch, env):
     assert capsys.readouterr().err == ""
 
 
-def test_initialize_says_each_long_phase(tmp_path):
-    said = run(INITIALIZE, tmp_path, **{progress.PROGRESS_ENV: "all"})
+def test_initialize_says_each_long_phase_on_rank_0_unless_turned_off(tmp_path):
+    said, rank_1, turned_off = run(INITIALIZE, tmp_path, {progress.PROGRESS_ENV: "all"},
+                                   {"RANK": "1"}, {progress.PROGRESS_ENV: "0"})
     assert "tiered: the CPU AdamW kernel (built at first use, then cached) ..." in said
     assert "tiered: allocating the tiers (pinning DRAM, creating NVMe files) ..." in said
     units = re.search(r"^tiered: building units: 0/(\d+) units$", said, re.MULTILINE)
     assert units is not None, said
     assert re.search(rf"^tiered: building units: {units[1]}/{units[1]} units in \d+\.\d s$",
                      said, re.MULTILINE), said
-
-
-@pytest.mark.parametrize("env", [{"RANK": "1"}, {progress.PROGRESS_ENV: "0"}],
-                         ids=["rank 1", "TIERED_PROGRESS=0"])
-def test_initialize_is_silent_off_rank_0_and_when_turned_off(tmp_path, env):
-    assert "tiered: " not in run(INITIALIZE, tmp_path, **env)
+    assert "tiered: " not in rank_1 and "tiered: " not in turned_off
 
 
 def test_tiered_node_says_what_it_measures(tmp_path):
-    said = run(NODE, tmp_path, **{progress.PROGRESS_ENV: "all"})
+    said, turned_off = run(NODE, tmp_path, {progress.PROGRESS_ENV: "all"},
+                           {progress.PROGRESS_ENV: "0"})
     assert "tiered: measuring the CPU's AdamW ..." in said
     assert re.search(r"^tiered: measuring the CPU's AdamW: done in \d+\.\d s$", said,
                      re.MULTILINE), said
-    assert "tiered: " not in run(NODE, tmp_path, **{progress.PROGRESS_ENV: "0"})
+    assert "tiered: " not in turned_off
 
 
 def test_tiered_plan_counts_the_changes_it_plans_for_a_model_that_does_not_fit(tmp_path, capsys,

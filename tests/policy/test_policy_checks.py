@@ -58,9 +58,19 @@ def test_a_plan_past_the_memory_is_refused_naming_it():
 # -- tiered check-policy ------------------------------------------------------------------------
 
 def check_policy(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return _finished(_check_policy(*args, cwd=cwd))
+
+
+def _check_policy(*args: str, cwd: Path = REPO) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != POLICY_ENV}
-    return subprocess.run([sys.executable, "-m", "tiered.launch.cli", "check-policy", *args], cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.Popen([sys.executable, "-m", "tiered.launch.cli", "check-policy", *args],
+                            cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+
+
+def _finished(process: subprocess.Popen) -> subprocess.CompletedProcess:
+    stdout, stderr = process.communicate(timeout=120)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def assert_cli_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
@@ -74,8 +84,32 @@ def assert_cli_error(result: subprocess.CompletedProcess, *fragments: str) -> No
         assert fragment in lines[0], (fragment, lines[0])
 
 
-def test_check_policy_prints_the_resolved_policy():
-    result = check_policy("configs/cpu.yaml")
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory):
+    """Every case below checked by its own ``tiered check-policy`` process, all side by side
+    (each is mostly its start: importing torch and tiered); the folder of their files, and
+    each case's result."""
+    root = tmp_path_factory.mktemp("checked")
+    (root / "nv").mkdir()
+    cases = {
+        "cpu": ("configs/cpu.yaml",),
+        "relative nvme": (str(CONFIGS / "nvme.yaml"), "--nvme", "nv"),
+        "malformed": (str(write(root / "bad.yaml",
+                                "compute_dtype: bf16\nparams:\n\ttier: dram\n")),),
+        "unknown key": (str(write(root / "typo.yaml", "optimizer: {lrr: 1.0e-3}\n")),),
+        "bad tier": (str(write(root / "tier.yaml", "params: {tier: ssd}\n")),),
+        "unused nvme": ("configs/cpu.yaml", "--nvme", str(root / "no-such-folder")),
+        "nvme without a path": ("configs/nvme.yaml",),
+        "missing nvme": ("configs/nvme.yaml", "--nvme", str(root / "no-such-folder")),
+        "nvme is a file": ("configs/nvme.yaml", "--nvme", str(write(root / "a-file", "x"))),
+    }
+    started = {name: _check_policy(*args, cwd=root if name == "relative nvme" else REPO)
+               for name, args in cases.items()}
+    return root, {name: _finished(process) for name, process in started.items()}
+
+
+def test_check_policy_prints_the_resolved_policy(checked):
+    result = checked[1]["cpu"]
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     printed = yaml.safe_load(result.stdout)
@@ -83,55 +117,57 @@ def test_check_policy_prints_the_resolved_policy():
     assert Policy.from_dict(printed) == Policy.from_yaml(CONFIGS / "cpu.yaml")
 
 
-def test_check_policy_nvme_sets_an_absolute_nvme_path(tmp_path):
-    (tmp_path / "nv").mkdir()
-    result = check_policy(str(CONFIGS / "nvme.yaml"), "--nvme", "nv", cwd=tmp_path)
+def test_check_policy_nvme_sets_an_absolute_nvme_path(checked):
+    root, results = checked
+    result = results["relative nvme"]
     assert result.returncode == 0, result.stderr
     printed = Policy.from_dict(yaml.safe_load(result.stdout))
-    assert printed.nvme.path == str(tmp_path / "nv")
+    assert printed.nvme.path == str(root / "nv")
     assert printed.params.tier is Tier.NVME and printed.optimizer.tier is Tier.NVME
-    assert os.listdir(tmp_path / "nv") == []  # checking a path writes nothing there
+    assert os.listdir(root / "nv") == []  # checking a path writes nothing there
 
 
-def test_check_policy_malformed_yaml(tmp_path):
-    path = write(tmp_path / "bad.yaml", "compute_dtype: bf16\nparams:\n\ttier: dram\n")
-    assert_cli_error(check_policy(str(path)), str(path), "malformed YAML", "line 3")
+def test_check_policy_malformed_yaml(checked):
+    root, results = checked
+    assert_cli_error(results["malformed"], str(root / "bad.yaml"), "malformed YAML", "line 3")
 
 
-def test_check_policy_unknown_key(tmp_path):
-    path = write(tmp_path / "typo.yaml", "optimizer: {lrr: 1.0e-3}\n")
-    assert_cli_error(check_policy(str(path)), str(path), "optimizer.lrr", "allowed here: tier, lr")
+def test_check_policy_unknown_key(checked):
+    root, results = checked
+    assert_cli_error(results["unknown key"], str(root / "typo.yaml"), "optimizer.lrr",
+                     "allowed here: tier, lr")
 
 
-def test_check_policy_bad_tier(tmp_path):
-    path = write(tmp_path / "tier.yaml", "params: {tier: ssd}\n")
-    assert_cli_error(check_policy(str(path)), str(path), "params.tier", "hbm | dram | nvme")
+def test_check_policy_bad_tier(checked):
+    root, results = checked
+    assert_cli_error(results["bad tier"], str(root / "tier.yaml"), "params.tier",
+                     "hbm | dram | nvme")
 
 
-def test_check_policy_warns_that_a_policy_without_nvme_does_not_use_nvme(tmp_path):
-    missing = tmp_path / "no-such-folder"
-    result = check_policy("configs/cpu.yaml", "--nvme", str(missing))
+def test_check_policy_warns_that_a_policy_without_nvme_does_not_use_nvme(checked):
+    root, results = checked
+    result, missing = results["unused nvme"], root / "no-such-folder"
     assert result.returncode == 0, result.stderr
     assert result.stderr.startswith("tiered: warning: the policy places nothing on NVMe ")
     assert result.stderr.count("\n") == 1 and f"--nvme {missing} is not used" in result.stderr
     assert Policy.from_dict(yaml.safe_load(result.stdout)).params.tier is Tier.DRAM
 
 
-def test_check_policy_nvme_policy_without_a_path():
-    assert_cli_error(check_policy("configs/nvme.yaml"), "configs/nvme.yaml", "nvme.path is required")
+def test_check_policy_nvme_policy_without_a_path(checked):
+    assert_cli_error(checked[1]["nvme without a path"], "configs/nvme.yaml",
+                     "nvme.path is required")
 
 
-def test_check_policy_missing_nvme_path(tmp_path):
-    missing = tmp_path / "no-such-folder"
-    assert_cli_error(check_policy("configs/nvme.yaml", "--nvme", str(missing)),
-                     f"NVMe path {missing} does not exist")
+def test_check_policy_missing_nvme_path(checked):
+    root, results = checked
+    missing = root / "no-such-folder"
+    assert_cli_error(results["missing nvme"], f"NVMe path {missing} does not exist")
     assert not missing.exists()
 
 
-def test_check_policy_nvme_path_is_a_file(tmp_path):
-    file = write(tmp_path / "a-file", "x")
-    assert_cli_error(check_policy("configs/nvme.yaml", "--nvme", str(file)),
-                     f"NVMe path {file} is not a folder")
+def test_check_policy_nvme_path_is_a_file(checked):
+    root, results = checked
+    assert_cli_error(results["nvme is a file"], f"NVMe path {root / 'a-file'} is not a folder")
 
 
 @pytest.fixture
