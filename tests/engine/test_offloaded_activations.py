@@ -16,10 +16,11 @@ from tiered.core.errors import PolicyError
 from tiered.device import DEVICE_ENV, simulated_device
 from tiered.device.sim import OrderingError
 from tiered.engine import offloaded_activations
+from tiered.service.client import JOB_ENV, SERVICE_ENV
 
 from distributed import run_ranks
 from gpt import GPT
-from helpers import CONFIGS, assert_same
+from helpers import CONFIGS, assert_same, own_service
 from helpers_models import OPTIM, SEQ, VOCAB, assert_parity, run_engine, train_torch
 
 OFFLOADED = {"tier": "dram", "dram_bytes": "1MiB", "min_bytes": 0}
@@ -46,7 +47,8 @@ def train(checkpointed: bool, activations: dict | None = None, policy: str = "cp
         store = engine.runtime.activations
         counted = {"on_device": store.on_device.take_peak(),
                    "offloaded": store.offloaded_bytes,
-                   "arena": engine.memory_report()["dram"]}
+                   "arena": engine.memory_report()["dram"],
+                   "host": type(engine.runtime.host).__name__}
     finally:
         engine.close()
     return state, counted
@@ -108,6 +110,18 @@ def test_activations_in_dram_under_the_delayed_update_and_on_nvme(tmp_path):
     in_dram, moved = train(True, OFFLOADED, "nvme", str(tmp_path), **delayed)
     assert_same(in_dram, on_device, "delayed update, states on NVMe")
     assert moved["offloaded"] > 0
+
+
+def test_through_the_nodes_service_the_block_is_in_its_pool(tmp_path_factory, monkeypatch):
+    """A rank whose DRAM tier (the block for activations with it) is the service's memory and
+    whose CPU update runs there trains as the in-process one does."""
+    alone, _ = train(True, OFFLOADED)
+    with own_service(tmp_path_factory, keep_seconds=0.0) as folder:
+        monkeypatch.setenv(SERVICE_ENV, folder)
+        monkeypatch.setenv(JOB_ENV, "activations")
+        through, moved = train(True, OFFLOADED)
+    assert_same(through, alone, "through the service")
+    assert moved["offloaded"] > 0 and moved["host"] == "RemoteHost"
 
 
 def test_on_the_simulated_device_every_copy_is_ordered(monkeypatch):
