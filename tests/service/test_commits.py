@@ -9,17 +9,15 @@ import threading
 
 import pytest
 
-from tiered.placement.plan import MemoryPlan
-from tiered.service.codec import fields_to_wire
 from tiered.service.commits import NotCommitted, StepCommits
 from tiered.service.jobs import Registry
 
 from helpers import dead_pid
 
 FINAL = {"unit_steps": [1.0], "last_update": None}
-REQUEST = {"plan": fields_to_wire(MemoryPlan(shards={}, staging={}, working_set=0))}
-"""What a host was asked to run, as the registry sees it (HostRequest.fingerprint's form): a
-plan with nothing on NVMe."""
+REQUEST = {"plan": "as the trainer asked"}
+"""What a host was asked to run, as the registry keeps it (HostRequest.fingerprint): only
+compared with what a relaunch asks."""
 
 
 def test_a_step_commits_with_every_ranks_record_and_not_before():
@@ -113,7 +111,7 @@ def _run_and_die(registry: Registry, job: str, steps: int, finals=(FINAL, FINAL)
         registry.attach(job, rank, 2, pid)
         segment = registry.reserve(job, rank, 4096)
         _, _, _, commits, round_ = registry.host_started(job, rank, pid, [segment.id],
-                                                      REQUEST)
+                                                      REQUEST, nvme=False)
     for step in range(1, steps + 1):
         for rank in (0, 1):
             commits.arrived(round_, rank, step, {"rank": rank, "step": step})
@@ -129,7 +127,8 @@ def test_every_rank_of_a_relaunch_takes_over_the_same_step_however_its_hosts_int
     _, note, kept0 = registry.attach("j", 0, 2, GONE)
     assert "goes on from its kept state at step 3" in note
     # Rank 0's new host opens a round before rank 1 attaches: rank 1 still takes over step 3.
-    _, _, _, commits, round_ = registry.host_started("j", 0, GONE, kept0["segments"], REQUEST)
+    _, _, _, commits, round_ = registry.host_started("j", 0, GONE, kept0["segments"], REQUEST,
+                                                  nvme=False)
     assert commits.open
     _, _, kept1 = registry.attach("j", 1, 2, GONE)
     assert kept0["step"] == kept1["step"] == 3
@@ -158,7 +157,8 @@ def test_a_restart_that_cannot_take_over_starts_with_no_old_record():
     _, _, kept = registry.attach("j", 0, 2, GONE)
     assert kept is None
     segment = registry.reserve("j", 0, 4096)
-    _, _, _, commits, round_ = registry.host_started("j", 0, GONE, [segment.id], REQUEST)
+    _, _, _, commits, round_ = registry.host_started("j", 0, GONE, [segment.id], REQUEST,
+                                                  nvme=False)
     assert commits.step == 0
     commits.arrived(round_, 0, 1, {})
     outcome = []
@@ -195,7 +195,7 @@ def test_a_host_that_could_not_be_built_leaves_the_kept_state_as_it_was():
     registry = Registry(1 << 30, keep_seconds=600)
     _run_and_die(registry, "j", steps=2)
     _, _, kept = registry.attach("j", 0, 2, GONE)
-    registry.host_started("j", 0, GONE, kept["segments"], REQUEST)
+    registry.host_started("j", 0, GONE, kept["segments"], REQUEST, nvme=False)
     registry.host_ended("j", 0, None, ran=False)  # its compile failed: nothing ran
     registry.detach("j", 0, clean=False)
     assert [j["resumable_step"] for j in registry.status()["jobs"]] == [2]

@@ -15,7 +15,7 @@ from typing import Any, Callable
 from ..optim.commands import Command, GradientIn, HostEvents, StepArrived, Update, ZeroGrad
 from ..optim.groups import GroupRange
 from ..placement.plan import BlockKey, MemoryPlan
-from ..policy.config import Policy
+from ..policy.config import Policy, Tier
 from .codec import decode, encode, fields_from_wire, fields_to_wire, op_name, parameter_types
 
 
@@ -48,6 +48,11 @@ class HostRequest:
     @classmethod
     def from_wire(cls, value: dict) -> "HostRequest":
         return fields_from_wire(cls, value)
+
+    @property
+    def has_nvme_shards(self) -> bool:
+        """Whether its plan has shards on NVMe (the rank's files are then its state too)."""
+        return any(buffer.tier is Tier.NVME for buffer in self.plan.shards.values())
 
     @property
     def segment_ids(self) -> list[int]:

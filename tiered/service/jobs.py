@@ -49,7 +49,7 @@ from ..core.errors import BudgetError, TieredError
 from ..core.sizes import format_size
 from .commits import StepCommits
 from .files import RankFiles
-from .records import Job, JobState, Launcher, Rank, Segment, has_nvme
+from .records import Job, JobState, Launcher, Rank, Segment
 from .segments import SpareSegments, create_segment
 
 SETTLE_SECONDS = 600.0
@@ -310,10 +310,11 @@ class Registry:
                 raise RefusedError(f"job {name} rank {rank} holds no segment {segment_id}")
             return segment
 
-    def host_started(self, name: str, rank: int, pid: int, ids: list[int], request: dict
-                     ) -> tuple[list[Segment], RankFiles | None, int, StepCommits, int]:
+    def host_started(self, name: str, rank: int, pid: int, ids: list[int], request: dict,
+                     nvme: bool) -> tuple[list[Segment], RankFiles | None, int, StepCommits, int]:
         """The rank's host starts here (service/hosting.py) over its segments ``ids`` and its
-        NVMe files, asked for ``request`` (what a relaunch must match); returns the segments,
+        NVMe files (``nvme``: whether its plan has shards on NVMe), asked for ``request`` (what
+        a relaunch must match: HostRequest.fingerprint); returns the segments,
         the files, the job's world size, its commits and the round the host belongs to.
         Refused unless ``pid`` is the rank's attached trainer and the segments are all its
         own."""
@@ -327,10 +328,10 @@ class Registry:
             job = self._jobs[name]
             if job.commits is None:
                 job.commits = StepCommits(job.world_size)
-            if has_nvme(request) and owner.files is None:
+            if nvme and owner.files is None:
                 raise RefusedError(f"job {name} rank {rank}'s plan has shards on NVMe, but the "
                                    f"rank has no files here")
-            owner.host, owner.host_running = request, True
+            owner.host, owner.host_nvme, owner.host_running = request, nvme, True
             return ([owner.segments[i] for i in ids], owner.files, job.world_size, job.commits,
                     job.commits.new_round())
 
@@ -492,6 +493,7 @@ class Registry:
         if rank.files is not None:
             rank.files.close()
         rank.host = rank.final = rank.files = None
+        rank.host_nvme = False
 
     def _close(self, segment: Segment) -> None:
         """The segment is no job's now: a spare for the next (its memory goes once it is

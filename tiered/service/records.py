@@ -7,9 +7,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from ..placement.plan import MemoryPlan
-from ..policy.config import Tier
-from .codec import decode
 from .commits import StepCommits
 from .files import RankFiles
 
@@ -39,6 +36,8 @@ class Rank:
     host: dict | None = None
     """What its host here was asked to run (service/hostwire.HostRequest): what a relaunch
     must match to reattach."""
+    host_nvme: bool = False
+    """Whether that host's plan has shards on NVMe (then its files are part of its state)."""
     host_running: bool = False
     final: dict | None = None
     """What its host left when it ended (RankHost.final_state): unit steps, the last update."""
@@ -127,13 +126,7 @@ class Job:
         for r in range(self.world):
             rank = self.ranks.get(r)
             if (rank is None or rank.final is None or rank.host is None or not rank.segments
-                    or r not in commits.records or (rank.files is None and has_nvme(rank.host))):
+                    or r not in commits.records or (rank.files is None and rank.host_nvme)):
                 return 0
         return commits.step
 
-
-def has_nvme(request: dict) -> bool:
-    """Whether a host request's plan (its wire form: hostwire.HostRequest.fingerprint) has
-    shards on NVMe."""
-    plan = decode(request["plan"], MemoryPlan, "plan")
-    return any(buffer.tier is Tier.NVME for buffer in plan.shards.values())

@@ -335,7 +335,8 @@ class TierService:
             raise RefusedError(f"the host request of job {job} rank {rank} is malformed: "
                                f"{e}") from None
         segments, files, world, commits, round_ = self.registry.host_started(
-            job, rank, client.pid, request.segment_ids, request.fingerprint())
+            job, rank, client.pid, request.segment_ids, request.fingerprint(),
+            nvme=request.has_nvme_shards)
         with self._norms_lock:
             norm = self._norms.setdefault(job, JobNorm(world))
         # The node's ranks share these cores: none is given more than its share, and where
