@@ -24,7 +24,7 @@ from ..tiers import DramTier, HbmTier, NvmeTier, PinnedSlabSource, SlabSource
 from ..tiers.aio import IoSettings
 from ..tiers.dram import BLOCK_ALIGN, default_budget
 from ..tiers.moments import stored_granule
-from ..tiers.nvme import NvmeFace, ShardFile
+from ..tiers.faces import NvmeFace, ShardFile
 from .budgets import budgets_past_the_node, dram_beside_hbm, refusal, split_shared_ram
 from .plan import BlockKey, Buffer, MemoryPlan, StateKind
 

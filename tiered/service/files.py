@@ -28,7 +28,8 @@ import torch
 
 from ..core.errors import NvmeError, TieredError
 from ..tiers.aio import IoQueue, IoSettings, Transfer
-from ..tiers.nvme import NextVersion, NvmeShard, NvmeTier, ShardFile, extent_bytes
+from ..tiers.faces import ShardFile
+from ..tiers.nvme import NextVersion, NvmeShard, NvmeTier, extent_bytes
 from .segments import SegmentViews
 from .wire import refusal_fields
 

@@ -20,7 +20,8 @@ import torch
 from ..core.errors import TieredError
 from ..core.sizes import format_size
 from ..tiers.aio import IoSettings
-from ..tiers.nvme import ShardFile, check_nvme_path, extent_bytes, free_bytes, live_runs_hint
+from ..tiers.faces import ShardFile
+from ..tiers.nvme import check_nvme_path, extent_bytes, free_bytes, live_runs_hint
 from ..tiers.usage import TierUsage
 from .channel import Channel
 from .client import ServiceSlabSource

@@ -37,7 +37,6 @@ import socket
 import threading
 import warnings
 import weakref
-from typing import Protocol
 
 import torch
 
@@ -47,6 +46,7 @@ from ..core.liveness import (LOCK_NAME, MAKING_PREFIX, HeldElsewhere, OwnerLock,
 from ..core.sizes import align_up, format_size
 from .aio import Countdown, IoEngine, IoQueue, IoSettings, Transfer, host_buffer
 from .dram import BLOCK_ALIGN
+from .faces import ShardFile
 from .usage import TierUsage
 
 SPARE_EXTENTS = 3
@@ -403,66 +403,12 @@ def _remove_run_folder(run_dir: str, owner: OwnerLock) -> None:
     owner.release()
 
 
-class ShardTransfer(Protocol):
-    """A read or write under way: an aio Transfer, or one the node's service carries out."""
-
-    def wait(self) -> None: ...
-
-
-class ShardVersion(Protocol):
-    """A shard's next version, written in pieces and switched to on commit: a NextVersion, or
-    the same made in the node's service (service/remote_nvme.RemoteVersion)."""
-
-    def write(self, block: torch.Tensor, offset: int = 0,
-              nbytes: int | None = None) -> ShardTransfer: ...
-
-    def commit(self) -> None: ...
-
-    def abandon(self) -> None: ...
-
-    def wait(self) -> None: ...
-
-
-class ShardFile(Protocol):
-    """One shard state on NVMe as a TierManager uses it: an NvmeShard, or a trainer's view of
-    one the node's service holds (service/remote_nvme.RemoteShard)."""
-
-    @property
-    def nbytes(self) -> int: ...
-
-    @property
-    def path(self) -> str: ...
-
-    def start_read(self, block: torch.Tensor, offset: int = 0,
-                   nbytes: int | None = None) -> ShardTransfer: ...
-
-    def read_into(self, block: torch.Tensor) -> None: ...
-
-    def next_version(self) -> ShardVersion: ...
-
-
 def own_shard(shard: ShardFile) -> NvmeShard:
     """``shard`` as this process's own extent, where only such a one can be: the optimizer's
     stream and a re-plan's removal run beside an NvmeTier (in the trainer, or in the service's
     host over the rank's adopted files), never over a trainer's view of the service's files."""
     assert isinstance(shard, NvmeShard), f"{shard.path} is not held by this process"
     return shard
-
-
-class NvmeFace(Protocol):
-    """What a TierManager asks of its NVMe tier: an NvmeTier; in the node's service the rank's
-    kept files, which a host adopting the rank's plan takes over (service/files.AdoptedFiles);
-    in a rank the service hosts, its view of those files (service/remote_nvme.ServiceNvme)."""
-
-    usage: TierUsage
-
-    def create(self, what: str, nbytes: int) -> ShardFile: ...
-
-    def remove(self, shard: ShardFile) -> None: ...
-
-    def close(self) -> None: ...
-
-    def live_runs_hint(self) -> str: ...
 
 
 class NvmeTier:
