@@ -110,6 +110,8 @@ def decode(value: Any, kind: Any, name: str) -> Any:
             return None
         errors = []
         for alt in args:
+            if alt is type(None):  # not None: said above
+                continue
             try:
                 return decode(value, alt, name)
             except ValueError as error:
@@ -117,10 +119,11 @@ def decode(value: Any, kind: Any, name: str) -> Any:
         raise ValueError("; ".join(errors))
     if origin in (list, tuple):
         items = _list(value, name)
-        if origin is tuple and len(_item_kinds(kind, items)) != len(items):
-            raise ValueError(f"{name} should have {len(args)} items, got {value!r}")
+        kinds = _item_kinds(kind, items)
+        if len(kinds) != len(items):
+            raise ValueError(f"{name} should have {len(kinds)} items, got {value!r}")
         decoded = [decode(item, item_kind, f"{name}[{i}]")
-                   for i, (item, item_kind) in enumerate(zip(items, _item_kinds(kind, items)))]
+                   for i, (item, item_kind) in enumerate(zip(items, kinds))]
         return decoded if origin is list else tuple(decoded)
     if origin is dict:
         pairs = [_list(pair, f"{name}[{i}]") for i, pair in enumerate(_list(value, name))]
