@@ -7,8 +7,8 @@ The example's GPT trains ``--steps`` steps under configs/cpu.yaml in fp32, once 
 ``activations.tier: hbm`` and once with ``dram`` (every saved tensor of at least 1 MiB in a
 DRAM block of ``--dram-bytes``), alternating the two runs' steps' timings after one warm-up
 step each. It prints each run's median step, the bytes of saved tensors the device kept at the
-peak of a forward, the bytes copied to DRAM a step, and whether the two runs' weights are equal
-bit for bit. On a CPU the device is the host's memory, so the copy is the whole cost and none of
+peak of the last step's forward (what the engine's probe counts), the bytes copied to DRAM a
+step, and whether the two runs' weights are equal bit for bit. On a CPU the device is the host's memory, so the copy is the whole cost and none of
 it overlaps; on a GPU the copies run on the offload stream beside the compute.
 """
 from __future__ import annotations
@@ -72,7 +72,7 @@ def main() -> None:
         store = engine.runtime.activations
         states[tier] = engine.full_state_dict()
         print(f"{tier:<12} {statistics.median(seconds[tier]):>8.3f} "
-              f"{store.on_device.take_peak() / 2**20:>13.1f} MiB "
+              f"{engine.runtime.probe.last_activations / 2**20:>13.1f} MiB "
               f"{store.offloaded_bytes / len(data) / 2**20:>11.1f} MiB")
         engine.close()
     equal = all(torch.equal(states["hbm"][k], states["dram"][k]) for k in states["hbm"])

@@ -45,7 +45,7 @@ def train(checkpointed: bool, activations: dict | None = None, policy: str = "cp
     try:
         state = run_engine(engine, opt)
         store = engine.runtime.activations
-        counted = {"on_device": store.on_device.take_peak(),
+        counted = {"on_device": engine.runtime.probe.last_activations,
                    "offloaded": store.offloaded_bytes,
                    "arena": engine.memory_report()["dram"],
                    "host": type(engine.runtime.host).__name__}

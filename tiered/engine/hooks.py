@@ -147,7 +147,6 @@ class UnitHooks:
             # Ends a backward that raised before its end callback (StepState.recover) first.
             if self.state.start_forward() and torch.is_grad_enabled():
                 self.runtime.probe.forward_started()
-                self.runtime.activations.start_forward()
                 # Outermost: what any part of the forward keeps for backward passes through it
                 # (a unit's own hooks hand it what is not the unit's weights, see [Note: outer
                 # saved-tensor hooks]), and what checkpointing recomputes does not.
@@ -272,11 +271,13 @@ class UnitHooks:
         return tensor if outer is None else outer[0](tensor)
 
     def _count_saved(self, outer: _SavedHooks | None, tensor: torch.Tensor):
-        """The outermost pack: what the forward saves that is not a unit's weights is counted,
-        then kept by the caller's hooks where there are any, else by the engine's store
-        ([Note: activations in DRAM])."""
+        """The outermost pack: what the forward saves that is not a unit's weights is kept by
+        the caller's hooks where there are any, else by the engine's store ([Note: activations
+        in DRAM]), and counted where it stays on the device."""
+        if outer is None:
+            return self.runtime.activations.pack(tensor)
         self.runtime.probe.saved.add(tensor)
-        return self.runtime.activations.pack(tensor) if outer is None else outer[0](tensor)
+        return outer[0](tensor)
 
     def _unpack_saved(self, outer: _SavedHooks | None, packed):
         return self.runtime.activations.unpack(packed) if outer is None else outer[1](packed)

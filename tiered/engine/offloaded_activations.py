@@ -9,7 +9,9 @@ checkpoint's). With ``activations.tier: dram``, one on the compute device of at 
 ``activations.min_bytes`` is copied into the plan's DRAM block for activations (the staging
 buffer "activations", ``activations.dram_bytes`` of it, pinned and counted against the DRAM
 budget like every block of the tier) and the device's copy is let go; its backward copies it
-back. What does not fit the block stays on the device, as with ``tier: hbm``.
+back. What does not fit the block stays on the device, as with ``tier: hbm``; what stays is
+what the step's probe counts as its activations (``plan_report()``, the re-plan of ``tier:
+auto``), so that offloaded bytes are not planned for on the device.
 
 The block is a bump arena: each tensor takes the next free bytes, and the arena starts over
 once no tensor in it is held any more (autograd drops what it saved once a backward used it,
@@ -60,31 +62,26 @@ class SavedActivations:
     """The engine's saved-tensor store (see [Note: activations in DRAM])."""
 
     def __init__(self, policy: ActivationsPolicy, device: torch.device, streams: Streams,
-                 arena: torch.Tensor | None):
+                 arena: torch.Tensor | None, kept: SavedBytes):
         """``arena``: the plan's DRAM block for activations (a uint8 tensor), None when the
-        policy keeps them on the device."""
+        policy keeps them on the device; ``kept``: where what stays on the device is counted
+        (the step's probe: what the re-plan and plan_report read as its activations)."""
         self.device = device
         self.streams = streams
         self.min_bytes = policy.min_bytes
         self.arena = arena if policy.tier is Tier.DRAM else None
+        self.kept = kept
         self._used = 0
         self._held = 0
         """Tensors in the arena that autograd still holds."""
-        self.on_device = SavedBytes()
-        """Bytes of saved tensors the device keeps, per forward (peak: the most since
-        :meth:`SavedBytes.take_peak`)."""
         self.offloaded_bytes = 0
         """Bytes copied to DRAM since the engine started."""
-
-    def start_forward(self) -> None:
-        self.on_device.start()
 
     def pack(self, tensor: torch.Tensor):
         """What autograd keeps for ``tensor``: its place in DRAM, or the tensor itself."""
         place = self._place_for(tensor)
         if place is None:
-            if tensor.device == self.device:
-                self.on_device.add(tensor)
+            self.kept.add(tensor)
             return tensor
         assert self.arena is not None
         nbytes = tensor.numel() * tensor.element_size()
