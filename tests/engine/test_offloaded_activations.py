@@ -21,7 +21,8 @@ from tiered.service.client import JOB_ENV, SERVICE_ENV
 from distributed import run_ranks
 from gpt import GPT
 from helpers import CONFIGS, assert_same, own_service
-from helpers_models import OPTIM, SEQ, VOCAB, assert_parity, run_engine, train_torch
+from helpers_models import (OPTIM, SEQ, VOCAB, assert_parity, make_model, run_engine,
+                            train_torch)
 
 OFFLOADED = {"tier": "dram", "dram_bytes": "1MiB", "min_bytes": 0}
 
@@ -29,8 +30,7 @@ OFFLOADED = {"tier": "dram", "dram_bytes": "1MiB", "min_bytes": 0}
 def model(checkpointed: bool) -> GPT:
     """The parity GPT; ``checkpointed``: each block under non-reentrant activation
     checkpointing, its input what the forward saves of it."""
-    torch.manual_seed(0)
-    gpt = GPT(VOCAB, 32, 2, 2, max_seq=SEQ, tied=True, qkv_bias=False)
+    gpt = make_model()
     gpt.checkpointed = checkpointed
     return gpt
 
