@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tiered.ops.long_sequence import IGNORE_INDEX, chunked_cross_entropy, tiled
+
 
 class Block(nn.Module):
     """Pre-norm transformer block: causal self-attention and a 4x GELU MLP."""
@@ -22,13 +24,23 @@ class Block(nn.Module):
         self.fc = nn.Linear(dim, 4 * dim)
         self.out = nn.Linear(4 * dim, dim)
 
+    mlp_tile_tokens = 0
+    """Compute the MLP this many tokens at a time (0: all at once): one tile's 4x intermediate
+    is alive at a time, in forward and in backward (tiered.ops.long_sequence)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
         qkv = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, D // self.heads)
         q, k, v = qkv.transpose(1, 3).unbind(2)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(B, T, D))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        normed = self.ln2(x)
+        if self.mlp_tile_tokens:
+            return x + tiled(self.mlp, normed, self.mlp_tile_tokens)
+        return x + self.mlp(normed)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.gelu(self.fc(x)))
 
 
 class GPT(nn.Module):
@@ -60,13 +72,35 @@ class GPT(nn.Module):
         if self.pos is not None:
             nn.init.normal_(self.pos, std=0.02)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    loss_chunk_tokens = 0
+    """With labels, compute the vocabulary head and the loss this many tokens at a time (0: all
+    at once): the logits of one chunk are alive at a time (tiered.ops.long_sequence)."""
+
+    def tile_sequence(self, mlp_tokens: int = 0, loss_tokens: int = 0) -> "GPT":
+        """Bound a long sequence's memory: the MLPs run ``mlp_tokens`` tokens at a time, the
+        head and loss ``loss_tokens`` at a time (0: all at once)."""
+        for block in self.blocks:
+            block.mlp_tile_tokens = mlp_tokens
+        self.loss_chunk_tokens = loss_tokens
+        return self
+
+    def forward(self, idx: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits of ``idx``; with ``labels`` (of idx's shape; often idx itself), the mean
+        cross entropy of predicting each position's next label instead."""
         x = self.emb(idx)
         if self.pos is not None:
             x = x + self.pos[: idx.shape[1]]
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
-        return self.head(self.ln(x))
+        x = self.ln(x)
+        if labels is None:
+            return self.head(x)
+        if self.loss_chunk_tokens:
+            # The last position predicts nothing: labelled as ignored rather than sliced off,
+            # which would copy the hidden states.
+            following = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+            return chunked_cross_entropy(x, self.head, following, self.loss_chunk_tokens)
+        return next_token_loss(self.head(x), labels)
 
 
 class LoRALinear(nn.Linear):

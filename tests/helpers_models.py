@@ -56,14 +56,19 @@ def ddp_gradients(model, idx: torch.Tensor, world: int) -> list[torch.Tensor]:
     return grads
 
 
+def model_loss(model, idx: torch.Tensor) -> torch.Tensor:
+    """The loss the parity runs take: each next token's cross entropy from the logits."""
+    return next_token_loss(model(idx), idx)
+
+
 def run_engine(engine, optimizer, scheduler=None, steps: slice = slice(None), rank: int = 0,
-               world: int = 1) -> dict:
+               world: int = 1, loss=model_loss) -> dict:
     """The engine's side of train_torch: this rank's rows of each batch (DDP's split)."""
     rows = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
     for micro_batches in batches()[steps]:
         for idx in micro_batches:
             idx = idx[rows].to(engine.device)
-            (next_token_loss(engine(idx), idx) / MICRO).backward()
+            (loss(engine, idx) / MICRO).backward()
         optimizer.step()
         optimizer.zero_grad()
         if scheduler is not None:
@@ -86,14 +91,14 @@ def train_batches(engine, optimizer, batches, rank: int = 0, world: int = 1) -> 
 
 
 def train_torch(model, optimizer, max_grad_norm: float | None = None, scheduler=None,
-                device: str = "cpu", steps: slice = slice(None)) -> dict:
+                device: str = "cpu", steps: slice = slice(None), loss=model_loss) -> dict:
     """The PyTorch side of the parity tests: MICRO micro-batches a step, clipping, then the
     optimizer, then the scheduler (if any), as the engine's side runs them; ``steps`` picks
     which of the steps' batches."""
     for micro_batches in batches()[steps]:
         for idx in micro_batches:
             idx = idx.to(device)
-            (next_token_loss(model(idx), idx) / MICRO).backward()
+            (loss(model, idx) / MICRO).backward()
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         optimizer.step()

@@ -66,6 +66,8 @@ class FlatParam:
         self._placeholders = [ReleasedWeight(p.shape, dtype, p.names[0], self.name, p.trainable,
                                              device) for p in spec.params]
         """What the modules hold while the unit is released ([Note: released weights])."""
+        self.views_bound = False
+        """Whether the modules hold views of ``full`` (else the placeholders)."""
 
     @property
     def placeholders(self) -> list[ReleasedWeight]:
@@ -117,6 +119,7 @@ class FlatParam:
     def bind_placeholders(self) -> None:
         """Point every holder at its parameter's placeholder (the unit is released)."""
         self._bind(self._placeholders)
+        self.views_bound = False
 
     def own_shard(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a padded flat tensor."""
@@ -134,6 +137,7 @@ class FlatParam:
         self._bind([piece.view(param.shape) if param.trainable
                     else piece.detach().view(param.shape)
                     for param, piece in zip(self.spec.params, pieces)])
+        self.views_bound = True
 
     def _bind(self, tensors: Sequence[torch.Tensor]) -> None:
         """Point every holder of each parameter at its tensor (one per parameter)."""

@@ -293,6 +293,11 @@ class UnitHooks:
                     f"backward before optimizer.step()")
             self.state.enter_backward()
             self._use_in_backward(flat)
+            if not flat.views_bound:
+                # A recomputation inside backward may read the weights from the modules, not
+                # from what was saved (tiered.ops' tiles: [Note: weights a recomputation reads]).
+                with torch.enable_grad():
+                    flat.bind_views()
             self._started.setdefault(flat.spec.index, self.runtime.probe.mark())
             if torch.is_grad_enabled():
                 # A backward with create_graph=True: the graph it builds keeps this tensor, and
