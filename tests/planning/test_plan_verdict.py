@@ -52,13 +52,14 @@ def write(path, data) -> str:
     return str(path)
 
 
-def plan(capsys, folder, dram_bytes: int, *args: str, policy: dict | None = None) -> dict:
-    """``tiered plan --json`` of the 8-layer model at batch 2 x 32 on a node of
+def plan(capsys, folder, dram_bytes: int, *args: str, policy: dict | None = None,
+         seq: str = "32") -> dict:
+    """``tiered plan --json`` of the 8-layer model at batch 2 x ``seq`` on a node of
     ``dram_bytes``."""
     node_file = write(folder / "node.json", dataclasses.asdict(rates(dram_bytes)))
     policy_file = write(folder / "policy.yaml", {"compute_dtype": "fp32", **(policy or {})})
     assert main(["plan", str(folder / "model"), "--policy", policy_file, "--node", node_file,
-                 "--batch", "2", "--seq", "32", *args, "--json"]) == 0
+                 "--batch", "2", "--seq", seq, *args, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -198,3 +199,55 @@ def test_a_node_without_memory_known_cannot_place_tier_auto(folder, capsys):
     assert main(["plan", str(folder / "model"), "--policy",
                  os.path.join(REPO, "configs", "auto.yaml"), "--node", node_file]) == 2
     assert "set hbm.budget in the policy, or give --node" in capsys.readouterr().err
+
+
+def test_the_longest_sequence_of_each_activation_tier_fits_and_one_step_longer_does_not(
+        folder, capsys):
+    """The longest sequences are solved from two counts (planning/longest.py); planning at
+    them counts the activations anew: at the hbm length they fit beside the plan and its
+    margin, a step longer they do not; at the dram length they fit the DRAM tier's room. (In
+    this tiny model one layer's recomputation outweighs every checkpoint, so the device's
+    share bounds the dram length below the hbm one.)"""
+    policy = {"params": {"tier": "dram"}, "grads": {"tier": "dram"},
+              "optimizer": {"tier": "dram"}}
+    asked = plan(capsys, folder, 512 * MiB, "--checkpointing", policy=policy)
+    longest = asked["sequences"]
+    assert longest["batch"] == 2 and longest["on_device"] % 256 == 0 < longest["on_device"]
+
+    def hbm_at(seq: int) -> dict:
+        planned = plan(capsys, folder, 512 * MiB, "--checkpointing", policy=policy,
+                       seq=str(seq))
+        return planned, next(room for room in planned["verdict"]["tiers"]
+                             if room["tier"] == "hbm")
+
+    _, fitting = hbm_at(longest["on_device"])
+    _, longer = hbm_at(longest["on_device"] + 256)
+    assert fitting["over"] == 0 and longer["over"] > 0
+    at_dram_length, _ = hbm_at(longest["in_dram"])
+    dram_room = at_dram_length["budgets"]["dram"] - at_dram_length["needed"]["dram"]
+    counted = at_dram_length["batch"]["activations"]
+    assert counted <= dram_room and longest["in_dram"] > 0
+    assert abs(longest["dram_bytes"] - counted) <= counted // 1000  # the line through two counts
+    assert longest["copies_s"] == pytest.approx(2 * counted / 10e9, rel=1e-3)  # 10 GB/s each way
+    main(["plan", str(folder / "model"), "--policy", str(folder / "policy.yaml"), "--node",
+          str(folder / "node.json"), "--batch", "2", "--seq", "32", "--checkpointing"])
+    assert f"longest sequence at batch 2: {longest['on_device']:,} tokens with activations " \
+           f"in hbm, {longest['in_dram']:,} in dram" in capsys.readouterr().out
+
+
+def test_no_longest_sequence_is_said_for_a_cpu_device(folder, capsys):
+    assert plan(capsys, folder, 64 * MiB, policy={"device": "cpu"})["sequences"] is None
+
+
+def test_tiles_take_the_logits_and_mlp_intermediates_out_of_the_planned_activations(
+        folder, capsys):
+    """--tile plans the model as tile_sequence computes it (tiered.ops.long_sequence): the
+    forward keeps neither its MLPs' intermediates nor its logits, so the same batch keeps less
+    and a longer sequence fits."""
+    untiled = plan(capsys, folder, 512 * MiB, "--checkpointing")
+    tiled = plan(capsys, folder, 512 * MiB, "--checkpointing", "--tile", "16")
+    tokens, vocab, fp32 = 2 * 32, 256, 4
+    assert untiled["batch"]["activations"] - tiled["batch"]["activations"] >= tokens * vocab * fp32
+    assert tiled["sequences"]["on_device"] > untiled["sequences"]["on_device"]
+    assert main(["plan", str(folder / "model"), "--tile", "16"]) == 2
+    assert "--tile changes the activations only" in capsys.readouterr().err

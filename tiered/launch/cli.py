@@ -12,7 +12,7 @@
     tiered daemon stop
     tiered node [--nvme PATH] [--remeasure] [--json]   this node's rates, measured once, cached
     tiered plan MODEL [--policy FILE] [--nvme PATH] [--ranks N] [--node FILE] [--batch B --seq S]
-                      [--lora RANK] [--checkpointing] [--json]
+                      [--lora RANK] [--checkpointing] [--tile TOKENS] [--json]
                                                     bytes per tier and the predicted step of a
                                                     model (HF config or module:factory)
     tiered version
@@ -146,7 +146,7 @@ def _node(args) -> int:
 def _plan(args) -> int:
     report = answer(question_of(args.model, args.policy, args.nvme, args.ranks, args.node,
                                 args.batch, args.seq, args.lora, args.checkpointing,
-                                _compute_dtype_here))
+                                _compute_dtype_here, args.tile))
     print(json.dumps(report.to_dict()) if args.json else report.table())
     return 0
 
@@ -283,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
                       help="LoRA adapters of RANK on every linear layer (peft), the rest frozen")
     plan.add_argument("--checkpointing", action="store_true", help="a Hugging Face model's "
                       "activation checkpointing on, for --batch's activations")
+    plan.add_argument("--tile", type=int, default=None, metavar="TOKENS",
+                      help="the MLPs and the loss computed TOKENS tokens at a time "
+                           "(tiered.ops.long_sequence), for --batch's activations")
     plan.add_argument("--node", default=None, metavar="FILE", help="another node's rates and "
                       "memory, as `tiered node --json` printed them there (default: this "
                       "node's, if measured)")

@@ -28,12 +28,13 @@ from ..core import progress
 from ..core.errors import TieredError, UsageError
 from ..engine.build import flat_units
 from ..engine.flat import FlatParam
+from ..planning.longest import Growth, SequenceFit, longest_sequences
 from ..planning.node import NodeMemory, NodeRates, cached_node_rates
 from ..planning.report import PlanReport
 from ..planning.verdict import Suggestion
 from ..policy.config import MomentsDtype, Policy, Tier, resolve
-from .plan_model import (batch_activations, model_on_meta, node_memory, plan_model,
-                         planned_on_gpu, read_node)
+from .plan_model import (batch_activations, forward_bytes, margin_of, model_on_meta,
+                         node_memory, plan_model, planned_on_gpu, read_node)
 
 LORA_RANK = 16
 """The LoRA rank suggested for a full fine-tune that does not fit (a common choice)."""
@@ -53,30 +54,34 @@ class PlanQuestion:
     seq: int | None = None
     lora: int | None = None
     checkpointing: bool = False
+    tile: int | None = None
+    """Tokens a tile of the MLPs and the loss (tiered.ops.long_sequence), or None."""
 
 
 def question_of(spec: str, policy_file: str | None, nvme: str | None, ranks: int,
                 node: str | None, batch: int | None, seq: int | None, lora: int | None,
                 checkpointing: bool,
-                concrete: Callable[[Policy], tuple[Policy, str]]) -> PlanQuestion:
+                concrete: Callable[[Policy], tuple[Policy, str]],
+                tile: int | None = None) -> PlanQuestion:
     """The question the command's arguments ask; a bad one is refused by name.
     ``concrete(policy)``: the policy with ``compute_dtype: auto`` made concrete as the command
     decides it (the node file does not say what its device computes natively)."""
     for flag, value in (("--ranks", ranks), ("--batch", batch), ("--seq", seq),
-                        ("--lora", lora)):
+                        ("--lora", lora), ("--tile", tile)):
         if value is not None and value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
     if (batch is None) != (seq is None):
         raise UsageError("--batch and --seq go together: the sequences and their tokens")
-    if checkpointing and batch is None:
-        raise UsageError("--checkpointing changes the activations only: give --batch and "
-                         "--seq too")
+    for flag, given in (("--checkpointing", checkpointing), ("--tile", tile is not None)):
+        if given and batch is None:
+            raise UsageError(f"{flag} changes the activations only: give --batch and --seq too")
     path = os.path.abspath(os.path.expanduser(nvme)) if nvme else None
     policy = resolve(policy_file, {"nvme": {"path": path}} if path else {})
     rates = read_node(node) if node else cached_node_rates(policy.nvme.path)
     memory = node_memory(rates, from_file=node is not None)
     policy, _ = concrete(policy)
-    return PlanQuestion(spec, policy, ranks, rates, memory, batch, seq, lora, checkpointing)
+    return PlanQuestion(spec, policy, ranks, rates, memory, batch, seq, lora, checkpointing,
+                        tile)
 
 
 class _Planner:
@@ -89,12 +94,16 @@ class _Planner:
         self._flats: dict[tuple, list[FlatParam]] = {}
         self._activations: dict[tuple, tuple[int, int]] = {}
 
+    def _model(self, question: PlanQuestion, checkpointing: bool) -> nn.Module:
+        key = (question.lora, checkpointing, question.tile)
+        if key not in self._models:
+            self._models[key] = model_on_meta(question.spec, question.lora, checkpointing,
+                                              question.tile)
+        return self._models[key]
+
     def report(self, question: PlanQuestion) -> PlanReport:
-        model_key = (question.lora, question.checkpointing)
-        if model_key not in self._models:
-            self._models[model_key] = model_on_meta(question.spec, question.lora,
-                                                    question.checkpointing)
-        model, policy = self._models[model_key], question.policy
+        model_key = (question.lora, question.checkpointing, question.tile)
+        model, policy = self._model(question, question.checkpointing), question.policy
         batch = None
         if question.batch is not None and question.seq is not None:
             for_gpu = planned_on_gpu(policy, question.memory)
@@ -108,6 +117,37 @@ class _Planner:
             self._flats[cut] = flat_units(model, policy, 0, question.ranks, torch.device("cpu"))
         return plan_model(model, policy, question.ranks, question.rates, batch,
                           question.memory, self._flats[cut])
+
+
+    def longest(self, question: PlanQuestion, report: PlanReport) -> SequenceFit | None:
+        """The longest sequence at the question's batch for each activation tier (see [Note:
+        the longest sequence]): for a GPU, with --batch and --seq."""
+        policy, batch, seq = question.policy, question.batch, question.seq
+        if (batch is None or seq is None or report.batch is None
+                or not planned_on_gpu(policy, question.memory)
+                or report.budgets.get(Tier.HBM) is None):
+            return None
+
+        def growth(checkpointing: bool, at_seq: int | None = None) -> Growth:
+            model = self._model(question, checkpointing)
+            at = at_seq if at_seq is not None else forward_bytes(
+                model, question.spec, policy, batch, seq, True)
+            return Growth.through(seq, at, forward_bytes(model, question.spec, policy, batch,
+                                                         2 * seq, True))
+
+        saved = growth(question.checkpointing, report.batch.activations)
+        whole = saved if not question.checkpointing else growth(False)
+        units = max(1, len(self._flats[(question.lora, question.checkpointing, question.tile,
+                                        policy.units, policy.compute_dtype,
+                                        question.ranks)]) - 1)
+        hbm_room = (report.budgets[Tier.HBM] or 0) - report.needed[Tier.HBM] \
+            - margin_of(report.budgets)
+        dram_budget = report.budgets.get(Tier.DRAM)
+        dram_room = None if dram_budget is None else dram_budget - report.needed[Tier.DRAM]
+        rates = question.rates
+        pinned = (None if rates is None or not rates.d2h_gbps or not rates.h2d_gbps
+                  else (rates.d2h_gbps, rates.h2d_gbps))
+        return longest_sequences(batch, saved, whole.shared(units), hbm_room, dram_room, pinned)
 
 
 Change = tuple[str, Callable[[PlanQuestion], "PlanQuestion | None"]]
@@ -124,6 +164,7 @@ def answer(question: PlanQuestion) -> PlanReport:
     planner = _Planner()
     report = planner.report(question)
     assert report.verdict is not None  # plan_model gives one
+    report = dataclasses.replace(report, sequences=planner.longest(question, report))
     if report.verdict.fits:
         return report
     placements, others = _placement_changes(question), _task_changes(question, report)

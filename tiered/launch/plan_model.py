@@ -57,12 +57,16 @@ from ..planning.verdict import TierRoom, Verdict
 from ..policy.config import Device, Policy, Tier
 
 
-def model_on_meta(spec: str, lora: int | None = None, checkpointing: bool = False) -> nn.Module:
+def model_on_meta(spec: str, lora: int | None = None, checkpointing: bool = False,
+                  tile: int | None = None) -> nn.Module:
     """The model ``spec`` names (see the module note), its parameters on the meta device;
     with ``lora``, adapters of that rank on every linear layer, the rest frozen; with
     ``checkpointing``, a Hugging Face model's activation checkpointing on (each decoder layer
-    keeps its input only, and recomputes the rest in backward)."""
+    keeps its input only, and recomputes the rest in backward); with ``tile``, its MLPs and
+    loss computed that many tokens at a time (tiered.ops.long_sequence)."""
     model = _named_model(spec)
+    if tile is not None:
+        _tiled(model, spec, tile)
     if checkpointing:
         # activation_checkpointing_enable: gradient_checkpointing_enable's name since
         # transformers 5.2x, the old one deprecated
@@ -76,6 +80,27 @@ def model_on_meta(spec: str, lora: int | None = None, checkpointing: bool = Fals
         if config is not None:
             config.use_cache = False  # as a checkpointed fine-tune sets it: no cache to keep
     return model if lora is None else _with_lora(model, lora, os.path.exists(spec))
+
+
+def _tiled(model: nn.Module, spec: str, tokens: int) -> None:
+    """The model's MLPs and loss ``tokens`` tokens at a time: a Hugging Face causal LM's by
+    tiered.integrations.long_sequence, a factory's model's by its own ``tile_sequence`` (the
+    example GPT's)."""
+    if os.path.exists(spec):
+        try:
+            from ..integrations.long_sequence import tile_sequence
+        except ImportError:
+            raise UsageError("--tile tiles a Hugging Face model with transformers (the 'hf' "
+                             "extra: pip install 'tiered[hf]')") from None
+        try:
+            tile_sequence(model, mlp_tokens=tokens, loss_tokens=tokens)
+        except TieredError as error:
+            raise UsageError(f"--tile {tokens}: {error}") from None
+    elif hasattr(model, "tile_sequence"):
+        model.tile_sequence(mlp_tokens=tokens, loss_tokens=tokens)
+    else:
+        raise UsageError(f"--tile: MODEL {spec!r} is neither a Hugging Face model nor one with "
+                         f"a tile_sequence(mlp_tokens, loss_tokens) method")
 
 
 def _with_lora(model: nn.Module, rank: int, hugging_face: bool) -> nn.Module:
@@ -299,7 +324,7 @@ def plan_model(model: nn.Module, policy: Policy, ranks: int, rates: NodeRates | 
         rows, seq, kept, per_sequence = batch
         largest, hbm_budget = None, shown[Tier.HBM]
         if hbm_budget is not None and per_sequence > 0:
-            room = (hbm_budget - plan.needed(Tier.HBM) - _margin(shown)
+            room = (hbm_budget - plan.needed(Tier.HBM) - margin_of(shown)
                     - (kept - rows * per_sequence))
             largest = max(0, room // per_sequence)
         fit = BatchFit(rows, seq, kept, per_sequence, largest)
@@ -308,7 +333,7 @@ def plan_model(model: nn.Module, policy: Policy, ranks: int, rates: NodeRates | 
     return dataclasses.replace(report, batch=fit, verdict=verdict)
 
 
-def _margin(shown: dict[Tier, int | None]) -> int:
+def margin_of(shown: dict[Tier, int | None]) -> int:
     """What the re-plan leaves free beside the activations: 1/16 of the HBM budget."""
     return (shown[Tier.HBM] or 0) // MEASURED_MARGIN_SHARE
 
@@ -319,7 +344,7 @@ def _rooms(report: PlanReport, policy: Policy, budgets: NodeBudgets,
     """Each tier's needs against its budget (``shown``: the plan's budgets, for_plan; see
     planning/verdict.py); the activations and their margin are the HBM tier's, as BatchFit
     counts them."""
-    beside = 0 if fit is None else fit.activations + _margin(shown)
+    beside = 0 if fit is None else fit.activations + margin_of(shown)
     hbm, dram = report.needed[Tier.HBM] + beside, report.needed[Tier.DRAM]
     if on_cpu:
         rooms = [TierRoom(tier.value, needed, budget) for tier, needed, budget in

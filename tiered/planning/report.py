@@ -30,6 +30,7 @@ from ..core.report import format_table
 from ..core.sizes import format_size
 from ..placement.plan import OPTIMIZER_STATES, MemoryPlan, StateKind, reduce_dtype, state_dtype
 from ..policy.config import ComputeDtype, Policy, Tier
+from .longest import SequenceFit
 from .node import NodeRates
 from .verdict import Verdict
 
@@ -137,6 +138,8 @@ class PlanReport:
     """What ``tier: auto``'s re-plan after the first step did (engine/replan.py), once it ran."""
     batch: BatchFit | None = None
     """``tiered plan --batch --seq``'s activations and largest batch."""
+    sequences: SequenceFit | None = None
+    """``tiered plan --batch --seq``'s longest sequence for each activation tier (a GPU's)."""
     verdict: Verdict | None = None
     """``tiered plan``'s: whether the plan fits its node, and what would make it fit."""
 
@@ -163,6 +166,8 @@ class PlanReport:
                          f"rates of {self.rates_of}")
         if self.batch is not None:
             lines.append(self.batch.line())
+        if self.sequences is not None:
+            lines.append(self.sequences.line())
         measured = self.measured
         if measured is not None:
             line = (f"measured at step {measured.step}: forward and backward "
@@ -215,6 +220,8 @@ class PlanReport:
                 "predicted_s": self.predicted_s, "hbm_peak": self.hbm_peak,
                 "replanned": self.replanned,
                 "batch": None if self.batch is None else dataclasses.asdict(self.batch),
+                "sequences": (None if self.sequences is None
+                              else dataclasses.asdict(self.sequences)),
                 "verdict": None if self.verdict is None else self.verdict.to_dict()}
 
 
