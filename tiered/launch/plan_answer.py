@@ -163,8 +163,8 @@ def answer(question: PlanQuestion) -> PlanReport:
     where still nothing fits, any two or three together."""
     planner = _Planner()
     report = planner.report(question)
-    assert report.verdict is not None  # plan_model gives one
     report = dataclasses.replace(report, sequences=planner.longest(question, report))
+    assert report.verdict is not None  # plan_model gives one
     if report.verdict.fits:
         return report
     placements, others = _placement_changes(question), _task_changes(question, report)

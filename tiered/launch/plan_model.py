@@ -96,8 +96,8 @@ def _tiled(model: nn.Module, spec: str, tokens: int) -> None:
             tile_sequence(model, mlp_tokens=tokens, loss_tokens=tokens)
         except TieredError as error:
             raise UsageError(f"--tile {tokens}: {error}") from None
-    elif hasattr(model, "tile_sequence"):
-        model.tile_sequence(mlp_tokens=tokens, loss_tokens=tokens)
+    elif callable(own := getattr(model, "tile_sequence", None)):
+        own(mlp_tokens=tokens, loss_tokens=tokens)
     else:
         raise UsageError(f"--tile: MODEL {spec!r} is neither a Hugging Face model nor one with "
                          f"a tile_sequence(mlp_tokens, loss_tokens) method")
