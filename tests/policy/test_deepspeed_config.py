@@ -125,6 +125,22 @@ def test_every_key_of_a_published_config_is_honoured_ignored_or_left_to_the_scri
     assert "units" in ignored["zero_optimization.reduce_bucket_size"]
 
 
+@pytest.mark.parametrize("cpu_checkpointing", [True, False])
+def test_cpu_checkpointing_keeps_the_activations_in_dram(tmp_path, cpu_checkpointing):
+    """DeepSpeed's activation checkpointing section, every key of its documented shape: only
+    where the checkpoints are kept means something to tiered (issue 34)."""
+    data = {"zero_optimization": {"stage": 3},
+            "activation_checkpointing": {
+                "partition_activations": True, "cpu_checkpointing": cpu_checkpointing,
+                "contiguous_memory_optimization": False, "number_checkpoints": None,
+                "synchronize_checkpoint_boundary": False, "profile": False}}
+    path = write_json(tmp_path / "ds.json", data)
+    translation = read_deepspeed(path)
+    assert leaves(data) <= {note.key for note in translation.notes}
+    tier = resolve(str(path)).activations.tier
+    assert tier is (Tier.DRAM if cpu_checkpointing else Tier.HBM)
+
+
 def test_a_config_without_bf16_or_fp16_computes_in_fp32_and_without_offload_on_the_gpu(tmp_path):
     path = write_json(tmp_path / "ds.json", {"zero_optimization": {"stage": 3}})
     assert resolve(str(path)) == Policy.from_dict({

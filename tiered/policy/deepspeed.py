@@ -18,7 +18,7 @@ scaling, a key it does not know) is refused by name, every refusal at once, as s
 a YAML's errors. A key the file leaves out takes DeepSpeed's default where that changes the math
 (fp32 without bf16 or fp16, no offload: the GPU, fp16's loss_scale_window 1000) and tiered's own
 where it is only speed or memory (aio.queue_depth, sub_group_size).
-How each key is read is deepspeed_keys.py's, a table per section; here a file is recognized,
+How each key is read is deepspeed_sections.py's, a table per section; here a file is recognized,
 translated, written as YAML and its values compared with a training script's.
 """
 from __future__ import annotations
@@ -33,7 +33,8 @@ from typing import Any
 import yaml
 
 from ..core.errors import PolicyError
-from .deepspeed_keys import SCRIPT_VALUES, TOP_LEVEL, Fate, Note, Reader, shown
+from .deepspeed_keys import SCRIPT_VALUES, Fate, Note, Reader, shown
+from .deepspeed_sections import TOP_LEVEL, read_defaults
 from .file import read_yaml
 
 DEEPSPEED_ENV = "TIERED_DEEPSPEED_CONFIG"
@@ -41,7 +42,8 @@ DEEPSPEED_ENV = "TIERED_DEEPSPEED_CONFIG"
 explicit values to the TrainingArguments, as Hugging Face's integration does."""
 
 TIERED_SECTIONS = ("compute_dtype", "device", "params", "grads", "optimizer", "nvme", "hbm",
-                   "dram", "loss_scale", "units", "cpu", "prefetch", "trace", "tiling")
+                   "dram", "loss_scale", "units", "cpu", "prefetch", "activations", "trace",
+                   "tiling")
 """A tiered policy's top-level keys in the schema's order, the order a translation is written
 in (config.py's Policy fields; it imports this module, so they are listed here)."""
 
@@ -130,7 +132,7 @@ def translate(data: Mapping[str, Any], source: str) -> Translation:
                       "is one or the other (tiered policy from-deepspeed writes this one's "
                       "policy as YAML, to add tiered keys to)")
     reader.section({k: v for k, v in data.items() if k not in mixed}, "", TOP_LEVEL)
-    reader.defaults()
+    read_defaults(reader)
     if reader.errors:
         lines = reader.errors
         raise PolicyError(lines[0] if len(lines) == 1 else f"{len(lines)} errors:\n"
