@@ -13,8 +13,8 @@ from helpers_hf import arguments, assert_close_states, dataset, llama, lora, tra
 transformers = pytest.importorskip("transformers")
 
 from tiered.core.errors import TieredError  # noqa: E402
-from tiered.integrations.long_sequence import tile_sequence  # noqa: E402
 from tiered.integrations.transformers import TieredTrainer  # noqa: E402
+from tiered.ops.causal_lm import tile_sequence  # noqa: E402
 
 SEQ = 128
 SUMMED_BY_TILE = ("mlp", "lm_head")

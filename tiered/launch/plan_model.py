@@ -48,6 +48,7 @@ from ..engine.build import flat_units, forward_order, memory_plan
 from ..engine.flat import FlatParam
 from ..placement.budgets import dram_beside_hbm, split_shared_ram
 from ..placement.plan import MemoryPlan
+from ..ops.causal_lm import tile_sequence
 from ..planning.activations import forward_activations
 from ..planning.blocks import extrapolated, repeated_blocks, with_blocks
 from ..planning.node import NodeMemory, NodeRates, this_node_memory
@@ -84,14 +85,9 @@ def model_on_meta(spec: str, lora: int | None = None, checkpointing: bool = Fals
 
 def _tiled(model: nn.Module, spec: str, tokens: int) -> None:
     """The model's MLPs and loss ``tokens`` tokens at a time: a Hugging Face causal LM's by
-    tiered.integrations.long_sequence, a factory's model's by its own ``tile_sequence`` (the
+    tiered.ops.causal_lm, a factory's model's by its own ``tile_sequence`` (the
     example GPT's)."""
     if os.path.exists(spec):
-        try:
-            from ..integrations.long_sequence import tile_sequence
-        except ImportError:
-            raise UsageError("--tile tiles a Hugging Face model with transformers (the 'hf' "
-                             "extra: pip install 'tiered[hf]')") from None
         try:
             tile_sequence(model, mlp_tokens=tokens, loss_tokens=tokens)
         except TieredError as error:

@@ -1,5 +1,8 @@
 """Tiled MLPs and a chunked loss for Hugging Face causal language models (Llama, Mistral,
 Qwen2 and their kind, peft-wrapped or not): ``tile_sequence(model, mlp_tokens, loss_tokens)``.
+transformers is not imported: what this needs of it, the model gives (its decoder, its head, the
+module its outputs' classes come from), so the planner and the trainer's integration, which
+build such models, both use it.
 
 The computation is tiered.ops.long_sequence's ([Note: tiles of the sequence]); what this module
 adds is where it goes in a Hugging Face model:
@@ -14,6 +17,7 @@ not be the head's cross entropy.
 """
 from __future__ import annotations
 
+import sys
 from functools import update_wrapper
 from typing import Any
 
@@ -22,13 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.errors import TieredError
-from ..ops.long_sequence import IGNORE_INDEX, chunked_cross_entropy, tiled
-
-try:
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-except ImportError as error:  # pragma: no cover - the message is the point
-    raise ImportError("tiered.integrations.long_sequence needs Hugging Face transformers: "
-                      "pip install 'tiered[hf]'") from error
+from .long_sequence import IGNORE_INDEX, chunked_cross_entropy, tiled
 
 
 def tile_sequence(model: nn.Module, mlp_tokens: int = 0, loss_tokens: int = 0) -> nn.Module:
@@ -95,8 +93,11 @@ class _ChunkedLoss:
         loss = chunked_cross_entropy(hidden, causal.get_output_embeddings(),
                                      shift_labels.to(hidden.device), self.tokens, num_items,
                                      ignore_index)
-        return CausalLMOutputWithPast(loss=loss, hidden_states=outputs.hidden_states,
-                                      attentions=outputs.attentions)
+        # The class the model's own forward returns, from the module of its decoder's outputs
+        # (transformers.modeling_outputs).
+        returned = sys.modules[type(outputs).__module__].CausalLMOutputWithPast
+        return returned(loss=loss, hidden_states=outputs.hidden_states,
+                        attentions=outputs.attentions)
 
 
 def _rewrap(module: nn.Module, wrapper: type, tokens: int) -> None:
