@@ -47,6 +47,7 @@ def train(checkpointed: bool, activations: dict | None = None, policy: str = "cp
         store = engine.runtime.activations
         counted = {"on_device": engine.runtime.probe.last_activations,
                    "offloaded": store.offloaded_bytes,
+                   "fetched_ahead": store.fetched_ahead_bytes,
                    "arena": engine.memory_report()["dram"],
                    "host": type(engine.runtime.host).__name__}
     finally:
@@ -125,12 +126,26 @@ def test_through_the_nodes_service_the_block_is_in_its_pool(tmp_path_factory, mo
 
 
 def test_on_the_simulated_device_every_copy_is_ordered(monkeypatch):
-    plain, _ = train(True, OFFLOADED)
+    plain, on_cpu = train(True, OFFLOADED)
     monkeypatch.setenv(DEVICE_ENV, "sim")
     with simulated_device().tracking():  # raises what would race on a GPU, as it ends
         simulated, moved = train(True, OFFLOADED)
     assert_same(simulated, plain, "on the simulated device")
     assert moved["offloaded"] > 0
+    # With streams, what backward reads next was copied back ahead of its reads; the CPU has
+    # no stream to copy ahead on.
+    assert moved["fetched_ahead"] > 0 and on_cpu["fetched_ahead"] == 0
+
+
+def test_a_read_not_waiting_for_its_copy_ahead_is_found(monkeypatch):
+    """The read's wait for the event of the copy back made ahead taken out: the compute stream
+    reads what the offload stream may still be writing."""
+    monkeypatch.setattr(offloaded_activations.SavedActivations, "_wait", lambda self, ready: None)
+    monkeypatch.setenv(DEVICE_ENV, "sim")
+    with pytest.raises(OrderingError) as found:
+        with simulated_device().tracking():
+            train(True, OFFLOADED)
+    assert "the offload stream" in str(found.value)
 
 
 def test_a_copy_back_not_waiting_for_its_copy_out_is_found(monkeypatch):

@@ -26,11 +26,22 @@ the copy out's event. The arena starts over only after every copy back was queue
 compute stream, and the next copy out waits for that stream: no copy back reads bytes a later
 copy out writes.
 
+Ahead of need (``activations.prefetch_bytes``, on a device with streams): backward reads what
+the forward saved in about the reverse of the order it was saved in. So each time backward
+reads a tensor in DRAM, the ones saved before it are copied back on the offload stream, nearest
+first, until the bytes copied back and not yet read reach ``prefetch_bytes``; a read finds its
+tensor there, waits for its copy's event, and hands it to the compute stream (``record_stream``:
+it was allocated on the offload stream). The copies back run on the offload stream behind the
+copies out, which wrote what they read. One that is never read (its graph freed) is let go with
+the saved tensor. Where streams are not (a CPU), there is nothing to overlap, and each tensor is
+copied back as it is read.
+
 The bits are the same as on the device: a copy is exact, and backward computes on what was
 saved.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +55,7 @@ ALIGN = 64
 """Bytes each tensor's place in the arena is aligned to (a cache line; any dtype's size)."""
 
 
-@dataclass
+@dataclass(eq=False)
 class _InDram:
     """A saved tensor's place in the arena, handed to autograd in its stead."""
 
@@ -53,9 +64,16 @@ class _InDram:
     shape: torch.Size
     dtype: torch.dtype
     ready: object  # the copy out's event, or None where there are no streams
+    order: int
+    """Its place among the tensors saved since the arena started over."""
+    read: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self.dtype.itemsize
 
     def __del__(self):
-        self.store._released()
+        self.store._released(self)
 
 
 class SavedActivations:
@@ -71,11 +89,21 @@ class SavedActivations:
         self.min_bytes = policy.min_bytes
         self.arena = arena if policy.tier is Tier.DRAM else None
         self.kept = kept
+        self.ahead_bytes = policy.prefetch_bytes if streams.offload is not None else 0
         self._used = 0
+        self._saved: list[weakref.ref[_InDram]] = []
+        """The tensors in the arena, in the order they were saved."""
         self._held = 0
         """Tensors in the arena that autograd still holds."""
+        self._fetched: dict[int, tuple[torch.Tensor, object]] = {}
+        """By order: the tensors copied back ahead of need, each with its copy's event."""
+        self._fetched_bytes = 0
+        self._next_fetch = -1
+        """The latest-saved tensor not yet considered for a copy ahead."""
         self.offloaded_bytes = 0
         """Bytes copied to DRAM since the engine started."""
+        self.fetched_ahead_bytes = 0
+        """Bytes copied back ahead of need since the engine started."""
 
     def pack(self, tensor: torch.Tensor):
         """What autograd keeps for ``tensor``: its place in DRAM, or the tensor itself."""
@@ -92,19 +120,53 @@ class SavedActivations:
         self.streams.keep_for_offload(tensor)
         self.offloaded_bytes += nbytes
         self._held += 1
-        return _InDram(self, place, tensor.shape, tensor.dtype, ready)
+        packed = _InDram(self, place, tensor.shape, tensor.dtype, ready, len(self._saved))
+        self._saved.append(weakref.ref(packed))
+        self._next_fetch = len(self._saved) - 1
+        return packed
 
     def unpack(self, packed):
         if not isinstance(packed, _InDram):
             return packed
-        assert self.arena is not None
-        nbytes = packed.shape.numel() * packed.dtype.itemsize
-        host = self.arena[packed.offset:packed.offset + nbytes].view(packed.dtype)
-        if packed.ready is not None:
-            self.streams.accelerator.current_stream().wait_event(packed.ready)
-        back = torch.empty(packed.shape, dtype=packed.dtype, device=self.device)
-        back.copy_(host.view(packed.shape), non_blocking=True)
+        fetched = self._fetched.pop(packed.order, None)
+        if fetched is None:
+            if packed.ready is not None:
+                self.streams.accelerator.current_stream().wait_event(packed.ready)
+            back = torch.empty(packed.shape, dtype=packed.dtype, device=self.device)
+            back.copy_(self._host(packed), non_blocking=True)
+        else:
+            back, ready = fetched
+            self._fetched_bytes -= packed.nbytes
+            self._wait(ready)
+            self.streams.accelerator.record_stream(back, self.streams.accelerator.current_stream())
+        packed.read = True
+        self._fetch_ahead(packed.order)
         return back
+
+    def _wait(self, ready) -> None:
+        """The compute stream waits for a copy back made ahead on the offload stream."""
+        self.streams.accelerator.current_stream().wait_event(ready)
+
+    def _fetch_ahead(self, order: int) -> None:
+        """Copy back, on the offload stream, the tensors saved before ``order`` that are not
+        read yet, nearest first, up to ``ahead_bytes`` copied and not yet read."""
+        self._next_fetch = min(self._next_fetch, order - 1)
+        while self._next_fetch >= 0 and self._fetched_bytes < self.ahead_bytes:
+            packed = self._saved[self._next_fetch]()
+            self._next_fetch -= 1
+            if packed is None or packed.read or packed.order in self._fetched:
+                continue
+            with self.streams.on_offload():  # behind the copy out that wrote it
+                back = torch.empty(packed.shape, dtype=packed.dtype, device=self.device)
+                back.copy_(self._host(packed), non_blocking=True)
+                self._fetched[packed.order] = (back, self.streams.record())
+            self._fetched_bytes += packed.nbytes
+            self.fetched_ahead_bytes += packed.nbytes
+
+    def _host(self, packed: _InDram) -> torch.Tensor:
+        assert self.arena is not None
+        return self.arena[packed.offset:packed.offset + packed.nbytes].view(
+            packed.dtype).view(packed.shape)
 
     def _place_for(self, tensor: torch.Tensor) -> int | None:
         """The arena offset ``tensor`` takes, or None when it stays where it is."""
@@ -116,11 +178,14 @@ class SavedActivations:
             return None
         if self._held == 0:
             self._used = 0
+            self._saved.clear()
         place = align_up(self._used, ALIGN)
         if place + nbytes > self.arena.numel():
             return None
         self._used = place + nbytes
         return place
 
-    def _released(self) -> None:
+    def _released(self, packed: _InDram) -> None:
         self._held -= 1
+        if self._fetched.pop(packed.order, None) is not None:  # copied back, never read
+            self._fetched_bytes -= packed.nbytes

@@ -372,6 +372,9 @@ class ActivationsPolicy:
     min_bytes: int = field(default=1 << 20, metadata=parsed_by(parse_size))
     """With ``tier: dram``: smaller saved tensors stay on the device (a copy each would cost
     more than the bytes it frees)."""
+    prefetch_bytes: int = field(default=256 << 20, metadata=parsed_by(parse_size))
+    """With ``tier: dram`` on a device with streams: how many bytes of the tensors backward
+    reads next are copied back ahead of need, beside the compute (0: each as it is read)."""
 
     def __post_init__(self):
         if self.tier not in (Tier.HBM, Tier.DRAM):
