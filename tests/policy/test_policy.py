@@ -176,7 +176,8 @@ def test_to_dict_is_the_schema_in_plain_types():
     assert set(d) == {"compute_dtype", "device", "params", "grads", "optimizer", "nvme", "hbm",
                       "dram", "loss_scale", "units", "cpu", "prefetch", "activations", "trace",
                       "tiling"}
-    assert d["activations"] == {"tier": "hbm", "dram_bytes": 1 << 30, "min_bytes": 1 << 20}
+    assert d["activations"] == {"tier": "hbm", "dram_bytes": 1 << 30, "min_bytes": 1 << 20,
+                                "prefetch_bytes": 256 << 20}
 
 
 @pytest.mark.parametrize("policy", [Policy(), Policy.from_dict(NON_DEFAULT)], ids=["defaults", "custom"])
