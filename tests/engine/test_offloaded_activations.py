@@ -201,3 +201,25 @@ def test_a_module_without_units_weights_saved_keeps_its_other_tensors_exact():
         return state
 
     assert_same(run(OFFLOADED), run(None), "indices and masks in DRAM")
+
+
+def test_under_tier_auto_the_block_is_planned_beside_the_units():
+    """tier: auto places the units with the activations' block counted in DRAM, and trains as
+    with the activations on the device."""
+    def run(activations: dict | None) -> tuple[dict, dict]:
+        engine, optimizer = tiered.initialize(
+            model(True), str(CONFIGS / "auto.yaml"), compute_dtype="fp32", device="cpu",
+            optimizer=dict(OPTIM), hbm={"budget": "64MiB", "reserve": 0},
+            **({"activations": activations} if activations else {}))
+        try:
+            return run_engine(engine, optimizer), {
+                "offloaded": engine.runtime.activations.offloaded_bytes,
+                "dram": engine.memory_report()["dram"]["current"]}
+        finally:
+            engine.close()
+
+    on_device, kept = run(None)
+    in_dram, moved = run(OFFLOADED)
+    assert_same(in_dram, on_device, "tier: auto")
+    assert moved["offloaded"] > 0 and kept["offloaded"] == 0
+    assert moved["dram"] - kept["dram"] == 1 << 20  # the block, beside the units' states

@@ -480,3 +480,18 @@ def test_the_examples_tokenizer_decodes_the_text_it_encoded(tmp_path):
     assert len(ids) == len(text) and tokenizer.decode(ids) == text
     tokenizer.save_pretrained(tmp_path)
     assert transformers.AutoTokenizer.from_pretrained(tmp_path).decode(ids) == text
+
+
+def test_lora_with_checkpointed_activations_in_dram_trains_as_plain_peft(tmp_path):
+    """peft's adapters over a checkpointed Llama, what the forward saves kept in DRAM (issue
+    34): the same as plain Trainer over the same peft model."""
+    data = dataset()
+    args = dict(gradient_checkpointing=True, max_steps=3)
+    expected, _ = train_plain(lora(llama()), arguments(tmp_path / "plain", **args), data)
+    policy = dict(CPU, activations={"tier": "dram", "dram_bytes": "16MiB", "min_bytes": 0})
+    trainer = tiered_run(lora(llama()), arguments(tmp_path / "tiered", **args), data, policy)
+    got = trainer.engine.full_state_dict()
+    offloaded = trainer.engine.runtime.activations.offloaded_bytes
+    trainer.engine.close()
+    assert_close_states(got, expected)
+    assert offloaded > 0
