@@ -251,3 +251,20 @@ def test_tiles_take_the_logits_and_mlp_intermediates_out_of_the_planned_activati
     assert tiled["sequences"]["on_device"] > untiled["sequences"]["on_device"]
     assert main(["plan", str(folder / "model"), "--tile", "16"]) == 2
     assert "--tile changes the activations only" in capsys.readouterr().err
+
+
+def test_activations_in_dram_are_counted_in_the_block_not_in_hbm(folder, capsys):
+    """With ``activations.tier: dram`` the batch's activations fill the DRAM block first (the
+    plan's DRAM holds the block) and only the rest is the device's: the HBM tier needs that
+    much less, and a larger batch fits."""
+    on_device = plan(capsys, folder, 512 * MiB)
+    block = on_device["batch"]["activations"] // 2
+    in_dram = plan(capsys, folder, 512 * MiB,
+                   policy={"activations": {"tier": "dram", "dram_bytes": block}})
+    assert in_dram["batch"]["in_dram"] == block
+    hbm = {answer["batch"]["in_dram"]: next(room for room in answer["verdict"]["tiers"]
+                                            if room["tier"] == "hbm")["needed"]
+           for answer in (on_device, in_dram)}
+    assert hbm[0] - hbm[block] == block
+    assert in_dram["needed"]["dram"] - on_device["needed"]["dram"] >= block
+    assert in_dram["batch"]["largest"] > on_device["batch"]["largest"]

@@ -143,7 +143,9 @@ class _Planner:
         hbm_room = (report.budgets[Tier.HBM] or 0) - report.needed[Tier.HBM] \
             - margin_of(report.budgets)
         dram_budget = report.budgets.get(Tier.DRAM)
-        dram_room = None if dram_budget is None else dram_budget - report.needed[Tier.DRAM]
+        block = policy.activations.dram_bytes if policy.activations.tier is Tier.DRAM else 0
+        dram_room = (None if dram_budget is None  # the block planned already is theirs too
+                     else dram_budget - report.needed[Tier.DRAM] + block)
         rates = question.rates
         pinned = (None if rates is None or not rates.d2h_gbps or not rates.h2d_gbps
                   else (rates.d2h_gbps, rates.h2d_gbps))

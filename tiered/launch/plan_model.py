@@ -303,7 +303,7 @@ def plan_model(model: nn.Module, policy: Policy, ranks: int, rates: NodeRates | 
                            hbm_reserve(policy, budgets.hbm_capacity))
         if batch is not None and policy.hbm.reserve is None:  # as the re-plan moves them
             plan = plan.kept_on_device(replanned_units(plan, order, budgets.hbm_for(plan),
-                                                       batch[2]))
+                                                       batch[2] - _in_dram(policy, batch[2])))
     else:
         plan = plan_with(frozenset())
     shown = budgets.for_plan(plan)
@@ -319,14 +319,26 @@ def plan_model(model: nn.Module, policy: Policy, ranks: int, rates: NodeRates | 
     if batch is not None:
         rows, seq, kept, per_sequence = batch
         largest, hbm_budget = None, shown[Tier.HBM]
+        block = _in_dram(policy, None)
         if hbm_budget is not None and per_sequence > 0:
             room = (hbm_budget - plan.needed(Tier.HBM) - margin_of(shown)
-                    - (kept - rows * per_sequence))
+                    - (kept - rows * per_sequence) + block)
             largest = max(0, room // per_sequence)
-        fit = BatchFit(rows, seq, kept, per_sequence, largest)
+        fit = BatchFit(rows, seq, kept, per_sequence, largest, _in_dram(policy, kept))
     verdict = Verdict(_rooms(report, policy, budgets, shown, on_cpu, fit),
                       note=_budgets_note(memory, ranks, on_cpu, fit))
     return dataclasses.replace(report, batch=fit, verdict=verdict)
+
+
+def _in_dram(policy: Policy, kept: int | None) -> int:
+    """What of ``kept`` bytes of activations the DRAM block of ``activations.tier: dram`` holds
+    (the whole block where ``kept`` is None): the engine fills it first, and the rest stays on
+    the device. The tensors under ``min_bytes`` that stay too are left out: a few small ones a
+    layer."""
+    if policy.activations.tier is not Tier.DRAM:
+        return 0
+    block = policy.activations.dram_bytes
+    return block if kept is None else min(kept, block)
 
 
 def margin_of(shown: dict[Tier, int | None]) -> int:
@@ -340,7 +352,7 @@ def _rooms(report: PlanReport, policy: Policy, budgets: NodeBudgets,
     """Each tier's needs against its budget (``shown``: the plan's budgets, for_plan; see
     planning/verdict.py); the activations and their margin are the HBM tier's, as BatchFit
     counts them."""
-    beside = 0 if fit is None else fit.activations + margin_of(shown)
+    beside = 0 if fit is None else fit.on_device + margin_of(shown)
     hbm, dram = report.needed[Tier.HBM] + beside, report.needed[Tier.DRAM]
     if on_cpu:
         rooms = [TierRoom(tier.value, needed, budget) for tier, needed, budget in

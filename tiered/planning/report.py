@@ -106,14 +106,23 @@ class BatchFit:
     largest: int | None
     """The most sequences of ``seq`` tokens whose activations fit the HBM budget beside the
     plan and 1/16 of the budget (the re-plan's margin); None without an HBM budget."""
+    in_dram: int = 0
+    """Bytes of them the activations' DRAM block holds (``activations.tier: dram``); the rest
+    are the device's."""
+
+    @property
+    def on_device(self) -> int:
+        return self.activations - self.in_dram
 
     def line(self) -> str:
         fits = ("" if self.largest is None else
                 f"; the largest batch that fits beside the plan: {self.largest}"
                 + (" (this one does not fit)" if self.largest < self.batch else ""))
+        where = ("" if not self.in_dram else
+                 f", {format_size(self.in_dram)} of them in the DRAM block")
         return (f"activations at batch {self.batch} x {self.seq} tokens: "
                 f"{format_size(self.activations)} kept for backward "
-                f"({format_size(self.per_sequence)} a sequence){fits}")
+                f"({format_size(self.per_sequence)} a sequence{where}){fits}")
 
 
 @dataclass(frozen=True)
