@@ -80,15 +80,17 @@ class SavedActivations:
     """The engine's saved-tensor store (see [Note: activations in DRAM])."""
 
     def __init__(self, policy: ActivationsPolicy, device: torch.device, streams: Streams,
-                 arena: torch.Tensor | None, kept: SavedBytes):
+                 arena: torch.Tensor | None, kept: SavedBytes, moved: SavedBytes):
         """``arena``: the plan's DRAM block for activations (a uint8 tensor), None when the
         policy keeps them on the device; ``kept``: where what stays on the device is counted
-        (the step's probe: what the re-plan and plan_report read as its activations)."""
+        (the step's probe: what the re-plan and plan_report read as its activations);
+        ``moved``: where what moves to DRAM is counted (plan_report's "in DRAM")."""
         self.device = device
         self.streams = streams
         self.min_bytes = policy.min_bytes
         self.arena = arena if policy.tier is Tier.DRAM else None
         self.kept = kept
+        self.moved = moved
         self.ahead_bytes = policy.prefetch_bytes if streams.offload is not None else 0
         self._used = 0
         self._saved: list[weakref.ref[_InDram]] = []
@@ -118,6 +120,7 @@ class SavedActivations:
             host.copy_(tensor, non_blocking=True)
             ready = self.streams.record()
         self.streams.keep_for_offload(tensor)
+        self.moved.add_copy(nbytes)
         self.offloaded_bytes += nbytes
         self._held += 1
         packed = _InDram(self, place, tensor.shape, tensor.dtype, ready, len(self._saved))

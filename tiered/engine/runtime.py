@@ -62,7 +62,8 @@ class UnitRuntime:
         self.activations = SavedActivations(
             policy.activations, context.group.device, context.streams,
             manager.staging_block("activations")
-            if "activations" in manager.current_plan.staging else None, self.probe.saved)
+            if "activations" in manager.current_plan.staging else None, self.probe.saved,
+            self.probe.saved_in_dram)
         """What the forwards save for backward (see [Note: activations in DRAM])."""
         self.replan = (Replan(context) if policy.placed_by_planner and policy.hbm.reserve is None
                        else None)

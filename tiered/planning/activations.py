@@ -54,6 +54,11 @@ class SavedBytes:
             self.total += storage.nbytes()
         self.peak = max(self.peak, self.total)
 
+    def add_copy(self, nbytes: int) -> None:
+        """Bytes copied out whole (a copy is its own storage, whatever the tensor's was)."""
+        self.total += nbytes
+        self.peak = max(self.peak, self.total)
+
     def take_peak(self) -> int:
         peak, self.peak = self.peak, 0
         return peak

@@ -57,8 +57,10 @@ class StepMeasurement:
     forwards and backwards; a unit's span holds the units nested in it, the root's the whole
     forward)."""
     activations: int = 0
-    """The most bytes one of the step's forwards had autograd keep for backward, the units'
-    weights left out (activations.py)."""
+    """The most bytes one of the step's forwards had autograd keep for backward on the device,
+    the units' weights left out (activations.py)."""
+    activations_in_dram: int = 0
+    """The most bytes one of them kept in DRAM instead (``activations.tier: dram``)."""
 
 
 @dataclass(frozen=True)
@@ -189,6 +191,9 @@ class PlanReport:
                 line += (f"; device memory peak {format_size(measured.device_peak)}, the HBM "
                          f"tier's {format_size(self.hbm_peak)} of it")
             line += f"; activations kept for backward {format_size(measured.activations)}"
+            if measured.activations_in_dram:
+                line += (f" on the device, {format_size(measured.activations_in_dram)} in "
+                         f"DRAM")
             lines.append(line)
             slowest = self._slowest_unit()
             if slowest is not None:
