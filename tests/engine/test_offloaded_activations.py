@@ -172,7 +172,7 @@ def test_a_copy_back_not_waiting_for_its_copy_out_is_found(monkeypatch):
 
 
 def test_a_tier_the_activations_cannot_take_is_refused_by_name():
-    with pytest.raises(PolicyError, match=r"activations.*tier must be hbm or dram, got 'nvme'"):
+    with pytest.raises(PolicyError, match=r"activations.*tier must be hbm, dram or auto, got 'nvme'"):
         tiered.Policy.from_dict({"activations": {"tier": "nvme"}})
     with pytest.raises(PolicyError, match="activations.*dram_bytes"):
         tiered.Policy.from_dict({"activations": {"tier": "dram", "dram_bytes": 0}})
@@ -228,3 +228,31 @@ def test_under_tier_auto_the_block_is_planned_beside_the_units():
     assert_same(in_dram, on_device, "tier: auto")
     assert moved["offloaded"] > 0 and kept["offloaded"] == 0
     assert moved["dram"] - kept["dram"] == 1 << 20  # the block, beside the units' states
+
+
+@pytest.mark.parametrize("budget, stays", [("64MiB", False), ("176KiB", True)],
+                         ids=["room on the device", "no room"])
+@pytest.mark.filterwarnings("ignore:tiered. the budgets hold this model only")
+def test_tier_auto_keeps_them_in_dram_only_where_the_device_has_no_room(budget, stays):
+    """activations.tier: auto: in DRAM for the first step, which measures them; on the device
+    from the next step where they fit beside the plan and the margin, else in DRAM for good;
+    the bits are the device's either way. (176 KiB: the HBM tier's peak without prefetch, which
+    so small a budget leaves out, 109 KiB, a sixteenth of the budget and the 66 KiB a forward
+    saves do not fit together.)"""
+    on_device, _ = train(True)
+    engine, optimizer = tiered.initialize(
+        model(True), str(CONFIGS / "cpu.yaml"), compute_dtype="fp32", device="cpu",
+        optimizer=dict(OPTIM), hbm={"budget": budget},
+        activations=dict(OFFLOADED, tier="auto"))
+    try:
+        after_first = run_engine(engine, optimizer, steps=slice(0, 1))
+        first = engine.runtime.activations.offloaded_bytes
+        state = run_engine(engine, optimizer, steps=slice(1, None))
+        later = engine.runtime.activations.offloaded_bytes - first
+        report = engine.plan_report().table()
+    finally:
+        engine.close()
+    assert after_first and first > 0
+    assert (later > 0) == stays
+    assert_same(state, on_device, "tier: auto")
+    assert ("in DRAM" if stays else "on the device from the next step") in report

@@ -268,3 +268,16 @@ def test_activations_in_dram_are_counted_in_the_block_not_in_hbm(folder, capsys)
     assert hbm[0] - hbm[block] == block
     assert in_dram["needed"]["dram"] - on_device["needed"]["dram"] >= block
     assert in_dram["batch"]["largest"] > on_device["batch"]["largest"]
+
+
+def test_activations_tier_auto_is_planned_where_the_engine_keeps_them(folder, capsys):
+    """activations.tier: auto: on the device where they fit beside the plan and its margin (as
+    the engine keeps them after its first step), else in the block as with dram."""
+    on_device = plan(capsys, folder, 512 * MiB)
+    kept = on_device["batch"]["activations"]
+    fits = plan(capsys, folder, 512 * MiB,
+                policy={"activations": {"tier": "auto", "dram_bytes": kept}})
+    assert fits["batch"]["in_dram"] == 0
+    crowded = plan(capsys, folder, 512 * MiB, "--seq", "2048",
+                   policy={"activations": {"tier": "auto", "dram_bytes": kept}})
+    assert crowded["batch"]["in_dram"] == kept

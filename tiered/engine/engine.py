@@ -210,12 +210,14 @@ class TieredEngine:
         what it measured and the step predicted with its forward and backward. ``.table()`` is
         what ``initialize`` logs (logger "tiered", INFO, rank 0)."""
         plan, replan = self.manager.current_plan, self.runtime.replan
+        decided = [outcome for outcome in (replan.outcome if replan is not None else None,
+                                           self.runtime.activations.outcome) if outcome]
         return plan_report(plan, self.manager.budgets_for(plan), self.policy,
                            self.runtime.group.world_size, cached_node_rates(self.policy.nvme.path),
                            self.device.type == "cpu", self.runtime.probe.last(),
                            self.manager.hbm.usage.peak,
                            tuple(flat.name for flat in self.runtime.flats),
-                           replan.outcome if replan is not None else None)
+                           "\n".join(decided) or None)
 
     def placement(self) -> dict[str, dict[str, str]]:
         """For every unit (by name: its module path, "<root>" for the root, with " (frozen)"

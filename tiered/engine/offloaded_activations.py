@@ -26,6 +26,13 @@ the copy out's event. The arena starts over only after every copy back was queue
 compute stream, and the next copy out waits for that stream: no copy back reads bytes a later
 copy out writes.
 
+With ``tier: auto`` they go to DRAM in the first step that runs a backward, which measures them
+(the step's probe counts what went there); at its ``optimizer.step()`` they stay in DRAM for
+good if they would not fit on the device beside the HBM tier's peak and 1/16 of its budget (the
+re-plan's margin), else every later forward keeps them on the device, where nothing is copied.
+The block stays pinned either way (the plan counted it). The re-plan of ``tier: auto``'s units
+comes after, with the device's activations as they will be.
+
 Ahead of need (``activations.prefetch_bytes``, on a device with streams): backward reads what
 the forward saved in about the reverse of the order it was saved in. So each time backward
 reads a tensor in DRAM, the ones saved before it are copied back on the offload stream, nearest
@@ -46,7 +53,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.sizes import align_up
+from ..core.sizes import align_up, format_size
 from ..planning.activations import SavedBytes
 from ..policy.config import ActivationsPolicy, Tier
 from .streams import Streams
@@ -88,7 +95,11 @@ class SavedActivations:
         self.device = device
         self.streams = streams
         self.min_bytes = policy.min_bytes
-        self.arena = arena if policy.tier is Tier.DRAM else None
+        self.arena = arena if policy.uses_dram else None
+        self.deciding = policy.tier is Tier.AUTO
+        """tier: auto, before the first measured step said where they stay."""
+        self.outcome: str | None = None
+        """Where tier: auto keeps them, and why, in a line (None before it decided)."""
         self.kept = kept
         self.moved = moved
         self.ahead_bytes = policy.prefetch_bytes if streams.offload is not None else 0
@@ -106,6 +117,20 @@ class SavedActivations:
         """Bytes copied to DRAM since the engine started."""
         self.fetched_ahead_bytes = 0
         """Bytes copied back ahead of need since the engine started."""
+
+    def settle(self, in_dram: int, room: int, fits: bool) -> bool:
+        """tier: auto after its first measured step: keep later forwards' tensors on the device
+        when the ``in_dram`` bytes one forward put in DRAM fit the device's ``room`` on every
+        rank (``fits``); whether they now stay on the device."""
+        self.deciding = False
+        stays = not fits
+        if not stays:
+            self.arena = None
+        where = "in DRAM" if stays else "on the device from the next step"
+        self.outcome = (f"activations (tier: auto): {format_size(in_dram)} a forward, "
+                        f"{format_size(max(room, 0))} free on the device beside the plan: "
+                        f"{where}")
+        return not stays
 
     def pack(self, tensor: torch.Tensor):
         """What autograd keeps for ``tensor``: its place in DRAM, or the tensor itself."""

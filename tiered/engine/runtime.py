@@ -7,6 +7,7 @@ prefetcher says so ([Note: trace] in prefetch.py); gradients leave on the offloa
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from functools import partial
 
@@ -17,6 +18,7 @@ from ..optim.adamw import AdamWHyper
 from ..optim.arrival import LastBackward
 from ..placement.plan import StateKind, prefetch_limit
 from ..placement.units import module_groups
+from ..planning.planner import MEASURED_MARGIN_SHARE
 from ..policy.config import ComputeDtype, Tier
 from .context import EngineContext
 from .flat import FlatParam
@@ -27,6 +29,8 @@ from .prefetch import Prefetcher
 from .probe import StepProbe
 from .readahead import ReadAhead
 from .replan import Replan
+
+_log = logging.getLogger("tiered")
 
 
 class UnitRuntime:
@@ -173,9 +177,29 @@ class UnitRuntime:
         self.step_state.step_taken()
         self.stepped_on_arrival.clear()
         self.drop_gathered()
-        if measured and self.replan_due and self.probe.last_activations is not None:
+        if not measured or self.probe.last_activations is None:
+            return
+        on_device = self.probe.last_activations
+        if self.activations.deciding:
+            on_device += self._settle_activations()
+        if self.replan_due:
             assert self.replan is not None  # replan_due says there is one
-            self.replan.after_step(self.probe.last_activations, self.probe.last())
+            self.replan.after_step(on_device, self.probe.last())
+
+    def _settle_activations(self) -> int:
+        """tier: auto's activations after the first measured step (see [Note: activations in
+        DRAM]): the bytes they will add on the device from the next step (0: they stay in
+        DRAM). Every rank decides alike: the one with the least room decides."""
+        measured = self.probe.last()
+        in_dram = 0 if measured is None else measured.activations_in_dram
+        usage = self.manager.hbm.usage
+        room = (usage.budget - usage.peak - usage.budget // MEASURED_MARGIN_SHARE
+                - (self.probe.last_activations or 0))
+        fits = self.group.smallest(room - in_dram) >= 0  # a collective, on every rank
+        moved = self.activations.settle(in_dram, room, fits)
+        if self.group.rank == 0 and self.activations.outcome is not None:
+            _log.info("tiered: %s", self.activations.outcome)
+        return in_dram if moved else 0
 
     @property
     def replan_due(self) -> bool:

@@ -143,7 +143,7 @@ class _Planner:
         hbm_room = (report.budgets[Tier.HBM] or 0) - report.needed[Tier.HBM] \
             - margin_of(report.budgets)
         dram_budget = report.budgets.get(Tier.DRAM)
-        block = policy.activations.dram_bytes if policy.activations.tier is Tier.DRAM else 0
+        block = policy.activations.dram_bytes if policy.activations.uses_dram else 0
         dram_room = (None if dram_budget is None  # the block planned already is theirs too
                      else dram_budget - report.needed[Tier.DRAM] + block)
         rates = question.rates

@@ -302,8 +302,10 @@ def plan_model(model: nn.Module, policy: Policy, ranks: int, rates: NodeRates | 
         plan = place_units(order, plan_with, budgets.hbm_for,
                            hbm_reserve(policy, budgets.hbm_capacity))
         if batch is not None and policy.hbm.reserve is None:  # as the re-plan moves them
-            plan = plan.kept_on_device(replanned_units(plan, order, budgets.hbm_for(plan),
-                                                       batch[2] - _in_dram(policy, batch[2])))
+            hbm = budgets.hbm_for(plan)
+            room = hbm - plan.needed(Tier.HBM) - hbm // MEASURED_MARGIN_SHARE
+            plan = plan.kept_on_device(replanned_units(
+                plan, order, hbm, batch[2] - _in_dram(policy, batch[2], room)))
     else:
         plan = plan_with(frozenset())
     shown = budgets.for_plan(plan)
@@ -319,25 +321,30 @@ def plan_model(model: nn.Module, policy: Policy, ranks: int, rates: NodeRates | 
     if batch is not None:
         rows, seq, kept, per_sequence = batch
         largest, hbm_budget = None, shown[Tier.HBM]
-        block = _in_dram(policy, None)
-        if hbm_budget is not None and per_sequence > 0:
-            room = (hbm_budget - plan.needed(Tier.HBM) - margin_of(shown)
-                    - (kept - rows * per_sequence) + block)
-            largest = max(0, room // per_sequence)
-        fit = BatchFit(rows, seq, kept, per_sequence, largest, _in_dram(policy, kept))
+        block = _in_dram(policy, None, None)
+        device_room = (None if hbm_budget is None
+                       else hbm_budget - plan.needed(Tier.HBM) - margin_of(shown))
+        if device_room is not None and per_sequence > 0:
+            largest = max(0, (device_room - (kept - rows * per_sequence) + block)
+                          // per_sequence)
+        fit = BatchFit(rows, seq, kept, per_sequence, largest,
+                       _in_dram(policy, kept, device_room))
     verdict = Verdict(_rooms(report, policy, budgets, shown, on_cpu, fit),
                       note=_budgets_note(memory, ranks, on_cpu, fit))
     return dataclasses.replace(report, batch=fit, verdict=verdict)
 
 
-def _in_dram(policy: Policy, kept: int | None) -> int:
-    """What of ``kept`` bytes of activations the DRAM block of ``activations.tier: dram`` holds
-    (the whole block where ``kept`` is None): the engine fills it first, and the rest stays on
-    the device. The tensors under ``min_bytes`` that stay too are left out: a few small ones a
-    layer."""
-    if policy.activations.tier is not Tier.DRAM:
+def _in_dram(policy: Policy, kept: int | None, room: int | None) -> int:
+    """What of ``kept`` bytes of activations the DRAM block holds (the whole block where
+    ``kept`` is None): with ``activations.tier: dram`` the engine fills it first, and the rest
+    stays on the device; with ``auto``, none where they fit the device's ``room`` beside the plan
+    and its margin (the engine keeps them there after its first step), else as with dram. The
+    tensors under ``min_bytes`` that stay on the device are left out: a few small ones a layer."""
+    activations = policy.activations
+    if not activations.uses_dram or (activations.tier is Tier.AUTO and kept is not None
+                                     and room is not None and kept <= room):
         return 0
-    block = policy.activations.dram_bytes
+    block = activations.dram_bytes
     return block if kept is None else min(kept, block)
 
 

@@ -145,8 +145,8 @@ def staging_buffers(policy: Policy, device: torch.device, placement: "Placement"
     - "grad0", "grad1", ...: reduced gradient shards landing from the GPU (filled by backward,
       emptied by the CPU worker; ``grads.landing_slots`` of them); on a CPU device too when the
       host is the node's service's (``lands_every_gradient``), which sees only shared buffers;
-    - "activations": what autograd saves for backward, with ``activations.tier: dram`` (the
-      training thread's: engine/offloaded_activations.py).
+    - "activations": what autograd saves for backward, with ``activations.tier: dram`` or
+      ``auto`` (the training thread's: engine/offloaded_activations.py).
     """
     compute = policy.compute_dtype.torch_dtype
     out = {}
@@ -174,7 +174,7 @@ def staging_buffers(policy: Policy, device: torch.device, placement: "Placement"
             for slot in range(STAGING_SETS if streamed else 1):
                 out[f"{kind.value}{slot}"] = state_buffer(
                     policy, f"staging {kind.value}{slot}", Tier.DRAM, kind, piece)
-    if policy.activations.tier is Tier.DRAM:  # see [Note: activations in DRAM]
+    if policy.activations.uses_dram:  # see [Note: activations in DRAM]
         out["activations"] = Buffer("staging activations", Tier.DRAM,
                                     policy.activations.dram_bytes, torch.uint8)
     # Sized for trained units: a frozen one never has a gradient to land.

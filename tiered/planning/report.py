@@ -146,7 +146,8 @@ class PlanReport:
     hbm_peak: int | None = None
     """The most the HBM tier has held (what the device's peak holds besides activations)."""
     replanned: str | None = None
-    """What ``tier: auto``'s re-plan after the first step did (engine/replan.py), once it ran."""
+    """What ``tier: auto``'s re-plan after the first step did (engine/replan.py), and where
+    ``activations.tier: auto`` keeps them, once decided (a line each)."""
     batch: BatchFit | None = None
     """``tiered plan --batch --seq``'s activations and largest batch."""
     sequences: SequenceFit | None = None

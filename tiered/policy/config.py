@@ -365,10 +365,12 @@ class ActivationsPolicy:
 
     tier: Tier = Tier.HBM
     """hbm: on the device, as PyTorch keeps it; dram: each saved tensor of at least
-    ``min_bytes`` copied into DRAM as the forward saves it, and back as its backward needs it."""
+    ``min_bytes`` copied into DRAM as the forward saves it, and back as its backward needs it;
+    auto: in DRAM for the first step, then on the device if what it saved fits there beside
+    the plan (see [Note: activations in DRAM])."""
     dram_bytes: int = field(default=1 << 30, metadata=parsed_by(parse_size))
-    """With ``tier: dram``: the pinned bytes of the DRAM tier that hold them (counted against
-    ``dram.budget``); what does not fit stays on the device."""
+    """With ``tier: dram`` or ``auto``: the pinned bytes of the DRAM tier that hold them (counted
+    against ``dram.budget``); what does not fit stays on the device."""
     min_bytes: int = field(default=1 << 20, metadata=parsed_by(parse_size))
     """With ``tier: dram``: smaller saved tensors stay on the device (a copy each would cost
     more than the bytes it frees)."""
@@ -377,10 +379,16 @@ class ActivationsPolicy:
     reads next are copied back ahead of need, beside the compute (0: each as it is read)."""
 
     def __post_init__(self):
-        if self.tier not in (Tier.HBM, Tier.DRAM):
-            raise ValueError(f"tier must be hbm or dram, got {self.tier.value!r}")
-        if self.tier is Tier.DRAM and self.dram_bytes <= 0:
-            raise ValueError(f"dram_bytes must be > 0 with tier: dram, got {self.dram_bytes}")
+        if self.tier not in (Tier.HBM, Tier.DRAM, Tier.AUTO):
+            raise ValueError(f"tier must be hbm, dram or auto, got {self.tier.value!r}")
+        if self.uses_dram and self.dram_bytes <= 0:
+            raise ValueError(f"dram_bytes must be > 0 with tier: {self.tier.value}, got "
+                             f"{self.dram_bytes}")
+
+    @property
+    def uses_dram(self) -> bool:
+        """Whether the plan holds a DRAM block for them (tier: dram, or auto's first step)."""
+        return self.tier in (Tier.DRAM, Tier.AUTO)
 
 
 @dataclass(frozen=True)
