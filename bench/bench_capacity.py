@@ -24,7 +24,8 @@ from tiered.core.report import format_table  # noqa: E402
 from tiered.core.sizes import format_size, parse_size  # noqa: E402
 from tiered.launch.plan_model import plan_model, read_node  # noqa: E402
 from tiered.planning.planner import largest_true  # noqa: E402
-from tiered.policy.config import Policy, Tier  # noqa: E402
+from tiered.policy.config import Policy  # noqa: E402
+from tiered.policy.kinds import Tier  # noqa: E402
 
 from gpt import GPT  # noqa: E402
 

@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def plan_row(label: str, model, policy) -> list[str]:
     from tiered.engine.build import flat_units, memory_plan
-    from tiered.policy.config import Tier
+    from tiered.policy.kinds import Tier
 
     flats = flat_units(model, policy, 0, 1, torch.device("cpu"))
     plan = memory_plan(policy, torch.device("cpu"), flats)

@@ -8,7 +8,8 @@ import torch
 
 from tiered.engine.build import flat_units, forward_order, memory_plan
 from tiered.placement.plan import OPTIMIZER_STATES, StateKind
-from tiered.policy.config import Policy, Tier
+from tiered.policy.config import Policy
+from tiered.policy.kinds import Tier
 
 from helpers import REPO
 from helpers_models import make_model

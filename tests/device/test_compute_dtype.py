@@ -14,7 +14,8 @@ from tiered.core.errors import TieredError
 from tiered.device.bf16 import CPUINFO_ENV, bf16_support
 from tiered.launch.cli import main
 from tiered.placement.plan import StateKind
-from tiered.policy.config import ComputeDtype, Policy, resolve_compute_dtype
+from tiered.policy.config import Policy, resolve_compute_dtype
+from tiered.policy.kinds import ComputeDtype
 
 from helpers import REPO
 from helpers_models import make_model

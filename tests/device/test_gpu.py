@@ -119,7 +119,8 @@ def test_auto_re_planned_on_the_device_matches_pytorch(tmp_path):
     blocks to the device (stepped there by the fused kernel, their step counts with them), and
     fp32 training goes on as PyTorch's."""
     from tiered.engine.build import flat_units, forward_order, memory_plan
-    from tiered.policy.config import Policy, Tier
+    from tiered.policy.config import Policy
+    from tiered.policy.kinds import Tier
 
     torch.manual_seed(0)
     make = lambda: GPT(VOCAB, 512, 3, 8, max_seq=SEQ, tied=True, qkv_bias=False)  # noqa: E731

@@ -13,7 +13,8 @@ import torch
 import tiered
 from tiered.engine.build import flat_units, memory_plan
 from tiered.placement.plan import StateKind, state_kinds
-from tiered.policy.config import Policy, Tier
+from tiered.policy.config import Policy
+from tiered.policy.kinds import Tier
 from tiered.tiers.dram import BLOCK_ALIGN
 
 from gpt import next_token_loss

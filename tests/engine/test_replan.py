@@ -16,7 +16,8 @@ from tiered.launch.cli import main
 from tiered.placement.plan import StateKind
 from tiered.planning.activations import forward_activations
 from tiered.planning.planner import MEASURED_MARGIN_SHARE, replanned_units, units_to_keep
-from tiered.policy.config import Policy, Tier
+from tiered.policy.config import Policy
+from tiered.policy.kinds import Tier
 
 from distributed import run_ranks
 from gpt import next_token_loss

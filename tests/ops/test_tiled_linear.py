@@ -9,7 +9,8 @@ from torch import nn
 
 import tiered
 from tiered.ops.tiled_linear import tile_shape
-from tiered.policy.config import Policy, Tier
+from tiered.policy.config import Policy
+from tiered.policy.kinds import Tier
 
 from helpers_models import assert_parity
 

@@ -17,7 +17,7 @@ from tiered.core.sizes import align_up
 from tiered.optim.adamw import AdamWHyper, _one_pass_scalars
 from tiered.optim.compact import Run, random_bits, reference_step, stream_key
 from tiered.placement.plan import StateKind
-from tiered.policy.config import Tier
+from tiered.policy.kinds import Tier
 from tiered.tiers.dram import BLOCK_ALIGN
 from tiered.tiers.moments import INT8, PACKED, SECOND_MOMENT, format_of, stored_numel
 

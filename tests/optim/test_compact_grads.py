@@ -15,7 +15,8 @@ from torch import nn
 import tiered
 from tiered.engine.build import memory_plan
 from tiered.placement.plan import StateKind
-from tiered.policy.config import ComputeDtype, Policy, Tier
+from tiered.policy.config import Policy
+from tiered.policy.kinds import ComputeDtype, Tier
 
 from distributed import run_ranks
 from gpt import next_token_loss

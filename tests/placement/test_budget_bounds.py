@@ -39,7 +39,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import tiered
 from tiered.engine.build import flat_units, memory_plan
-from tiered.policy.config import Policy, Tier
+from tiered.policy.config import Policy
+from tiered.policy.kinds import Tier
 from helpers import REPO
 
 CPU_YAML = os.path.join(REPO, "configs", "cpu.yaml")

@@ -23,7 +23,8 @@ from torch import nn
 import tiered
 from tiered.core.sizes import parse_size
 from tiered.device import CpuAccelerator
-from tiered.policy.config import Policy, Tier
+from tiered.policy.config import Policy
+from tiered.policy.kinds import Tier
 from tiered.tiers import PinnedSlabSource
 
 from distributed import run_ranks

@@ -10,7 +10,8 @@ from torch import nn
 import tiered
 from tiered.engine.build import memory_plan
 from tiered.placement.plan import GRAD_LANDING_SLOTS
-from tiered.policy.config import Policy, Tier
+from tiered.policy.config import Policy
+from tiered.policy.kinds import Tier
 
 from gpt import GPT
 from helpers_models import SEQ, make_gpt, train_step

@@ -241,7 +241,8 @@ def test_a_plan_is_adopted_over_the_blocks_its_descriptors_name_and_refused_with
     from tiered.core.errors import TieredError
     from tiered.placement.manager import TierManager
     from tiered.placement.plan import Buffer, MemoryPlan, StateKind
-    from tiered.policy.config import Policy, Tier
+    from tiered.policy.config import Policy
+    from tiered.policy.kinds import Tier
 
     cpu = torch.device("cpu")
     plan = MemoryPlan(shards={

@@ -10,7 +10,8 @@ import torch
 
 import tiered
 from tiered.placement.plan import StateKind, build_plan
-from tiered.policy.config import Policy, Tier
+from tiered.policy.config import Policy
+from tiered.policy.kinds import Tier
 from tiered.tiers.moments import PACKED, piece_granule
 from tiered.tiers.nvme import SPARE_EXTENTS, nvme_bytes
 

@@ -17,7 +17,7 @@ from tiered.engine.probe import SPANS_PER_UNIT
 from tiered.placement.plan import StateKind
 from tiered.planning.node import NodeRates
 from tiered.planning.report import StepTerms, step_terms
-from tiered.policy.config import Tier
+from tiered.policy.kinds import Tier
 from tiered.tiers.moments import PACKED, stored_numel
 
 from gpt import next_token_loss

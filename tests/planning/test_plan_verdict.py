@@ -18,7 +18,8 @@ from tiered.launch.plan_model import batch_activations, model_on_meta, plan_mode
 from tiered.planning import node
 from tiered.planning.blocks import repeated_blocks
 from tiered.planning.node import NodeMemory, NodeRates, cached_node_rates
-from tiered.policy.config import Policy, Tier
+from tiered.policy.config import Policy
+from tiered.policy.kinds import Tier
 
 from helpers import REPO
 

@@ -21,7 +21,8 @@ import yaml
 
 import tiered
 from tiered.launch.cli import main as tiered_cli
-from tiered.policy.config import ComputeDtype, Policy, Tier, resolve
+from tiered.policy.config import Policy, resolve
+from tiered.policy.kinds import ComputeDtype, Tier
 from tiered.policy.deepspeed import DEEPSPEED_ENV, Fate, mismatches, read_deepspeed
 
 from helpers import REPO, clean_env, finish, same_bits

@@ -18,8 +18,9 @@ from torch import nn
 import tiered
 from tiered.core.sizes import parse_size
 from tiered.launch.cli import main as tiered_cli
-from tiered.policy.config import (POLICY_ENV, ComputeDtype, NvmePolicy, OptimizerPolicy,
-                                  ParamsPolicy, Policy, Tier, TracePolicy, resolve)
+from tiered.policy.config import (POLICY_ENV, NvmePolicy, OptimizerPolicy, ParamsPolicy, Policy,
+                                  TracePolicy, resolve)
+from tiered.policy.kinds import ComputeDtype, Tier
 from helpers import REPO
 
 CONFIGS = REPO / "configs"

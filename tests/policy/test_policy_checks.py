@@ -16,7 +16,8 @@ import yaml
 from torch import nn
 
 import tiered
-from tiered.policy.config import POLICY_ENV, Policy, Tier
+from tiered.policy.config import POLICY_ENV, Policy
+from tiered.policy.kinds import Tier
 from helpers import REPO
 
 CONFIGS = REPO / "configs"

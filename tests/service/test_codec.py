@@ -12,7 +12,8 @@ import torch
 
 from tiered.optim.groups import GroupRange
 from tiered.placement.plan import Buffer, MemoryPlan, StateKind
-from tiered.policy.config import Policy, Tier
+from tiered.policy.config import Policy
+from tiered.policy.kinds import Tier
 from tiered.service.codec import decode, encode
 from tiered.service.hostwire import HostRequest
 

@@ -24,7 +24,7 @@ from torch import nn
 import tiered
 from tiered.device import CpuAccelerator
 from tiered.placement.plan import StateKind
-from tiered.policy.config import Tier
+from tiered.policy.kinds import Tier
 from tiered.tiers import DramTier, NvmeTier, PinnedSlabSource
 from tiered.tiers.aio import IoSettings, inject_faults
 

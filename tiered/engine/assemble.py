@@ -15,7 +15,8 @@ from ..optim.host import HostLink, HostSetup, HostWorker, LocalHost, RankHost
 from ..optim.workers import CpuWorker
 from ..placement.manager import TierManager
 from ..placement.plan import BlockKey, MemoryPlan, StateKind, state_dtype
-from ..policy.config import ComputeDtype, Policy, Tier
+from ..policy.config import Policy
+from ..policy.kinds import ComputeDtype, Tier
 from ..service.client import ServiceSlabSource
 from ..service.hostwire import HostRequest
 from ..service.remote import RemoteHost

@@ -27,7 +27,8 @@ from ..placement.plan import grad_dtypes, state_kinds
 from ..planning.node import cached_node_rates
 from ..planning.planner import hbm_reserve, place_units
 from ..planning.report import PlanReport, plan_report
-from ..policy.config import Policy, Tier, resolve, resolve_compute_dtype
+from ..policy.config import Policy, resolve, resolve_compute_dtype
+from ..policy.kinds import Tier
 from ..service.client import ServiceSlabSource
 from ..service.remote_nvme import ServiceNvme
 from ..tiers import NvmeTier, SlabSource

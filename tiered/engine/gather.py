@@ -10,7 +10,7 @@ import torch
 
 from ..device import EventLike, wait_for
 from ..placement.plan import StateKind
-from ..policy.config import Tier
+from ..policy.kinds import Tier
 from .context import EngineContext
 from .flat import FlatParam, Residency
 from .pending import PendingWeights

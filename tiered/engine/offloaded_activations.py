@@ -55,7 +55,8 @@ import torch
 
 from ..core.sizes import align_up, format_size
 from ..planning.activations import SavedBytes
-from ..policy.config import ActivationsPolicy, Tier
+from ..policy.config import ActivationsPolicy
+from ..policy.kinds import Tier
 from .streams import Streams
 
 ALIGN = 64

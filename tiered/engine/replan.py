@@ -33,7 +33,7 @@ from ..placement.plan import StateKind
 from ..planning.node import cached_node_rates
 from ..planning.planner import MEASURED_MARGIN_SHARE, replanned_units
 from ..planning.report import StepMeasurement, step_terms
-from ..policy.config import Tier
+from ..policy.kinds import Tier
 from .build import forward_order
 from .context import EngineContext
 

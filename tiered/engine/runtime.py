@@ -19,7 +19,7 @@ from ..optim.arrival import LastBackward
 from ..placement.plan import StateKind, prefetch_limit
 from ..placement.units import module_groups
 from ..planning.planner import MEASURED_MARGIN_SHARE
-from ..policy.config import ComputeDtype, Tier
+from ..policy.kinds import ComputeDtype, Tier
 from .context import EngineContext
 from .flat import FlatParam
 from .gather import Gatherer

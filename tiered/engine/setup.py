@@ -12,7 +12,8 @@ from ..checkpoint import pretrained
 from ..core.errors import PolicyError
 from ..core.timeline import Timeline
 from ..device import accelerator_for
-from ..policy.config import Device, Policy
+from ..policy.config import Policy
+from ..policy.kinds import Device
 from ..service.client import slab_source_from_env
 from ..tiers import SlabSource
 from .collectives import ProcessGroup

@@ -33,7 +33,8 @@ from ..core.sizes import parse_size
 from ..core.version import __version__
 from ..placement.budgets import this_machine
 from ..planning.node import node_rates
-from ..policy.config import ComputeDtype, Device, Policy, resolve, resolve_compute_dtype
+from ..policy.config import Policy, resolve, resolve_compute_dtype
+from ..policy.kinds import ComputeDtype, Device
 from ..policy.deepspeed import read_deepspeed
 from ..policy.schema import merge
 from ..service import service_paths, service_status, start_service, stop_service

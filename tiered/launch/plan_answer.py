@@ -32,7 +32,8 @@ from ..planning.longest import Growth, SequenceFit, longest_sequences
 from ..planning.node import NodeMemory, NodeRates, cached_node_rates
 from ..planning.report import PlanReport
 from ..planning.verdict import Suggestion
-from ..policy.config import MomentsDtype, Policy, Tier, resolve
+from ..policy.config import Policy, resolve
+from ..policy.kinds import MomentsDtype, Tier
 from .plan_model import (batch_activations, forward_bytes, margin_of, model_on_meta,
                          node_memory, plan_model, planned_on_gpu, read_node)
 

@@ -55,7 +55,8 @@ from ..planning.node import NodeMemory, NodeRates, this_node_memory
 from ..planning.planner import MEASURED_MARGIN_SHARE, hbm_reserve, place_units, replanned_units
 from ..planning.report import BatchFit, PlanReport, plan_report
 from ..planning.verdict import TierRoom, Verdict
-from ..policy.config import Device, Policy, Tier
+from ..policy.config import Policy
+from ..policy.kinds import Device, Tier
 
 
 def model_on_meta(spec: str, lora: int | None = None, checkpointing: bool = False,

@@ -19,7 +19,8 @@ from ..core.timeline import SpanTimer
 from ..device import Accelerator
 from ..placement.manager import TierManager
 from ..placement.plan import OPTIMIZER_STATES, StateKind
-from ..policy.config import MasterDtype, MomentsDtype, OptimizerPolicy
+from ..policy.config import OptimizerPolicy
+from ..policy.kinds import MasterDtype, MomentsDtype
 from .adamw import AdamWHyper, OnePassAdamW, _one_pass_scalars, adamw_step
 from .compact import Run, compact_step, stream_key
 from .groups import FROZEN, GroupRange

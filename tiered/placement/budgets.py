@@ -12,7 +12,8 @@ import torch
 from ..core.errors import BudgetError
 from ..core.limits import memory_bound
 from ..core.sizes import format_size
-from ..policy.config import Device, Policy
+from ..policy.config import Policy
+from ..policy.kinds import Device
 from ..tiers.dram import default_budget
 from ..tiers.nvme import free_bytes
 

@@ -19,7 +19,8 @@ from ..core.errors import BudgetError, TieredError
 from ..core.limits import memory_bound
 from ..core.sizes import align_up, even_pieces, format_size
 from ..device import accelerator_for
-from ..policy.config import Policy, Tier
+from ..policy.config import Policy
+from ..policy.kinds import Tier
 from ..tiers import DramTier, HbmTier, NvmeTier, PinnedSlabSource, SlabSource
 from ..tiers.aio import IoSettings
 from ..tiers.dram import BLOCK_ALIGN, default_budget

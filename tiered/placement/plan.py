@@ -15,7 +15,8 @@ import torch
 
 from ..core.errors import BudgetError
 from ..core.sizes import align_up, format_size
-from ..policy.config import GradsPolicy, MasterDtype, Policy, Tier
+from ..policy.config import GradsPolicy, Policy
+from ..policy.kinds import MasterDtype, Tier
 from ..tiers.dram import BLOCK_ALIGN
 from ..tiers.moments import stored_numel
 from ..tiers.nvme import nvme_bytes

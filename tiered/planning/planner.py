@@ -29,7 +29,8 @@ from __future__ import annotations
 from typing import Callable
 
 from ..placement.plan import MemoryPlan, StateKind
-from ..policy.config import Policy, Tier
+from ..policy.config import Policy
+from ..policy.kinds import Tier
 
 RESERVE_SHARE = 4
 """With a null ``hbm.reserve``, a quarter of the HBM budget is left free."""

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from ..core.report import format_table
 from ..core.sizes import format_size
 from ..placement.plan import OPTIMIZER_STATES, MemoryPlan, StateKind, reduce_dtype, state_dtype
-from ..policy.config import ComputeDtype, Policy, Tier
+from ..policy.config import Policy
+from ..policy.kinds import ComputeDtype, Tier
 from .longest import SequenceFit
 from .node import NodeRates
 from .verdict import Verdict

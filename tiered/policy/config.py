@@ -3,7 +3,8 @@
 A policy is data: which tier holds each piece of training state, the optimizer's settings and the
 tiers' budgets. Mechanism (tiers, engine, optimizer) reads a frozen :class:`Policy` and never a
 dict. Every error names the source file, the key path and what is allowed. The sections are
-here; the generic building and checking of a section tree is policy/schema.py's.
+here; the values they choose among (tiers, dtypes, the device) are policy/kinds.py's, and the
+generic building and checking of a section tree is policy/schema.py's.
 """
 from __future__ import annotations
 
@@ -16,74 +17,18 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from ..core.errors import PolicyError, TieredError
+from ..core.errors import PolicyError
 from ..core.sizes import parse_size
 from ..device.bf16 import bf16_support
-from ..tiers.moments import FORMATS, piece_granule
+from ..tiers.moments import piece_granule
 from .deepspeed import read_policy_file
+from .kinds import ComputeDtype, Device, MasterDtype, MomentsDtype, Tier
 from .schema import build, merge, plain_value_in, plain_value_message
 from .values import (as_betas, as_bool, as_class_names, as_norm_bound, as_number, as_path,
                      as_size_or_none, as_whole_number, keep_path_as_string, optional, parsed_by)
 
 POLICY_ENV = "TIERED_POLICY_JSON"
 """Environment variable through which ``tiered-launch`` hands the resolved policy to each rank."""
-
-
-class Tier(str, enum.Enum):
-    HBM = "hbm"
-    DRAM = "dram"
-    NVME = "nvme"
-    AUTO = "auto"
-    """A policy's choice only, never where a state is: the planner places each unit's states
-    (planner.py)."""
-
-
-class ComputeDtype(str, enum.Enum):
-    AUTO = "auto"
-    """bf16 where the device computes it natively, else fp32 (device/bf16.py says why); a
-    policy's choice only, made concrete once, at initialize (resolve_compute_dtype)."""
-    BF16 = "bf16"
-    FP16 = "fp16"
-    FP32 = "fp32"
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        if self is ComputeDtype.AUTO:
-            # Whatever asks has a policy no initialize resolved: its sizes would be guesses.
-            raise TieredError("compute_dtype auto has no torch dtype until resolve_compute_dtype "
-                              "makes it bf16 or fp32 for the device")
-        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.value]
-
-
-class MomentsDtype(str, enum.Enum):
-    """How AdamW's two moments are stored ([Note: compact states] in optim/compact.py); they are
-    computed in fp32 either way."""
-
-    FP32 = "fp32"
-    BF16 = "bf16"
-    """bf16, stochastically rounded: 2 bytes each."""
-    INT8 = "int8"
-    """8-bit codes of a float-like map (signed for the first moment, unsigned for the second)
-    with an fp32 scale per block of 256: 1.016 bytes each."""
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """What the tiers hold a moment in (int8: packed codes and scales, tiers/moments.py)."""
-        return FORMATS[self.value].dtype
-
-
-class MasterDtype(str, enum.Enum):
-    """How the master weights are kept."""
-
-    FP32 = "fp32"
-    BF16 = "bf16"
-    """No fp32 copy: the bf16 weights are the master, stochastically rounded."""
-
-
-class Device(str, enum.Enum):
-    AUTO = "auto"  # CUDA (device LOCAL_RANK) when available, else the CPU
-    CPU = "cpu"
-    CUDA = "cuda"
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from ..optim.host import HostSetup, RankHost
 from ..optim.workers import CpuWorker
 from ..placement.manager import TierManager
 from ..placement.plan import StateKind, grad_dtypes, state_dtype
-from ..policy.config import ComputeDtype
+from ..policy.kinds import ComputeDtype
 from .commits import NotCommitted, StepCommits
 from .cores import CorePool
 from .files import RankFiles

@@ -15,7 +15,8 @@ from typing import Any, Callable
 from ..optim.commands import Command, GradientIn, HostEvents, StepArrived, Update, ZeroGrad
 from ..optim.groups import GroupRange
 from ..placement.plan import BlockKey, MemoryPlan
-from ..policy.config import Policy, Tier
+from ..policy.config import Policy
+from ..policy.kinds import Tier
 from .codec import decode, encode, fields_from_wire, fields_to_wire, op_name, parameter_types
 
 
