@@ -97,6 +97,9 @@ class SavedActivations:
         self.streams = streams
         self.min_bytes = policy.min_bytes
         self.arena = arena if policy.uses_dram else None
+        self._placing = self.arena is not None
+        """Whether new saved tensors go to the arena (tier: auto may stop it; what is there
+        already is still read from it)."""
         self.deciding = policy.tier is Tier.AUTO
         """tier: auto, before the first measured step said where they stay."""
         self.outcome: str | None = None
@@ -124,14 +127,12 @@ class SavedActivations:
         when the ``in_dram`` bytes one forward put in DRAM fit the device's ``room`` on every
         rank (``fits``); whether they now stay on the device."""
         self.deciding = False
-        stays = not fits
-        if not stays:
-            self.arena = None
-        where = "in DRAM" if stays else "on the device from the next step"
+        self._placing = not fits
+        where = "on the device from the next step" if fits else "in DRAM"
         self.outcome = (f"activations (tier: auto): {format_size(in_dram)} a forward, "
                         f"{format_size(max(room, 0))} free on the device beside the plan: "
                         f"{where}")
-        return not stays
+        return fits
 
     def pack(self, tensor: torch.Tensor):
         """What autograd keeps for ``tensor``: its place in DRAM, or the tensor itself."""
@@ -160,9 +161,8 @@ class SavedActivations:
         fetched = self._fetched.pop(packed.order, None)
         if fetched is None:
             if packed.ready is not None:
-                self.streams.accelerator.current_stream().wait_event(packed.ready)
-            back = torch.empty(packed.shape, dtype=packed.dtype, device=self.device)
-            back.copy_(self._host(packed), non_blocking=True)
+                self._wait(packed.ready)
+            back = self._copy_back(packed)
         else:
             back, ready = fetched
             self._fetched_bytes -= packed.nbytes
@@ -173,7 +173,7 @@ class SavedActivations:
         return back
 
     def _wait(self, ready) -> None:
-        """The compute stream waits for a copy back made ahead on the offload stream."""
+        """The compute stream waits for a copy on the offload stream (``ready``: its event)."""
         self.streams.accelerator.current_stream().wait_event(ready)
 
     def _fetch_ahead(self, order: int) -> None:
@@ -186,25 +186,27 @@ class SavedActivations:
             if packed is None or packed.read or packed.order in self._fetched:
                 continue
             with self.streams.on_offload():  # behind the copy out that wrote it
-                back = torch.empty(packed.shape, dtype=packed.dtype, device=self.device)
-                back.copy_(self._host(packed), non_blocking=True)
-                self._fetched[packed.order] = (back, self.streams.record())
+                self._fetched[packed.order] = (self._copy_back(packed), self.streams.record())
             self._fetched_bytes += packed.nbytes
             self.fetched_ahead_bytes += packed.nbytes
 
-    def _host(self, packed: _InDram) -> torch.Tensor:
+    def _copy_back(self, packed: _InDram) -> torch.Tensor:
+        """A device tensor the copy of ``packed``'s bytes in the arena is queued into, on the
+        current stream."""
         assert self.arena is not None
-        return self.arena[packed.offset:packed.offset + packed.nbytes].view(
-            packed.dtype).view(packed.shape)
+        host = self.arena[packed.offset:packed.offset + packed.nbytes]
+        back = torch.empty(packed.shape, dtype=packed.dtype, device=self.device)
+        return back.copy_(host.view(packed.dtype).view(packed.shape), non_blocking=True)
 
     def _place_for(self, tensor: torch.Tensor) -> int | None:
         """The arena offset ``tensor`` takes, or None when it stays where it is."""
-        if (self.arena is None or type(tensor) is not torch.Tensor
+        if (not self._placing or type(tensor) is not torch.Tensor
                 or tensor.device != self.device or tensor.layout is not torch.strided):
             return None
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes < self.min_bytes:
             return None
+        assert self.arena is not None  # placing implies the block
         if self._held == 0:
             self._used = 0
             self._saved.clear()

@@ -39,9 +39,9 @@ class StepProbe:
         self._steps = 0
         self._last: StepMeasurement | None = None
         self.saved = SavedBytes()
-        self.saved_in_dram = SavedBytes()
-        """What the forwards saved into DRAM instead (activations.tier: dram)."""
         """What the step's forwards keep for backward (the hooks count it: activations.py)."""
+        self.saved_in_dram = SavedBytes()
+        """What they saved into DRAM instead (activations.tier: dram or auto)."""
         self._backed = False
         """Whether a backward ended in the step in progress (measured or not)."""
         self.last_activations: int | None = None

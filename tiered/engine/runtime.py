@@ -189,7 +189,7 @@ class UnitRuntime:
     def _settle_activations(self) -> int:
         """tier: auto's activations after the first measured step (see [Note: activations in
         DRAM]): the bytes they will add on the device from the next step (0: they stay in
-        DRAM). Every rank decides alike: the one with the least room decides."""
+        DRAM). Every rank decides alike: on the device only where they fit on every rank."""
         measured = self.probe.last()
         in_dram = 0 if measured is None else measured.activations_in_dram
         usage = self.manager.hbm.usage
