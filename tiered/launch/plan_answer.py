@@ -34,7 +34,7 @@ from ..planning.report import PlanReport
 from ..planning.verdict import Suggestion
 from ..policy.config import Policy, resolve
 from ..policy.kinds import MomentsDtype, Tier
-from .plan_model import (batch_activations, forward_bytes, margin_of, model_on_meta,
+from .plan_model import (batch_activations, device_room, forward_bytes, model_on_meta,
                          node_memory, plan_model, planned_on_gpu, read_node)
 
 LORA_RANK = 16
@@ -113,12 +113,18 @@ class _Planner:
                 self._activations[key] = batch_activations(
                     model, question.spec, policy, question.batch, question.seq, for_gpu)
             batch = (question.batch, question.seq, *self._activations[key])
-        cut = (*model_key, policy.units, policy.compute_dtype, question.ranks)
-        if cut not in self._flats:
-            self._flats[cut] = flat_units(model, policy, 0, question.ranks, torch.device("cpu"))
         return plan_model(model, policy, question.ranks, question.rates, batch,
-                          question.memory, self._flats[cut])
+                          question.memory, self._units(question))
 
+    def _units(self, question: PlanQuestion) -> list[FlatParam]:
+        """The question's model cut into units under its policy (once per cut)."""
+        policy = question.policy
+        cut = (question.lora, question.checkpointing, question.tile, policy.units,
+               policy.compute_dtype, question.ranks)
+        if cut not in self._flats:
+            self._flats[cut] = flat_units(self._model(question, question.checkpointing),
+                                          policy, 0, question.ranks, torch.device("cpu"))
+        return self._flats[cut]
 
     def longest(self, question: PlanQuestion, report: PlanReport) -> SequenceFit | None:
         """The longest sequence at the question's batch for each activation tier (see [Note:
@@ -138,15 +144,13 @@ class _Planner:
 
         saved = growth(question.checkpointing, report.batch.activations)
         whole = saved if not question.checkpointing else growth(False)
-        units = max(1, len(self._flats[(question.lora, question.checkpointing, question.tile,
-                                        policy.units, policy.compute_dtype,
-                                        question.ranks)]) - 1)
-        hbm_room = (report.budgets[Tier.HBM] or 0) - report.needed[Tier.HBM] \
-            - margin_of(report.budgets)
+        units = max(1, len(self._units(question)) - 1)  # the root's are not a block's
+        hbm_room = device_room(report.needed[Tier.HBM], report.budgets[Tier.HBM])
+        assert hbm_room is not None  # an HBM budget, checked above
         dram_budget = report.budgets.get(Tier.DRAM)
-        block = policy.activations.dram_bytes if policy.activations.uses_dram else 0
         dram_room = (None if dram_budget is None  # the block planned already is theirs too
-                     else dram_budget - report.needed[Tier.DRAM] + block)
+                     else dram_budget - report.needed[Tier.DRAM]
+                     + policy.activations.block_bytes)
         rates = question.rates
         pinned = (None if rates is None or not rates.d2h_gbps or not rates.h2d_gbps
                   else (rates.d2h_gbps, rates.h2d_gbps))

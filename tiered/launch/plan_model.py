@@ -304,7 +304,7 @@ def plan_model(model: nn.Module, policy: Policy, ranks: int, rates: NodeRates | 
                            hbm_reserve(policy, budgets.hbm_capacity))
         if batch is not None and policy.hbm.reserve is None:  # as the re-plan moves them
             hbm = budgets.hbm_for(plan)
-            room = hbm - plan.needed(Tier.HBM) - hbm // MEASURED_MARGIN_SHARE
+            room = device_room(plan.needed(Tier.HBM), hbm)
             plan = plan.kept_on_device(replanned_units(
                 plan, order, hbm, batch[2] - _in_dram(policy, batch[2], room)))
     else:
@@ -321,35 +321,38 @@ def plan_model(model: nn.Module, policy: Policy, ranks: int, rates: NodeRates | 
     fit = None
     if batch is not None:
         rows, seq, kept, per_sequence = batch
-        largest, hbm_budget = None, shown[Tier.HBM]
-        block = _in_dram(policy, None, None)
-        device_room = (None if hbm_budget is None
-                       else hbm_budget - plan.needed(Tier.HBM) - margin_of(shown))
-        if device_room is not None and per_sequence > 0:
-            largest = max(0, (device_room - (kept - rows * per_sequence) + block)
-                          // per_sequence)
-        fit = BatchFit(rows, seq, kept, per_sequence, largest,
-                       _in_dram(policy, kept, device_room))
+        largest = None
+        room = device_room(plan.needed(Tier.HBM), shown[Tier.HBM])
+        if room is not None and per_sequence > 0:
+            largest = max(0, (room - (kept - rows * per_sequence)
+                              + policy.activations.block_bytes) // per_sequence)
+        fit = BatchFit(rows, seq, kept, per_sequence, largest, _in_dram(policy, kept, room))
     verdict = Verdict(_rooms(report, policy, budgets, shown, on_cpu, fit),
                       note=_budgets_note(memory, ranks, on_cpu, fit))
     return dataclasses.replace(report, batch=fit, verdict=verdict)
 
 
-def _in_dram(policy: Policy, kept: int | None, room: int | None) -> int:
-    """What of ``kept`` bytes of activations the DRAM block holds (the whole block where
-    ``kept`` is None): with ``activations.tier: dram`` the engine fills it first, and the rest
-    stays on the device; with ``auto``, none where they fit the device's ``room`` beside the plan
-    and its margin (the engine keeps them there after its first step), else as with dram. The
-    tensors under ``min_bytes`` that stay on the device are left out: a few small ones a layer."""
+def _in_dram(policy: Policy, kept: int, room: int | None) -> int:
+    """What of ``kept`` bytes of activations the DRAM block holds: with ``activations.tier:
+    dram`` the engine fills it first, and the rest stays on the device; with ``auto``, none where
+    they fit the device's ``room`` beside the plan and its margin (the engine keeps them there
+    after its first step), else as with dram. The tensors under ``min_bytes`` that stay on the
+    device are left out: a few small ones a layer."""
     activations = policy.activations
-    if not activations.uses_dram or (activations.tier is Tier.AUTO and kept is not None
-                                     and room is not None and kept <= room):
+    if activations.tier is Tier.AUTO and room is not None and kept <= room:
         return 0
-    block = activations.dram_bytes
-    return block if kept is None else min(kept, block)
+    return min(kept, activations.block_bytes)
 
 
-def margin_of(shown: dict[Tier, int | None]) -> int:
+def device_room(hbm_needed: int, hbm_budget: int | None) -> int | None:
+    """What ``hbm_budget`` leaves beside ``hbm_needed`` bytes of the plan and the re-plan's
+    margin (None without a budget): the room for activations."""
+    if hbm_budget is None:
+        return None
+    return hbm_budget - hbm_needed - hbm_budget // MEASURED_MARGIN_SHARE
+
+
+def _margin(shown: dict[Tier, int | None]) -> int:
     """What the re-plan leaves free beside the activations: 1/16 of the HBM budget."""
     return (shown[Tier.HBM] or 0) // MEASURED_MARGIN_SHARE
 
@@ -360,7 +363,7 @@ def _rooms(report: PlanReport, policy: Policy, budgets: NodeBudgets,
     """Each tier's needs against its budget (``shown``: the plan's budgets, for_plan; see
     planning/verdict.py); the activations and their margin are the HBM tier's, as BatchFit
     counts them."""
-    beside = 0 if fit is None else fit.on_device + margin_of(shown)
+    beside = 0 if fit is None else fit.on_device + _margin(shown)
     hbm, dram = report.needed[Tier.HBM] + beside, report.needed[Tier.DRAM]
     if on_cpu:
         rooms = [TierRoom(tier.value, needed, budget) for tier, needed, budget in

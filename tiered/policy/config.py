@@ -335,6 +335,11 @@ class ActivationsPolicy:
         """Whether the plan holds a DRAM block for them (tier: dram, or auto's first step)."""
         return self.tier in (Tier.DRAM, Tier.AUTO)
 
+    @property
+    def block_bytes(self) -> int:
+        """The DRAM block the plan holds for them (0 with tier: hbm)."""
+        return self.dram_bytes if self.uses_dram else 0
+
 
 @dataclass(frozen=True)
 class TilingPolicy:
