@@ -80,16 +80,19 @@ def test_load_model_passes_the_from_config_arguments_through(tmp_path):
     assert loaded.config.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("activations", ["hbm", "dram"])
-def test_gradient_checkpointing_trains_as_plain_trainer(tmp_path, activations):
+@pytest.mark.parametrize("activations, model", [("hbm", llama), ("dram", llama),
+                                               ("dram", lambda: lora(llama()))],
+                         ids=["hbm", "dram", "dram-peft-lora"])
+def test_gradient_checkpointing_trains_as_plain_trainer(tmp_path, activations, model):
     """Hugging Face layers checkpoint their forward inside their call: the recomputation in
     backward runs no unit hook (see [Note: checkpointing inside the hooks]). With the
-    activations in DRAM, the checkpointed inputs wait there (issue 34)."""
+    activations in DRAM, the checkpointed inputs wait there (issue 34), peft's adapters over
+    the model or not."""
     data = dataset()
     args = dict(gradient_checkpointing=True, max_steps=3)
-    expected, _ = train_plain(llama(), arguments(tmp_path / "plain", **args), data)
+    expected, _ = train_plain(model(), arguments(tmp_path / "plain", **args), data)
     policy = dict(CPU, activations={"tier": activations, "dram_bytes": "16MiB", "min_bytes": 0})
-    trainer = tiered_run(llama(), arguments(tmp_path / "tiered", **args), data, policy)
+    trainer = tiered_run(model(), arguments(tmp_path / "tiered", **args), data, policy)
     got = trainer.engine.full_state_dict()
     offloaded = trainer.engine.runtime.activations.offloaded_bytes
     trainer.engine.close()
@@ -480,18 +483,3 @@ def test_the_examples_tokenizer_decodes_the_text_it_encoded(tmp_path):
     assert len(ids) == len(text) and tokenizer.decode(ids) == text
     tokenizer.save_pretrained(tmp_path)
     assert transformers.AutoTokenizer.from_pretrained(tmp_path).decode(ids) == text
-
-
-def test_lora_with_checkpointed_activations_in_dram_trains_as_plain_peft(tmp_path):
-    """peft's adapters over a checkpointed Llama, what the forward saves kept in DRAM (issue
-    34): the same as plain Trainer over the same peft model."""
-    data = dataset()
-    args = dict(gradient_checkpointing=True, max_steps=3)
-    expected, _ = train_plain(lora(llama()), arguments(tmp_path / "plain", **args), data)
-    policy = dict(CPU, activations={"tier": "dram", "dram_bytes": "16MiB", "min_bytes": 0})
-    trainer = tiered_run(lora(llama()), arguments(tmp_path / "tiered", **args), data, policy)
-    got = trainer.engine.full_state_dict()
-    offloaded = trainer.engine.runtime.activations.offloaded_bytes
-    trainer.engine.close()
-    assert_close_states(got, expected)
-    assert offloaded > 0
