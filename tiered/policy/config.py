@@ -22,7 +22,7 @@ from ..core.sizes import parse_size
 from ..device.bf16 import bf16_support
 from ..tiers.moments import piece_granule
 from .deepspeed import read_policy_file
-from .kinds import ComputeDtype, Device, MasterDtype, MomentsDtype, Tier
+from .kinds import ComputeDtype, Device, FrozenDtype, MasterDtype, MomentsDtype, Tier
 from .schema import build, merge, plain_value_in, plain_value_message
 from .values import (as_betas, as_bool, as_class_names, as_norm_bound, as_number, as_path,
                      as_size_or_none, as_whole_number, keep_path_as_string, optional, parsed_by)
@@ -36,6 +36,10 @@ class ParamsPolicy:
     tier: Tier = Tier.DRAM
     """Where the compute-dtype weights of each shard live between uses: hbm | dram | nvme |
     auto (the planner decides per unit; then for grads and optimizer too)."""
+    frozen_dtype: FrozenDtype = FrozenDtype.COMPUTE
+    """How units of frozen parameters keep their linear layers' weights, in every tier and on
+    every move: compute (the compute dtype) | int8 | nf4 (quantized by torchao, dequantized on
+    the device per unit just before use; see [Note: quantized frozen weights])."""
 
 
 @dataclass(frozen=True)

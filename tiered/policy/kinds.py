@@ -1,5 +1,5 @@
-"""The values a policy chooses among: the tiers, the compute, moment and master dtypes, the
-device. Plain enums, read by every layer that reads a policy (config.py holds the sections)."""
+"""The values a policy chooses among: the tiers, the compute, moment, master and frozen
+weights' dtypes, the device. Plain enums, read by every layer that reads a policy (config.py holds the sections)."""
 from __future__ import annotations
 
 import enum
@@ -59,6 +59,18 @@ class MasterDtype(str, enum.Enum):
     FP32 = "fp32"
     BF16 = "bf16"
     """No fp32 copy: the bf16 weights are the master, stochastically rounded."""
+
+
+class FrozenDtype(str, enum.Enum):
+    """How a unit of frozen parameters keeps its linear layers' weights ([Note: quantized
+    frozen weights] in tiers/quantized.py)."""
+
+    COMPUTE = "compute"
+    """In the compute dtype, as every other weight."""
+    INT8 = "int8"
+    """torchao's weight-only int8: 1 byte per element and an fp32 scale per output row."""
+    NF4 = "nf4"
+    """QLoRA's NormalFloat4 (torchao): half a byte per element and about 1/64 byte of scales."""
 
 
 class Device(str, enum.Enum):

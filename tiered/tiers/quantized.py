@@ -1,0 +1,233 @@
+"""A frozen unit's weights kept quantized: one record of bytes per unit, what every tier holds.
+
+[Note: quantized frozen weights]
+With ``params.frozen_dtype`` int8 or nf4, a unit whose parameters are all frozen and among which
+are linear layers' weights keeps its weights as one record of bytes. Each frozen weight of an
+``nn.Linear`` is quantized whole, by torchao: nf4 is QLoRA's NormalFloat4 (``to_nf4``: blocks of
+64 with an absmax scale each, the scales double-quantized to int8 per 256 blocks around their
+mean), int8 is torchao's weight-only int8 (``Int8Tensor.from_hp`` with ``PerRow``, as
+``Int8WeightOnlyConfig`` quantizes: symmetric, an fp32 scale per output row). The unit's other
+parameters (biases, norms, embeddings, a weight tied to one, a weight whose size nf4's blocks do
+not divide) stay in the compute dtype, as QLoRA leaves them. The record lays each parameter's
+tensors end to end, each starting on 16 bytes (so that a slice of the bytes views as its dtype).
+
+The record is cut into the ranks' shards as a flat buffer's elements are, by bytes: evenly, rank
+r keeping bytes [r*S, (r+1)*S). That shard is what its tier holds (HBM, DRAM, NVMe) and what
+moves between them; a gather all-gathers the record's bytes on the device and dequantizes the
+whole unit there, parameter by parameter with torchao's own dequantization, into the unit's flat
+buffer in the compute dtype, which is released after use as any gathered unit's.
+
+Why the bytes, not the elements, are sharded: nf4's double quantization subtracts the mean of
+all of a tensor's block scales, so a quantization per rank's shard would give other values than
+the whole tensor's, other ones at each world size, and a cut on block boundaries would still cut
+that mean apart. Quantized whole, a weight has the values QLoRA and torchao give it whatever the
+ranks; dequantized after the all-gather, no rank needs to know where its bytes fall. The cost:
+every rank dequantizes the whole unit (elementwise work on the device, a unit's worth), and the
+all-gather moves the quantized bytes, 2 to 4 times fewer than the compute dtype's.
+
+Quantizing is lossy by choice: the frozen weights the model computes with, and the ones
+``full_state_dict`` and exports give back, are the dequantized ones.
+
+torchao is imported on the first quantization or dequantization only (``_torchao``): it takes
+about 2 s to import (torch's compiler with it), which no run that keeps its weights in the
+compute dtype should pay.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Sequence
+
+import torch
+
+from ..core.errors import TieredError
+from ..core.sizes import align_up
+
+ALIGN = 16
+"""Bytes each tensor of a record starts on: any dtype's slice views in place."""
+
+NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
+"""QLoRA's block sizes (torchao's ``to_nf4`` defaults): elements per absmax scale, and scales
+per double-quantization scale."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One tensor of a record: where it lies, in bytes, and what it is."""
+
+    name: str
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def view(self, record: torch.Tensor) -> torch.Tensor:
+        """This tensor, a view of the record's bytes."""
+        return record[self.offset:self.offset + self.nbytes].view(self.dtype).view(self.shape)
+
+
+class Format:
+    """A quantized format: which weights it takes, its tensors, and torchao's two directions."""
+
+    name: str
+
+    def takes(self, shape: torch.Size) -> bool:
+        raise NotImplementedError
+
+    def tensors(self, shape: torch.Size, dtype: torch.dtype) -> list[tuple[str, tuple, torch.dtype]]:
+        """(name, shape, dtype) of each tensor a weight of ``shape`` in ``dtype`` is kept as."""
+        raise NotImplementedError
+
+    def quantize(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def dequantize(self, parts: dict[str, torch.Tensor], shape: torch.Size,
+                   dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Nf4(Format):
+    name = "nf4"
+
+    def takes(self, shape: torch.Size) -> bool:
+        # to_nf4 needs whole blocks and whole groups of block scales.
+        return len(shape) == 2 and shape.numel() % (NF4_BLOCK * NF4_SCALER_BLOCK) == 0
+
+    def tensors(self, shape, dtype):
+        n = shape.numel()
+        return [("quantized_data", (n // 2,), torch.uint8),
+                ("quantized_scalers", (n // NF4_BLOCK,), torch.int8),
+                ("quantization_factor", (n // NF4_BLOCK // NF4_SCALER_BLOCK,), dtype),
+                ("scaler_mean", (), dtype),
+                ("nf4", (16,), dtype)]  # the code book, in the weight's dtype
+
+    def quantize(self, weight):
+        quantized = _torchao().to_nf4(weight, NF4_BLOCK, NF4_SCALER_BLOCK)
+        return {name: getattr(quantized, name) for name, _, _ in self.tensors(weight.shape,
+                                                                             weight.dtype)}
+
+    def dequantize(self, parts, shape, dtype):
+        ao = _torchao()
+        meta = ao.SubclassTensorArgs(shape, (shape[1], 1), 0, dtype, parts["nf4"].device, False)
+        return ao.NF4Tensor.__tensor_unflatten__(
+            parts, {"tensor_meta": meta, "block_size": NF4_BLOCK,
+                    "n_blocks": shape.numel() // NF4_BLOCK,
+                    "scaler_block_size": NF4_SCALER_BLOCK}, shape, (shape[1], 1)
+        ).get_original_weight()
+
+
+class Int8(Format):
+    name = "int8"
+
+    def takes(self, shape: torch.Size) -> bool:
+        return len(shape) == 2
+
+    def tensors(self, shape, dtype):
+        rows = shape[0]
+        return [("qdata", tuple(shape), torch.int8), ("scale", (rows, 1), torch.float32),
+                ("zero_point", (rows, 1), torch.int8)]
+
+    def quantize(self, weight):
+        ao = _torchao()
+        quantized = ao.Int8Tensor.from_hp(weight, ao.PerRow())
+        return {"qdata": quantized.qdata, "scale": quantized.scale,
+                "zero_point": quantized.zero_point}
+
+    def dequantize(self, parts, shape, dtype):
+        return _torchao().Int8Tensor(parts["qdata"], parts["scale"], [1, shape[1]], dtype,
+                                     zero_point=parts["zero_point"]).dequantize()
+
+
+FORMATS: dict[str, Format] = {"nf4": Nf4(), "int8": Int8()}
+"""By ``params.frozen_dtype``'s value."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One parameter of a unit in its record: its elements in the unit's flat buffer, and its
+    tensors in the record (one, in the compute dtype, where it is not quantized)."""
+
+    start: int
+    """Its first element in the unit's flat buffer."""
+    shape: torch.Size
+    quantized: bool
+    pieces: tuple[Piece, ...]
+
+
+class QuantizedUnit:
+    """The layout of one unit's record, and its two directions: the compute-dtype flat buffer
+    to the record (at initialize) and back (at each gather).
+
+    ``shapes``: each parameter's shape in the unit's flat order; ``quantize``: whether each is
+    a weight to quantize (the format must take its shape)."""
+
+    def __init__(self, fmt: Format, shapes: Sequence[torch.Size], quantize: Sequence[bool],
+                 dtype: torch.dtype, world_size: int):
+        self.format = fmt
+        self.dtype = dtype
+        entries, offset, start = [], 0, 0
+        for shape, wanted in zip(shapes, quantize):
+            tensors = (fmt.tensors(shape, dtype) if wanted
+                       else [("value", tuple(shape), dtype)])
+            pieces = []
+            for name, piece_shape, piece_dtype in tensors:
+                piece = Piece(name, offset, piece_shape, piece_dtype)
+                pieces.append(piece)
+                offset = align_up(offset + piece.nbytes, ALIGN)
+            entries.append(Entry(start, shape, wanted, tuple(pieces)))
+            start += shape.numel()
+        self.entries = tuple(entries)
+        self.numel = start
+        self.nbytes = align_up(max(offset, 1), world_size)
+        """The record's bytes, padded to a whole number of ranks' shards."""
+        self.shard_bytes = self.nbytes // world_size
+
+    def quantize(self, flat: torch.Tensor, record: torch.Tensor) -> None:
+        """Write the record of the unit whose weights are the flat buffer ``flat`` (any float
+        dtype: each parameter is taken in the compute dtype first) into ``record`` (bytes)."""
+        record.zero_()  # the gaps between pieces and the padding: defined bytes on every rank
+        for entry in self.entries:
+            value = flat[entry.start:entry.start + entry.shape.numel()].view(entry.shape)
+            value = value.to(self.dtype)
+            parts = self.format.quantize(value) if entry.quantized else {"value": value}
+            for piece in entry.pieces:
+                piece.view(record).copy_(parts[piece.name])
+
+    def dequantize(self, record: torch.Tensor, flat: torch.Tensor) -> None:
+        """Fill the unit's flat buffer ``flat`` (the compute dtype, padded) from its whole
+        ``record``, on the record's device; the padding is zeros."""
+        for entry in self.entries:
+            parts = {piece.name: piece.view(record) for piece in entry.pieces}
+            value = (self.format.dequantize(parts, entry.shape, self.dtype) if entry.quantized
+                     else parts["value"])
+            flat[entry.start:entry.start + entry.shape.numel()].copy_(value.reshape(-1))
+        flat[self.numel:].zero_()
+
+
+@functools.cache
+def _torchao() -> SimpleNamespace:
+    """The few torchao names this module uses, imported on first use."""
+    # Inside a function: torchao is optional (tiered[quantized]) and slow to import. Its load
+    # of CUDA-only kernels a CPU build lacks logs a warning per file, and torch one about an
+    # enum torchao registers, neither about what is used here (plain torch ops): held back.
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        from torchao.quantization import Int8Tensor, NF4Tensor, PerRow, to_nf4
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import SubclassTensorArgs
+    except ImportError as error:
+        raise TieredError(f"params.frozen_dtype int8 and nf4 quantize with torchao, which is "
+                          f"not installed ({error}): pip install 'tiered[quantized]'") from None
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+    return SimpleNamespace(Int8Tensor=Int8Tensor, NF4Tensor=NF4Tensor, PerRow=PerRow,
+                           to_nf4=to_nf4, SubclassTensorArgs=SubclassTensorArgs)
