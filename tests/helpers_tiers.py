@@ -39,3 +39,13 @@ def dram_bytes(flat, kinds: list[StateKind], compute: torch.dtype) -> int:
              StateKind.GRAD: 4, StateKind.MASTER: 4, StateKind.EXP_AVG: 4,
              StateKind.EXP_AVG_SQ: 4}
     return sum(align_up(flat.shard_numel * sizes[kind], BLOCK_ALIGN) for kind in kinds)
+
+
+def activations_on_nvme(path, dram_bytes: int | str) -> dict:
+    """Policy overrides for ``activations.tier: nvme`` under ``path``: saved tensors past a
+    DRAM block of ``dram_bytes`` (every one moves: ``min_bytes`` 0) go to the drive, through
+    slots of 8 KiB (two requests of 4 KiB), so that a tiny model's tensors cross in pieces, and
+    ten of them (reads ahead of 64 KiB, where the device has streams)."""
+    return {"nvme": {"path": str(path), "block_size": 4096, "queue_depth": 2},
+            "activations": {"tier": "nvme", "dram_bytes": dram_bytes, "nvme_bytes": "4MiB",
+                            "min_bytes": 0, "prefetch_bytes": "64KiB"}}

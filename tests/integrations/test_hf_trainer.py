@@ -10,8 +10,10 @@ import os
 import pytest
 import torch
 
+from helpers import assert_same, left_behind
 from helpers_hf import (STEPS, arguments, assert_close_states, config, dataset, llama, lora,
                         step_logs, train_plain)
+from helpers_tiers import activations_on_nvme
 
 transformers = pytest.importorskip("transformers")
 
@@ -81,23 +83,35 @@ def test_load_model_passes_the_from_config_arguments_through(tmp_path):
 
 
 @pytest.mark.parametrize("activations, model", [("hbm", llama), ("dram", llama),
-                                               ("dram", lambda: lora(llama()))],
-                         ids=["hbm", "dram", "dram-peft-lora"])
+                                               ("dram", lambda: lora(llama())),
+                                               ("nvme", lambda: lora(llama()))],
+                         ids=["hbm", "dram", "dram-peft-lora", "nvme-peft-lora"])
 def test_gradient_checkpointing_trains_as_plain_trainer(tmp_path, activations, model):
     """Hugging Face layers checkpoint their forward inside their call: the recomputation in
     backward runs no unit hook (see [Note: checkpointing inside the hooks]). With the
     activations in DRAM, the checkpointed inputs wait there (issue 34), peft's adapters over
-    the model or not."""
+    the model or not; on NVMe, past a DRAM block of one of them, the rest wait on the drive,
+    and training is bit for bit what it is with them on the device."""
     data = dataset()
     args = dict(gradient_checkpointing=True, max_steps=3)
     expected, _ = train_plain(model(), arguments(tmp_path / "plain", **args), data)
     policy = dict(CPU, activations={"tier": activations, "dram_bytes": "16MiB", "min_bytes": 0})
+    if activations == "nvme":
+        (tmp_path / "nvme").mkdir()
+        policy = dict(CPU, **activations_on_nvme(tmp_path / "nvme", "8KiB"))
     trainer = tiered_run(model(), arguments(tmp_path / "tiered", **args), data, policy)
     got = trainer.engine.full_state_dict()
-    offloaded = trainer.engine.runtime.activations.offloaded_bytes
+    store = trainer.engine.runtime.activations
+    offloaded, spill = store.offloaded_bytes, store.spill
     trainer.engine.close()
     assert_close_states(got, expected)
-    assert (offloaded > 0) == (activations == "dram")
+    assert (offloaded > 0) == (activations != "hbm")
+    if activations == "nvme":
+        assert spill is not None and spill.written_bytes > 0
+        on_device = tiered_run(model(), arguments(tmp_path / "on_device", **args), data)
+        assert_same(got, on_device.engine.full_state_dict(), "activations on NVMe")
+        on_device.engine.close()
+        assert left_behind(tmp_path / "nvme") == []
 
 
 def test_no_decay_set_and_hyperparameters_follow_the_arguments(tmp_path):

@@ -565,6 +565,7 @@ def _shut_down(runtime: UnitRuntime, clean: bool = False) -> bool:
               f"{runtime.worker.error}", file=sys.stderr)
     if runtime.readahead is not None:
         runtime.readahead.close()
+    runtime.activations.close()  # its I/O reads and writes the pinned slabs freed below
     runtime.timeline.close()
     # A prefetch or a gradient's copy off the device may still read or write the units' storage
     # and the pinned slabs freed below.

@@ -43,12 +43,16 @@ copies out, which wrote what they read. One that is never read (its graph freed)
 the saved tensor. Where streams are not (a CPU), there is nothing to overlap, and each tensor is
 copied back as it is read.
 
+With ``tier: nvme`` what the block cannot hold goes to a file on the drive instead of staying
+on the device (see [Note: activations on NVMe] in activations_nvme.py).
+
 The bits are the same as on the device: a copy is exact, and backward computes on what was
 saved.
 """
 from __future__ import annotations
 
 import weakref
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +61,7 @@ from ..core.sizes import align_up, format_size
 from ..planning.activations import SavedBytes
 from ..policy.config import ActivationsPolicy
 from ..policy.kinds import Tier
+from .activations_nvme import NvmeSpill
 from .streams import Streams
 
 ALIGN = 64
@@ -84,15 +89,40 @@ class _InDram:
         self.store._released(self)
 
 
+@dataclass(eq=False)
+class _OnNvme:
+    """A saved tensor's place in the file on the drive (tier: nvme), handed to autograd in its
+    stead."""
+
+    store: "SavedActivations"
+    offset: int
+    shape: torch.Size
+    dtype: torch.dtype
+    writes: list[Future]
+    """Each piece's write (activations_nvme.NvmeSpill.write)."""
+    order: int
+    read: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape.numel() * self.dtype.itemsize
+
+    def __del__(self):
+        self.store._released(self)
+
+
 class SavedActivations:
     """The engine's saved-tensor store (see [Note: activations in DRAM])."""
 
     def __init__(self, policy: ActivationsPolicy, device: torch.device, streams: Streams,
-                 arena: torch.Tensor | None, kept: SavedBytes, moved: SavedBytes):
+                 arena: torch.Tensor | None, kept: SavedBytes, moved: SavedBytes,
+                 spill: NvmeSpill | None, spilled: SavedBytes):
         """``arena``: the plan's DRAM block for activations (a uint8 tensor), None when the
         policy keeps them on the device; ``kept``: where what stays on the device is counted
         (the step's probe: what the re-plan and plan_report read as its activations);
-        ``moved``: where what moves to DRAM is counted (plan_report's "in DRAM")."""
+        ``moved``: where what moves to DRAM is counted (plan_report's "in DRAM"); ``spill``:
+        the file for what the arena cannot hold (tier: nvme), ``spilled`` where what goes there
+        is counted."""
         self.device = device
         self.streams = streams
         self.min_bytes = policy.min_bytes
@@ -106,14 +136,18 @@ class SavedActivations:
         """Where tier: auto keeps them, and why, in a line (None before it decided)."""
         self.kept = kept
         self.moved = moved
+        self.spill = spill
+        self.spilled = spilled
         self.ahead_bytes = policy.prefetch_bytes if streams.offload is not None else 0
         self._used = 0
-        self._saved: list[weakref.ref[_InDram]] = []
-        """The tensors in the arena, in the order they were saved."""
+        self._saved: list[weakref.ref[_InDram | _OnNvme]] = []
+        """The tensors in the arena and the file, in the order they were saved."""
         self._held = 0
-        """Tensors in the arena that autograd still holds."""
+        """Tensors in the arena or the file that autograd still holds."""
         self._fetched: dict[int, tuple[torch.Tensor, object]] = {}
         """By order: the tensors copied back ahead of need, each with its copy's event."""
+        self._reading: set[int] = set()
+        """By order: the tensors in the file being read back ahead of need."""
         self._fetched_bytes = 0
         self._next_fetch = -1
         """The latest-saved tensor not yet considered for a copy ahead."""
@@ -135,13 +169,35 @@ class SavedActivations:
         return fits
 
     def pack(self, tensor: torch.Tensor):
-        """What autograd keeps for ``tensor``: its place in DRAM, or the tensor itself."""
-        place = self._place_for(tensor)
-        if place is None:
+        """What autograd keeps for ``tensor``: its place in DRAM or on the drive, or the tensor
+        itself."""
+        if not self._moves(tensor):
             self.kept.add(tensor)
             return tensor
-        assert self.arena is not None
         nbytes = tensor.numel() * tensor.element_size()
+        if self._held == 0:  # nothing in the arena or the file is held: both start over
+            self._used = 0
+            self._saved.clear()
+            if self.spill is not None:
+                self.spill.start_over()
+        place = self._arena_place(nbytes)
+        packed: _InDram | _OnNvme
+        if place is not None:
+            packed = self._to_dram(tensor, place, nbytes)
+        elif self.spill is not None and (offset := self.spill.place(nbytes)) is not None:
+            packed = _OnNvme(self, offset, tensor.shape, tensor.dtype,
+                             self.spill.write(tensor, offset), len(self._saved))
+            self.spilled.add_copy(nbytes)
+        else:
+            self.kept.add(tensor)
+            return tensor
+        self._held += 1
+        self._saved.append(weakref.ref(packed))
+        self._next_fetch = len(self._saved) - 1
+        return packed
+
+    def _to_dram(self, tensor: torch.Tensor, place: int, nbytes: int) -> _InDram:
+        assert self.arena is not None
         host = self.arena[place:place + nbytes].view(tensor.dtype).view(tensor.shape)
         with self.streams.on_offload():
             host.copy_(tensor, non_blocking=True)
@@ -149,27 +205,34 @@ class SavedActivations:
         self.streams.keep_for_offload(tensor)
         self.moved.add_copy(nbytes)
         self.offloaded_bytes += nbytes
-        self._held += 1
-        packed = _InDram(self, place, tensor.shape, tensor.dtype, ready, len(self._saved))
-        self._saved.append(weakref.ref(packed))
-        self._next_fetch = len(self._saved) - 1
-        return packed
+        return _InDram(self, place, tensor.shape, tensor.dtype, ready, len(self._saved))
 
     def unpack(self, packed):
-        if not isinstance(packed, _InDram):
+        if isinstance(packed, _OnNvme):
+            assert self.spill is not None  # only it makes them
+            if packed.order in self._reading:
+                self._reading.discard(packed.order)
+                self._fetched_bytes -= packed.nbytes
+            back = self.spill.read_back(packed.order, packed.offset, packed.shape, packed.dtype,
+                                        packed.writes)
+        elif not isinstance(packed, _InDram):
             return packed
+        else:
+            back = self._dram_back(packed)
+        packed.read = True
+        self._fetch_ahead(packed.order)
+        return back
+
+    def _dram_back(self, packed: _InDram) -> torch.Tensor:
         fetched = self._fetched.pop(packed.order, None)
         if fetched is None:
             if packed.ready is not None:
                 self._wait(packed.ready)
-            back = self._copy_back(packed)
-        else:
-            back, ready = fetched
-            self._fetched_bytes -= packed.nbytes
-            self._wait(ready)
-            self.streams.accelerator.record_stream(back, self.streams.accelerator.current_stream())
-        packed.read = True
-        self._fetch_ahead(packed.order)
+            return self._copy_back(packed)
+        back, ready = fetched
+        self._fetched_bytes -= packed.nbytes
+        self._wait(ready)
+        self.streams.accelerator.record_stream(back, self.streams.accelerator.current_stream())
         return back
 
     def _wait(self, ready) -> None:
@@ -178,15 +241,27 @@ class SavedActivations:
 
     def _fetch_ahead(self, order: int) -> None:
         """Copy back, on the offload stream, the tensors saved before ``order`` that are not
-        read yet, nearest first, up to ``ahead_bytes`` copied and not yet read."""
+        read yet, nearest first, up to ``ahead_bytes`` copied and not yet read; those on the
+        drive are read into the spill's slots (a tensor it cannot start yet waits for a later
+        read, and the ones saved before it with it)."""
         self._next_fetch = min(self._next_fetch, order - 1)
         while self._next_fetch >= 0 and self._fetched_bytes < self.ahead_bytes:
             packed = self._saved[self._next_fetch]()
-            self._next_fetch -= 1
-            if packed is None or packed.read or packed.order in self._fetched:
+            if (packed is None or packed.read or packed.order in self._fetched
+                    or packed.order in self._reading):
+                self._next_fetch -= 1
                 continue
-            with self.streams.on_offload():  # behind the copy out that wrote it
-                self._fetched[packed.order] = (self._copy_back(packed), self.streams.record())
+            if isinstance(packed, _OnNvme):
+                assert self.spill is not None
+                if not self.spill.read_ahead(packed.order, packed.offset, packed.nbytes,
+                                             packed.writes):
+                    return
+                self._reading.add(packed.order)
+            else:
+                with self.streams.on_offload():  # behind the copy out that wrote it
+                    self._fetched[packed.order] = (self._copy_back(packed),
+                                                   self.streams.record())
+            self._next_fetch -= 1
             self._fetched_bytes += packed.nbytes
             self.fetched_ahead_bytes += packed.nbytes
 
@@ -198,25 +273,34 @@ class SavedActivations:
         back = torch.empty(packed.shape, dtype=packed.dtype, device=self.device)
         return back.copy_(host.view(packed.dtype).view(packed.shape), non_blocking=True)
 
-    def _place_for(self, tensor: torch.Tensor) -> int | None:
-        """The arena offset ``tensor`` takes, or None when it stays where it is."""
-        if (not self._placing or type(tensor) is not torch.Tensor
-                or tensor.device != self.device or tensor.layout is not torch.strided):
-            return None
-        nbytes = tensor.numel() * tensor.element_size()
-        if nbytes < self.min_bytes:
-            return None
+    def _moves(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` leaves the device (the arena's, or the file's where it has no
+        room)."""
+        return (self._placing and type(tensor) is torch.Tensor and tensor.device == self.device
+                and tensor.layout is torch.strided
+                and tensor.numel() * tensor.element_size() >= self.min_bytes)
+
+    def _arena_place(self, nbytes: int) -> int | None:
+        """The arena offset ``nbytes`` take, or None when they do not fit."""
         assert self.arena is not None  # placing implies the block
-        if self._held == 0:
-            self._used = 0
-            self._saved.clear()
         place = align_up(self._used, ALIGN)
         if place + nbytes > self.arena.numel():
             return None
         self._used = place + nbytes
         return place
 
-    def _released(self, packed: _InDram) -> None:
+    def _released(self, packed: _InDram | _OnNvme) -> None:
         self._held -= 1
-        if self._fetched.pop(packed.order, None) is not None:  # copied back, never read
+        if isinstance(packed, _OnNvme):
+            if packed.order in self._reading:  # read back ahead, never read
+                self._reading.discard(packed.order)
+                self._fetched_bytes -= packed.nbytes
+            assert self.spill is not None
+            self.spill.drop(packed.order)
+        elif self._fetched.pop(packed.order, None) is not None:  # copied back, never read
             self._fetched_bytes -= packed.nbytes
+
+    def close(self) -> None:
+        """The engine closes: the drive's writes and reads in flight end first."""
+        if self.spill is not None:
+            self.spill.close()

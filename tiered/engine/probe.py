@@ -41,7 +41,9 @@ class StepProbe:
         self.saved = SavedBytes()
         """What the step's forwards keep for backward (the hooks count it: activations.py)."""
         self.saved_in_dram = SavedBytes()
-        """What they saved into DRAM instead (activations.tier: dram or auto)."""
+        """What they saved into DRAM instead (activations.tier: dram, nvme or auto)."""
+        self.saved_on_nvme = SavedBytes()
+        """What they saved on the drive (activations.tier: nvme, past the DRAM block)."""
         self._backed = False
         """Whether a backward ended in the step in progress (measured or not)."""
         self.last_activations: int | None = None
@@ -55,8 +57,8 @@ class StepProbe:
 
     def forward_started(self) -> None:
         """A forward with grad starts (each of the step's: their activations count apart)."""
-        self.saved.start()
-        self.saved_in_dram.start()
+        for counter in (self.saved, self.saved_in_dram, self.saved_on_nvme):
+            counter.start()
         if self._forward is None and not self._skipped:
             self._forward = self.mark()
 
@@ -84,12 +86,13 @@ class StepProbe:
         self._resolve(wait=False)
         activations = self.saved.take_peak()
         in_dram = self.saved_in_dram.take_peak()
+        on_nvme = self.saved_on_nvme.take_peak()
         if self._backed:
             self.last_activations = activations
         if self._backward is not None:
             step_s = None if self._last_step_ns is None else (now - self._last_step_ns) / 1e9
             self._pending = (self._steps, self._forward, self._backward, step_s, self._spans,
-                             self._backwards, activations, in_dram)
+                             self._backwards, activations, in_dram, on_nvme)
         self._forward = self._backward = None
         self._backwards = 0
         self._spans = []
@@ -105,7 +108,7 @@ class StepProbe:
     def _resolve(self, wait: bool) -> None:
         if self._pending is None:
             return
-        step, start, end, step_s, spans, backwards, saved, in_dram = self._pending
+        step, start, end, step_s, spans, backwards, saved, in_dram, on_nvme = self._pending
         ends = [end, *(span[3] for span in spans)]
         if not isinstance(end, int):
             if not wait and not all(event.query() for event in ends):
@@ -118,7 +121,8 @@ class StepProbe:
         peak = (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
                 else None)
         self._last = StepMeasurement(step, _elapsed(start, end), step_s, peak, backwards,
-                                     tuple((f, b) for f, b in seconds), saved, in_dram)
+                                     tuple((f, b) for f, b in seconds), saved, in_dram,
+                                     on_nvme)
         self._pending = None
 
 

@@ -16,13 +16,14 @@ import torch
 from ..core.errors import TieredError
 from ..optim.adamw import AdamWHyper
 from ..optim.arrival import LastBackward
-from ..placement.plan import StateKind, prefetch_limit
+from ..placement.plan import StateKind, activation_slots, prefetch_limit
 from ..placement.units import module_groups
 from ..planning.planner import MEASURED_MARGIN_SHARE
 from ..policy.kinds import ComputeDtype, Tier
 from .context import EngineContext
 from .flat import FlatParam
 from .gather import Gatherer
+from .activations_nvme import NvmeSpill
 from .gradients import GradientPath
 from .offloaded_activations import SavedActivations
 from .prefetch import Prefetcher
@@ -63,11 +64,16 @@ class UnitRuntime:
         self.grads = GradientPath(context)
         self.probe = StepProbe(context.group.device, len(flats))
         """What each step measured (engine.plan_report() shows the last)."""
+        staging = manager.current_plan.staging
+        spill = None
+        if manager.activations_file is not None:  # see [Note: activations on NVMe]
+            spill = NvmeSpill(manager.activations_file, manager.staging_block("activations_io"),
+                              activation_slots(policy)[1], context.streams,
+                              context.group.device)
         self.activations = SavedActivations(
             policy.activations, context.group.device, context.streams,
-            manager.staging_block("activations")
-            if "activations" in manager.current_plan.staging else None, self.probe.saved,
-            self.probe.saved_in_dram)
+            manager.staging_block("activations") if "activations" in staging else None,
+            self.probe.saved, self.probe.saved_in_dram, spill, self.probe.saved_on_nvme)
         """What the forwards save for backward (see [Note: activations in DRAM])."""
         self.replan = (Replan(context) if policy.placed_by_planner and policy.hbm.reserve is None
                        else None)

@@ -26,6 +26,7 @@ from ..tiers.aio import IoSettings
 from ..tiers.dram import BLOCK_ALIGN, default_budget
 from ..tiers.moments import stored_granule
 from ..tiers.faces import NvmeFace, ShardFile
+from ..tiers.scratch import ScratchFile
 from .budgets import budgets_past_the_node, dram_beside_hbm, refusal, split_shared_ram
 from .plan import BlockKey, Buffer, MemoryPlan, StateKind
 
@@ -103,6 +104,7 @@ class TierManager:
         Raises BudgetError when the policy sets a budget larger than this rank's share of the
         node (see :func:`budgets_past_the_node`), leaving nothing behind."""
         self.policy = policy
+        self.rank = rank
         self.shards: dict[tuple[int, StateKind], Shard] = {}
         self.plan: MemoryPlan | None = None
         """What :meth:`allocate` allocated."""
@@ -121,6 +123,9 @@ class TierManager:
         amount), which their budgets split once the plan is known (see :meth:`budgets_for`);
         None on a GPU."""
         self.nvme: NvmeFace | None = None
+        self.activations_file: ScratchFile | None = None
+        """The plan's file for saved activations (``activations.tier: nvme``; plan.in_place_nvme),
+        this process's own also where the node's service holds the rank's other files."""
         try:  # from here on a failure (or an interrupt) must not leave the NVMe run folder, nor
             # a service's connection open (the DRAM source's)
             self.nvme = (nvme_tier(policy.nvme.path, policy.nvme.budget, rank, io, ranks)
@@ -216,6 +221,12 @@ class TierManager:
         self.check(plan)
         budgets = self.budgets_for(plan)
         self.hbm.usage.budget, self.dram.usage.budget = budgets[Tier.HBM], budgets[Tier.DRAM]
+        if plan.in_place_nvme:
+            assert self.policy.nvme.path is not None  # the policy asks for one with tier: nvme
+            self.activations_file = ScratchFile(
+                self.policy.nvme.path, plan.in_place_nvme, self.rank,
+                IoSettings(self.policy.nvme.block_size, self.policy.nvme.queue_depth),
+                "saved activations", "activations.nvme_bytes")
         self._allocate(plan, zero_moments=not kept)
 
     def adopt(self, plan: MemoryPlan, blocks: dict[BlockKey, torch.Tensor]) -> None:
@@ -497,6 +508,12 @@ class TierManager:
                                                        "dram": self.dram.usage.report()}
         report["nvme"] = (self.nvme.usage.report() if self.nvme is not None
                           else {"current": 0, "peak": 0, "budget": self.policy.nvme.budget})
+        if self.nvme is not None and self.activations_file is not None:
+            # In the NVMe budget, as the plan counts it (held whole from the start, so the
+            # peaks add up).
+            tier, held = self.nvme.usage, self.activations_file.usage
+            report["nvme"] = {"current": tier.current + held.current,
+                              "peak": tier.peak + held.peak, "budget": tier.budget}
         return report
 
     def close(self, clean: bool = False) -> None:
@@ -512,6 +529,8 @@ class TierManager:
         # reading out of DRAM slabs (a transfer abandoned by a failure); then the slabs go.
         if self.nvme is not None:
             self.nvme.close()
+        if self.activations_file is not None:
+            self.activations_file.close()
         self.dram.close(clean)
 
 

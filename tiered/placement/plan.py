@@ -146,8 +146,10 @@ def staging_buffers(policy: Policy, device: torch.device, placement: "Placement"
     - "grad0", "grad1", ...: reduced gradient shards landing from the GPU (filled by backward,
       emptied by the CPU worker; ``grads.landing_slots`` of them); on a CPU device too when the
       host is the node's service's (``lands_every_gradient``), which sees only shared buffers;
-    - "activations": what autograd saves for backward, with ``activations.tier: dram`` or
-      ``auto`` (the training thread's: engine/offloaded_activations.py).
+    - "activations": what autograd saves for backward, with ``activations.tier: dram``,
+      ``nvme`` or ``auto`` (the training thread's: engine/offloaded_activations.py);
+    - "activations_io": with ``activations.tier: nvme``, the slots through which saved tensors
+      go to the drive and come back (activation_slots; engine/activations_nvme.py).
     """
     compute = policy.compute_dtype.torch_dtype
     out = {}
@@ -178,6 +180,10 @@ def staging_buffers(policy: Policy, device: torch.device, placement: "Placement"
     if policy.activations.uses_dram:  # see [Note: activations in DRAM]
         out["activations"] = Buffer("staging activations", Tier.DRAM,
                                     policy.activations.dram_bytes, torch.uint8)
+    if policy.activations.file_bytes:  # see [Note: activations on NVMe]
+        slots, slot_bytes = activation_slots(policy)
+        out["activations_io"] = Buffer("staging activations_io", Tier.DRAM, slots * slot_bytes,
+                                       torch.uint8)
     # Sized for trained units: a frozen one never has a gradient to land.
     landing = placement.largest(StateKind.GRAD, Tier.DRAM)
     if landing and (device.type != "cpu" or lands_every_gradient):
@@ -185,6 +191,16 @@ def staging_buffers(policy: Policy, device: torch.device, placement: "Placement"
             out[f"grad{slot}"] = Buffer(f"staging grad{slot}", Tier.DRAM, landing,
                                         reduce_dtype(policy, world_size))
     return out
+
+
+def activation_slots(policy: Policy) -> tuple[int, int]:
+    """How many pinned slots saved tensors pass through on their way to and from the drive
+    (``activations.tier: nvme``), and the bytes of each: one full queue of the I/O engine's
+    requests (``nvme.block_size`` x ``nvme.queue_depth``), as many as ``activations.prefetch_bytes``
+    fill and one more for the read that cannot wait, at least two (one fills while the other
+    moves)."""
+    slot_bytes = policy.nvme.block_size * policy.nvme.queue_depth
+    return max(2, -(-policy.activations.prefetch_bytes // slot_bytes) + 1), slot_bytes
 
 
 def read_ahead_slots(policy: Policy, max_shard: int) -> int:
@@ -291,11 +307,14 @@ class MemoryPlan:
     left_pinned: int = 0
     """DRAM bytes of blocks whose states a re-plan moved to HBM: pinned still (slabs are never
     cut), so counted in the DRAM tier's needs."""
+    in_place_nvme: int = 0
+    """NVMe bytes of a file written in place, without spares (``activations.tier: nvme``'s:
+    what it holds lives within a step, which no failure needs to keep readable)."""
 
     def needed(self, tier: Tier) -> int:
         buffers = [b for b in (*self.shards.values(), *self.staging.values()) if b.tier is tier]
         if tier is Tier.NVME:  # extents, with spares for atomic writes
-            return nvme_bytes([b.nbytes for b in buffers])
+            return nvme_bytes([b.nbytes for b in buffers]) + self.in_place_nvme
         extra = {Tier.HBM: self.working_set, Tier.DRAM: self.left_pinned}.get(tier, 0)
         return sum(b.nbytes for b in buffers) + extra
 
@@ -369,7 +388,8 @@ def _plan(policy: Policy, device: torch.device, placement: Placement, full_numel
         staging=staging_buffers(policy, device, placement, world_size, lands_every_gradient),
         working_set=hbm_working_set(policy, full_numels, unit_paths, world_size, groups,
                                     [(unit, StateKind.GRAD) in placement.tiers
-                                     for unit in range(len(full_numels))], building))
+                                     for unit in range(len(full_numels))], building),
+        in_place_nvme=align_up(policy.activations.file_bytes, BLOCK_ALIGN))
 
 
 def build_plan(policy: Policy, device: torch.device, shard_numels: list[int],

@@ -62,6 +62,8 @@ class StepMeasurement:
     the units' weights left out (activations.py)."""
     activations_in_dram: int = 0
     """The most bytes one of them kept in DRAM instead (``activations.tier: dram``)."""
+    activations_on_nvme: int = 0
+    """The most bytes one of them kept on the drive (``activations.tier: nvme``)."""
 
 
 @dataclass(frozen=True)
@@ -193,9 +195,11 @@ class PlanReport:
                 line += (f"; device memory peak {format_size(measured.device_peak)}, the HBM "
                          f"tier's {format_size(self.hbm_peak)} of it")
             line += f"; activations kept for backward {format_size(measured.activations)}"
-            if measured.activations_in_dram:
+            if measured.activations_in_dram or measured.activations_on_nvme:
                 line += (f" on the device, {format_size(measured.activations_in_dram)} in "
                          f"DRAM")
+            if measured.activations_on_nvme:
+                line += f", {format_size(measured.activations_on_nvme)} on NVMe"
             lines.append(line)
             slowest = self._slowest_unit()
             if slowest is not None:

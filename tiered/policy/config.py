@@ -310,39 +310,54 @@ class PrefetchPolicy:
 @dataclass(frozen=True)
 class ActivationsPolicy:
     """Where what autograd saves for backward waits for it (see [Note: activations in DRAM] in
-    engine/offloaded_activations.py)."""
+    engine/offloaded_activations.py, [Note: activations on NVMe] in
+    engine/activations_nvme.py)."""
 
     tier: Tier = Tier.HBM
     """hbm: on the device, as PyTorch keeps it; dram: each saved tensor of at least
     ``min_bytes`` copied into DRAM as the forward saves it, and back as its backward needs it;
+    nvme: as dram, and what the DRAM block cannot hold written to a file under ``nvme.path``;
     auto: in DRAM for the first step, then on the device if what it saved fits there beside
     the plan (see [Note: activations in DRAM])."""
     dram_bytes: int = field(default=1 << 30, metadata=parsed_by(parse_size))
-    """With ``tier: dram`` or ``auto``: the pinned bytes of the DRAM tier that hold them (counted
-    against ``dram.budget``); what does not fit stays on the device."""
+    """With ``tier: dram``, ``nvme`` or ``auto``: the pinned bytes of the DRAM tier that hold
+    them (counted against ``dram.budget``); what does not fit stays on the device (with
+    ``nvme``: goes to the drive)."""
+    nvme_bytes: int = field(default=64 << 30, metadata=parsed_by(parse_size))
+    """With ``tier: nvme``: the bytes of the file under ``nvme.path`` that holds what the DRAM
+    block cannot (reserved when the engine starts, in this rank's NVMe budget, so that a full
+    drive shows then); what fits neither stays on the device."""
     min_bytes: int = field(default=1 << 20, metadata=parsed_by(parse_size))
-    """With ``tier: dram``: smaller saved tensors stay on the device (a copy each would cost
-    more than the bytes it frees)."""
+    """With ``tier: dram`` or ``nvme``: smaller saved tensors stay on the device (a copy each
+    would cost more than the bytes it frees)."""
     prefetch_bytes: int = field(default=256 << 20, metadata=parsed_by(parse_size))
-    """With ``tier: dram`` on a device with streams: how many bytes of the tensors backward
-    reads next are copied back ahead of need, beside the compute (0: each as it is read)."""
+    """With ``tier: dram`` or ``nvme`` on a device with streams: how many bytes of the tensors
+    backward reads next are copied back (read back from the drive) ahead of need, beside the
+    compute (0: each as it is read). With ``nvme`` the reads land in a pinned block of about as
+    many bytes (plan.activation_slots)."""
 
     def __post_init__(self):
-        if self.tier not in (Tier.HBM, Tier.DRAM, Tier.AUTO):
-            raise ValueError(f"tier must be hbm, dram or auto, got {self.tier.value!r}")
         if self.uses_dram and self.dram_bytes <= 0:
             raise ValueError(f"dram_bytes must be > 0 with tier: {self.tier.value}, got "
                              f"{self.dram_bytes}")
+        if self.tier is Tier.NVME and self.nvme_bytes <= 0:
+            raise ValueError(f"nvme_bytes must be > 0 with tier: nvme, got {self.nvme_bytes}")
 
     @property
     def uses_dram(self) -> bool:
-        """Whether the plan holds a DRAM block for them (tier: dram, or auto's first step)."""
-        return self.tier in (Tier.DRAM, Tier.AUTO)
+        """Whether the plan holds a DRAM block for them (tier: dram or nvme, or auto's first
+        step)."""
+        return self.tier in (Tier.DRAM, Tier.NVME, Tier.AUTO)
 
     @property
     def block_bytes(self) -> int:
         """The DRAM block the plan holds for them (0 with tier: hbm)."""
         return self.dram_bytes if self.uses_dram else 0
+
+    @property
+    def file_bytes(self) -> int:
+        """The NVMe file the plan holds for them (0 but with tier: nvme)."""
+        return self.nvme_bytes if self.tier is Tier.NVME else 0
 
 
 @dataclass(frozen=True)
@@ -440,14 +455,19 @@ class Policy:
         # Last: the one check an override commonly satisfies (the path of --nvme or nvme=), so
         # that a file lacking only the path still shows its other errors as its own.
         if self.uses_nvme and not self.nvme.path:
-            raise ValueError("nvme.path is required when params.tier or optimizer.tier is nvme, "
-                             "or dram.spill is nvme (set it in the policy or pass "
-                             "tiered-launch --nvme PATH)")
+            asking = [f"{key}: nvme" for key, tier in self._nvme_keys() if tier is Tier.NVME]
+            raise ValueError(f"nvme.path is required by {' and '.join(asking)} (set it in the "
+                             f"policy or pass tiered-launch --nvme PATH)")
+
+    def _nvme_keys(self) -> tuple[tuple[str, Tier | None], ...]:
+        """The keys that may ask for a drive, each with its value."""
+        return (("params.tier", self.params.tier), ("optimizer.tier", self.optimizer.tier),
+                ("dram.spill", self.dram.spill), ("activations.tier", self.activations.tier))
 
     @property
     def uses_nvme(self) -> bool:
         """Whether the run has an NVMe tier (under ``tier: auto``, whenever a path is set)."""
-        return Tier.NVME in (self.params.tier, self.optimizer.tier, self.dram.spill) or (
+        return any(tier is Tier.NVME for _, tier in self._nvme_keys()) or (
             self.placed_by_planner and bool(self.nvme.path))
 
     @property

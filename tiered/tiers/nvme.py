@@ -488,6 +488,12 @@ class NvmeTier:
         self._shards_of_size[size] = self._shards_of_size.get(size, 0) + 1
         return NvmeShard(self, made[-1])
 
+    def scratch(self, what: str, nbytes: int) -> Extent:
+        """An extent of ``nbytes`` (block-aligned) written and read in place, without spares or
+        versions: for bytes that live within a step (scratch.py), which no failure needs to
+        keep readable. Removed with the tier."""
+        return self._new_extent(extent_bytes(nbytes), what)
+
     def _new_extent(self, size: int, what: str) -> Extent:
         self.usage.acquire(size, f"NVMe extent for {what}")
         path = os.path.join(self.run_dir, f"extent-{len(self._extents):05d}.bin")
