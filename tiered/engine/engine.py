@@ -41,6 +41,7 @@ from .hooks import UnitHooks
 from .init import Materializer, init_context_of
 from .loss_scale import LossScaler
 from .optimizer import TieredAdamW
+from .quantized import consolidated, consolidated_bytes
 from .runtime import UnitRuntime
 from .setup import (compute_device, rank_timeline, ranks_on_this_node, service_source,
                     warn_unmatched)
@@ -260,16 +261,10 @@ class TieredEngine:
         self.optimizer.synchronize()
         group, usage = self.runtime.group, self.manager.hbm.usage
         for flat in self.runtime.flats:
-            nbytes = flat.padded_numel * 4
+            nbytes = consolidated_bytes(flat)
             usage.acquire(nbytes, f"consolidating unit {flat.name}")
-            try:
-                full = torch.empty(flat.padded_numel, dtype=torch.float32, device=group.device)
-                mine = flat.own_shard(full)
-                index = flat.spec.index
-                self.manager.copy_out(index, self.manager.weights_kind(index), mine)
-                group.all_gather(full, mine)
-                host = full.cpu()
-                del full, mine
+            try:  # a quantized unit's, dequantized ([Note: quantized frozen weights])
+                host = consolidated(flat, self.manager, group).cpu()
             finally:
                 usage.release(nbytes)
             yield flat, host

@@ -58,16 +58,20 @@ def state_kinds(policy: Policy) -> list[StateKind]:
     return kinds
 
 
-def unit_state_kinds(policy: Policy, trainable: bool,
-                     param_dtypes: list[torch.dtype]) -> list[StateKind]:
+def unit_state_kinds(policy: Policy, trainable: bool, param_dtypes: list[torch.dtype],
+                     quantized: bool = False) -> list[StateKind]:
     """The states one unit's shard has. A unit whose parameters are all frozen gets no gradient
     and is never stepped, so it keeps its weights alone: no gradient, moments or delayed-update
     buffer, and fp32 master weights only where the compute dtype rounds its parameters (fp32
     parameters computed in bf16), so that ``full_state_dict``, exports and checkpoints still
     give them back exactly. A bf16 model fine-tuned in bf16 keeps 2 bytes per frozen parameter
-    where a trained one needs 16 to 20."""
+    where a trained one needs 16 to 20. A ``quantized`` one (its record: see [Note: quantized
+    frozen weights] in tiers/quantized.py) keeps its record alone: quantizing is lossy by
+    choice, no masters keep what it rounded."""
     if trainable:
         return state_kinds(policy)
+    if quantized:
+        return [StateKind.PARAM]
     compute = policy.compute_dtype.torch_dtype
     exact = compute is torch.float32 or all(dtype is compute for dtype in param_dtypes)
     keep = {StateKind.PARAM} if exact else {StateKind.PARAM, StateKind.MASTER}
@@ -153,7 +157,9 @@ def staging_buffers(policy: Policy, device: torch.device, placement: "Placement"
     """
     compute = policy.compute_dtype.torch_dtype
     out = {}
-    nvme_params = placement.largest(StateKind.PARAM, Tier.NVME)
+    # Sized in the compute dtype's elements; a quantized unit's record is bytes.
+    nvme_params = max(placement.largest(StateKind.PARAM, Tier.NVME),
+                      -(-placement.largest_record(Tier.NVME) // compute.itemsize))
     streamed = placement.largest(StateKind.EXP_AVG, Tier.NVME)
     nvme_states = max(streamed, placement.largest(StateKind.MASTER, Tier.NVME))
     if nvme_params:
@@ -353,11 +359,21 @@ class Placement:
 
     tiers: dict[tuple[int, StateKind], Tier]
     shard_numels: list[int]
+    records: dict[int, int] = dataclasses.field(default_factory=dict)
+    """The units whose weights are a quantized record, with the bytes of its shard: their
+    PARAM state (tiers/quantized.py)."""
 
     def largest(self, kind: StateKind, tier: Tier) -> int:
-        """The largest shard whose ``kind`` state is in ``tier`` (0 if none is)."""
+        """The largest shard whose ``kind`` state is in ``tier`` (0 if none is); a quantized
+        record is not counted in elements (see :meth:`largest_record`)."""
         return max((n for u, n in enumerate(self.shard_numels)
-                    if self.tiers.get((u, kind)) is tier), default=0)
+                    if self.tiers.get((u, kind)) is tier
+                    and not (kind is StateKind.PARAM and u in self.records)), default=0)
+
+    def largest_record(self, tier: Tier) -> int:
+        """The bytes of the largest shard of a quantized record in ``tier`` (0 if none is)."""
+        return max((n for u, n in self.records.items()
+                    if self.tiers.get((u, StateKind.PARAM)) is tier), default=0)
 
     def largest_stepped_apart(self, kind: StateKind, tier: Tier) -> int:
         """The largest shard whose ``kind`` state is in ``tier`` and whose masters are off the
@@ -374,7 +390,7 @@ class Placement:
         tiers = dict(self.tiers)
         for kind in kinds:
             tiers[(unit, kind)] = tier
-        return Placement(tiers, self.shard_numels)
+        return Placement(tiers, self.shard_numels, self.records)
 
 
 def _plan(policy: Policy, device: torch.device, placement: Placement, full_numels: list[int],
@@ -383,6 +399,10 @@ def _plan(policy: Policy, device: torch.device, placement: Placement, full_numel
     shards = {(unit, kind): state_buffer(policy, f"unit {unit} {kind.value}", tier, kind,
                                          placement.shard_numels[unit])
               for (unit, kind), tier in placement.tiers.items()}
+    for unit, nbytes in placement.records.items():
+        label = f"unit {unit} {StateKind.PARAM.value} ({policy.params.frozen_dtype.value})"
+        tier = placement.tiers[(unit, StateKind.PARAM)]
+        shards[(unit, StateKind.PARAM)] = Buffer(label, tier, nbytes, torch.uint8)
     return MemoryPlan(
         shards=shards,
         staging=staging_buffers(policy, device, placement, world_size, lands_every_gradient),
@@ -398,9 +418,11 @@ def build_plan(policy: Policy, device: torch.device, shard_numels: list[int],
                unit_kinds: list[list[StateKind]] | None = None,
                groups: list[int] | None = None, building: int | None = None,
                lands_every_gradient: bool = False,
-               on_device: frozenset[int] = frozenset()) -> MemoryPlan:
+               on_device: frozenset[int] = frozenset(),
+               records: dict[int, int] | None = None) -> MemoryPlan:
     """The plan of ``policy``; ``unit_kinds``: the states of each unit (unit_state_kinds), by
-    default all of the policy's; ``groups`` and ``building``: see hbm_working_set;
+    default all of the policy's; ``records``: the units whose weights are a quantized record,
+    with its shard's bytes; ``groups`` and ``building``: see hbm_working_set;
     ``lands_every_gradient``: see staging_buffers; ``on_device``: under ``tier: auto``, the
     units the planner keeps wholly in HBM, stepped there (planner.py). With
     ``dram.spill: nvme`` (or ``tier: auto`` and a path), states placed in DRAM move to NVMe
@@ -411,7 +433,7 @@ def build_plan(policy: Policy, device: torch.device, shard_numels: list[int],
         unit_kinds = [state_kinds(policy)] * len(shard_numels)
     tiers = {(unit, kind): Tier.HBM if unit in on_device else state_tier(policy, kind)
              for unit, kinds in enumerate(unit_kinds) for kind in kinds}
-    placement = Placement(tiers, shard_numels)
+    placement = Placement(tiers, shard_numels, dict(records or {}))
     plan = _plan(policy, device, placement, full_numels, unit_paths, world_size, groups,
                  building, lands_every_gradient)
     if not spills_to_nvme(policy) or dram_available is None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from ..core.report import format_table
 from ..core.sizes import format_size
-from ..placement.plan import OPTIMIZER_STATES, MemoryPlan, StateKind, reduce_dtype, state_dtype
+from ..placement.plan import OPTIMIZER_STATES, MemoryPlan, StateKind, reduce_dtype
 from ..policy.config import Policy
 from ..policy.kinds import ComputeDtype, Tier
 from .longest import SequenceFit
@@ -277,7 +277,6 @@ def step_terms(plan: MemoryPlan, policy: Policy, world_size: int, rates: NodeRat
     the CPU is the device, so it steps the HBM tier's units too, and nothing crosses PCIe;
     ``backwards``: forward-backward passes per step (each gathers the weights and sends the
     gradients down again)."""
-    weight_bytes = state_dtype(policy, StateKind.PARAM).itemsize
     grad_bytes = reduce_dtype(policy, world_size).itemsize
     trained = {unit for unit, kind in plan.shards if kind is StateKind.EXP_AVG}
     """A frozen unit is never stepped: its masters stay put, its weights are never written."""
@@ -294,13 +293,14 @@ def step_terms(plan: MemoryPlan, policy: Policy, world_size: int, rates: NodeRat
             else:
                 device_params += params
         elif kind is StateKind.PARAM:
+            weights = n * buffer.dtype.itemsize  # or a quantized record's bytes
             if tier is not Tier.HBM:
-                up += 2 * n * weight_bytes * backwards
+                up += 2 * weights * backwards
             elif stepped_on_host and not on_cpu:  # new weights go up once a step
-                up += n * weight_bytes
+                up += weights
             if tier is Tier.NVME:
-                drive_read += 2 * n * weight_bytes * backwards
-                drive_write += n * weight_bytes if unit in trained else 0
+                drive_read += 2 * weights * backwards
+                drive_write += weights if unit in trained else 0
         elif kind is StateKind.GRAD and tier is not Tier.HBM:
             down += n * grad_bytes * backwards
         if kind in OPTIMIZER_STATES and tier is Tier.NVME and unit in trained:
