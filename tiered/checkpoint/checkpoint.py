@@ -64,8 +64,8 @@ from .folder import check_folder, claim, release_folders
 from .format import CheckpointError, Entry, Reader, Writer, file_digest
 from .latest import LATEST, MANIFEST, check_inside, check_tag, chosen_tag, complete_tags
 from .manifest import FORMAT_VERSION, check_rank_file, intact_steps, rank_file, read_manifest
-from .pretrained import (RNG_STATES, extra_states, persistent_buffers, rng_states, set_rng_states,
-                         store_model_state)
+from .pretrained import (RNG_STATES, extra_states, persistent_buffers, refuse_quantized,
+                         rng_states, set_rng_states, store_model_state)
 from .retention import check_keep_last, remove_older
 
 __all__ = ["save", "load", "release_folders"]  # release_folders: for engine.close
@@ -85,6 +85,7 @@ def save(engine, directory: str, tag: str | None, keep_last: int | None = None) 
     group = engine.runtime.group
     check_keep_last(keep_last)
     _refuse_held_gradients(engine)
+    refuse_quantized(engine.runtime.flats, "a checkpoint")
     state = engine.optimizer.checkpoint_state()
     tag = tag or f"step{state['steps_called']:08d}"
     check_tag(tag)
@@ -295,6 +296,7 @@ def load(engine, directory: str, tag: str | None) -> str:
     each checks what it will read first, and if any rank cannot use the checkpoint, every
     rank raises before anything is changed."""
     group = engine.runtime.group
+    refuse_quantized(engine.runtime.flats, "loading a checkpoint")
     engine.runtime.worker.drain()  # a delayed update may still be writing the shards
     if tag is not None:
         check_tag(tag)

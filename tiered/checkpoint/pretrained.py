@@ -319,12 +319,25 @@ def open_weights(weights, flats, model: nn.Module, state_dict_keys: list[str], s
     return matched
 
 
+def refuse_quantized(flats, what: str) -> None:
+    """A TieredError when any unit keeps its frozen weights as a quantized record
+    (``params.frozen_dtype``; tiers/quantized.py): ``what`` does not carry weights into or out
+    of one yet (a record is the whole unit's bytes, not its elements)."""
+    quantized = [flat.name for flat in flats if flat.record is not None]
+    if quantized:
+        raise TieredError(f"{what} is not supported yet with params.frozen_dtype int8 or nf4 "
+                          f"({len(quantized)} units keep their frozen weights quantized, "
+                          f"{quantized[0]} first); load the weights into the model before "
+                          f"initialize, which quantizes them")
+
+
 def load(engine, weights, strict: bool) -> LoadResult:
     """``engine.load_state_dict`` and ``engine.load_pretrained``: replace the weights (see
     [Note: what a load replaces]). Every rank must call it."""
     runtime = engine.runtime
     if engine.closed:
         raise TieredError("this engine is closed; its weights were freed by close()")
+    refuse_quantized(runtime.flats, "loading weights into an engine")
     engine.optimizer.synchronize()
     if runtime.stepped_on_arrival:
         raise CheckpointError(

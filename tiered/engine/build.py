@@ -12,24 +12,26 @@ from ..checkpoint import pretrained
 from ..checkpoint.pretrained import PretrainedWeights
 from ..core.errors import BudgetError, TieredError
 from ..placement.manager import TierManager
-from ..placement.plan import MemoryPlan, build_plan, by_module, unit_state_kinds
+from ..placement.plan import MemoryPlan, StateKind, build_plan, by_module, unit_state_kinds
 from ..placement.units import UnitSpec, find_units, module_groups
 from ..policy.config import Policy
 from .collectives import ProcessGroup
 from .flat import FlatParam
 from .init import Materializer
+from .quantized import own_record, with_records
 
 
 def flat_units(model: nn.Module, policy: Policy, rank: int, world_size: int,
                device: torch.device) -> list[FlatParam]:
     """The model's units as the policy cuts it (units.py), each a flat parameter partitioned
-    over ``world_size`` ranks (still released: nothing is allocated)."""
+    over ``world_size`` ranks (still released: nothing is allocated), with the layout of its
+    quantized record where ``params.frozen_dtype`` asks for one (engine/quantized.py)."""
     units = policy.units
     _refuse_renormalized_embeddings(model)
     specs = find_units(model, units.classes, units.split_large, units.split_frozen)
     _refuse_non_floating(specs)
-    return [FlatParam(spec, rank, world_size, policy.compute_dtype.torch_dtype, device)
-            for spec in specs]
+    return with_records([FlatParam(spec, rank, world_size, policy.compute_dtype.torch_dtype,
+                                   device) for spec in specs], policy)
 
 
 def _refuse_renormalized_embeddings(model: nn.Module) -> None:
@@ -67,13 +69,15 @@ def memory_plan(policy: Policy, device: torch.device, flats: list[FlatParam],
     units ``tier: auto`` keeps in HBM (planner.py)."""
     # Units gathered through the whole forward are gathered as long as the root is.
     paths = ["" if f.spec.whole_forward else f.spec.path for f in flats]
-    kinds = [unit_state_kinds(policy, f.has_trainable, [p.dtype for p in f.spec.params])
-             for f in flats]
+    kinds = [unit_state_kinds(policy, f.has_trainable, [p.dtype for p in f.spec.params],
+                              f.record is not None) for f in flats]
     return build_plan(policy, device, [f.shard_numel for f in flats],
                       [f.padded_numel for f in flats], paths, flats[0].world_size,
                       dram_available=dram_available, unit_kinds=kinds,
                       groups=module_groups([f.spec for f in flats]), building=building,
-                      lands_every_gradient=lands_every_gradient, on_device=on_device)
+                      lands_every_gradient=lands_every_gradient, on_device=on_device,
+                      records={f.spec.index: f.record.shard_bytes for f in flats
+                               if f.record is not None})
 
 
 def forward_order(flats: list[FlatParam]) -> list[int]:
@@ -166,7 +170,11 @@ def partition(flats: list[FlatParam], materializer: Materializer, manager: TierM
     when ranks built or initialized it with different random states. A unit ``weights`` build
     alone (PretrainedWeights.reads_whole) is neither materialized nor broadcast: each rank
     reads its own shard from them. In any other unit they overwrite what initialization gave.
+    A unit that keeps a quantized record keeps this rank's shard of it, quantized from the
+    fp32 flat copy (see [Note: quantized frozen weights] in tiers/quantized.py).
     """
+    if weights is not None:
+        pretrained.refuse_quantized(flats, "loading pretrained weights at initialize")
     built = [flat for flat in flats if weights is None or not weights.reads_whole(flat)]
     specs = [flat.spec for flat in built]
     building = building_bytes(built, materializer)
@@ -177,7 +185,8 @@ def partition(flats: list[FlatParam], materializer: Materializer, manager: TierM
             full = torch.empty(flat.padded_numel, dtype=torch.float32, device=group.device)
             flat.flatten(materializer.values(flat.spec), full)
             group.broadcast(full)
-            shard = flat.own_shard(full)
+            shard = (own_record(flat, full, group) if flat.record is not None
+                     else flat.own_shard(full))
             del full
         else:
             shard = pretrained.shard_buffer(flat)  # every parameter's elements are read
@@ -188,7 +197,10 @@ def partition(flats: list[FlatParam], materializer: Materializer, manager: TierM
                 shard.copy_(on_host)
             else:
                 weights.fill(flat, shard)
-        manager.store_weights(flat.spec.index, shard)
+        if flat.record is not None:  # its record's bytes
+            manager.store(flat.spec.index, StateKind.PARAM, shard)
+        else:
+            manager.store_weights(flat.spec.index, shard)
         del shard
     drop_parameters(flats)
     manager.hbm.usage.release(building)

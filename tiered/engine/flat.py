@@ -30,6 +30,7 @@ import torch
 
 from ..device import accelerator_for
 from ..placement.units import UnitSpec
+from ..tiers.quantized import QuantizedUnit
 from .collectives import kept_after_failure
 from .released import ReleasedWeight
 
@@ -68,6 +69,9 @@ class FlatParam:
         """What the modules hold while the unit is released ([Note: released weights])."""
         self.views_bound = False
         """Whether the modules hold views of ``full`` (else the placeholders)."""
+        self.record: QuantizedUnit | None = None
+        """The layout of the quantized record its frozen weights are kept as, if they are
+        (engine/quantized.py; [Note: quantized frozen weights] in tiers/quantized.py)."""
 
     @property
     def placeholders(self) -> list[ReleasedWeight]:
@@ -81,7 +85,9 @@ class FlatParam:
 
     @property
     def gathered_bytes(self) -> int:
-        return self._storage_bytes
+        """Device bytes while gathered: ``full``, and a record's bytes all-gathered beside it
+        to be dequantized into it."""
+        return self._storage_bytes + (self.record.nbytes if self.record is not None else 0)
 
     @property
     def shard_range(self) -> tuple[int, int]:

@@ -14,6 +14,7 @@ from ..policy.kinds import Tier
 from .context import EngineContext
 from .flat import FlatParam, Residency
 from .pending import PendingWeights
+from .quantized import gather_record
 from .readahead import ReadAhead
 
 
@@ -63,10 +64,13 @@ class Gatherer:
             with self.streams.on_gather():
                 begin = self.timeline.mark()
                 full = flat.allocate()
-                mine = flat.own_shard(full)
                 try:
-                    mine.copy_(source, non_blocking=True)
-                    self.group.all_gather(full, mine)
+                    if flat.record is not None:  # a quantized record's bytes, dequantized
+                        gather_record(flat, full, source, self.group)
+                    else:
+                        mine = flat.own_shard(full)
+                        mine.copy_(source, non_blocking=True)
+                        self.group.all_gather(full, mine)
                 except BaseException:
                     flat.abandon()  # the all-gather may still write into it
                     raise
