@@ -20,6 +20,7 @@ from torchao.quantization import Int8Tensor, Int8WeightOnlyConfig, PerRow, quant
 
 import tiered
 from tiered.core.sizes import align_up
+from tiered.device import DEVICE_ENV, simulated_device
 from tiered.placement.plan import StateKind
 
 from distributed import run_ranks
@@ -123,6 +124,18 @@ def test_a_quantized_base_trains_as_torch_over_torchaos_weights(fmt, policy, tmp
 TWO_RANK_RUNS = (("nf4", "cpu"), ("nf4", "nvme"), ("int8", "cpu"))
 """nf4 in DRAM and on NVMe, int8 in DRAM: the record's bytes are sharded alike whatever the
 format (each rank start costs seconds on CI: one process per rank for all three)."""
+
+
+def test_on_the_simulated_device_every_copy_is_ordered(monkeypatch, tmp_path):
+    # The record's shard read ahead from NVMe into a pinned buffer, copied to the device,
+    # all-gathered and dequantized on the gather stream, the weights read on the compute
+    # stream: a race a GPU would run fails here, naming both sites; the bits stay torchao's.
+    monkeypatch.setenv(DEVICE_ENV, "sim")
+    with simulated_device().tracking():
+        state, losses = trained("nf4", "nvme", str(tmp_path))
+    expected, expected_losses = reference("nf4")
+    assert losses == expected_losses
+    assert all(torch.equal(state[name], expected[name]) for name in expected)
 
 
 def _two_ranks(rank: int, world: int, folder: str) -> None:
