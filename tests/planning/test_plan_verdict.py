@@ -17,6 +17,7 @@ from tiered.launch.cli import main
 from tiered.launch.plan_model import batch_activations, model_on_meta, plan_model
 from tiered.planning import node
 from tiered.planning.blocks import repeated_blocks
+from tiered.planning.longest import Growth, NvmeRoom, longest_sequences
 from tiered.planning.node import NodeMemory, NodeRates, cached_node_rates
 from tiered.policy.config import Policy
 from tiered.policy.kinds import Tier
@@ -234,6 +235,40 @@ def test_the_longest_sequence_of_each_activation_tier_fits_and_one_step_longer_d
           str(folder / "node.json"), "--batch", "2", "--seq", "32", "--checkpointing"])
     assert f"longest sequence at batch 2: {longest['on_device']:,} tokens with activations " \
            f"in hbm, {longest['in_dram']:,} in dram" in capsys.readouterr().out
+
+
+def test_the_longest_sequence_on_nvme_fills_the_dram_room_then_the_drives(folder, capsys):
+    """With an NVMe path the activations may fill the DRAM room as a block and the NVMe budget
+    as a file: a node of 40 MiB of DRAM holds a shorter sequence in dram than with the drive's 8
+    MiB beside it. Planning at the nvme length with that block and file counts the activations
+    anew: they fit the two, and the device keeps none of them; the file's step is its bytes
+    written and read once at the node's NVMe rates. Without nvme.budget only the device's share
+    bounds it, and the line says so."""
+    policy = {"params": {"tier": "dram"}, "grads": {"tier": "dram"},
+              "optimizer": {"tier": "dram"}, "activations": {"prefetch_bytes": 0},
+              "nvme": {"budget": 8 * MiB, "block_size": 4096, "queue_depth": 2}}
+    asked = plan(capsys, folder, 40 * MiB, "--checkpointing", "--nvme", str(folder),
+                 policy=policy)
+    longest = asked["sequences"]
+    assert 0 < longest["in_dram"] < longest["on_nvme"] and longest["nvme_budgeted"]
+    assert 0 < longest["nvme_bytes"] <= 8 * MiB
+    assert longest["nvme_s"] == pytest.approx(2 * longest["nvme_bytes"] / 1e9)  # 1 GB/s each
+    slots = 2 * 8192  # two slots of one queue of requests (plan.activation_slots)
+    block = asked["budgets"]["dram"] - asked["needed"]["dram"] - slots
+    assert longest["nvme_block"] == block
+    at_length = plan(capsys, folder, 40 * MiB, "--checkpointing", "--nvme", str(folder),
+                     seq=str(longest["on_nvme"]), policy={**policy, "activations": {
+                         "tier": "nvme", "dram_bytes": block, "prefetch_bytes": 0,
+                         "nvme_bytes": longest["nvme_bytes"]}})
+    kept = at_length["batch"]
+    assert kept["in_dram"] == block and 0 < kept["on_nvme"] <= longest["nvme_bytes"]
+    on_device = kept["activations"] - kept["in_dram"] - kept["on_nvme"]
+    assert on_device <= kept["activations"] // 1000  # the line through two counts
+    assert at_length["verdict"]["fits"]  # the block in DRAM, the file in the NVMe budget
+    unbudgeted = longest_sequences(1, Growth(0, 1000), Growth(0, 10), 1_000_000, 50_000_000,
+                                   None, NvmeRoom(None, None, 0))
+    assert unbudgeted.on_nvme == 99_840 and unbudgeted.nvme_bytes == 49_840_000  # the device's
+    assert "the drive's space not counted without nvme.budget" in unbudgeted.line()
 
 
 def test_no_longest_sequence_is_said_for_a_cpu_device(folder, capsys):

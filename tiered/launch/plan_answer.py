@@ -28,7 +28,8 @@ from ..core import progress
 from ..core.errors import TieredError, UsageError
 from ..engine.build import flat_units
 from ..engine.flat import FlatParam
-from ..planning.longest import Growth, SequenceFit, longest_sequences
+from ..placement.plan import activation_slots
+from ..planning.longest import Growth, NvmeRoom, SequenceFit, longest_sequences
 from ..planning.node import NodeMemory, NodeRates, cached_node_rates
 from ..planning.report import PlanReport
 from ..planning.verdict import Suggestion
@@ -154,7 +155,18 @@ class _Planner:
         rates = question.rates
         pinned = (None if rates is None or not rates.d2h_gbps or not rates.h2d_gbps
                   else (rates.d2h_gbps, rates.h2d_gbps))
-        return longest_sequences(batch, saved, whole.shared(units), hbm_room, dram_room, pinned)
+        nvme = None
+        if policy.nvme.path:  # the file and slots planned already are theirs too
+            slots, slot_bytes = activation_slots(policy)
+            nvme = NvmeRoom(
+                None if policy.nvme.budget is None
+                else policy.nvme.budget - report.needed.get(Tier.NVME, 0)
+                + policy.activations.file_bytes,
+                None if rates is None or not rates.nvme_write_gbps or not rates.nvme_read_gbps
+                else (rates.nvme_write_gbps, rates.nvme_read_gbps),
+                0 if policy.activations.file_bytes else slots * slot_bytes)
+        return longest_sequences(batch, saved, whole.shared(units), hbm_room, dram_room, pinned,
+                                 nvme)
 
 
 Change = tuple[str, Callable[[PlanQuestion], "PlanQuestion | None"]]

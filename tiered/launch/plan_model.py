@@ -324,9 +324,11 @@ def plan_model(model: nn.Module, policy: Policy, ranks: int, rates: NodeRates | 
         largest = None
         room = device_room(plan.needed(Tier.HBM), shown[Tier.HBM])
         if room is not None and per_sequence > 0:
-            largest = max(0, (room - (kept - rows * per_sequence)
-                              + policy.activations.block_bytes) // per_sequence)
-        fit = BatchFit(rows, seq, kept, per_sequence, largest, _in_dram(policy, kept, room))
+            largest = max(0, (room - (kept - rows * per_sequence) + policy.activations.block_bytes
+                              + policy.activations.file_bytes) // per_sequence)
+        in_dram = _in_dram(policy, kept, room)
+        fit = BatchFit(rows, seq, kept, per_sequence, largest, in_dram,
+                       min(kept - in_dram, policy.activations.file_bytes))
     verdict = Verdict(_rooms(report, policy, budgets, shown, on_cpu, fit),
                       note=_budgets_note(memory, ranks, on_cpu, fit))
     return dataclasses.replace(report, batch=fit, verdict=verdict)
@@ -336,8 +338,9 @@ def _in_dram(policy: Policy, kept: int, room: int | None) -> int:
     """What of ``kept`` bytes of activations the DRAM block holds: with ``activations.tier:
     dram`` the engine fills it first, and the rest stays on the device; with ``auto``, none where
     they fit the device's ``room`` beside the plan and its margin (the engine keeps them there
-    after its first step), else as with dram. The tensors under ``min_bytes`` that stay on the
-    device are left out: a few small ones a layer."""
+    after its first step), else as with dram (and nvme, whose file holds what is past the
+    block). The tensors under ``min_bytes`` that stay on the device are left out: a few small
+    ones a layer."""
     activations = policy.activations
     if activations.tier is Tier.AUTO and room is not None and kept <= room:
         return 0

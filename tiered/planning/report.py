@@ -114,10 +114,13 @@ class BatchFit:
     in_dram: int = 0
     """Bytes of them the activations' DRAM block holds (``activations.tier: dram``); the rest
     are the device's."""
+    on_nvme: int = 0
+    """Bytes of them the activations' file holds (``activations.tier: nvme``, past the
+    block)."""
 
     @property
     def on_device(self) -> int:
-        return self.activations - self.in_dram
+        return self.activations - self.in_dram - self.on_nvme
 
     def line(self) -> str:
         fits = ("" if self.largest is None else
@@ -125,6 +128,8 @@ class BatchFit:
                 + (" (this one does not fit)" if self.largest < self.batch else ""))
         where = ("" if not self.in_dram else
                  f", {format_size(self.in_dram)} of them in the DRAM block")
+        if self.on_nvme:
+            where += f", {format_size(self.on_nvme)} in the file on NVMe"
         return (f"activations at batch {self.batch} x {self.seq} tokens: "
                 f"{format_size(self.activations)} kept for backward "
                 f"({format_size(self.per_sequence)} a sequence{where}){fits}")
