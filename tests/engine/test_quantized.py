@@ -26,8 +26,8 @@ from tiered.placement.plan import StateKind
 from distributed import run_ranks
 from gpt import GPT, LoRALinear, add_lora
 from helpers import REPO
-from helpers_models import (OPTIM, RANK, SEQ, VOCAB, assert_parity, model_loss, run_engine,
-                            train_torch)
+from helpers_models import (OPTIM, RANK, SEQ, VOCAB, assert_parity, batches, model_loss,
+                            run_engine, train_torch)
 from helpers_tiers import dram_bytes
 
 FORMATS = ("nf4", "int8")
@@ -50,7 +50,7 @@ def torchao_roundtrip(weight: torch.Tensor, fmt: str) -> torch.Tensor:
     """``weight`` quantized to ``fmt`` and dequantized, by torchao alone."""
     if fmt == "nf4":
         return to_nf4(weight, 64, 256).get_original_weight()
-    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
     layer.weight.data.copy_(weight)
     quantize_(layer, Int8WeightOnlyConfig())  # the user-facing config: its tensor's values
     assert torch.equal(layer.weight.dequantize(), Int8Tensor.from_hp(weight, PerRow()).dequantize())
@@ -101,6 +101,27 @@ def trained(fmt: str, policy: str, nvme: str, rank: int = 0, world: int = 1):
         engine.close()
     assert quantized == ["blocks.0 (frozen)", "blocks.1 (frozen)"]
     return state, losses
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_in_bf16_the_forward_computes_with_torchaos_bf16_weights(fmt, tmp_path):
+    # QLoRA's usual case: the weights quantized from their bf16 values, dequantized to bf16;
+    # the bias beside them is the bf16 one.
+    engine = tiered.initialize(qlora_model(), os.path.join(REPO, "configs", "cpu.yaml"),
+                               compute_dtype="bf16", device="cpu", optimizer=OPTIM,
+                               params={"frozen_dtype": fmt})[0]
+    seen = {}
+    layer = engine.module.blocks[1].fc
+    layer.register_forward_hook(lambda module, args, out: seen.update(
+        weight=module.weight.clone(), bias=module.bias.clone()))
+    try:
+        engine(batches()[0][0])
+    finally:
+        engine.close()
+    initial = qlora_model().blocks[1].fc
+    expected = torchao_roundtrip(initial.weight.detach().bfloat16(), fmt)
+    assert seen["weight"].dtype is torch.bfloat16 and torch.equal(seen["weight"], expected)
+    assert torch.equal(seen["bias"], initial.bias.detach().bfloat16())
 
 
 @pytest.mark.parametrize("policy", ["cpu", "nvme"])
