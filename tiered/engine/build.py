@@ -71,8 +71,11 @@ def memory_plan(policy: Policy, device: torch.device, flats: list[FlatParam],
     paths = ["" if f.spec.whole_forward else f.spec.path for f in flats]
     kinds = [unit_state_kinds(policy, f.has_trainable, [p.dtype for p in f.spec.params],
                               f.record is not None) for f in flats]
-    return build_plan(policy, device, [f.shard_numel for f in flats],
-                      [f.padded_numel for f in flats], paths, flats[0].world_size,
+    # What a gather holds, in the compute dtype's elements: a record's bytes too (FlatParam.
+    # gathered_bytes, which the HBM tier is charged while the unit is gathered).
+    gathered = [-(-f.gathered_bytes // policy.compute_dtype.torch_dtype.itemsize) for f in flats]
+    return build_plan(policy, device, [f.shard_numel for f in flats], gathered, paths,
+                      flats[0].world_size,
                       dram_available=dram_available, unit_kinds=kinds,
                       groups=module_groups([f.spec for f in flats]), building=building,
                       lands_every_gradient=lands_every_gradient, on_device=on_device,

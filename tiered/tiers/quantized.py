@@ -25,6 +25,12 @@ ranks; dequantized after the all-gather, no rank needs to know where its bytes f
 every rank dequantizes the whole unit (elementwise work on the device, a unit's worth), and the
 all-gather moves the quantized bytes, 2 to 4 times fewer than the compute dtype's.
 
+While a unit is gathered the device holds its flat buffer and the record's gathered bytes
+(``FlatParam.gathered_bytes``, which the HBM tier is charged and the plan's working set counts);
+torchao's dequantization makes temporaries of its own, up to about (8 + 3 x the compute dtype's
+size) bytes an element of the largest quantized weight for nf4 (int64 code indices among them),
+which no plan counts yet.
+
 Quantizing is lossy by choice: the frozen weights the model computes with, and the ones
 ``full_state_dict`` and exports give back, are the dequantized ones.
 
