@@ -80,7 +80,7 @@ class SequenceFit:
     block of ``nvme_block``."""
     nvme_block: int | None = None
     """The DRAM block beside the file (``activations.dram_bytes``: the DRAM room less the
-    slots)."""
+    slots, or what the length keeps where that is less)."""
     nvme_s: float | None = None
     """Seconds a step of writing the file and reading it back at the node's NVMe rates; None
     without rates."""
@@ -143,7 +143,8 @@ def longest_sequences(batch: int, saved: Growth, one_unit: Growth, hbm_room: int
     block = max(0, (dram_room or 0) - nvme.slots)
     on_nvme = (device_share if nvme.room is None
                else min(device_share, saved.most_tokens_within(block + nvme.room)))
-    file = max(0, saved.at(on_nvme) - block)
+    block = min(block, saved.at(on_nvme))  # what the length fills of the room
+    file = saved.at(on_nvme) - block
     seconds = (None if nvme.gbps is None
                else file / (nvme.gbps[0] * 1e9) + file / (nvme.gbps[1] * 1e9))
     return SequenceFit(batch, on_device, in_dram, dram_bytes, copies, on_nvme, file, block,

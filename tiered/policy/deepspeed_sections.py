@@ -375,7 +375,9 @@ ACTIVATION_CHECKPOINTING = {
     "profile": ignored("tiered's timeline of every phase is trace.path"),
 }
 """DeepSpeed's activation checkpointing section: its checkpointing API is the model's to call,
-so only where the checkpoints are kept is a policy's."""
+so only where the checkpoints are kept is a policy's. DeepSpeed keeps them in DRAM at most
+(``cpu_checkpointing``); no key of its config puts them on NVMe, so none sets
+``activations.tier: nvme``."""
 
 MONITOR = "DeepSpeed's monitor: tiered writes none (Trainer: report_to)"
 
