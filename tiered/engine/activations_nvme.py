@@ -26,9 +26,9 @@ Bytes cross between the device and the drive through pinned slots (the plan's st
   copies ahead) into free slots whose last use is over, keeping one slot for the read that
   cannot wait; a tensor whose writes are still in flight, or that no free slots hold whole,
   waits for a later read. Without streams (a CPU) each is read as backward reads it.
-A read that fails raises an NvmeError naming the tensor and the file, with every slot given
-back and no read left in flight; nothing of the step is half-done on the drive, which holds
-only this step's tensors.
+A read that fails raises an NvmeError naming the tensor and the file, every slot given back
+(a slot whose read is still in flight is reused once it is done; close waits for it); nothing
+of the step is half-done on the drive, which holds only this step's tensors.
 """
 from __future__ import annotations
 

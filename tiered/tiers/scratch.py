@@ -61,10 +61,6 @@ class ScratchFile:
         return self.tier.io.read(self.extent.fd, self.extent.path, offset,
                                  host_buffer(block, nbytes))
 
-    def bytes_moved(self) -> dict[str, int]:
-        """Bytes read and written so far (IoEngine.bytes_moved)."""
-        return self.tier.bytes_moved()
-
     def close(self) -> None:
         """Wait for its I/O, close the file and remove the run folder; safe to call again."""
         self.tier.close()
