@@ -174,16 +174,28 @@ def test_activations_off_the_device_under_the_delayed_update_with_states_on_nvme
     assert moved["offloaded"] > 0 and (moved["spilled"] > 0) == (tier == "nvme")
 
 
-def test_through_the_nodes_service_the_block_is_in_its_pool(tmp_path_factory, monkeypatch):
-    """A rank whose DRAM tier (the block for activations with it) is the service's memory and
-    whose CPU update runs there trains as the in-process one does."""
-    alone, _ = train(True, OFFLOADED)
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    """A service of this module's own (each test's job its own)."""
     with own_service(tmp_path_factory, keep_seconds=0.0) as folder:
-        monkeypatch.setenv(SERVICE_ENV, folder)
-        monkeypatch.setenv(JOB_ENV, "activations")
-        through, moved = train(True, OFFLOADED)
-    assert_same(through, alone, "through the service")
+        yield folder
+
+
+@pytest.mark.parametrize("tier", ["dram", "nvme"])
+def test_through_the_nodes_service_the_block_is_in_its_pool(service, monkeypatch, tmp_path,
+                                                            tier):
+    """A rank whose DRAM tier (the block for activations with it, and the slots to the drive)
+    is the service's memory and whose CPU update runs there trains as the in-process one does
+    (as with them on the device); the file on the drive is the trainer's own, gone with its
+    close."""
+    monkeypatch.setenv(SERVICE_ENV, service)
+    monkeypatch.setenv(JOB_ENV, f"activations-{tier}")
+    through, moved = train(True, OFFLOADED, spill=str(tmp_path) if tier == "nvme" else None)
+    monkeypatch.delenv(SERVICE_ENV)
+    assert_same(through, on_device(True)[0], "through the service")
     assert moved["offloaded"] > 0 and moved["host"] == "RemoteHost"
+    assert (moved["spilled"] > 0) == (tier == "nvme")
+    assert left_behind(tmp_path) == []
 
 
 @pytest.mark.parametrize("tier", ["dram", "nvme"])
