@@ -16,7 +16,6 @@ import os
 import pytest
 import torch
 from torch import nn
-from torchao.quantization import Int8Tensor, Int8WeightOnlyConfig, PerRow, quantize_, to_nf4
 
 import tiered
 from tiered.core.sizes import align_up
@@ -28,9 +27,9 @@ from gpt import GPT, LoRALinear, add_lora
 from helpers import REPO
 from helpers_models import (OPTIM, RANK, SEQ, VOCAB, assert_parity, batches, model_loss,
                             run_engine, train_torch)
+from helpers_quantized import FORMATS, torchao_roundtrip
 from helpers_tiers import dram_bytes
 
-FORMATS = ("nf4", "int8")
 LINEARS = ("qkv", "proj", "fc", "out")
 
 
@@ -44,17 +43,6 @@ def qlora_model() -> nn.Module:
             nn.init.normal_(module.lora_a, std=0.1)
             nn.init.normal_(module.lora_b, std=0.1)
     return model
-
-
-def torchao_roundtrip(weight: torch.Tensor, fmt: str) -> torch.Tensor:
-    """``weight`` quantized to ``fmt`` and dequantized, by torchao alone."""
-    if fmt == "nf4":
-        return to_nf4(weight, 64, 256).get_original_weight()
-    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype)
-    layer.weight.data.copy_(weight)
-    quantize_(layer, Int8WeightOnlyConfig())  # the user-facing config: its tensor's values
-    assert torch.equal(layer.weight.dequantize(), Int8Tensor.from_hp(weight, PerRow()).dequantize())
-    return layer.weight.dequantize()
 
 
 def reference_model(fmt: str) -> nn.Module:
@@ -84,15 +72,25 @@ def reference(fmt: str) -> tuple[dict, list[float]]:
     return state, losses
 
 
-def engine_for(fmt: str, policy: str, nvme: str):
-    return tiered.initialize(qlora_model(), os.path.join(REPO, "configs", f"{policy}.yaml"),
+def engine_for(fmt: str, policy: str, nvme: str, pretrained: bool = False):
+    """``pretrained``: the model's own values are zeros and its weights come from
+    ``initialize(weights=)`` (qlora_model's state dict): each unit is read whole from them
+    then quantized, rank 0's record sent to the others."""
+    model, weights = qlora_model(), None
+    if pretrained:
+        weights = {name: value.clone() for name, value in model.state_dict().items()}
+        with torch.no_grad():
+            for param in model.parameters():
+                param.zero_()
+    return tiered.initialize(model, os.path.join(REPO, "configs", f"{policy}.yaml"),
                              compute_dtype="fp32", device="cpu", nvme={"path": nvme},
-                             params={"frozen_dtype": fmt},
+                             params={"frozen_dtype": fmt}, weights=weights,
                              optimizer=dict(OPTIM, sub_group_size=1024))
 
 
-def trained(fmt: str, policy: str, nvme: str, rank: int = 0, world: int = 1):
-    engine, optimizer = engine_for(fmt, policy, nvme)
+def trained(fmt: str, policy: str, nvme: str, rank: int = 0, world: int = 1,
+            pretrained: bool = False):
+    engine, optimizer = engine_for(fmt, policy, nvme, pretrained)
     losses: list[float] = []
     try:
         quantized = [flat.name for flat in engine.runtime.flats if flat.record is not None]
@@ -142,9 +140,21 @@ def test_a_quantized_base_trains_as_torch_over_torchaos_weights(fmt, policy, tmp
     assert not torch.equal(state["blocks.0.fc.lora_a"], original["blocks.0.fc.lora_a"])
 
 
-TWO_RANK_RUNS = (("nf4", "cpu"), ("nf4", "nvme"), ("int8", "cpu"))
+def test_pretrained_weights_are_quantized_as_they_are_read(tmp_path):
+    # initialize(weights=) reads each quantized unit whole and quantizes it: the run is the
+    # reference's, bit for bit, though the model it was given held zeros.
+    state, losses = trained("nf4", "nvme", str(tmp_path), pretrained=True)
+    expected, expected_losses = reference("nf4")
+    assert losses == expected_losses
+    for name in expected:
+        assert torch.equal(state[name], expected[name]), name
+
+
+TWO_RANK_RUNS = (("nf4", "cpu", False), ("nf4", "nvme", False), ("int8", "cpu", False),
+                 ("nf4", "cpu", True))
 """nf4 in DRAM and on NVMe, int8 in DRAM: the record's bytes are sharded alike whatever the
-format (each rank start costs seconds on CI: one process per rank for all three)."""
+format; and nf4 from pretrained weights, which rank 0 reads and quantizes (each rank start
+costs seconds on CI: one process per rank for all of them)."""
 
 
 def test_on_the_simulated_device_every_copy_is_ordered(monkeypatch, tmp_path):
@@ -160,7 +170,9 @@ def test_on_the_simulated_device_every_copy_is_ordered(monkeypatch, tmp_path):
 
 
 def _two_ranks(rank: int, world: int, folder: str) -> None:
-    results = {run: trained(*run, folder, rank, world)[0] for run in TWO_RANK_RUNS}
+    results = {(fmt, policy, pretrained): trained(fmt, policy, folder, rank, world,
+                                                  pretrained)[0]
+               for fmt, policy, pretrained in TWO_RANK_RUNS}
     torch.save(results, os.path.join(folder, f"rank{rank}.pt"))
 
 
@@ -172,10 +184,12 @@ def test_two_ranks_hold_shards_of_one_record(tmp_path):
     run_ranks(2, _two_ranks, str(tmp_path))
     for rank in range(2):
         results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
-        in_dram, on_nvme = results[("nf4", "cpu")], results[("nf4", "nvme")]
-        assert all(torch.equal(in_dram[name], on_nvme[name]) for name in in_dram)
+        in_dram, on_nvme = results[("nf4", "cpu", False)], results[("nf4", "nvme", False)]
+        read = results[("nf4", "cpu", True)]
+        assert all(torch.equal(in_dram[name], other[name]) for name in in_dram
+                   for other in (on_nvme, read))
         for fmt in FORMATS:
-            state, (expected, _) = results[(fmt, "cpu")], reference(fmt)
+            state, (expected, _) = results[(fmt, "cpu", False)], reference(fmt)
             assert_parity(state, expected)
             for name in expected:
                 if "lora_" not in name:

@@ -243,10 +243,11 @@ class PretrainedWeights:
             f"pass strict=False to load what matches (what is missing keeps its value, or is "
             f"initialized as without weights)")
 
-    def fill(self, flat, out: torch.Tensor) -> None:
-        """Write into ``out`` (this rank's shard of the unit, any device) the elements the
-        source holds, each rounded to its parameter's dtype first."""
-        start, end = flat.shard_range
+    def fill(self, flat, out: torch.Tensor, span: tuple[int, int] | None = None) -> None:
+        """Write into ``out`` (this rank's shard of the unit, any device; with ``span``, the
+        unit's elements ``[start, end)``) the elements the source holds, each rounded to its
+        parameter's dtype first."""
+        start, end = span if span is not None else flat.shard_range
         offset = 0
         for spec in flat.spec.params:
             place = self.places.get(spec.names[0])
@@ -327,8 +328,8 @@ def refuse_quantized(flats, what: str) -> None:
     if quantized:
         raise TieredError(f"{what} is not supported yet with params.frozen_dtype int8 or nf4 "
                           f"({len(quantized)} units keep their frozen weights quantized, "
-                          f"{quantized[0]} first); load the weights into the model before "
-                          f"initialize, which quantizes them")
+                          f"{quantized[0]} first); give the weights to initialize (weights=..., or "
+                          f"load_model's folder), which quantizes them as they are read")
 
 
 def load(engine, weights, strict: bool) -> LoadResult:

@@ -152,20 +152,24 @@ def place_buffers(model: nn.Module, compute_dtype: torch.dtype, group: ProcessGr
             buffer.copy_(contiguous)
 
 
-def building_bytes(built: list[FlatParam], materializer: Materializer) -> int:
+def building_bytes(built: list[FlatParam], materializer: Materializer,
+                   copied: list[FlatParam] | None = None) -> int:
     """Device bytes while building these units (one module's): the parameters tiered.init
     materializes for them on the device (through a tied parameter, other modules' too), and
     one fp32 flat copy at a time, until the last shard is stored and the parameters dropped.
-    The first build bounds the later ones: those find some parameters materialized already."""
-    if not built:
+    The first build bounds the later ones: those find some parameters materialized already.
+    ``copied``: the units an fp32 flat copy is made of, where not ``built`` alone (a quantized
+    unit read whole from pretrained weights is copied to be quantized)."""
+    copied = built if copied is None else copied
+    if not copied:
         return 0
-    return (max(f.padded_numel for f in built) * 4
+    return (max(f.padded_numel for f in copied) * 4
             + materializer.device_bytes([f.spec for f in built]))
 
 
 @torch.no_grad()
 def partition(flats: list[FlatParam], materializer: Materializer, manager: TierManager,
-               group: ProcessGroup, weights: PretrainedWeights | None) -> None:
+              group: ProcessGroup, weights: PretrainedWeights | None) -> None:
     """Build the units of one module (two halves when split), each an fp32 flat copy of which
     this rank's shard is kept in the tiers; then drop the module's parameters.
 
@@ -173,40 +177,61 @@ def partition(flats: list[FlatParam], materializer: Materializer, manager: TierM
     when ranks built or initialized it with different random states. A unit ``weights`` build
     alone (PretrainedWeights.reads_whole) is neither materialized nor broadcast: each rank
     reads its own shard from them. In any other unit they overwrite what initialization gave.
-    A unit that keeps a quantized record keeps this rank's shard of it, quantized from the
-    fp32 flat copy (see [Note: quantized frozen weights] in tiers/quantized.py).
+    A unit that keeps a quantized record keeps this rank's shard of it (:func:`record_shard`).
     """
-    if weights is not None:
-        pretrained.refuse_quantized(flats, "loading pretrained weights at initialize")
     built = [flat for flat in flats if weights is None or not weights.reads_whole(flat)]
     specs = [flat.spec for flat in built]
-    building = building_bytes(built, materializer)
+    building = building_bytes(built, materializer, copied=[
+        flat for flat in flats if flat in built or flat.record is not None])
     manager.hbm.usage.acquire(building, f"building unit {flats[-1].name}")
     materializer.materialize(specs)
     for flat in flats:
+        if flat.record is not None:
+            manager.store(flat.spec.index, StateKind.PARAM,
+                          record_shard(flat, flat in built, materializer, group, weights))
+            continue
         if flat in built:
             full = torch.empty(flat.padded_numel, dtype=torch.float32, device=group.device)
             flat.flatten(materializer.values(flat.spec), full)
             group.broadcast(full)
-            shard = (own_record(flat, full, group) if flat.record is not None
-                     else flat.own_shard(full))
+            shard = flat.own_shard(full)
             del full
         else:
             shard = pretrained.shard_buffer(flat)  # every parameter's elements are read
         if weights is not None:
-            if shard.device.type == "cuda":  # one copy each way, not one per run of elements
-                on_host = shard.cpu()  # (a tiled layer's tile is a run per row)
-                weights.fill(flat, on_host)
-                shard.copy_(on_host)
-            else:
-                weights.fill(flat, shard)
-        if flat.record is not None:  # its record's bytes
-            manager.store(flat.spec.index, StateKind.PARAM, shard)
-        else:
-            manager.store_weights(flat.spec.index, shard)
+            _fill(weights, flat, shard, flat.shard_range)
+        manager.store_weights(flat.spec.index, shard)
         del shard
     drop_parameters(flats)
     manager.hbm.usage.release(building)
+
+
+def record_shard(flat: FlatParam, built: bool, materializer: Materializer,
+                 group: ProcessGroup, weights: PretrainedWeights | None) -> torch.Tensor:
+    """This rank's shard of a quantized unit's record (see [Note: quantized frozen weights] in
+    tiers/quantized.py), quantized by rank 0 from its fp32 flat copy of the whole unit: as
+    initialized (``built``) and then, with ``weights``, their values read over it. A record
+    is quantized from whole weights, never from a rank's shard, so rank 0 reads the unit whole
+    and the others receive its bytes; a checkpoint in the compute dtype (or any float dtype)
+    is thus quantized unit by unit as it streams in, nothing larger than a unit held."""
+    full = torch.empty(flat.padded_numel, dtype=torch.float32, device=group.device)
+    if group.rank == 0:  # only rank 0's copy is quantized: nothing to broadcast
+        if built:
+            flat.flatten(materializer.values(flat.spec), full)
+        if weights is not None:
+            _fill(weights, flat, full, (0, flat.numel))
+    return own_record(flat, full, group)
+
+
+def _fill(weights: PretrainedWeights, flat: FlatParam, out: torch.Tensor,
+          span: tuple[int, int]) -> None:
+    """The unit's elements ``span`` the weights hold, into ``out``."""
+    if out.device.type == "cuda":  # one copy each way, not one per run of elements
+        on_host = out.cpu()  # (a tiled layer's tile is a run per row)
+        weights.fill(flat, on_host, span)
+        out.copy_(on_host)
+    else:
+        weights.fill(flat, out, span)
 
 
 def drop_parameters(flats: list[FlatParam]) -> None:

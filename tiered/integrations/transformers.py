@@ -70,15 +70,19 @@ _weights_of: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictio
 """The checkpoint folder ``load_model`` built each model from, read when training starts."""
 
 
-def load_model(path: str, cls: Any = None, *, policy=None, **kwargs) -> nn.Module:
+def load_model(path: str, cls: Any = None, *, policy=None, frozen_dtype: str | None = None,
+               **kwargs) -> nn.Module:
     """The model of the checkpoint folder ``path``, built from its ``config.json`` under
     ``tiered.init``: no parameter is allocated here. ``TieredTrainer`` (or
     ``tiered.initialize(model, weights=path)``) reads the folder's safetensors straight into the
     tiers, each rank only its shards, so a folder larger than DRAM fine-tunes.
 
     ``cls``: the model class (default ``AutoModelForCausalLM``); ``policy``: as for
-    ``tiered.init``; ``kwargs`` go to ``cls.from_config`` (``dtype``/``torch_dtype``,
-    ``attn_implementation``, ``trust_remote_code``, ...)."""
+    ``tiered.init``; ``frozen_dtype`` (``"int8"``, ``"nf4"``): the policy's
+    ``params.frozen_dtype``, QLoRA's base: the frozen linear weights (of a peft model made on
+    this one) are quantized unit by unit as the folder is read; ``kwargs`` go to
+    ``cls.from_config`` (``dtype``/``torch_dtype``, ``attn_implementation``,
+    ``trust_remote_code``, ...)."""
 
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise TieredError(f"{path}: no config.json; load_model reads a checkpoint folder as "
@@ -86,6 +90,8 @@ def load_model(path: str, cls: Any = None, *, policy=None, **kwargs) -> nn.Modul
     cls = cls or transformers.AutoModelForCausalLM
     trust = kwargs.get("trust_remote_code", False)
     config = transformers.AutoConfig.from_pretrained(path, trust_remote_code=trust)
+    if frozen_dtype is not None:
+        policy = resolve(policy, {"params": {"frozen_dtype": frozen_dtype}})
     with init(policy):
         model = cls.from_config(config, **kwargs)
     _weights_of[model] = path

@@ -31,6 +31,12 @@ torchao's dequantization makes temporaries of its own, up to about (8 + 3 x the 
 size) bytes an element of the largest quantized weight for nf4 (int64 code indices among them),
 which no plan counts yet.
 
+At initialize rank 0 quantizes each unit whole from its fp32 flat copy, which holds the
+model's initialized values or pretrained weights read over them (``initialize(weights=...)``,
+Hugging Face's ``load_model``: engine/build.record_shard), and the other ranks receive its
+bytes: a checkpoint in the compute dtype is quantized unit by unit as it streams in, nothing
+larger than a unit held at once.
+
 Quantizing is lossy by choice: the frozen weights the model computes with, and the ones
 ``full_state_dict`` and exports give back, are the dequantized ones.
 
