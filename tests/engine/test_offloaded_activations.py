@@ -253,7 +253,9 @@ def test_what_the_activations_cannot_have_is_refused_by_name(tmp_path):
     # The file is in the plan's NVMe needs: past the budget, nothing starts.
     overrides = activations_on_nvme(tmp_path, SPILLED)
     overrides["nvme"]["budget"] = "1MiB"
-    with pytest.raises(tiered.BudgetError, match=r"nvme: needs 4.00 MiB"):
+    with pytest.raises(tiered.BudgetError,
+                       match=r"nvme: needs 4.00 MiB(.|\n)*4.00 MiB of the needs are the file for "
+                             r"saved activations \(activations.nvme_bytes\)"):
         tiered.initialize(model(False), str(CONFIGS / "cpu.yaml"), compute_dtype="fp32",
                           device="cpu", **overrides)
     assert left_behind(tmp_path) == []

@@ -199,6 +199,9 @@ class TierManager:
             if "nvme" not in error.shortfalls or self.nvme is None:
                 raise
             hint = self.nvme.live_runs_hint()
+            if plan.in_place_nvme:  # not a state the user placed: say which key asks for it
+                hint += (f"; {format_size(plan.in_place_nvme)} of the needs are the file for "
+                         f"saved activations (activations.nvme_bytes)")
             if not hint:
                 raise
             raise BudgetError(f"{error}{hint}", error.shortfalls) from None
