@@ -168,7 +168,7 @@ NON_DEFAULT = {
 def test_to_dict_is_the_schema_in_plain_types():
     d = Policy.from_dict(NON_DEFAULT).to_dict()
     assert d["compute_dtype"] == "fp16" and type(d["compute_dtype"]) is str
-    assert d["params"] == {"tier": "nvme"}
+    assert d["params"] == {"tier": "nvme", "frozen_dtype": "compute"}
     assert d["optimizer"]["betas"] == [0.8, 0.95]
     assert d["nvme"] == {"path": "/mnt/nvme0", "budget": 2 * 2**30, "block_size": 1 << 20,
                          "queue_depth": 16}
@@ -178,7 +178,7 @@ def test_to_dict_is_the_schema_in_plain_types():
                       "dram", "loss_scale", "units", "cpu", "prefetch", "activations", "trace",
                       "tiling"}
     assert d["activations"] == {"tier": "hbm", "dram_bytes": 1 << 30, "min_bytes": 1 << 20,
-                                "prefetch_bytes": 256 << 20}
+                                "prefetch_bytes": 256 << 20, "nvme_bytes": 64 << 30}
 
 
 @pytest.mark.parametrize("policy", [Policy(), Policy.from_dict(NON_DEFAULT)], ids=["defaults", "custom"])
