@@ -17,6 +17,12 @@ held-out batches) is taken every ``--every`` steps. Modes:
 - ``+moments-bf16``, ``+moments-int8``, ``+master-bf16`` (with tiered modes, combined with each
   other and with ``+dpu``): the compact optimizer states of issue 21 (``optimizer.moments``,
   ``optimizer.master``).
+- ``lora:torch``, ``lora:compute``, ``lora:int8``, ``lora:nf4`` (issue 35): LoRA adapters of
+  ``--lora-rank`` on every block's linear layers of a base first trained whole for
+  ``--pretrain`` steps (plain PyTorch, fp32, on batches of their own); ``lora:torch`` trains
+  them with ``torch.optim.AdamW`` over the fp32 base, the others through tiered in fp32 with
+  ``params.frozen_dtype`` compute (bit for bit ``lora:torch``), int8 or nf4 (QLoRA's base);
+  each scored against ``lora:torch`` where it runs.
 It prints each mode's final validation loss and its gap to the reference, and writes
 ``convergence.json`` and the curves as ``convergence.svg`` into ``--out``.
 """
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import glob
 import json
 import os
@@ -38,7 +45,7 @@ sys.path.insert(0, os.path.join(REPO, "examples"))
 
 from tiered.core.report import format_table  # noqa: E402
 
-from gpt import GPT, next_token_loss  # noqa: E402
+from gpt import GPT, add_lora, next_token_loss  # noqa: E402
 
 OPTIM = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 HELD_OUT = 0.05
@@ -73,15 +80,45 @@ def make_model(args) -> GPT:
     return model
 
 
+@functools.cache
+def pretrained_base(steps: int, args_key: tuple) -> dict[str, torch.Tensor]:
+    """The base LoRA modes adapt: make_model's GPT trained whole for ``steps`` steps by plain
+    PyTorch AdamW in fp32, on batches of their own (seed 100), its state dict."""
+    args = argparse.Namespace(**dict(args_key))
+    model = make_model(args)
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True, **dict(OPTIM, lr=args.lr))
+    training, _ = corpus()
+    for idx in batches(training, steps, args.batch, args.seq, seed=100):
+        next_token_loss(model(idx), idx).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.state_dict()
+
+
+def lora_model(args) -> GPT:
+    """The pretrained base with adapters on every block's linear layers, the rest frozen."""
+    model = make_model(args)
+    model.load_state_dict(pretrained_base(args.pretrain, tuple(sorted(vars(args).items()))))
+    torch.manual_seed(3)  # the adapters' draws, the same in every mode
+    return add_lora(model, args.lora_rank)
+
+
 def run(mode: str, args, train: list, held_out: list) -> dict:
     import tiered
 
-    model = make_model(args)
+    model = lora_model(args) if mode.startswith("lora:") else make_model(args)
     hyper = dict(OPTIM, lr=args.lr)
     evaluated = None  # the weights held out batches are scored on, where not the trained ones
-    if mode.startswith("torch"):
+    if mode.startswith("lora:") and mode != "lora:torch":
+        engine, optimizer = tiered.initialize(
+            model, os.path.join(REPO, "configs", "cpu.yaml"), device="cpu",
+            compute_dtype="fp32", optimizer=hyper,
+            params={"frozen_dtype": mode.removeprefix("lora:")})
+        close = engine.close
+    elif mode.startswith("torch") or mode == "lora:torch":
         # fused: the kernel tiered runs, so that tiered:fp32 is this bit for bit
-        optimizer = torch.optim.AdamW(model.parameters(), fused=True, **hyper)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                      fused=True, **hyper)
         engine, close = model, lambda: None
         _, _, extra = mode.partition("+")
         if extra.startswith("dpu"):  # scored on the latest weights, as engine.eval() gives
@@ -192,6 +229,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--held-out-batches", type=int, default=8)
     parser.add_argument("--seed", type=int, default=1, help="of the training batches' order")
+    parser.add_argument("--pretrain", type=int, default=300,
+                        help="steps the base of the lora: modes is trained whole first")
+    parser.add_argument("--lora-rank", type=int, default=8)
     parser.add_argument("--modes", default="torch,tiered:fp32,tiered:bf16,tiered:bf16+dpu,"
                         "tiered:bf16+dpu40")
     parser.add_argument("--out", default=".")
@@ -202,7 +242,7 @@ def main() -> None:
     print(f"{len(training) + len(held):,} bytes of stdlib source, {len(held):,} held out; "
           f"{sum(p.numel() for p in make_model(args).parameters()) / 1e6:.1f} M parameters")
     results = [run(mode, args, train, held_out) for mode in args.modes.split(",")]
-    reference = next((r for r in results if r["mode"] == "torch"), results[0])
+    reference = next((r for r in results if r["mode"] in ("torch", "lora:torch")), results[0])
     final = reference["curve"][-1][1]
     rows = [["mode", "held-out loss", "gap to " + reference["mode"], "seconds"]]
     for r in results:

@@ -52,6 +52,15 @@ def command_lines(folder: Path) -> dict[str, list[str]]:
                         "--dram-bytes", "64MiB", "--tile", "32", "--nvme",
                         str(folder / "activations"), "--nvme-dram-bytes", "64KiB",
                         "--nvme-bytes", "16MiB"],
+        # The three frozen formats, the frozen units on NVMe.
+        "quantized": ["bench_quantized.py", *TOY, "--batch", "2", "--steps", "3", "--rank", "2",
+                      "--policy", os.path.join(REPO, "configs", "nvme.yaml"),
+                      "--nvme", str(folder / "quantized")],
+        # The LoRA modes over a base trained first, as RESULTS.md's convergence runs them.
+        "convergence": ["bench_convergence.py", "--layers", "1", "--dim", "128", "--seq", "16",
+                        "--batch", "2", "--steps", "2", "--every", "2", "--pretrain", "2",
+                        "--held-out-batches", "1", "--out", str(folder / "convergence"),
+                        "--modes", "lora:torch,lora:compute,lora:int8,lora:nf4"],
     }
 
 
@@ -195,3 +204,24 @@ def test_activations_bench_compares_the_tiers_and_finds_the_same_weights(benches
     rows = [line.split()[0] for line in table.splitlines()[2:6]]
     assert rows == ["hbm", "dram", "nvme", "hbm+tiled"], table
     assert "hbm+tiled / hbm step:" in table, table
+
+
+@runs("quantized")
+def test_quantized_bench_trains_each_frozen_format(benches):
+    table = benches.finish("quantized")
+    rows = [line.split() for line in table.splitlines()[-3:]]
+    assert [(row[0], row[3]) for row in rows] == [("compute", "0"), ("int8", "3"),
+                                                  ("nf4", "3")], table
+    frozen = [float(row[4]) for row in rows]  # MiB: nf4's records the smallest
+    assert frozen[0] > frozen[1] > frozen[2] > 0, table
+    assert all(float(row[6]) > 0 for row in rows), table  # the frozen units on the drive
+
+
+@runs("convergence")
+def test_convergence_bench_runs_lora_over_each_frozen_format(benches):
+    benches.finish("convergence")
+    results = {r["mode"]: r["curve"] for r in _results(benches.folder / "convergence"
+                                                        / "convergence.json")}
+    assert list(results) == ["lora:torch", "lora:compute", "lora:int8", "lora:nf4"]
+    assert results["lora:compute"] == results["lora:torch"]  # tiered in fp32 is torch's
+    assert results["lora:nf4"] != results["lora:torch"]  # over another base

@@ -16,47 +16,17 @@ run 4.5 minutes): that comparison runs where the CPU computes bf16 natively (and
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from tiered.device.bf16 import bf16_support
 
-from helpers import REPO
+import helpers_convergence as convergence
 
 BOUND = 0.015
+SETTINGS = ["--steps", "300", "--every", "300", "--dim", "128", "--layers", "2", "--batch", "8",
+            "--seq", "64", "--held-out-batches", "4"]
 NATIVE_BF16 = bf16_support(torch.device("cpu"))
-
-
-def final_losses(tmp_path, runs: list[list[str]]) -> dict[str, float]:
-    """Each list of modes run by one process, the processes side by side: every mode starts
-    from the same weights and reads the same batches, whatever ran before it. The final
-    held-out loss of each mode."""
-    outs = [str(tmp_path / str(index)) for index in range(len(runs))]
-    started = [subprocess.Popen(
-        [sys.executable, os.path.join(REPO, "bench", "bench_convergence.py"), "--steps", "300",
-         "--every", "300", "--dim", "128", "--layers", "2", "--batch", "8", "--seq", "64",
-         "--held-out-batches", "4", "--modes", ",".join(modes), "--out", out],
-        cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True) for out, modes in zip(outs, runs)]
-    final = {}
-    try:
-        for process, out in zip(started, outs):
-            stdout, stderr = process.communicate(timeout=600)
-            assert process.returncode == 0, stdout[-3000:] + stderr[-3000:]
-            with open(os.path.join(out, "convergence.json")) as file:
-                final.update({result["mode"]: result["curve"][-1][1]
-                              for result in json.load(file)})
-    finally:
-        for process in started:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    return final
 
 
 def assert_within_bound(final: dict[str, float], reference: str) -> None:
@@ -66,8 +36,9 @@ def assert_within_bound(final: dict[str, float], reference: str) -> None:
 
 
 def test_compact_moments_learn_real_text_as_pytorch_adamw_does(tmp_path):
-    final = final_losses(tmp_path, [["tiered:fp32+moments-bf16"],
-                                    ["torch", "tiered:fp32+moments-int8"]])
+    final = convergence.final_losses(tmp_path, [["tiered:fp32+moments-bf16"],
+                                                ["torch", "tiered:fp32+moments-int8"]],
+                                      SETTINGS)
     assert set(final) == {"torch", "tiered:fp32+moments-bf16", "tiered:fp32+moments-int8"}
     assert_within_bound(final, "torch")
 
@@ -75,6 +46,8 @@ def test_compact_moments_learn_real_text_as_pytorch_adamw_does(tmp_path):
 @pytest.mark.skipif(not NATIVE_BF16.native, reason=f"{NATIVE_BF16.why}: bf16 compute runs "
                     f"about 100 times slower than fp32 here")
 def test_bf16_master_weights_learn_real_text_as_fp32_masters_do(tmp_path):
-    final = final_losses(tmp_path, [["tiered:bf16"], ["tiered:bf16+moments-int8+master-bf16"]])
+    final = convergence.final_losses(tmp_path, [["tiered:bf16"],
+                                                ["tiered:bf16+moments-int8+master-bf16"]],
+                                      SETTINGS)
     assert set(final) == {"tiered:bf16", "tiered:bf16+moments-int8+master-bf16"}
     assert_within_bound(final, "tiered:bf16")
