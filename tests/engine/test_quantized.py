@@ -5,9 +5,7 @@ GPT whose frozen linear weights are torchao's own quantized and dequantized valu
 quantizes, dequantized), trained by ``torch.optim.AdamW`` on its adapters. The engine is given
 the model with its original weights and quantizes them itself.
 
-The GPT is the parity GPT at width 128, so that every linear weight of its blocks is a whole
-number of nf4's 64 x 256 blocks (128 x 128 and multiples); its tied embedding, biases and norms
-stay in the compute dtype (fp32 here), as QLoRA leaves them."""
+The GPT is helpers_quantized.qlora_model: the parity GPT at width 128."""
 from __future__ import annotations
 
 import functools
@@ -23,26 +21,12 @@ from tiered.device import DEVICE_ENV, simulated_device
 from tiered.placement.plan import StateKind
 
 from distributed import run_ranks
-from gpt import GPT, LoRALinear, add_lora
 from helpers import REPO
-from helpers_models import (OPTIM, RANK, SEQ, VOCAB, assert_parity, batches, model_loss,
-                            run_engine, train_torch)
-from helpers_quantized import FORMATS, torchao_roundtrip
+from helpers_models import OPTIM, assert_parity, batches, model_loss, run_engine, train_torch
+from helpers_quantized import FORMATS, qlora_engine, qlora_model, torchao_roundtrip
 from helpers_tiers import dram_bytes
 
 LINEARS = ("qkv", "proj", "fc", "out")
-
-
-def qlora_model() -> nn.Module:
-    """The LoRA GPT at width 128, its adapters both random (as helpers_models.lora_model)."""
-    torch.manual_seed(0)
-    model = add_lora(GPT(VOCAB, 128, 2, 2, max_seq=SEQ, tied=True, qkv_bias=False), RANK)
-    torch.manual_seed(1)
-    for module in model.modules():
-        if isinstance(module, LoRALinear):
-            nn.init.normal_(module.lora_a, std=0.1)
-            nn.init.normal_(module.lora_b, std=0.1)
-    return model
 
 
 def reference_model(fmt: str) -> nn.Module:
@@ -72,25 +56,9 @@ def reference(fmt: str) -> tuple[dict, list[float]]:
     return state, losses
 
 
-def engine_for(fmt: str, policy: str, nvme: str, pretrained: bool = False):
-    """``pretrained``: the model's own values are zeros and its weights come from
-    ``initialize(weights=)`` (qlora_model's state dict): each unit is read whole from them
-    then quantized, rank 0's record sent to the others."""
-    model, weights = qlora_model(), None
-    if pretrained:
-        weights = {name: value.clone() for name, value in model.state_dict().items()}
-        with torch.no_grad():
-            for param in model.parameters():
-                param.zero_()
-    return tiered.initialize(model, os.path.join(REPO, "configs", f"{policy}.yaml"),
-                             compute_dtype="fp32", device="cpu", nvme={"path": nvme},
-                             params={"frozen_dtype": fmt}, weights=weights,
-                             optimizer=dict(OPTIM, sub_group_size=1024))
-
-
 def trained(fmt: str, policy: str, nvme: str, rank: int = 0, world: int = 1,
             pretrained: bool = False):
-    engine, optimizer = engine_for(fmt, policy, nvme, pretrained)
+    engine, optimizer = qlora_engine(fmt, policy, nvme, pretrained)
     losses: list[float] = []
     try:
         quantized = [flat.name for flat in engine.runtime.flats if flat.record is not None]
@@ -217,7 +185,7 @@ def record_bytes(fmt: str, shapes: list[torch.Size], quantized: list[bool], worl
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_tiers_hold_the_quantized_bytes(fmt, tmp_path):
     for policy in ("cpu", "nvme"):
-        engine, _ = engine_for(fmt, policy, str(tmp_path))
+        engine, _ = qlora_engine(fmt, policy, str(tmp_path))
         try:
             placement, manager = engine.placement(), engine.manager
             in_dram = 0
@@ -245,17 +213,14 @@ def test_the_tiers_hold_the_quantized_bytes(fmt, tmp_path):
             engine.close()
 
 
-def test_checkpoints_and_loads_are_refused_and_close_gives_back_the_dequantized_base(tmp_path):
-    # A record is the whole unit's bytes, not its elements: checkpoints and loads, which map
-    # elements, refuse it for now rather than write or read it as elements. Closing gives
-    # back the base the model computed with, dequantized (for peft's merge_and_unload).
-    engine, _ = engine_for("nf4", "cpu", str(tmp_path))
+def test_loads_are_refused_and_close_gives_back_the_dequantized_base(tmp_path):
+    # A record is the whole unit's bytes, not its elements: a load of weights, which maps
+    # elements, refuses it for now rather than read it as elements (checkpoints keep the
+    # bytes: tests/checkpoint/test_quantized_checkpoints.py). Closing gives back the base the
+    # model computed with, dequantized (for peft's merge_and_unload).
+    engine, _ = qlora_engine("nf4", "cpu", str(tmp_path))
     model = engine.module
     try:
-        with pytest.raises(tiered.TieredError, match=r"a checkpoint is not supported yet with "
-                                                     r"params.frozen_dtype int8 or nf4 \(2 units"):
-            engine.save_checkpoint(str(tmp_path / "ckpt"))
-        assert not (tmp_path / "ckpt").exists()
         with pytest.raises(tiered.TieredError, match="loading weights into an engine"):
             engine.load_state_dict(qlora_model().state_dict())
     finally:

@@ -8,7 +8,9 @@ Layout of ``<dir>``::
                                    sha256
     <tag>/rank00000.safetensors    one per rank: for each unit, its shard of the fp32 master
                                    weights and both Adam moments (a frozen unit: its masters,
-                                   or its compute-dtype weights where it keeps none; with a
+                                   or its compute-dtype weights where it keeps none, or its
+                                   shard of a quantized record's bytes: [Note: records in
+                                   checkpoints] in records.py; with a
                                    delayed update pending, also the current compute-dtype
                                    weights); its RNG states; the model's persistent buffers
                                    (``buffer.<name>``) and tensor extra states
@@ -58,14 +60,14 @@ import torch
 
 from ..core.version import __version__
 from ..placement.plan import OPTIMIZER_STATES, StateKind
-from . import layout
+from . import layout, records
 from .agreement import all_or_raise
 from .folder import check_folder, claim, release_folders
 from .format import CheckpointError, Entry, Reader, Writer, file_digest
 from .latest import LATEST, MANIFEST, check_inside, check_tag, chosen_tag, complete_tags
 from .manifest import FORMAT_VERSION, check_rank_file, intact_steps, rank_file, read_manifest
-from .pretrained import (RNG_STATES, extra_states, persistent_buffers, refuse_quantized,
-                         rng_states, set_rng_states, store_model_state)
+from .pretrained import (RNG_STATES, extra_states, persistent_buffers, rng_states,
+                         set_rng_states, store_model_state)
 from .retention import check_keep_last, remove_older
 
 __all__ = ["save", "load", "release_folders"]  # release_folders: for engine.close
@@ -85,7 +87,6 @@ def save(engine, directory: str, tag: str | None, keep_last: int | None = None) 
     group = engine.runtime.group
     check_keep_last(keep_last)
     _refuse_held_gradients(engine)
-    refuse_quantized(engine.runtime.flats, "a checkpoint")
     state = engine.optimizer.checkpoint_state()
     tag = tag or f"step{state['steps_called']:08d}"
     check_tag(tag)
@@ -135,7 +136,8 @@ def _save_staged(engine, state: dict, staging: str, directory: str, tag: str,
             "world_size": group.world_size, "policy": engine.policy.to_dict(),
             "units": [{"path": f.spec.path, "numel": f.numel, "padded_numel": f.padded_numel,
                        "shard_numel": f.shard_numel,
-                       "params": [[p.names[0], p.numel] for p in f.spec.params]}
+                       "params": [[p.names[0], p.numel] for p in f.spec.params],
+                       **({"record": records.manifest_record(f)} if f.record else {})}
                       for f in runtime.flats],
             "frozen": [p.names[0] for f in runtime.flats for p in f.spec.params
                        if not p.trainable],
@@ -207,6 +209,11 @@ def _write_rank(engine, path: str, pending: set[int]) -> tuple[int, str]:
     entries, sources = [], []
     for flat in flats:
         unit = flat.spec.index
+        if flat.record is not None:  # its record's bytes as they are: records.py
+            entries.append(Entry(f"unit{unit}.{records.ENTRY}", torch.uint8,
+                                 (flat.record.shard_bytes,)))
+            sources.append((unit, StateKind.PARAM))
+            continue
         for kind in OPTIMIZER_STATES:  # as they are held: compact moments stay compact
             if manager.has(unit, kind):
                 shard = manager.shards[(unit, kind)]
@@ -296,7 +303,6 @@ def load(engine, directory: str, tag: str | None) -> str:
     each checks what it will read first, and if any rank cannot use the checkpoint, every
     rank raises before anything is changed."""
     group = engine.runtime.group
-    refuse_quantized(engine.runtime.flats, "loading a checkpoint")
     engine.runtime.worker.drain()  # a delayed update may still be writing the shards
     if tag is not None:
         check_tag(tag)
@@ -306,7 +312,9 @@ def load(engine, directory: str, tag: str | None) -> str:
         tag = tag or chosen_tag(directory, intact_steps, say=group.rank == 0)
         folder = _complete_folder(directory, tag)
         manifest = read_manifest(folder)
+        records.check_frozen_dtype(manifest, engine.policy)
         runs = layout.segments(engine.runtime.flats, manifest["units"], manifest.get("tiles"))
+        records.check_records(engine.runtime.flats, runs, manifest["units"])
         _check_param_groups(manifest, engine)
         steps = layout.unit_steps(engine.runtime.flats, runs, manifest["units"],
                                   manifest["optimizer"]["unit_steps"],
@@ -401,6 +409,10 @@ def _plan_reads(engine, manifest: dict, readers: dict[str, Reader],
     reads = {}
     for flat, unit_runs in zip(engine.runtime.flats, runs):
         unit = flat.spec.index
+        if flat.record is not None:  # its record's bytes, as saved: records.py
+            reads[(unit, StateKind.PARAM)] = records.plan_read(readers, rank_file, units, flat,
+                                                               unit_runs)
+            continue
         weights_alone = not manager.has(unit, StateKind.MASTER)
         # A delayed update pending when saved wrote the next weights of some saved units: a
         # unit with any of their elements keeps two weights, the current ones read from what

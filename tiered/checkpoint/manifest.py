@@ -24,7 +24,9 @@ units cut otherwise (layout.py). Buffers and extra states were added within 3 (`
 and ``extra.*`` entries, the manifest's ``extra_states``): a reader of 3 ignores them, and a
 checkpoint without them leaves the model's as they are. So was ``tiles``, each tiled layer's
 cut (layout.tile_grids), which a load under another tiling reads; without it a tiled layer
-loads into the same tiles only."""
+loads into the same tiles only. So was a quantized unit's ``record`` (its format, compute
+dtype, bytes and shard: checkpoint/records.py), saved as ``unit<i>.record`` bytes in place of
+its weights: a reader before it finds no weights of that unit and refuses the load."""
 READABLE_FORMATS = (1, 2, 3)
 MANIFEST_LIMIT = 1 << 30
 """A manifest lists units and parameters: megabytes for the largest models, never a gigabyte."""
@@ -124,6 +126,20 @@ def _check_unit(unit: "_Fields", world: int) -> None:
             total += pair[1]
         if total != numel:
             unit.refuse("params", f"{total} elements", f"the unit's numel, {numel}")
+    if "record" in unit.value:
+        _check_record(unit.field("record", unit.object("record")), world)
+
+
+def _check_record(record: "_Fields", world: int) -> None:
+    """A quantized unit's record (checkpoint/records.py): its bytes cut into ``world``
+    shards as tiers/quantized.QuantizedUnit cuts them."""
+    record.text("format")
+    record.text("dtype")
+    data = record.integer("bytes")
+    shard = record.integer("shard_bytes")
+    if shard != -(-max(data, 1) // world):
+        record.refuse("shard_bytes", shard, f"{data} bytes cut into {world} shards: "
+                      f"{-(-max(data, 1) // world)}")
 
 
 def _check_tiles(top: "_Fields") -> None:

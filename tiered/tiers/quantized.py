@@ -38,7 +38,9 @@ bytes: a checkpoint in the compute dtype is quantized unit by unit as it streams
 larger than a unit held at once.
 
 Quantizing is lossy by choice: the frozen weights the model computes with, and the ones
-``full_state_dict`` and exports give back, are the dequantized ones.
+``full_state_dict`` and exports give back, are the dequantized ones. A checkpoint keeps each
+rank's shard of the record as its bytes, and a load at any world size stores them as they were,
+never quantized again ([Note: records in checkpoints] in checkpoint/records.py).
 
 torchao is imported on the first quantization or dequantization only (``_torchao``): it takes
 about 2 s to import (torch's compiler with it), which no run that keeps its weights in the
@@ -196,6 +198,9 @@ class QuantizedUnit:
             start += shape.numel()
         self.entries = tuple(entries)
         self.numel = start
+        self.data_bytes = offset
+        """The record's bytes before the padding: the same at any world size (a checkpoint's
+        record loads under another one by these bytes: checkpoint/records.py)."""
         self.nbytes = align_up(max(offset, 1), world_size)
         """The record's bytes, padded to a whole number of ranks' shards."""
         self.shard_bytes = self.nbytes // world_size
