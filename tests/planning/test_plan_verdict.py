@@ -317,3 +317,35 @@ def test_activations_tier_auto_is_planned_where_the_engine_keeps_them(folder, ca
     crowded = plan(capsys, folder, 512 * MiB, "--seq", "2048",
                    policy={"activations": {"tier": "auto", "dram_bytes": kept}})
     assert crowded["batch"]["in_dram"] == kept
+
+
+@pytest.fixture
+def quantizable(folder):
+    """An 8-layer Llama whose every linear weight nf4 takes (a whole number of its 64 x 256
+    blocks), beside the folder's model."""
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                                      num_hidden_layers=8, num_attention_heads=4,
+                                      num_key_value_heads=4, max_position_embeddings=64)
+    config.save_pretrained(folder / "quantizable")
+    return folder / "quantizable"
+
+
+def test_a_lora_base_dram_cannot_hold_is_offered_in_nf4_as_the_flag_plans_it(folder, quantizable,
+                                                                             capsys):
+    node_file = write(folder / "node.json", dataclasses.asdict(rates(4 * MiB)))
+
+    def planned(*args: str, **policy) -> dict:
+        policy_file = write(folder / "policy.yaml", {"compute_dtype": "fp32", **policy})
+        assert main(["plan", str(quantizable), "--policy", policy_file, "--node", node_file,
+                     "--lora", "4", *args, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    asked = planned()
+    assert not asked["verdict"]["fits"] and asked["verdict"]["over"][0]["tier"] == "dram"
+    flag = planned("--frozen-dtype", "nf4")
+    assert flag == planned(params={"frozen_dtype": "nf4"})  # the flag sets the policy's key
+    assert flag["verdict"]["fits"] and flag["needed"]["dram"] < asked["needed"]["dram"] / 2
+    offered = {suggestion["change"]: suggestion for suggestion in asked["verdict"]["suggestions"]}
+    nf4 = offered["the frozen base in nf4 (--frozen-dtype nf4)"]
+    assert nf4["step_s"] == pytest.approx(max(value for value in flag["terms"].values()
+                                              if value is not None))

@@ -12,7 +12,8 @@
     tiered daemon stop
     tiered node [--nvme PATH] [--remeasure] [--json]   this node's rates, measured once, cached
     tiered plan MODEL [--policy FILE] [--nvme PATH] [--ranks N] [--node FILE] [--batch B --seq S]
-                      [--lora RANK] [--checkpointing] [--tile TOKENS] [--json]
+                      [--lora RANK] [--frozen-dtype compute|int8|nf4] [--checkpointing]
+                      [--tile TOKENS] [--json]
                                                     bytes per tier and the predicted step of a
                                                     model (HF config or module:factory)
     tiered version
@@ -34,7 +35,7 @@ from ..core.version import __version__
 from ..placement.budgets import this_machine
 from ..planning.node import node_rates
 from ..policy.config import Policy, resolve, resolve_compute_dtype
-from ..policy.kinds import ComputeDtype, Device
+from ..policy.kinds import ComputeDtype, Device, FrozenDtype
 from ..policy.deepspeed import read_deepspeed
 from ..policy.schema import merge
 from ..service import service_paths, service_status, start_service, stop_service
@@ -147,7 +148,7 @@ def _node(args) -> int:
 def _plan(args) -> int:
     report = answer(question_of(args.model, args.policy, args.nvme, args.ranks, args.node,
                                 args.batch, args.seq, args.lora, args.checkpointing,
-                                _compute_dtype_here, args.tile))
+                                _compute_dtype_here, args.tile, args.frozen_dtype))
     print(json.dumps(report.to_dict()) if args.json else report.table())
     return 0
 
@@ -287,6 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--tile", type=int, default=None, metavar="TOKENS",
                       help="the MLPs and the loss computed TOKENS tokens at a time "
                            "(tiered.ops.long_sequence), for --batch's activations")
+    plan.add_argument("--frozen-dtype", default=None,
+                      choices=[dtype.value for dtype in FrozenDtype],
+                      help="sets params.frozen_dtype: frozen linear weights (the base of --lora) "
+                           "kept and moved quantized, int8 or nf4 (torchao)")
     plan.add_argument("--node", default=None, metavar="FILE", help="another node's rates and "
                       "memory, as `tiered node --json` printed them there (default: this "
                       "node's, if measured)")

@@ -3,8 +3,9 @@ not fit, the changes that make it fit, each found by planning it (issue 33, item
 
 The changes tried are the ones a user can make without another machine. Placements: the
 states DRAM cannot hold moved to NVMe (``dram.spill: nvme`` with ``--nvme PATH``; under ``tier:
-auto`` the path alone), 8-bit moments (``optimizer.moments: int8``), the host placement of
-``configs/cpu.yaml`` for a policy that keeps states on the device. Changes of what is run: LoRA
+auto`` the path alone), 8-bit moments (``optimizer.moments: int8``), a LoRA question's frozen
+base kept in nf4 (``params.frozen_dtype``), the host placement of ``configs/cpu.yaml`` for a
+policy that keeps states on the device. Changes of what is run: LoRA
 adapters of rank 16 in place of training every weight, a smaller batch, activation
 checkpointing. Each is tried alone; the placements also by twos and threes where none fits
 alone, even if LoRA or a smaller batch does (a run as asked is worth more than another run);
@@ -34,7 +35,7 @@ from ..planning.node import NodeMemory, NodeRates, cached_node_rates
 from ..planning.report import PlanReport
 from ..planning.verdict import Suggestion
 from ..policy.config import Policy, resolve
-from ..policy.kinds import MomentsDtype, Tier
+from ..policy.kinds import FrozenDtype, MomentsDtype, Tier
 from .plan_model import (batch_activations, device_room, forward_bytes, model_on_meta,
                          node_memory, plan_model, planned_on_gpu, read_node)
 
@@ -64,10 +65,11 @@ def question_of(spec: str, policy_file: str | None, nvme: str | None, ranks: int
                 node: str | None, batch: int | None, seq: int | None, lora: int | None,
                 checkpointing: bool,
                 concrete: Callable[[Policy], tuple[Policy, str]],
-                tile: int | None = None) -> PlanQuestion:
+                tile: int | None = None, frozen_dtype: str | None = None) -> PlanQuestion:
     """The question the command's arguments ask; a bad one is refused by name.
     ``concrete(policy)``: the policy with ``compute_dtype: auto`` made concrete as the command
-    decides it (the node file does not say what its device computes natively)."""
+    decides it (the node file does not say what its device computes natively).
+    ``frozen_dtype``: sets params.frozen_dtype over the policy's, as --nvme sets nvme.path."""
     for flag, value in (("--ranks", ranks), ("--batch", batch), ("--seq", seq),
                         ("--lora", lora), ("--tile", tile)):
         if value is not None and value < 1:
@@ -78,7 +80,10 @@ def question_of(spec: str, policy_file: str | None, nvme: str | None, ranks: int
         if given and batch is None:
             raise UsageError(f"{flag} changes the activations only: give --batch and --seq too")
     path = os.path.abspath(os.path.expanduser(nvme)) if nvme else None
-    policy = resolve(policy_file, {"nvme": {"path": path}} if path else {})
+    overrides: dict = {"nvme": {"path": path}} if path else {}
+    if frozen_dtype is not None:
+        overrides["params"] = {"frozen_dtype": frozen_dtype}
+    policy = resolve(policy_file, overrides)
     rates = read_node(node) if node else cached_node_rates(policy.nvme.path)
     memory = node_memory(rates, from_file=node is not None)
     policy, _ = concrete(policy)
@@ -121,7 +126,7 @@ class _Planner:
         """The question's model cut into units under its policy (once per cut)."""
         policy = question.policy
         cut = (question.lora, question.checkpointing, question.tile, policy.units,
-               policy.compute_dtype, question.ranks)
+               policy.compute_dtype, policy.params.frozen_dtype, question.ranks)
         if cut not in self._flats:
             self._flats[cut] = flat_units(self._model(question, question.checkpointing),
                                           policy, 0, question.ranks, torch.device("cpu"))
@@ -261,6 +266,9 @@ def _placement_changes(question: PlanQuestion) -> list[Change]:
     elif not policy.placed_by_planner and not policy.uses_nvme:
         changes.append((f"dram.spill: nvme with {flag}",
                         lambda q: _replaced(q, dram={"spill": "nvme"}, nvme=on_nvme)))
+    if question.lora is not None and policy.params.frozen_dtype is FrozenDtype.COMPUTE:
+        changes.append(("the frozen base in nf4 (--frozen-dtype nf4)",
+                        lambda q: _replaced(q, params={"frozen_dtype": "nf4"})))
     if policy.optimizer.moments is not MomentsDtype.INT8:
         changes.append(("optimizer.moments: int8",
                         lambda q: _replaced(q, optimizer={"moments": "int8"})))
