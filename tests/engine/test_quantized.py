@@ -10,15 +10,21 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torchao.quantization import Int8Tensor, PerRow, to_nf4
 
 import tiered
 from tiered.core.sizes import align_up
 from tiered.device import DEVICE_ENV, simulated_device
 from tiered.placement.plan import StateKind
+from tiered.tiers.quantized import DEQUANTIZE_CHUNK, QuantizedUnit
+from tiered.tiers.quantized import FORMATS as FORMATS_BY_NAME
 
 from distributed import run_ranks
 from helpers import REPO
@@ -228,3 +234,63 @@ def test_loads_are_refused_and_close_gives_back_the_dequantized_base(tmp_path):
     expected = reference_model("nf4").state_dict()
     for name, value in model.state_dict().items():
         assert torch.equal(value, expected[name]), name
+
+
+class StoragePeak(TorchDispatchMode):
+    """The most bytes of storages made under it alive at once: every op's outputs' storages
+    but its inputs' (a view, an op in place), each counted until it is freed."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.now = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {tensor.untyped_storage().data_ptr()
+                  for tensor in tree_flatten((args, kwargs))[0] if isinstance(tensor, torch.Tensor)}
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor) and type(tensor) is torch.Tensor:
+                storage = tensor.untyped_storage()
+                key = storage.data_ptr()
+                if key and key not in self.live and key not in inputs:
+                    self.live[key] = storage.nbytes()
+                    self.now += storage.nbytes()
+                    self.peak = max(self.peak, self.now)
+                    weakref.finalize(storage, self._freed, key)
+        return out
+
+    def _freed(self, key: int) -> None:
+        self.now -= self.live.pop(key)
+
+
+def torchao_whole(weight: torch.Tensor, fmt: str):
+    """torchao's quantization of ``weight`` and the function that dequantizes it whole."""
+    if fmt == "nf4":
+        quantized = to_nf4(weight, 64, 256)
+        return quantized.get_original_weight
+    return Int8Tensor.from_hp(weight, PerRow()).dequantize
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantized_in_chunks_bit_for_bit_within_the_bound_the_plan_counts(fmt, dtype):
+    # 1.5 chunks of nf4's groups, int8's rows: each chunk is dequantized alone into its place
+    # of the flat buffer, to the bit as torchao's whole-tensor dequantization (the oracle),
+    # the temporaries within scratch_bytes, which torchao's whole dequantization passes.
+    shape = torch.Size((DEQUANTIZE_CHUNK * 3 // 2 // 1024, 1024))
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+    layout = QuantizedUnit(FORMATS_BY_NAME[fmt], [shape], [True], dtype, world_size=1)
+    assert len(list(layout.format.chunks(
+        {piece.name: torch.empty(piece.shape, dtype=piece.dtype)
+         for piece in layout.entries[0].pieces}, shape))) == 2
+    record = torch.empty(layout.nbytes, dtype=torch.uint8)
+    layout.quantize(weight, record)
+    flat = torch.empty(shape.numel(), dtype=dtype)
+    with StoragePeak() as chunked:
+        layout.dequantize(record, flat)
+    whole = torchao_whole(weight, fmt)
+    with StoragePeak() as at_once:
+        expected = whole()
+    assert torch.equal(flat.view(shape), expected)
+    assert chunked.peak <= layout.scratch_bytes < at_once.peak, (chunked.peak, at_once.peak)

@@ -86,8 +86,11 @@ class FlatParam:
     @property
     def gathered_bytes(self) -> int:
         """Device bytes while gathered: ``full``, and a record's bytes all-gathered beside it
-        to be dequantized into it."""
-        return self._storage_bytes + (self.record.nbytes if self.record is not None else 0)
+        to be dequantized into it with the temporaries of its largest chunk ([Note: quantized
+        frozen weights] in tiers/quantized.py)."""
+        record = self.record
+        return self._storage_bytes + (record.nbytes + record.scratch_bytes
+                                      if record is not None else 0)
 
     @property
     def shard_range(self) -> tuple[int, int]:

@@ -25,11 +25,21 @@ ranks; dequantized after the all-gather, no rank needs to know where its bytes f
 every rank dequantizes the whole unit (elementwise work on the device, a unit's worth), and the
 all-gather moves the quantized bytes, 2 to 4 times fewer than the compute dtype's.
 
-While a unit is gathered the device holds its flat buffer and the record's gathered bytes
-(``FlatParam.gathered_bytes``, which the HBM tier is charged and the plan's working set counts);
-torchao's dequantization makes temporaries of its own, up to about (8 + 3 x the compute dtype's
-size) bytes an element of the largest quantized weight for nf4 (int64 code indices among them),
-which no plan counts yet.
+While a unit is gathered the device holds its flat buffer, the record's gathered bytes and
+what dequantizing makes on the way (``FlatParam.gathered_bytes``, which the HBM tier is charged
+and the plan's working set counts). torchao's dequantization makes temporaries of its own:
+measured (a dispatch mode counting every storage it makes, tests/engine/test_quantized.py),
+nf4 makes 8 + 3 x the compute dtype's size bytes an element (int64 code indices among them),
+int8 5 + that size (an fp32 product), its output included; for a whole 70 B MLP weight
+(8192 x 28672 in bf16) that was 3.3 GB. So a weight is dequantized in chunks of at most
+``DEQUANTIZE_CHUNK`` elements, each into its place of the flat buffer: nf4 by whole groups of
+64 x 256 blocks (each chunk has its own scales and their factors, the mean and the code book
+being the tensor's), int8 by whole rows (at least one: a row of more columns is a chunk), each
+element computed as the whole tensor's dequantization computes it, so the values are torchao's
+to the bit (tested against its whole-tensor dequantization). The temporaries are then bounded
+by a chunk's: ``QuantizedUnit.scratch_bytes``, per unit its largest weight's, at most about
+(8 + 3 x size) x 2^20 bytes for nf4 (14 MiB in bf16) and (5 + size) x max(2^20, columns) for
+int8, with a few bytes a block or a row for their scales (``Format.scratch_bytes``).
 
 At initialize rank 0 quantizes each unit whole from its fp32 flat copy, which holds the
 model's initialized values or pretrained weights read over them (``initialize(weights=...)``,
@@ -66,6 +76,14 @@ ALIGN = 16
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
 """QLoRA's block sizes (torchao's ``to_nf4`` defaults): elements per absmax scale, and scales
 per double-quantization scale."""
+NF4_GROUP = NF4_BLOCK * NF4_SCALER_BLOCK
+"""Elements of a group of blocks whose scales share one double-quantization factor."""
+
+DEQUANTIZE_CHUNK = 1 << 20
+"""Elements of a weight dequantized at once (a whole number of nf4's groups): see [Note:
+quantized frozen weights]."""
+_PAGE = 4096
+"""Bytes a chunk's scalar temporaries (nf4's mean, the code book) fit in."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +121,17 @@ class Format:
 
     def dequantize(self, parts: dict[str, torch.Tensor], shape: torch.Size,
                    dtype: torch.dtype) -> torch.Tensor:
+        """The whole weight ``parts`` hold (or a chunk of it, of ``shape``), by torchao."""
+        raise NotImplementedError
+
+    def chunks(self, parts: dict[str, torch.Tensor], shape: torch.Size):
+        """(first element, the chunk's parts, its shape) of each chunk of the weight that is
+        dequantized alone, in order, each of at most :meth:`chunk_numel` elements."""
+        raise NotImplementedError
+
+    def scratch_bytes(self, shape: torch.Size, dtype: torch.dtype) -> int:
+        """Device bytes torchao's dequantization of a weight of ``shape`` holds at most, a
+        chunk at a time, its output too (measured: [Note: quantized frozen weights])."""
         raise NotImplementedError
 
 
@@ -135,6 +164,27 @@ class Nf4(Format):
                     "scaler_block_size": NF4_SCALER_BLOCK}, shape, (shape[1], 1)
         ).get_original_weight()
 
+    def chunks(self, parts, shape):
+        n = shape.numel()
+        for first in range(0, n, DEQUANTIZE_CHUNK):  # whole groups: the chunk and n are
+            stop = min(n, first + DEQUANTIZE_CHUNK)
+            yield first, {
+                "quantized_data": parts["quantized_data"][first // 2:stop // 2],
+                "quantized_scalers": parts["quantized_scalers"][first // NF4_BLOCK:
+                                                                stop // NF4_BLOCK],
+                "quantization_factor": parts["quantization_factor"][first // NF4_GROUP:
+                                                                    stop // NF4_GROUP],
+                "scaler_mean": parts["scaler_mean"], "nf4": parts["nf4"],
+            }, torch.Size(((stop - first) // NF4_BLOCK, NF4_BLOCK))
+
+    def scratch_bytes(self, shape, dtype):
+        # An element: two int64 code indices a byte (8), the codes looked up, scaled and
+        # interleaved (3 in the dtype); a block: its scale dequantized (an fp32 quotient, the
+        # dtype's value and the mean added); the chunk's few scalars within the page.
+        numel = min(shape.numel(), DEQUANTIZE_CHUNK)
+        return (numel * (8 + 3 * dtype.itemsize) + numel // NF4_BLOCK * (4 + 2 * dtype.itemsize)
+                + _PAGE)
+
 
 class Int8(Format):
     name = "int8"
@@ -156,6 +206,26 @@ class Int8(Format):
     def dequantize(self, parts, shape, dtype):
         return _torchao().Int8Tensor(parts["qdata"], parts["scale"], [1, shape[1]], dtype,
                                      zero_point=parts["zero_point"]).dequantize()
+
+    def chunks(self, parts, shape):
+        rows, columns = shape
+        step = self._rows(shape)
+        for first in range(0, rows, step):
+            stop = min(rows, first + step)
+            yield first * columns, {name: parts[name][first:stop]
+                                    for name in ("qdata", "scale", "zero_point")}, \
+                torch.Size((stop - first, columns))
+
+    @staticmethod
+    def _rows(shape: torch.Size) -> int:
+        return min(shape[0], max(1, DEQUANTIZE_CHUNK // shape[1]))
+
+    def scratch_bytes(self, shape, dtype):
+        # An element: the codes in the dtype less the zero point, their product with the
+        # fp32 scale (fp32 whatever the dtype), cast back; a row: its scale and zero point
+        # converted (4 + 2 in the dtype at most).
+        rows = self._rows(shape)
+        return rows * shape[1] * (5 + dtype.itemsize) + rows * (4 + 2 * dtype.itemsize) + _PAGE
 
 
 FORMATS: dict[str, Format] = {"nf4": Nf4(), "int8": Int8()}
@@ -198,6 +268,10 @@ class QuantizedUnit:
             start += shape.numel()
         self.entries = tuple(entries)
         self.numel = start
+        self.scratch_bytes = max((fmt.scratch_bytes(entry.shape, dtype)
+                                  for entry in entries if entry.quantized), default=0)
+        """Device bytes dequantizing holds at most beside the record and the flat buffer: its
+        largest weight's largest chunk's temporaries."""
         self.data_bytes = offset
         """The record's bytes before the padding: the same at any world size (a checkpoint's
         record loads under another one by these bytes: checkpoint/records.py)."""
@@ -221,9 +295,14 @@ class QuantizedUnit:
         ``record``, on the record's device; the padding is zeros."""
         for entry in self.entries:
             parts = {piece.name: piece.view(record) for piece in entry.pieces}
-            value = (self.format.dequantize(parts, entry.shape, self.dtype) if entry.quantized
-                     else parts["value"])
-            flat[entry.start:entry.start + entry.shape.numel()].copy_(value.reshape(-1))
+            if not entry.quantized:
+                flat[entry.start:entry.start + entry.shape.numel()].copy_(
+                    parts["value"].reshape(-1))
+                continue
+            for first, chunk, shape in self.format.chunks(parts, entry.shape):
+                value = self.format.dequantize(chunk, shape, self.dtype)
+                at = entry.start + first
+                flat[at:at + shape.numel()].copy_(value.reshape(-1))
         flat[self.numel:].zero_()
 
 
