@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import weakref
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -69,14 +69,14 @@ ALIGN = 64
 
 
 @dataclass(eq=False)
-class _InDram:
-    """A saved tensor's place in the arena, handed to autograd in its stead."""
+class _Placed:
+    """A saved tensor's place off the device, handed to autograd in its stead; its place is
+    let go when autograd lets go of it."""
 
     store: "SavedActivations"
     offset: int
     shape: torch.Size
     dtype: torch.dtype
-    ready: object  # the copy out's event, or None where there are no streams
     order: int
     """Its place among the tensors saved since the arena started over."""
     read: bool = False
@@ -90,25 +90,19 @@ class _InDram:
 
 
 @dataclass(eq=False)
-class _OnNvme:
-    """A saved tensor's place in the file on the drive (tier: nvme), handed to autograd in its
-    stead."""
+class _InDram(_Placed):
+    """In the DRAM block's arena, at ``offset``."""
 
-    store: "SavedActivations"
-    offset: int
-    shape: torch.Size
-    dtype: torch.dtype
-    writes: list[Future]
+    ready: object = None
+    """The copy out's event, or None where there are no streams."""
+
+
+@dataclass(eq=False)
+class _OnNvme(_Placed):
+    """In the file on the drive (tier: nvme), at ``offset``."""
+
+    writes: list[Future] = field(default_factory=list)
     """Each piece's write (activations_nvme.NvmeSpill.write)."""
-    order: int
-    read: bool = False
-
-    @property
-    def nbytes(self) -> int:
-        return self.shape.numel() * self.dtype.itemsize
-
-    def __del__(self):
-        self.store._released(self)
 
 
 class SavedActivations:
@@ -185,8 +179,8 @@ class SavedActivations:
         if place is not None:
             packed = self._to_dram(tensor, place, nbytes)
         elif self.spill is not None and (offset := self.spill.place(nbytes)) is not None:
-            packed = _OnNvme(self, offset, tensor.shape, tensor.dtype,
-                             self.spill.write(tensor, offset), len(self._saved))
+            packed = _OnNvme(self, offset, tensor.shape, tensor.dtype, len(self._saved),
+                             writes=self.spill.write(tensor, offset))
             self.spilled.add_copy(nbytes)
         else:
             self.kept.add(tensor)
@@ -205,7 +199,7 @@ class SavedActivations:
         self.streams.keep_for_offload(tensor)
         self.moved.add_copy(nbytes)
         self.offloaded_bytes += nbytes
-        return _InDram(self, place, tensor.shape, tensor.dtype, ready, len(self._saved))
+        return _InDram(self, place, tensor.shape, tensor.dtype, len(self._saved), ready=ready)
 
     def unpack(self, packed):
         if isinstance(packed, _OnNvme):
@@ -289,7 +283,7 @@ class SavedActivations:
         self._used = place + nbytes
         return place
 
-    def _released(self, packed: _InDram | _OnNvme) -> None:
+    def _released(self, packed: _Placed) -> None:
         self._held -= 1
         if isinstance(packed, _OnNvme):
             if packed.order in self._reading:  # read back ahead, never read
