@@ -23,9 +23,12 @@ from distributed import run_ranks
 from gpt import next_token_loss
 from helpers import CONFIGS, assert_same, own_service, run_with_deadline
 from helpers_models import OPTIM, assert_parity, make_model, run_engine, token_batches, train_torch
+from helpers_quantized import qlora_model
 
 CASES = {
     "cpu": ("cpu", {}),
+    # A LoRA model's frozen base kept as nf4 records: their bytes on NVMe through the service.
+    "nf4 base": ("nvme", {"sub_group_size": 1024}),
     "nvme": ("nvme", {}),
     "clipped": ("cpu", {"max_grad_norm": 0.5}),
     "delayed update": ("cpu", {"delayed_update": {"enabled": True, "warmup_steps": 1}}),
@@ -43,9 +46,13 @@ def service(tmp_path_factory):
 def train(case: str, nvme: str, rank: int = 0, world: int = 1,
           status_to: str | None = None) -> dict:
     policy, optimizer = CASES[case]
-    engine, opt = tiered.initialize(make_model(), os.path.join(CONFIGS, f"{policy}.yaml"),
+    quantized = case == "nf4 base"
+    engine, opt = tiered.initialize(qlora_model() if quantized else make_model(),
+                                    os.path.join(CONFIGS, f"{policy}.yaml"),
                                     compute_dtype="fp32", device="cpu", nvme={"path": nvme},
-                                    optimizer=dict(OPTIM, **optimizer))
+                                    optimizer=dict(OPTIM, **optimizer),
+                                    params={"frozen_dtype": "nf4" if quantized else "compute"})
+    assert any(flat.record is not None for flat in engine.runtime.flats) == quantized
     if status_to is not None:
         job = next(job for job in service_status(os.environ[SERVICE_ENV])["jobs"]
                    if job["name"] == engine.service_job)
