@@ -24,6 +24,7 @@ from gpt import next_token_loss
 from helpers_models import OPTIM, assert_parity, make_model, token_batches
 from helpers_placement import (AUTO, CPU, SUB_GROUP, auto_policy, mixed_budgets, placed,
                                replan_budgets, units_per_tier)
+from helpers_quantized import qlora_model
 
 STEPS = 4
 
@@ -87,6 +88,36 @@ def test_the_first_step_moves_what_fits_to_the_device_once_and_training_stays_ex
     if not delayed:
         model = make_model()
         assert train(model, torch.optim.AdamW(model.parameters(), fused=True, **OPTIM)) == losses
+
+
+def test_a_quantized_base_stays_where_placed_and_trains_on_exactly_across_the_re_plan(tmp_path):
+    """A LoRA model with an nf4 base (its frozen units' records in DRAM): the re-plan moves a
+    block's adapters to the device and no record (units move whole, trained ones only), and
+    it trains on bit for bit as the placement it reached, given from the start."""
+    policy = auto_policy(optimizer={"sub_group_size": SUB_GROUP}, params={"frozen_dtype": "nf4"})
+    flats = flat_units(qlora_model(), policy, 0, 1, CPU)
+    two = memory_plan(policy, CPU, flats, on_device=frozenset(forward_order(flats)[:2]))
+    runs = []
+    for reserve in (None, 0):  # the default reserve re-plans; none places it at once
+        engine, optimizer = tiered.initialize(
+            qlora_model(), AUTO, device="cpu", compute_dtype="fp32", nvme={"path": str(tmp_path)},
+            params={"frozen_dtype": "nf4"}, optimizer=dict(OPTIM, sub_group_size=SUB_GROUP),
+            hbm={"budget": two.needed(Tier.HBM) * 4 // 3 - 8, "reserve": reserve})
+        before = placed(engine, StateKind.PARAM)
+        losses = train(engine, optimizer)
+        runs.append((before, engine.placement(), engine.plan_report().replanned, losses,
+                     engine.full_state_dict()))
+        engine.close()
+    (before, after, replanned, losses, state), (given, there, _, its_losses, expected) = runs
+    assert (before, given) == (["hbm", "dram"], ["hbm", "hbm"])
+    assert replanned.startswith("re-planned after step 1: 1 more units kept on the device "
+                                "(blocks.1)")
+    assert after == there
+    assert [after[name] for name in ("blocks.0 (frozen)", "blocks.1 (frozen)")] == [
+        {"param": "dram"}] * 2
+    assert losses == its_losses
+    for name, value in expected.items():
+        assert torch.equal(state[name], value), name
 
 
 WORLD = 2
