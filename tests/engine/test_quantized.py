@@ -63,10 +63,16 @@ def reference(fmt: str) -> tuple[dict, list[float]]:
 
 
 def trained(fmt: str, policy: str, nvme: str, rank: int = 0, world: int = 1,
-            pretrained: bool = False):
-    engine, optimizer = qlora_engine(fmt, policy, nvme, pretrained)
+            weights: str = "built"):
+    """``weights``: qlora_model's own ("built"), read at initialize ("initialize": the model
+    given zeros, qlora_engine's ``pretrained``), or loaded by ``load_state_dict`` before any
+    step into an engine built from other weights ("loaded")."""
+    engine, optimizer = qlora_engine(fmt, policy, nvme, pretrained=weights == "initialize",
+                                     seed=7 if weights == "loaded" else 0)
     losses: list[float] = []
     try:
+        if weights == "loaded":
+            engine.load_state_dict(qlora_model().state_dict())
         quantized = [flat.name for flat in engine.runtime.flats if flat.record is not None]
         state = run_engine(engine, optimizer, rank=rank, world=world, loss=recording(losses))
     finally:
@@ -114,21 +120,24 @@ def test_a_quantized_base_trains_as_torch_over_torchaos_weights(fmt, policy, tmp
     assert not torch.equal(state["blocks.0.fc.lora_a"], original["blocks.0.fc.lora_a"])
 
 
-def test_pretrained_weights_are_quantized_as_they_are_read(tmp_path):
-    # initialize(weights=) reads each quantized unit whole and quantizes it: the run is the
-    # reference's, bit for bit, though the model it was given held zeros.
-    state, losses = trained("nf4", "nvme", str(tmp_path), pretrained=True)
+@pytest.mark.parametrize("weights", ["initialize", "loaded"])
+def test_pretrained_weights_are_quantized_as_they_are_read(weights, tmp_path):
+    # initialize(weights=) and load_state_dict read each quantized unit whole and quantize
+    # it: the run is the reference's, bit for bit, though the model the engine was built from
+    # held zeros, or other weights.
+    state, losses = trained("nf4", "nvme", str(tmp_path), weights=weights)
     expected, expected_losses = reference("nf4")
     assert losses == expected_losses
     for name in expected:
         assert torch.equal(state[name], expected[name]), name
 
 
-TWO_RANK_RUNS = (("nf4", "cpu", False), ("nf4", "nvme", False), ("int8", "cpu", False),
-                 ("nf4", "cpu", True))
+TWO_RANK_RUNS = (("nf4", "cpu", "built"), ("nf4", "nvme", "built"), ("int8", "cpu", "built"),
+                 ("nf4", "cpu", "initialize"), ("nf4", "cpu", "loaded"))
 """nf4 in DRAM and on NVMe, int8 in DRAM: the record's bytes are sharded alike whatever the
-format; and nf4 from pretrained weights, which rank 0 reads and quantizes (each rank start
-costs seconds on CI: one process per rank for all of them)."""
+format; and nf4 from pretrained weights at initialize and by load_state_dict, which rank 0
+reads and quantizes (each rank start costs seconds on CI: one process per rank for all of
+them)."""
 
 
 def test_on_the_simulated_device_every_copy_is_ordered(monkeypatch, tmp_path):
@@ -144,9 +153,8 @@ def test_on_the_simulated_device_every_copy_is_ordered(monkeypatch, tmp_path):
 
 
 def _two_ranks(rank: int, world: int, folder: str) -> None:
-    results = {(fmt, policy, pretrained): trained(fmt, policy, folder, rank, world,
-                                                  pretrained)[0]
-               for fmt, policy, pretrained in TWO_RANK_RUNS}
+    results = {(fmt, policy, weights): trained(fmt, policy, folder, rank, world, weights)[0]
+               for fmt, policy, weights in TWO_RANK_RUNS}
     torch.save(results, os.path.join(folder, f"rank{rank}.pt"))
 
 
@@ -158,12 +166,12 @@ def test_two_ranks_hold_shards_of_one_record(tmp_path):
     run_ranks(2, _two_ranks, str(tmp_path))
     for rank in range(2):
         results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
-        in_dram, on_nvme = results[("nf4", "cpu", False)], results[("nf4", "nvme", False)]
-        read = results[("nf4", "cpu", True)]
+        in_dram, on_nvme = results[("nf4", "cpu", "built")], results[("nf4", "nvme", "built")]
+        read, loaded = results[("nf4", "cpu", "initialize")], results[("nf4", "cpu", "loaded")]
         assert all(torch.equal(in_dram[name], other[name]) for name in in_dram
-                   for other in (on_nvme, read))
+                   for other in (on_nvme, read, loaded))
         for fmt in FORMATS:
-            state, (expected, _) = results[(fmt, "cpu", False)], reference(fmt)
+            state, (expected, _) = results[(fmt, "cpu", "built")], reference(fmt)
             assert_parity(state, expected)
             for name in expected:
                 if "lora_" not in name:
@@ -219,16 +227,21 @@ def test_the_tiers_hold_the_quantized_bytes(fmt, tmp_path):
             engine.close()
 
 
-def test_loads_are_refused_and_close_gives_back_the_dequantized_base(tmp_path):
-    # A record is the whole unit's bytes, not its elements: a load of weights, which maps
-    # elements, refuses it for now rather than read it as elements (checkpoints keep the
-    # bytes: tests/checkpoint/test_quantized_checkpoints.py). Closing gives back the base the
-    # model computed with, dequantized (for peft's merge_and_unload).
+def test_a_load_of_part_of_a_record_is_refused_and_close_gives_back_the_dequantized_base(
+        tmp_path):
+    # A record is quantized from its whole unit: a load that holds part of one is refused by
+    # name and changes nothing (what it lacks would be quantized again from its dequantized
+    # values). Closing gives back the base the model computed with, dequantized (for peft's
+    # merge_and_unload).
     engine, _ = qlora_engine("nf4", "cpu", str(tmp_path))
     model = engine.module
+    weights = qlora_model(seed=7).state_dict()
+    del weights["blocks.1.fc.weight"]
     try:
-        with pytest.raises(tiered.TieredError, match="loading weights into an engine"):
-            engine.load_state_dict(qlora_model().state_dict())
+        with pytest.raises(tiered.CheckpointError, match=r"unit blocks.1 \(frozen\) keeps its "
+                                                         r"frozen weights quantized.* but not "
+                                                         r"blocks.1.fc.weight"):
+            engine.load_state_dict(weights, strict=False)
     finally:
         engine.close(restore_weights=True)
     expected = reference_model("nf4").state_dict()

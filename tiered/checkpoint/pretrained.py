@@ -17,6 +17,13 @@ over what was loaded. Each value is rounded to the dtype the model gave its para
 ``param.copy_(value)`` rounds in PyTorch, then widened into the masters. What the source lacks
 keeps its value (with ``initialize``: starts as the model initializes it), and is listed in
 ``missing_keys``.
+
+A unit that keeps its frozen weights as a quantized record ([Note: quantized frozen weights]
+in tiers/quantized.py) is quantized from whole weights, as at ``initialize``: rank 0 reads the
+unit whole (one unit's fp32 copy at a time), quantizes it and sends the record's bytes to the
+others. So it loads only whole: a source that holds some of its parameters and not others is
+refused before anything changes (what it lacks would have to be its dequantized values
+quantized again, which is not the weights it held).
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ from torch import nn
 
 from ..core.errors import TieredError
 from ..ops.tiled_linear import TiledLinear, layer_of_tile, tiled_layers
+from ..placement.plan import StateKind
 from .format import DTYPES, CheckpointError
 from .sources import WeightSource, open_source
 
@@ -320,16 +328,37 @@ def open_weights(weights, flats, model: nn.Module, state_dict_keys: list[str], s
     return matched
 
 
-def refuse_quantized(flats, what: str) -> None:
-    """A TieredError when any unit keeps its frozen weights as a quantized record
-    (``params.frozen_dtype``; tiers/quantized.py): ``what`` does not carry weights into or out
-    of one yet (a record is the whole unit's bytes, not its elements)."""
-    quantized = [flat.name for flat in flats if flat.record is not None]
-    if quantized:
-        raise TieredError(f"{what} is not supported yet with params.frozen_dtype int8 or nf4 "
-                          f"({len(quantized)} units keep their frozen weights quantized, "
-                          f"{quantized[0]} first); give the weights to initialize (weights=..., or "
-                          f"load_model's folder), which quantizes them as they are read")
+def _part_of_a_record(matched: PretrainedWeights, flats) -> CheckpointError | None:
+    """The refusal of a source that holds part of a quantized unit, which loads whole or not
+    at all (see the module's note); None where it holds none or all of each."""
+    for flat in flats:
+        held = [spec.names[0] in matched.places for spec in flat.spec.params]
+        if flat.record is not None and any(held) and not all(held):
+            lacking = [spec.names[0] for spec, has in zip(flat.spec.params, held) if not has]
+            return CheckpointError(
+                f"unit {flat.name} keeps its frozen weights quantized, which are quantized "
+                f"from the whole unit: {matched.source.where} holds some of its parameters "
+                f"but not {listing(lacking)}; give all of them, or none")
+    return None
+
+
+def _load_record(matched: PretrainedWeights, manager, flat, group) -> None:
+    """The unit's record quantized from the source's values by rank 0, and this rank's shard
+    of it stored (a collective: rank 0's failure to read raises on every rank)."""
+    record = flat.record
+    whole = torch.empty(record.nbytes, dtype=torch.uint8, device=group.device)
+    failure = None
+    if group.rank == 0:
+        try:
+            full = torch.zeros(flat.padded_numel, dtype=torch.float32)
+            matched.fill(flat, full, (0, flat.numel))
+            record.quantize(full.to(group.device), whole)
+        except Exception as error:
+            failure = error
+    if not group.agree(failure is None):
+        raise failure or CheckpointError(f"rank 0 failed to read unit {flat.name}")
+    group.broadcast(whole)
+    manager.store(flat.spec.index, StateKind.PARAM, record.shard(whole, group.rank))
 
 
 def load(engine, weights, strict: bool) -> LoadResult:
@@ -338,7 +367,6 @@ def load(engine, weights, strict: bool) -> LoadResult:
     runtime = engine.runtime
     if engine.closed:
         raise TieredError("this engine is closed; its weights were freed by close()")
-    refuse_quantized(runtime.flats, "loading weights into an engine")
     engine.optimizer.synchronize()
     if runtime.stepped_on_arrival:
         raise CheckpointError(
@@ -347,11 +375,22 @@ def load(engine, weights, strict: bool) -> LoadResult:
             "(optimizer.accumulation_steps); load after optimizer.step()")
     matched = open_weights(weights, runtime.flats, engine.module, engine.state_dict_keys,
                            strict, runtime.group)
+    partial = _part_of_a_record(matched, runtime.flats)
+    if not runtime.group.agree(partial is None):
+        matched.close()
+        raise partial or CheckpointError("another rank was given part of a quantized unit; "
+                                         "nothing loaded")
     failure = None
     with engine.replacing_states("loading weights"):
         try:
+            # The records first: each a collective that every rank leaves together, even
+            # raising, before any read that may fail on one rank alone.
             for flat in runtime.flats:
-                matched.load_unit(runtime.manager, flat)
+                if flat.record is not None and flat.spec.params[0].names[0] in matched.places:
+                    _load_record(matched, runtime.manager, flat, runtime.group)
+            for flat in runtime.flats:
+                if flat.record is None:
+                    matched.load_unit(runtime.manager, flat)
             matched.load_buffers(engine.module)
         except Exception as error:  # a read failing on one rank: every rank says so
             failure = error

@@ -80,8 +80,7 @@ def gather_record(flat: FlatParam, full: torch.Tensor, shard: torch.Tensor,
 
 
 def _own_bytes(flat: FlatParam, whole: torch.Tensor) -> torch.Tensor:
-    size = record(flat).shard_bytes
-    return whole[flat.rank * size:(flat.rank + 1) * size]
+    return record(flat).shard(whole, flat.rank)
 
 
 def consolidated(flat: FlatParam, manager: TierManager, group: ProcessGroup) -> torch.Tensor:

@@ -45,7 +45,8 @@ At initialize rank 0 quantizes each unit whole from its fp32 flat copy, which ho
 model's initialized values or pretrained weights read over them (``initialize(weights=...)``,
 Hugging Face's ``load_model``: engine/build.record_shard), and the other ranks receive its
 bytes: a checkpoint in the compute dtype is quantized unit by unit as it streams in, nothing
-larger than a unit held at once.
+larger than a unit held at once. ``load_state_dict`` and ``load_pretrained`` quantize alike,
+a unit whole or not at all (checkpoint/pretrained.py).
 
 Quantizing is lossy by choice: the frozen weights the model computes with, and the ones
 ``full_state_dict`` and exports give back, are the dequantized ones. A checkpoint keeps each
@@ -278,6 +279,10 @@ class QuantizedUnit:
         self.nbytes = align_up(max(offset, 1), world_size)
         """The record's bytes, padded to a whole number of ranks' shards."""
         self.shard_bytes = self.nbytes // world_size
+
+    def shard(self, record: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s shard of the whole ``record``'s bytes (a view)."""
+        return record[rank * self.shard_bytes:(rank + 1) * self.shard_bytes]
 
     def quantize(self, flat: torch.Tensor, record: torch.Tensor) -> None:
         """Write the record of the unit whose weights are the flat buffer ``flat`` (any float
