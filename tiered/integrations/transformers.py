@@ -40,9 +40,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ..tiers.quantized import torchao_logs_held_back
+
 try:
-    import transformers
-    from transformers import Trainer
+    with torchao_logs_held_back():  # transformers imports torchao wherever it is installed
+        import transformers
+        from transformers import Trainer
 except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError("tiered.integrations.transformers needs Hugging Face transformers and "
                       "accelerate: pip install 'tiered[hf]'") from error

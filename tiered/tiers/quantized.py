@@ -59,6 +59,7 @@ compute dtype should pay.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -311,24 +312,34 @@ class QuantizedUnit:
         flat[self.numel:].zero_()
 
 
-@functools.cache
-def _torchao() -> SimpleNamespace:
-    """The few torchao names this module uses, imported on first use."""
-    # Inside a function: torchao is optional (tiered[quantized]) and slow to import. Its load
-    # of CUDA-only kernels a CPU build lacks logs a warning per file, and torch one about an
-    # enum torchao registers, neither about what is used here (plain torch ops): held back.
+@contextlib.contextmanager
+def torchao_logs_held_back():
+    """While torchao is imported, here or by transformers (whose quantizers import it wherever
+    it is installed): its warning for each CUDA-only kernel file a CPU build lacks, and torch's
+    about an enum it registers, say nothing about what tiered uses (plain torch ops), and would
+    be the first lines of every run's log."""
     loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.ERROR)
     try:
-        from torchao.quantization import Int8Tensor, NF4Tensor, PerRow, to_nf4
-        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import SubclassTensorArgs
-    except ImportError as error:
-        raise TieredError(f"params.frozen_dtype int8 and nf4 quantize with torchao, which is "
-                          f"not installed ({error}): pip install 'tiered[quantized]'") from None
+        yield
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
+
+
+@functools.cache
+def _torchao() -> SimpleNamespace:
+    """The few torchao names this module uses, imported on first use."""
+    # Inside a function: torchao is optional (tiered[quantized]) and slow to import.
+    try:
+        with torchao_logs_held_back():
+            from torchao.quantization import Int8Tensor, NF4Tensor, PerRow, to_nf4
+            from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import (
+                SubclassTensorArgs)
+    except ImportError as error:
+        raise TieredError(f"params.frozen_dtype int8 and nf4 quantize with torchao, which is "
+                          f"not installed ({error}): pip install 'tiered[quantized]'") from None
     return SimpleNamespace(Int8Tensor=Int8Tensor, NF4Tensor=NF4Tensor, PerRow=PerRow,
                            to_nf4=to_nf4, SubclassTensorArgs=SubclassTensorArgs)
