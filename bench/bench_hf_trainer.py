@@ -97,8 +97,9 @@ def run(mode: str, args, data, folder: str) -> tuple[float, int | None]:
     return statistics.median(timer.times[WARMUP:]), peak
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def llama_arguments(parser: argparse.ArgumentParser, modes: str) -> None:
+    """The benchmark Llama's shape, its batches, the policy and the modes (``modes``: their
+    default), as the Llama benchmarks take them (this one and bench_quantized.py)."""
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--vocab", type=int, default=4096)
@@ -107,8 +108,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--policy", default=os.path.join(REPO, "configs", "cpu.yaml"))
     parser.add_argument("--nvme", default=None, help="nvme.path, for a policy that names NVMe")
-    parser.add_argument("--modes", default="plain,tiered")
+    parser.add_argument("--modes", default=modes)
     parser.add_argument("--bf16", action="store_true")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    llama_arguments(parser, modes="plain,tiered")
     parser.add_argument("--delayed", action="store_true",
                         help="tiered with the delayed update (optimizer.delayed_update)")
     args = parser.parse_args()

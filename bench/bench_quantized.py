@@ -36,6 +36,8 @@ import tiered  # noqa: E402
 from tiered import Policy  # noqa: E402
 from tiered.core.report import format_table  # noqa: E402
 
+from bench_hf_trainer import llama_arguments  # noqa: E402
+
 WARMUP = 2
 """Steps left out of the median: the first touches every page (and torchao's first call)."""
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -90,17 +92,8 @@ def run(mode: str, args, batches: list[torch.Tensor]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--dim", type=int, default=512)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=4)
+    llama_arguments(parser, modes="compute,int8,nf4")
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--policy", default=os.path.join(REPO, "configs", "cpu.yaml"))
-    parser.add_argument("--nvme", default=None, help="nvme.path, for a policy that names NVMe")
-    parser.add_argument("--modes", default="compute,int8,nf4")
-    parser.add_argument("--bf16", action="store_true")
     args = parser.parse_args()
     if args.steps <= WARMUP:
         parser.error(f"--steps must be more than {WARMUP} (the warm-up steps left out)")
