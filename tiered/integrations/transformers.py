@@ -52,7 +52,8 @@ except ImportError as error:  # pragma: no cover - the message is the point
 
 from ..checkpoint.folder import release_folder
 from ..checkpoint.pretrained import listing
-from ..checkpoint.sources import RenamedSource, SafetensorsSource
+from ..checkpoint.bnb4 import recognized
+from ..checkpoint.sources import RenamedSource, SafetensorsSource, WeightSource
 from ..core.errors import TieredError
 from ..engine import initialize
 from ..engine.engine import TieredEngine
@@ -461,7 +462,7 @@ def _start_weights(model: nn.Module):
         for name in bases:
             aliases.setdefault(name, set()).update(bases)
     keys = list(model.state_dict().keys())
-    checkpoint = SafetensorsSource(path)
+    checkpoint = recognized(SafetensorsSource(path))  # a bitsandbytes export's weights
     source = RenamedSource(checkpoint, {key: _name_in(checkpoint, key, aliases) for key in keys})
     try:
         held = {name for names in names_of.values() for name in names}
@@ -479,7 +480,7 @@ def _start_weights(model: nn.Module):
         source.close()
 
 
-def _name_in(checkpoint: SafetensorsSource, key: str, aliases: dict[str, set[str]]) -> str:
+def _name_in(checkpoint: WeightSource, key: str, aliases: dict[str, set[str]]) -> str:
     """The checkpoint's name for the peft model's ``key``: its base name, else another base
     name of the same parameter that the checkpoint has."""
     own = peft_base_name(key)
