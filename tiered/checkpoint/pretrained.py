@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -256,6 +256,11 @@ class PretrainedWeights:
         """Write into ``out`` (this rank's shard of the unit, any device; with ``span``, the
         unit's elements ``[start, end)``) the elements the source holds, each rounded to its
         parameter's dtype first."""
+        if out.device.type == "cuda":  # one copy each way, not one per run of elements
+            on_host = out.cpu()  # (a tiled layer's tile is a run per row)
+            self.fill(flat, on_host, span)
+            out.copy_(on_host)
+            return
         start, end = span if span is not None else flat.shard_range
         offset = 0
         for spec in flat.spec.params:
@@ -344,22 +349,32 @@ def _part_of_a_record(matched: PretrainedWeights, flats) -> CheckpointError | No
 
 
 def _load_record(matched: PretrainedWeights, manager, flat, group) -> None:
-    """The unit's record quantized from the source's values by rank 0, and this rank's shard
-    of it stored (a collective: rank 0's failure to read raises on every rank)."""
+    """The unit's record quantized from the source's values, this rank's shard of it stored."""
+    manager.store(flat.spec.index, StateKind.PARAM, quantized_shard(
+        flat, group, lambda full: matched.fill(flat, full, (0, flat.numel))))
+
+
+def quantized_shard(flat, group, read: Callable[[torch.Tensor], None]) -> torch.Tensor:
+    """This rank's shard of the unit's quantized record (a view of the whole), quantized by
+    rank 0 from the whole unit that ``read`` writes into an fp32 flat copy on the device (zeros
+    where it writes none), the record's bytes broadcast: a reduction of a CPU's kernels (a
+    block's absmax, nf4's mean of the scales) may round otherwise under another thread count,
+    and the ranks' shards must be of one record. A collective: rank 0's failure to read raises
+    on every rank."""
     record = flat.record
     whole = torch.empty(record.nbytes, dtype=torch.uint8, device=group.device)
     failure = None
     if group.rank == 0:
         try:
-            full = torch.zeros(flat.padded_numel, dtype=torch.float32)
-            matched.fill(flat, full, (0, flat.numel))
-            record.quantize(full.to(group.device), whole)
+            full = torch.zeros(flat.padded_numel, dtype=torch.float32, device=group.device)
+            read(full)
+            record.quantize(full, whole)
         except Exception as error:
             failure = error
     if not group.agree(failure is None):
         raise failure or CheckpointError(f"rank 0 failed to read unit {flat.name}")
     group.broadcast(whole)
-    manager.store(flat.spec.index, StateKind.PARAM, record.shard(whole, group.rank))
+    return record.shard(whole, group.rank)
 
 
 def load(engine, weights, strict: bool) -> LoadResult:

@@ -18,7 +18,7 @@ from ..policy.config import Policy
 from .collectives import ProcessGroup
 from .flat import FlatParam
 from .init import Materializer
-from .quantized import own_record, with_records
+from .quantized import with_records
 
 
 def flat_units(model: nn.Module, policy: Policy, rank: int, world_size: int,
@@ -199,7 +199,7 @@ def partition(flats: list[FlatParam], materializer: Materializer, manager: TierM
         else:
             shard = pretrained.shard_buffer(flat)  # every parameter's elements are read
         if weights is not None:
-            _fill(weights, flat, shard, flat.shard_range)
+            weights.fill(flat, shard)
         manager.store_weights(flat.spec.index, shard)
         del shard
     drop_parameters(flats)
@@ -214,24 +214,13 @@ def record_shard(flat: FlatParam, built: bool, materializer: Materializer,
     is quantized from whole weights, never from a rank's shard, so rank 0 reads the unit whole
     and the others receive its bytes; a checkpoint in the compute dtype (or any float dtype)
     is thus quantized unit by unit as it streams in, nothing larger than a unit held."""
-    full = torch.empty(flat.padded_numel, dtype=torch.float32, device=group.device)
-    if group.rank == 0:  # only rank 0's copy is quantized: nothing to broadcast
+    def read(full: torch.Tensor) -> None:
         if built:
             flat.flatten(materializer.values(flat.spec), full)
         if weights is not None:
-            _fill(weights, flat, full, (0, flat.numel))
-    return own_record(flat, full, group)
+            weights.fill(flat, full, (0, flat.numel))
 
-
-def _fill(weights: PretrainedWeights, flat: FlatParam, out: torch.Tensor,
-          span: tuple[int, int]) -> None:
-    """The unit's elements ``span`` the weights hold, into ``out``."""
-    if out.device.type == "cuda":  # one copy each way, not one per run of elements
-        on_host = out.cpu()  # (a tiled layer's tile is a run per row)
-        weights.fill(flat, on_host, span)
-        out.copy_(on_host)
-    else:
-        weights.fill(flat, out, span)
+    return pretrained.quantized_shard(flat, group, read)
 
 
 def drop_parameters(flats: list[FlatParam]) -> None:

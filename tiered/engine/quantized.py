@@ -1,6 +1,7 @@
 """The engine's side of frozen units kept quantized (``params.frozen_dtype`` int8 or nf4; see
 [Note: quantized frozen weights] in tiers/quantized.py): which units and weights are quantized,
-the record each rank keeps at initialize, and the record gathered and dequantized on the device.
+the record gathered and dequantized on the device (the record each rank keeps is quantized by
+build.record_shard and checkpoint/pretrained.quantized_shard).
 """
 from __future__ import annotations
 
@@ -47,20 +48,6 @@ def record(flat: FlatParam) -> QuantizedUnit:
     """The unit's record layout, where the caller knows it keeps one."""
     assert flat.record is not None, f"unit {flat.name} keeps no quantized record"
     return flat.record
-
-
-def own_record(flat: FlatParam, full: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """This rank's shard of the unit's record, quantized from its whole flat copy ``full`` (at
-    initialize, every rank holds one). Rank 0 quantizes and the others receive its bytes: a
-    reduction of a CPU's kernels (a block's absmax, nf4's mean of the scales) may round
-    otherwise under another thread count, and the ranks' shards must be of one record."""
-    layout = record(flat)
-    whole = torch.empty(layout.nbytes, dtype=torch.uint8, device=full.device)
-    if group.rank == 0:
-        layout.quantize(full, whole)
-    if group.world_size > 1:
-        group.broadcast(whole)
-    return _own_bytes(flat, whole)
 
 
 def gather_record(flat: FlatParam, full: torch.Tensor, shard: torch.Tensor,
