@@ -38,7 +38,9 @@ def test_a_rank_whose_service_is_killed_exits_at_once_naming_it(tmp_path, then):
     pid = start_service(folder, dram=64 << 20)
     rank = subprocess.Popen(
         [sys.executable, "-u", str(RANK_ENTRY), "script", str(SCRIPT), then], cwd=REPO,
-        env=clean_env(**{SERVICE_ENV: folder, JOB_ENV: f"dies-{then}"}), text=True,
+        # A rank that dies of a signal says where (a flake here once said nothing at all).
+        env=clean_env(**{SERVICE_ENV: folder, JOB_ENV: f"dies-{then}"}, PYTHONFAULTHANDLER="1"),
+        text=True,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         said = rank.stdout.readline()
@@ -58,8 +60,9 @@ def test_a_rank_whose_service_is_killed_exits_at_once_naming_it(tmp_path, then):
             rank.kill()
             rank.wait()
     lines = stderr.partition(TRAINED)[2].strip().splitlines()  # what it said once it went on
-    assert len(lines) == 1, stderr
-    assert f"{service_paths(folder).socket} (pid {pid})" in lines[0], stderr
-    assert rank.returncode == 1, stderr
+    said = f"exit status {rank.returncode}, stderr:\n{stderr}"
+    assert len(lines) == 1, said
+    assert f"{service_paths(folder).socket} (pid {pid})" in lines[0], said
+    assert rank.returncode == 1, said
     print(f"the rank exited {rank.returncode} {took:.2f} s after its service was killed "
           f"({then}): {lines[0]}")

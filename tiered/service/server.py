@@ -256,8 +256,11 @@ class TierService:
 
     def _op_stop(self, client, message):
         log.info("stop requested by pid %s", client.pid)
+        # Answered before the serve loop may see it: once it has, the process can exit before
+        # this thread (a daemon) has written the answer, and the asker would read a lost service.
+        client.reply(message.get("id"), {}, [])
         self.stop()
-        return {}, []
+        return None
 
     def _op_attach(self, client, message):
         if client.attached is not None or client.holds is not None:
