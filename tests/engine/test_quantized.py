@@ -22,13 +22,16 @@ from torchao.quantization import Int8Tensor, PerRow, to_nf4
 import tiered
 from tiered.core.sizes import align_up
 from tiered.device import DEVICE_ENV, simulated_device
+from tiered.ops.tiled_linear import LinearTile, tile_large_linears
 from tiered.placement.plan import StateKind
 from tiered.tiers.quantized import DEQUANTIZE_CHUNK, QuantizedUnit
 from tiered.tiers.quantized import FORMATS as FORMATS_BY_NAME
 
 from distributed import run_ranks
 from helpers import REPO
-from helpers_models import OPTIM, assert_parity, batches, model_loss, run_engine, train_torch
+from gpt import GPT
+from helpers_models import (OPTIM, SEQ, VOCAB, assert_parity, batches, model_loss, run_engine,
+                           train_torch)
 from helpers_quantized import FORMATS, qlora_engine, qlora_model, torchao_roundtrip
 from helpers_tiers import dram_bytes
 
@@ -118,6 +121,63 @@ def test_a_quantized_base_trains_as_torch_over_torchaos_weights(fmt, policy, tmp
             key = f"blocks.{block}.{name}.weight"
             assert not torch.equal(state[key], original[key]), key
     assert not torch.equal(state["blocks.0.fc.lora_a"], original["blocks.0.fc.lora_a"])
+
+
+TILE_BYTES = 129 * 128 * 4
+"""A unit of 128 rows of 128 fp32 weights with their biases: tiling splits the width-128 GPT's
+qkv and fc into 128 x 128 tiles and out into 32 x 512 ones, each one of nf4's whole groups of
+blocks (16,384 weights); proj (128 x 128 with its bias) fits whole."""
+
+
+def frozen_tiled_model(fmt: str | None = None) -> nn.Module:
+    """The width-128 GPT (no adapters) whose blocks' linear layers are frozen, the rest
+    trained; ``fmt``: tiled as TILE_BYTES tiles it, each frozen weight (a tile's, or a whole
+    layer's) replaced by torchao's round trip of it."""
+    torch.manual_seed(0)
+    model = GPT(VOCAB, 128, 2, 2, max_seq=SEQ, tied=True, qkv_bias=False)
+    for block in model.blocks:
+        for name in LINEARS:
+            getattr(block, name).requires_grad_(False)
+    if fmt is not None:
+        tile_large_linears(model, TILE_BYTES, 4)
+        with torch.no_grad():
+            for module in model.blocks.modules():
+                if isinstance(module, (nn.Linear, LinearTile)):
+                    module.weight.copy_(torchao_roundtrip(module.weight, fmt))
+    return model
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_each_tile_of_a_layer_tiling_split_is_quantized_as_a_weight_of_its_own(fmt):
+    # The reference computes with the same tiles (whose products round as nn.Linear's to
+    # DESIGN's tolerance: tests/ops/test_tiled_linear.py), each tile's weight torchao's round
+    # trip of it. Tiles are rows of the layer's full width, so under int8 (scales per row) a
+    # tile's bits are the whole layer's too; nf4 centres a weight's block scales on their
+    # mean before it quantizes them, a tile's own.
+    engine, optimizer = tiered.initialize(
+        frozen_tiled_model(), os.path.join(REPO, "configs", "cpu.yaml"), compute_dtype="fp32",
+        device="cpu", params={"frozen_dtype": fmt}, tiling={"max_unit_bytes": TILE_BYTES},
+        optimizer=OPTIM)
+    losses: list[float] = []
+    try:
+        quantized = [flat.name for flat in engine.runtime.flats if flat.record is not None]
+        state = run_engine(engine, optimizer, loss=recording(losses))
+    finally:
+        engine.close()
+    assert quantized == [name for block in range(2) for name in (
+        f"blocks.{block} (frozen)", *[f"blocks.{block}.qkv.tiles.{i}" for i in range(3)],
+        *[f"blocks.{block}.fc.tiles.{i}" for i in range(4)],
+        *[f"blocks.{block}.out.tiles.{i}" for i in range(4)])], quantized
+    model, expected_losses = frozen_tiled_model(fmt), []
+    expected = train_torch(model, torch.optim.AdamW(model.parameters(), fused=True, **OPTIM),
+                           loss=recording(expected_losses))
+    assert losses == expected_losses
+    for name in expected:
+        assert torch.equal(state[name], expected[name]), name
+    if fmt == "int8":  # a tile's rows quantized alone are the whole layer's rows quantized
+        whole = frozen_tiled_model()
+        layer = whole.blocks[0].fc
+        assert torch.equal(state["blocks.0.fc.weight"], torchao_roundtrip(layer.weight, fmt))
 
 
 @pytest.mark.parametrize("weights", ["initialize", "loaded"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.tiled_linear import LinearTile
 from ..placement.manager import TierManager
 from ..placement.plan import StateKind
 from ..placement.units import ParamSpec
@@ -20,9 +21,12 @@ from .flat import FlatParam
 
 def is_linear_weight(param: ParamSpec) -> bool:
     """Whether ``param`` is a linear layer's weight and only that (QLoRA quantizes those): a
-    weight tied to an embedding is looked up, not multiplied, and stays as it is."""
-    return len(param.shape) == 2 and all(isinstance(module, nn.Linear) and attr == "weight"
-                                         for module, attr in param.holders)
+    weight tied to an embedding is looked up, not multiplied, and stays as it is. A tile of a
+    layer that tiling split is one too, quantized as a weight of its own: under int8 (a scale
+    per row) that is the layer's quantization of the tile's rows, as tile_shape splits rows
+    first; nf4 centres the tile's block scales on their own mean before it quantizes them."""
+    return len(param.shape) == 2 and all(isinstance(module, (nn.Linear, LinearTile))
+                                         and attr == "weight" for module, attr in param.holders)
 
 
 def with_records(flats: list[FlatParam], policy: Policy) -> list[FlatParam]:
