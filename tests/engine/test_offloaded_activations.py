@@ -75,6 +75,7 @@ def train(checkpointed: bool, activations: dict | None = None, policy: str = "cp
                    "spilled": store.spill.written_bytes if store.spill is not None else 0,
                    "read_ahead": store.spill.read_ahead_bytes if store.spill is not None else 0,
                    "fetched_ahead": store.fetched_ahead_bytes,
+                   "reads_not_ahead": store.reads_not_ahead,
                    "arena": engine.memory_report()["dram"],
                    "nvme": engine.memory_report()["nvme"],
                    "host": type(engine.runtime.host).__name__,
@@ -208,8 +209,10 @@ def test_on_the_simulated_device_every_copy_is_ordered(monkeypatch, tmp_path, ti
     assert_same(simulated, plain, "on the simulated device")
     assert moved["offloaded"] > 0
     # With streams, what backward reads next was copied back ahead of its reads (read back from
-    # the drive, there); the CPU has no stream to copy ahead on.
+    # the drive, there), the first read of each backward too (copied as the backward reached the
+    # model's output); the CPU has no stream to copy ahead on.
     assert moved["fetched_ahead"] > 0 and on_cpu["fetched_ahead"] == 0
+    assert moved["reads_not_ahead"] == 0
     assert (moved["read_ahead"] > 0) == (tier == "nvme") and on_cpu["read_ahead"] == 0
 
 
@@ -226,7 +229,8 @@ def test_a_read_not_waiting_for_its_copy_ahead_is_found(monkeypatch):
 
 def test_a_copy_back_not_waiting_for_its_copy_out_is_found(monkeypatch):
     """The copy back's wait for the copy out's event taken out: backward reads DRAM the
-    offload stream wrote, with nothing ordering it after the write."""
+    offload stream wrote, with nothing ordering it after the write (each tensor copied back as
+    it is read: copies ahead run behind the copies out on their stream)."""
     real = offloaded_activations.SavedActivations.unpack
 
     def unordered(self, packed):
@@ -238,7 +242,7 @@ def test_a_copy_back_not_waiting_for_its_copy_out_is_found(monkeypatch):
     monkeypatch.setenv(DEVICE_ENV, "sim")
     with pytest.raises(OrderingError) as found:
         with simulated_device().tracking():
-            train(False, OFFLOADED)
+            train(False, dict(OFFLOADED, prefetch_bytes=0))
     assert "the offload stream" in str(found.value)
 
 

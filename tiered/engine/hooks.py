@@ -198,6 +198,13 @@ class UnitHooks:
             self.runtime.done(flat)
         if ends:
             self.runtime.end_iteration()
+        elif outermost and self.runtime.activations.copies_ahead:
+            outputs = [tensor for tensor in tree_leaves(output)
+                       if isinstance(tensor, torch.Tensor) and tensor.requires_grad]
+            if outputs:  # [Note: activations in DRAM]'s copies ahead start with the backward
+                self._input_hooks.append(torch.autograd.graph.register_multi_grad_hook(
+                    outputs, lambda grads: self.runtime.activations.backward_begins(),
+                    mode="any"))
 
     def _pre_forward(self, flat: FlatParam, module, args, kwargs) -> None:
         # Pushed first: the post-hook pops it even when what follows raises. Only the innermost

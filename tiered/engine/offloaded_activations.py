@@ -34,9 +34,11 @@ The block stays pinned either way (the plan counted it). The re-plan of ``tier: 
 comes after, with the device's activations as they will be.
 
 Ahead of need (``activations.prefetch_bytes``, on a device with streams): backward reads what
-the forward saved in about the reverse of the order it was saved in. So each time backward
-reads a tensor in DRAM, the ones saved before it are copied back on the offload stream, nearest
-first, until the bytes copied back and not yet read reach ``prefetch_bytes``; a read finds its
+the forward saved in about the reverse of the order it was saved in. So once backward reaches
+the forward's output (before the loss's and the head's gradients are computed), and again
+each time it reads a tensor in DRAM, the ones saved last and not read yet are copied back on
+the offload stream, nearest first, until the bytes copied back and not yet read reach
+``prefetch_bytes``; a read finds its
 tensor there, waits for its copy's event, and hands it to the compute stream (``record_stream``:
 it was allocated on the offload stream). The copies back run on the offload stream behind the
 copies out, which wrote what they read. One that is never read (its graph freed) is let go with
@@ -149,6 +151,9 @@ class SavedActivations:
         """Bytes copied to DRAM since the engine started."""
         self.fetched_ahead_bytes = 0
         """Bytes copied back ahead of need since the engine started."""
+        self.reads_not_ahead = 0
+        """Reads of a tensor in DRAM that found no copy made ahead of them, on a device with
+        streams (their copy back was not overlapped) since the engine started."""
 
     def settle(self, in_dram: int, room: int, fits: bool) -> bool:
         """tier: auto after its first measured step: keep later forwards' tensors on the device
@@ -201,6 +206,19 @@ class SavedActivations:
         self.offloaded_bytes += nbytes
         return _InDram(self, place, tensor.shape, tensor.dtype, len(self._saved), ready=ready)
 
+    @property
+    def copies_ahead(self) -> bool:
+        """Whether backward's reads are copied back ahead of need (tier dram or nvme, on a
+        device with streams)."""
+        return bool(self.ahead_bytes) and self.arena is not None
+
+    def backward_begins(self) -> None:
+        """A backward reached the output of a forward that saved here: copy back ahead what it
+        reads first, the latest saved, while it runs through what follows the model (the
+        loss, the head) before any read asks."""
+        if self.ahead_bytes and self._saved:
+            self._fetch_ahead(len(self._saved))
+
     def unpack(self, packed):
         if isinstance(packed, _OnNvme):
             assert self.spill is not None  # only it makes them
@@ -221,6 +239,7 @@ class SavedActivations:
         fetched = self._fetched.pop(packed.order, None)
         if fetched is None:
             if packed.ready is not None:
+                self.reads_not_ahead += 1
                 self._wait(packed.ready)
             return self._copy_back(packed)
         back, ready = fetched
