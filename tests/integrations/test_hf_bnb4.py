@@ -1,6 +1,7 @@
 """A checkpoint already quantized by bitsandbytes (Hugging Face's ``BitsAndBytesConfig`` 4-bit
 nf4 export, double-quantized) loads through ``load_model`` as the weights bitsandbytes
-dequantizes it to ([Note: bitsandbytes exports] in tiered/checkpoint/bnb4.py). The oracle is
+dequantizes it to ([Note: bitsandbytes exports] in tiered/checkpoint/bnb4.py), and peft's LoRA
+over it trains through TieredTrainer as plain peft and Trainer over those weights. The oracle is
 bitsandbytes itself: its ``dequantize_4bit`` of each weight of the saved file.
 
 The export is real: transformers' ``from_pretrained(quantization_config=...)`` quantizes the
@@ -13,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers_hf import llama
+from helpers_hf import arguments, dataset, llama, lora, step_logs, train_plain
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")
@@ -21,7 +22,7 @@ bnb = pytest.importorskip("bitsandbytes.functional")
 
 import tiered  # noqa: E402
 from tiered.checkpoint.format import CheckpointError  # noqa: E402
-from tiered.integrations.transformers import load_model  # noqa: E402
+from tiered.integrations.transformers import TieredTrainer, load_model  # noqa: E402
 from helpers_quantized import NF4_BLOCKS, torchao_roundtrip  # noqa: E402
 from torchao.quantization import to_nf4  # noqa: E402
 
@@ -121,3 +122,38 @@ def test_formats_it_does_not_carry_over_are_refused_by_name(export, tmp_path):
         model = load_model(str(folder), policy={"device": "cpu"}, frozen_dtype="nf4")
         with pytest.raises(CheckpointError, match=expected):
             tiered.initialize(model, weights=str(folder))
+
+
+@pytest.mark.parametrize("fmt", ["compute", "nf4"])
+def test_qlora_over_a_bitsandbytes_export_trains_as_peft_over_its_weights(export, fmt, tmp_path):
+    # peft's LoRA on load_model's model of the export, through TieredTrainer, against plain peft
+    # and Trainer over the tiny Llama holding the weights the engine computes with: bitsandbytes'
+    # dequantization of each 4-bit weight (under nf4, torchao's round trip of it where nf4 takes
+    # it, as the test above found), the file's other tensors as they are. No clipping: the two
+    # would take the gradients' norm in other orders; without it they agree to the bit.
+    path, saved = export
+    plain = llama(**DIMS)
+    weights = {name: saved[name] for name in plain.state_dict()}  # a 4-bit one: its codes
+    for name, (weight, _) in bnb_weights(saved).items():
+        weights[name] = (torchao_roundtrip(weight, fmt)
+                         if fmt == "nf4" and weight.numel() % NF4_BLOCKS == 0 else weight)
+    if fmt == "nf4":
+        weights["lm_head.weight"] = torchao_roundtrip(saved["lm_head.weight"], fmt)
+    model = lora(load_model(str(path), policy={"device": "cpu"}, frozen_dtype=fmt))
+    data, unclipped = dataset(), dict(max_grad_norm=0.0)
+    trainer = TieredTrainer(model=model, args=arguments(tmp_path / "tiered", **unclipped),
+                            train_dataset=data)
+    start = {name: value for name, value in trainer.engine.full_state_dict().items()
+             if ".lora_" in name}
+    trainer.train()
+    got = trainer.engine.full_state_dict()
+    trainer.engine.close()
+
+    plain.load_state_dict(weights, strict=True)
+    plain = lora(plain)
+    assert not plain.load_state_dict(start, strict=False).unexpected_keys
+    expected, expected_logs = train_plain(plain, arguments(tmp_path / "plain", **unclipped), data)
+    assert [log["loss"] for log in step_logs(trainer)] == [log["loss"] for log in expected_logs]
+    assert set(got) == set(expected)
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
