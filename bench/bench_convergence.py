@@ -22,7 +22,10 @@ held-out batches) is taken every ``--every`` steps. Modes:
   ``--pretrain`` steps (plain PyTorch, fp32, on batches of their own); ``lora:torch`` trains
   them with ``torch.optim.AdamW`` over the fp32 base, the others through tiered in fp32 with
   ``params.frozen_dtype`` compute (bit for bit ``lora:torch``), int8 or nf4 (QLoRA's base);
-  each scored against ``lora:torch`` where it runs.
+  each scored against ``lora:torch`` where it runs. With ``--model llama`` the model is a
+  Hugging Face Llama of the same width and depth (vocabulary 256, untied head) and the adapters
+  are peft's LoRA on every linear layer of its blocks (``lora:torch``: plain peft with
+  ``torch.optim.AdamW``).
 It prints each mode's final validation loss and its gap to the reference, and writes
 ``convergence.json`` and the curves as ``convergence.svg`` into ``--out``.
 """
@@ -66,11 +69,24 @@ def batches(tokens: torch.Tensor, count: int, batch: int, seq: int, seed: int) -
     return [torch.stack([tokens[s:s + seq] for s in row]) for row in starts.tolist()]
 
 
-def make_model(args) -> GPT:
+LLAMA_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_model(args) -> torch.nn.Module:
     """GPT-2's initialization (normal, std 0.02; zero biases): torch's defaults give the tied
     embedding rows a norm of about 16, and the first hundred steps would go to shrinking
-    logits of a loss near 40 (ln 256 is 5.5)."""
+    logits of a loss near 40 (ln 256 is 5.5). ``--model llama``: transformers' Llama, whose own
+    initialization is that one (initializer_range 0.02); its k and v as wide as q, so that
+    every block linear is whole nf4 blocks at a width of 128."""
     torch.manual_seed(0)
+    if args.model == "llama":
+        import transformers
+
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=256, hidden_size=args.dim, intermediate_size=4 * args.dim,
+            num_hidden_layers=args.layers, num_attention_heads=max(1, args.dim // 64),
+            num_key_value_heads=max(1, args.dim // 64), max_position_embeddings=args.seq,
+            tie_word_embeddings=False))
     model = GPT(256, args.dim, args.layers, args.dim // 64, max_seq=args.seq, tied=True)
     for module in model.modules():
         if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
@@ -89,17 +105,30 @@ def pretrained_base(steps: int, args_key: tuple) -> dict[str, torch.Tensor]:
     optimizer = torch.optim.AdamW(model.parameters(), fused=True, **dict(OPTIM, lr=args.lr))
     training, _ = corpus()
     for idx in batches(training, steps, args.batch, args.seq, seed=100):
-        next_token_loss(model(idx), idx).backward()
+        next_token_loss(logits(model, idx), idx).backward()
         optimizer.step()
         optimizer.zero_grad()
     return model.state_dict()
 
 
-def lora_model(args) -> GPT:
+def logits(model: torch.nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    """The next-byte logits of ``model`` (a GPT, a Hugging Face causal LM, a peft model of one,
+    or an engine of either) on ``idx``."""
+    out = model(idx)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def lora_model(args) -> torch.nn.Module:
     """The pretrained base with adapters on every block's linear layers, the rest frozen."""
     model = make_model(args)
     model.load_state_dict(pretrained_base(args.pretrain, tuple(sorted(vars(args).items()))))
     torch.manual_seed(3)  # the adapters' draws, the same in every mode
+    if args.model == "llama":
+        import peft
+
+        # peft's B starts at zero, as add_lora's: the draws above are A's
+        return peft.get_peft_model(model, peft.LoraConfig(
+            r=args.lora_rank, lora_alpha=args.lora_rank, target_modules=LLAMA_LINEARS))
     return add_lora(model, args.lora_rank)
 
 
@@ -143,13 +172,13 @@ def run(mode: str, args, train: list, held_out: list) -> dict:
         engine.eval()
         scored = evaluated or engine
         with torch.no_grad():
-            loss = sum(next_token_loss(scored(idx), idx).item() for idx in held_out)
+            loss = sum(next_token_loss(logits(scored, idx), idx).item() for idx in held_out)
         engine.train()
         return loss / len(held_out)
 
     curve, start = [(0, held_out_loss())], time.perf_counter()
     for step, idx in enumerate(train, start=1):
-        next_token_loss(engine(idx), idx).backward()
+        next_token_loss(logits(engine, idx), idx).backward()
         optimizer.step()
         optimizer.zero_grad()
         if step % args.every == 0 or step == len(train):
@@ -227,6 +256,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--model", choices=("gpt", "llama"), default="gpt",
+                        help="the example GPT, or a Hugging Face Llama of that size")
     parser.add_argument("--held-out-batches", type=int, default=8)
     parser.add_argument("--seed", type=int, default=1, help="of the training batches' order")
     parser.add_argument("--pretrain", type=int, default=300,
