@@ -216,6 +216,30 @@ def test_on_the_simulated_device_every_copy_is_ordered(monkeypatch, tmp_path, ti
     assert (moved["read_ahead"] > 0) == (tier == "nvme") and on_cpu["read_ahead"] == 0
 
 
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "checkpointed"])
+def test_a_backward_copies_back_ahead_only_what_its_own_forward_saved(monkeypatch,
+                                                                       checkpointed):
+    """Two forwards, then the first one's backward, then the second's: the copies ahead start
+    from the outputs of the later forward only (its backward reads every tensor ahead), and
+    the first backward, whose first read then waits for its own copy, copies back none of what
+    the second forward saved (nothing copied ahead is left unread after it)."""
+    monkeypatch.setenv(DEVICE_ENV, "sim")
+    with simulated_device().tracking():
+        engine, _ = tiered.initialize(model(checkpointed), str(CONFIGS / "cpu.yaml"),
+                                      compute_dtype="fp32", device="cpu", optimizer=OPTIM,
+                                      activations=OFFLOADED)
+        try:
+            store = engine.runtime.activations
+            first, second = (model_loss(engine, idx) for idx in token_batches(2))
+            first.backward()
+            assert (store.reads_not_ahead, store._fetched_bytes) == (1, 0)
+            second.backward()
+            assert (store.reads_not_ahead, store._fetched_bytes) == (1, 0)
+            assert store.fetched_ahead_bytes > 0
+        finally:
+            engine.close()
+
+
 def test_a_read_not_waiting_for_its_copy_ahead_is_found(monkeypatch):
     """The read's wait for the event of the copy back made ahead taken out: the compute stream
     reads what the offload stream may still be writing."""

@@ -145,6 +145,7 @@ def test_qlora_over_a_bitsandbytes_export_trains_as_peft_over_its_weights(export
                             train_dataset=data)
     start = {name: value for name, value in trainer.engine.full_state_dict().items()
              if ".lora_" in name}
+    assert len(start) == 8  # A and B of q and v in each of the two layers
     trainer.train()
     got = trainer.engine.full_state_dict()
     trainer.engine.close()

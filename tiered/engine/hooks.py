@@ -53,6 +53,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils.hooks import RemovableHandle
 
 from ..core.errors import TieredError
 from .flat import FlatParam
@@ -83,6 +84,13 @@ class UnitHooks:
         self._input_hooks: list = []
         """Handles of the frozen units' input hooks since the last backward ended: removed
         then, or a leaf input the caller keeps across iterations would collect one a step."""
+        self._forward_top: tuple[int, int] | None = None
+        """The activations store's top as the outermost forward with grad started, where its
+        backward's reads are copied back ahead (SavedActivations.copies_ahead)."""
+        self._copies_ahead: RemovableHandle | None = None
+        """The hook on the last such forward's outputs that starts them as its backward
+        reaches it. One: a later forward's replaces it (it outlives a backward that ends
+        before its own, another forward's), so that what it holds stays bounded."""
         self._frozen_half = {unit: runtime.flats[first]
                              for unit, first in enumerate(runtime.groups) if first != unit}
         """A split module's trainable half -> its frozen half, the module's first unit."""
@@ -138,6 +146,9 @@ class UnitHooks:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self._copies_ahead is not None:
+            self._copies_ahead.remove()
+            self._copies_ahead = None
 
     def _start_forward(self, module, args, kwargs):
         """Model pre-hook: recover from a backward that raised, gather the units the whole
@@ -147,6 +158,8 @@ class UnitHooks:
             # Ends a backward that raised before its end callback (StepState.recover) first.
             if self.state.start_forward() and torch.is_grad_enabled():
                 self.runtime.probe.forward_started()
+                activations = self.runtime.activations
+                self._forward_top = activations.top() if activations.copies_ahead else None
                 # Outermost: what any part of the forward keeps for backward passes through it
                 # (a unit's own hooks hand it what is not the unit's weights, see [Note: outer
                 # saved-tensor hooks]), and what checkpointing recomputes does not.
@@ -198,13 +211,25 @@ class UnitHooks:
             self.runtime.done(flat)
         if ends:
             self.runtime.end_iteration()
-        elif outermost and self.runtime.activations.copies_ahead:
-            outputs = [tensor for tensor in tree_leaves(output)
-                       if isinstance(tensor, torch.Tensor) and tensor.requires_grad]
-            if outputs:  # [Note: activations in DRAM]'s copies ahead start with the backward
-                self._input_hooks.append(torch.autograd.graph.register_multi_grad_hook(
-                    outputs, lambda grads: self.runtime.activations.backward_begins(),
-                    mode="any"))
+        elif outermost and self._forward_top is not None:
+            top = self.runtime.activations.top()
+            if top != self._forward_top:  # it saved tensors off the device
+                self._copy_ahead_from(output, top)
+            self._forward_top = None
+
+    def _copy_ahead_from(self, output, top: tuple[int, int]) -> None:
+        """[Note: activations in DRAM]'s copies ahead start as a backward reaches ``output``,
+        from the store's ``top`` as the forward ended. One such hook is kept: with two
+        forwards before a backward, the later one's outputs are what it reaches first."""
+        outputs = [tensor for tensor in tree_leaves(output)
+                   if isinstance(tensor, torch.Tensor) and tensor.requires_grad]
+        if self._copies_ahead is not None:
+            self._copies_ahead.remove()
+            self._copies_ahead = None
+        if outputs:
+            store = self.runtime.activations
+            self._copies_ahead = torch.autograd.graph.register_multi_grad_hook(
+                outputs, lambda grads: store.backward_begins(top), mode="any")
 
     def _pre_forward(self, flat: FlatParam, module, args, kwargs) -> None:
         # Pushed first: the post-hook pops it even when what follows raises. Only the innermost

@@ -35,9 +35,10 @@ comes after, with the device's activations as they will be.
 
 Ahead of need (``activations.prefetch_bytes``, on a device with streams): backward reads what
 the forward saved in about the reverse of the order it was saved in. So once backward reaches
-the forward's output (before the loss's and the head's gradients are computed), and again
-each time it reads a tensor in DRAM, the ones saved last and not read yet are copied back on
-the offload stream, nearest first, until the bytes copied back and not yet read reach
+the output of the forward (before its last layers' gradients, and the loss's where the model
+computes it, as Hugging Face's does given labels), the latest tensors that forward saved, and
+each time backward reads a tensor in DRAM, the ones saved before it not read yet, are copied
+back on the offload stream, nearest first, until the bytes copied back and not yet read reach
 ``prefetch_bytes``; a read finds its
 tensor there, waits for its copy's event, and hands it to the compute stream (``record_stream``:
 it was allocated on the offload stream). The copies back run on the offload stream behind the
@@ -140,6 +141,9 @@ class SavedActivations:
         """The tensors in the arena and the file, in the order they were saved."""
         self._held = 0
         """Tensors in the arena or the file that autograd still holds."""
+        self._generation = 0
+        """How many times the arena and the file started over (a place in ``_saved`` is
+        one generation's)."""
         self._fetched: dict[int, tuple[torch.Tensor, object]] = {}
         """By order: the tensors copied back ahead of need, each with its copy's event."""
         self._reading: set[int] = set()
@@ -177,6 +181,7 @@ class SavedActivations:
         if self._held == 0:  # nothing in the arena or the file is held: both start over
             self._used = 0
             self._saved.clear()
+            self._generation += 1
             if self.spill is not None:
                 self.spill.start_over()
         place = self._arena_place(nbytes)
@@ -208,16 +213,27 @@ class SavedActivations:
 
     @property
     def copies_ahead(self) -> bool:
-        """Whether backward's reads are copied back ahead of need (tier dram or nvme, on a
+        """Whether what forwards save now goes off the device and backward's reads are copied
+        back ahead of need (tier dram or nvme, or auto before it settled on the device, on a
         device with streams)."""
-        return bool(self.ahead_bytes) and self.arena is not None
+        return bool(self.ahead_bytes) and self._placing
 
-    def backward_begins(self) -> None:
-        """A backward reached the output of a forward that saved here: copy back ahead what it
-        reads first, the latest saved, while it runs through what follows the model (the
-        loss, the head) before any read asks."""
-        if self.ahead_bytes and self._saved:
-            self._fetch_ahead(len(self._saved))
+    def top(self) -> tuple[int, int]:
+        """Where the latest saved tensor is: the generation of the arena and how many it
+        holds (what a forward's backward copies back ahead from: backward_begins)."""
+        return self._generation, len(self._saved)
+
+    def backward_begins(self, top: tuple[int, int]) -> None:
+        """A backward reached the output of the forward that ended with the store at ``top``:
+        copy back ahead what it reads first, that forward's latest saved tensors, while the
+        backward runs back through the model's last layers (and the loss where the model
+        computes it) before any read asks. Nothing once the arena started over since."""
+        generation, count = top
+        if self.ahead_bytes and generation == self._generation:
+            # Reads move the next copy down only; a new backward reads down from its top,
+            # above where an earlier backward's (another forward's) left it.
+            self._next_fetch = count - 1
+            self._fetch_ahead(count)
 
     def unpack(self, packed):
         if isinstance(packed, _OnNvme):

@@ -23,8 +23,10 @@ def is_linear_weight(param: ParamSpec) -> bool:
     """Whether ``param`` is a linear layer's weight and only that (QLoRA quantizes those): a
     weight tied to an embedding is looked up, not multiplied, and stays as it is. A tile of a
     layer that tiling split is one too, quantized as a weight of its own: under int8 (a scale
-    per row) that is the layer's quantization of the tile's rows, as tile_shape splits rows
-    first; nf4 centres the tile's block scales on their own mean before it quantizes them."""
+    per row) that is the layer's quantization of the tile's rows where the tile has whole rows
+    (tile_shape splits columns only when a row alone is over the limit); nf4 centres the tile's
+    block scales on their own mean, and leaves a tile its blocks do not divide (a ragged last
+    one) in the compute dtype, as it does a whole layer."""
     return len(param.shape) == 2 and all(isinstance(module, (nn.Linear, LinearTile))
                                          and attr == "weight" for module, attr in param.holders)
 
