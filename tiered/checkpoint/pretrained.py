@@ -37,7 +37,6 @@ from torch import nn
 from ..core.errors import TieredError
 from ..ops.tiled_linear import TiledLinear, layer_of_tile, tiled_layers
 from ..placement.plan import StateKind
-from .bnb4 import recognized
 from .format import DTYPES, CheckpointError
 from .sources import WeightSource, open_source
 
@@ -311,7 +310,7 @@ def open_weights(weights, flats, model: nn.Module, state_dict_keys: list[str], s
     read."""
     failure, matched, source = None, None, None
     try:
-        source = recognized(open_source(weights))  # a bitsandbytes export's weights
+        source = open_source(weights)
         matched = PretrainedWeights(source, flats, model, state_dict_keys)
         if strict:
             matched.check_strict()

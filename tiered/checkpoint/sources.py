@@ -19,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from .bnb4 import recognized
 from .export import INDEX
 from .format import CheckpointError, Reader
 
@@ -139,13 +140,14 @@ class RenamedSource:
 
 def open_source(weights) -> WeightSource:
     """A source for ``weights``: a path (folder or file), a mapping of tensors, or a source
-    already open (RenamedSource)."""
+    already open (RenamedSource). The bitsandbytes 4-bit weights of a path or a mapping read as
+    the weights they stand for ([Note: bitsandbytes exports] in bnb4.py)."""
     if isinstance(weights, RenamedSource):
         return weights
     if isinstance(weights, Mapping):
-        return StateDictSource(weights)
+        return recognized(StateDictSource(weights))
     if isinstance(weights, (str, os.PathLike)):
-        return SafetensorsSource(weights)
+        return recognized(SafetensorsSource(weights))
     raise CheckpointError(f"weights must be a folder or .safetensors file, or a state dict; got "
                           f"a {type(weights).__name__}")
 

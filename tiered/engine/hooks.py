@@ -211,11 +211,11 @@ class UnitHooks:
             self.runtime.done(flat)
         if ends:
             self.runtime.end_iteration()
-        elif outermost and self._forward_top is not None:
+        if outermost:
+            started, self._forward_top = self._forward_top, None
             top = self.runtime.activations.top()
-            if top != self._forward_top:  # it saved tensors off the device
+            if not ends and started is not None and top != started:  # it saved off the device
                 self._copy_ahead_from(output, top)
-            self._forward_top = None
 
     def _copy_ahead_from(self, output, top: tuple[int, int]) -> None:
         """[Note: activations in DRAM]'s copies ahead start as a backward reaches ``output``,

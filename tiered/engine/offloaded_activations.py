@@ -233,7 +233,7 @@ class SavedActivations:
             # Reads move the next copy down only; a new backward reads down from its top,
             # above where an earlier backward's (another forward's) left it.
             self._next_fetch = count - 1
-            self._fetch_ahead(count)
+            self._fetch_ahead()
 
     def unpack(self, packed):
         if isinstance(packed, _OnNvme):
@@ -248,7 +248,8 @@ class SavedActivations:
         else:
             back = self._dram_back(packed)
         packed.read = True
-        self._fetch_ahead(packed.order)
+        self._next_fetch = min(self._next_fetch, packed.order - 1)
+        self._fetch_ahead()
         return back
 
     def _dram_back(self, packed: _InDram) -> torch.Tensor:
@@ -268,12 +269,11 @@ class SavedActivations:
         """The compute stream waits for a copy on the offload stream (``ready``: its event)."""
         self.streams.accelerator.current_stream().wait_event(ready)
 
-    def _fetch_ahead(self, order: int) -> None:
-        """Copy back, on the offload stream, the tensors saved before ``order`` that are not
-        read yet, nearest first, up to ``ahead_bytes`` copied and not yet read; those on the
-        drive are read into the spill's slots (a tensor it cannot start yet waits for a later
-        read, and the ones saved before it with it)."""
-        self._next_fetch = min(self._next_fetch, order - 1)
+    def _fetch_ahead(self) -> None:
+        """Copy back, on the offload stream, the tensors saved at ``_next_fetch`` and before
+        that are not read yet, nearest first, up to ``ahead_bytes`` copied and not yet read;
+        those on the drive are read into the spill's slots (a tensor it cannot start yet waits
+        for a later read, and the ones saved before it with it)."""
         while self._next_fetch >= 0 and self._fetched_bytes < self.ahead_bytes:
             packed = self._saved[self._next_fetch]()
             if (packed is None or packed.read or packed.order in self._fetched

@@ -62,7 +62,7 @@ def gather_record(flat: FlatParam, full: torch.Tensor, shard: torch.Tensor,
     it lives): the record's bytes all-gathered on the device, then dequantized there."""
     layout = record(flat)
     whole = torch.empty(layout.nbytes, dtype=torch.uint8, device=full.device)
-    mine = _own_bytes(flat, whole)
+    mine = layout.shard(whole, flat.rank)
     mine.copy_(shard, non_blocking=True)
     try:
         group.all_gather(whole, mine)
@@ -70,10 +70,6 @@ def gather_record(flat: FlatParam, full: torch.Tensor, shard: torch.Tensor,
         kept_after_failure(whole.untyped_storage())  # the collective may still write into it
         raise
     layout.dequantize(whole, full)
-
-
-def _own_bytes(flat: FlatParam, whole: torch.Tensor) -> torch.Tensor:
-    return record(flat).shard(whole, flat.rank)
 
 
 def consolidated(flat: FlatParam, manager: TierManager, group: ProcessGroup) -> torch.Tensor:

@@ -52,8 +52,7 @@ except ImportError as error:  # pragma: no cover - the message is the point
 
 from ..checkpoint.folder import release_folder
 from ..checkpoint.pretrained import listing
-from ..checkpoint.bnb4 import recognized
-from ..checkpoint.sources import RenamedSource, SafetensorsSource, WeightSource
+from ..checkpoint.sources import RenamedSource, WeightSource, open_source
 from ..core.errors import TieredError
 from ..engine import initialize
 from ..engine.engine import TieredEngine
@@ -462,7 +461,7 @@ def _start_weights(model: nn.Module):
         for name in bases:
             aliases.setdefault(name, set()).update(bases)
     keys = list(model.state_dict().keys())
-    checkpoint = recognized(SafetensorsSource(path))  # a bitsandbytes export's weights
+    checkpoint = open_source(path)
     source = RenamedSource(checkpoint, {key: _name_in(checkpoint, key, aliases) for key in keys})
     try:
         held = {name for names in names_of.values() for name in names}
